@@ -1,0 +1,1 @@
+"""zmq-rpc package."""
