@@ -1,1 +1,32 @@
-"""zmq-rpc package."""
+"""The zmq-rpc client library: remote buffers, tensors and (later) graphs on zmq-rpc workers.
+
+Public API: :class:`Client` (blocking methods and ``_async`` twins returning
+``concurrent.futures.Future``), :class:`AsyncClient` (asyncio), :class:`RemoteBuffer`,
+:class:`RemoteTensor`, and the exception tree re-exported from :mod:`zmq_rpc.broker.errors`.
+"""
+
+from ..broker.errors import (
+    BadRequest,
+    ClientClosed,
+    ConnectionLost,
+    GraphError,
+    InvalidHandle,
+    OutOfBounds,
+    OutOfMemory,
+    ProtocolError,
+    RemoteError,
+    RpcError,
+    Timeout,
+    TransferError,
+    TransportError,
+    VersionMismatch,
+)
+from .aio import AsyncClient
+from .client import Client, MemoryInfo, RemoteBuffer, RemoteTensor, from_bfloat16, to_bfloat16
+
+__all__ = [
+    "AsyncClient", "Client", "MemoryInfo", "RemoteBuffer", "RemoteTensor", "from_bfloat16",
+    "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
+    "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
+    "TransferError", "TransportError", "VersionMismatch",
+]

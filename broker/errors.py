@@ -1,0 +1,110 @@
+"""The exception tree of zmq-rpc, shared by the client and the worker.
+
+::
+
+    RpcError
+    ├── ProtocolError                 the other side broke the protocol
+    │   ├── VersionMismatch           HELLO refused: protocol majors differ
+    │   └── BadRequest                malformed request (frames, header, dtype, sizes, limits)
+    ├── RemoteError                   the worker understood the request and refused or failed it
+    │   ├── InvalidHandle             unknown, freed, duplicate or another session's handle
+    │   ├── OutOfBounds               a view reaches outside its buffer
+    │   ├── OutOfMemory               allocation over the worker's memory or size limit
+    │   ├── GraphError                invalid graph, or a graph that failed while running
+    │   └── TransferError             a worker-to-worker transfer failed or timed out
+    ├── TransportError                the connection failed us
+    │   ├── Timeout                   no reply within the request's timeout
+    │   └── ConnectionLost            the worker went away (or forgot our session)
+    └── ClientClosed                  you closed the client; pending and new calls fail with this
+
+Remote failures travel as an :class:`~zmq_rpc.broker.protocol.ErrorCode` and a message; the client
+maps the code to a class with :func:`error_for_code`, a fixed table. Class names sent by the other side
+are never used to build exceptions.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RpcError",
+    "ProtocolError",
+    "VersionMismatch",
+    "BadRequest",
+    "RemoteError",
+    "InvalidHandle",
+    "OutOfBounds",
+    "OutOfMemory",
+    "GraphError",
+    "TransferError",
+    "TransportError",
+    "Timeout",
+    "ConnectionLost",
+    "ClientClosed",
+]
+
+
+class RpcError(Exception):
+    """Base class of every error zmq-rpc raises.
+
+    ``code`` is the wire error code (an ``ErrorCode`` value) when the error came from a worker,
+    else ``None``.
+    """
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class ProtocolError(RpcError):
+    """The other side sent something the protocol does not allow."""
+
+
+class VersionMismatch(ProtocolError):
+    """Client and worker speak incompatible protocol versions."""
+
+
+class BadRequest(ProtocolError, ValueError):
+    """A request was malformed: frame count, header schema, dtype, sizes or limits.
+
+    Also a ``ValueError``: the client raises it before sending for arguments it can check itself.
+    """
+
+
+class RemoteError(RpcError):
+    """The worker refused or failed a well-formed request."""
+
+
+class InvalidHandle(RemoteError):
+    """A handle is unknown, already freed, a duplicate, or belongs to another session."""
+
+
+class OutOfBounds(RemoteError):
+    """A tensor view reaches outside its buffer."""
+
+
+class OutOfMemory(RemoteError):
+    """An allocation exceeds the worker's memory limit or its maximum buffer size."""
+
+
+class GraphError(RemoteError):
+    """A graph is invalid (shapes, dtypes, cycles, limits) or failed while running."""
+
+
+class TransferError(RemoteError):
+    """A worker-to-worker transfer failed, was refused, or timed out."""
+
+
+class TransportError(RpcError):
+    """The connection to the worker failed."""
+
+
+class Timeout(TransportError):
+    """A request got no reply within its timeout. It may still run on the worker."""
+
+
+class ConnectionLost(TransportError):
+    """The worker went away, or no longer knows this client's session."""
+
+
+class ClientClosed(RpcError):
+    """The client was closed; pending requests fail with this, new ones are refused."""

@@ -1,0 +1,450 @@
+"""The synchronous/futures face of the client: :class:`Client`, :class:`RemoteBuffer`, :class:`RemoteTensor`.
+
+Every command has a blocking method and an ``_async`` twin that returns a
+``concurrent.futures.Future`` at once; requests pipeline and run on the worker in the order they
+were issued. All socket work happens on the engine's I/O thread (:mod:`zmq_rpc.client.engine`); the
+objects here are plain descriptions and may be used from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+import zmq
+
+from ..broker import protocol as p
+from ..broker.errors import BadRequest, ConnectionLost, ProtocolError, RpcError, VersionMismatch
+from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
+from .engine import Engine, EngineOptions
+
+log = logging.getLogger("zmq_rpc.client")
+
+T = TypeVar("T")
+
+DEFAULT_CHUNK = 4 << 20
+"""Large tensors travel as requests of at most this many bytes (received straight into place)."""
+
+DTypeLike = str | type | np.dtype[Any] | DType
+
+
+def as_dtype(dtype: DTypeLike) -> DType:
+    """Normalize "float32", np.float32, np.dtype("float32") or a DType."""
+    if isinstance(dtype, DType):
+        return dtype
+    if isinstance(dtype, str):
+        return DType.from_name(dtype)
+    return DType.from_name(np.dtype(dtype).name)
+
+
+def to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounding to nearest even."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + (0x7FFF + ((bits >> 16) & 1))
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def from_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class MemoryInfo(NamedTuple):
+    """Bytes a worker may still hand out, and its limit."""
+
+    free: int
+    total: int
+
+
+class RemoteTensor:
+    """A typed, strided view into a :class:`RemoteBuffer`. Views of it are free and may alias."""
+
+    __slots__ = ("buffer", "ref")
+
+    def __init__(self, buffer: RemoteBuffer, ref: TensorRef) -> None:
+        self.buffer = buffer
+        self.ref = ref
+
+    @property
+    def client(self) -> Client:
+        return self.buffer.client
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.ref.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.ref.dtype.dtype_name
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self.ref.strides
+
+    @property
+    def offset(self) -> int:
+        return self.ref.offset
+
+    @property
+    def ndim(self) -> int:
+        return len(self.ref.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ref.nbytes
+
+    def is_contiguous(self) -> bool:
+        return self.ref.is_contiguous()
+
+    def __repr__(self) -> str:
+        return (f"RemoteTensor({self.dtype}{list(self.shape)}, strides={list(self.strides)}, "
+                f"offset={self.offset}, buffer={self.buffer.handle})")
+
+    def _derive(self, probe: np.ndarray, base: np.ndarray) -> RemoteTensor:
+        delta = probe.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+        ref = TensorRef(buffer=self.ref.buffer, dtype=self.ref.dtype, shape=probe.shape,
+                        strides=probe.strides, offset=self.ref.offset + delta)
+        return RemoteTensor(self.buffer, ref)
+
+    def _probe(self) -> tuple[np.ndarray, np.ndarray]:
+        """A data-less numpy stand-in with our shape and strides, for numpy's view arithmetic."""
+        base = np.zeros(1, dtype=self.ref.dtype.storage)
+        stand_in = np.lib.stride_tricks.as_strided(base, self.ref.shape, self.ref.strides,
+                                                   writeable=False)
+        return stand_in, base
+
+    def __getitem__(self, key: Any) -> RemoteTensor:
+        """Basic numpy indexing (ints, slices with steps, ``...``, ``None``) gives a view."""
+        keys = key if isinstance(key, tuple) else (key,)
+        for k in keys:
+            if not (k is None or k is Ellipsis or isinstance(k, (int, np.integer, slice))) \
+                    or isinstance(k, bool):
+                raise BadRequest(f"only basic indexing makes a remote view, not {k!r}")
+        probe, base = self._probe()
+        return self._derive(probe[key], base)
+
+    def transpose(self, *axes: int) -> RemoteTensor:
+        """A view with permuted axes (reversed when none are given), like ``ndarray.transpose``."""
+        probe, base = self._probe()
+        return self._derive(probe.transpose(*axes) if axes else probe.T, base)
+
+    permute = transpose
+
+    @property
+    def T(self) -> RemoteTensor:
+        return self.transpose()
+
+    def reshape(self, *shape: int | Sequence[int]) -> RemoteTensor:
+        """A reshaped view of a contiguous tensor (one -1 allowed)."""
+        dims = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        if not self.is_contiguous():
+            raise BadRequest("reshape needs a contiguous tensor; views of it cannot be reshaped")
+        probe, base = self._probe()
+        return self._derive(probe.reshape(dims), base)
+
+    def view(self, shape: Sequence[int] | None = None, strides: Sequence[int] | None = None,
+             offset: int = 0, dtype: DTypeLike | None = None) -> RemoteTensor:
+        """A raw view: ``offset`` bytes past this tensor's start, any shape, strides (bytes), dtype.
+
+        Like ``ggml_view``: the worker checks that every element it can reach lies in the buffer.
+        """
+        kind = as_dtype(dtype) if dtype is not None else self.ref.dtype
+        dims = tuple(self.shape if shape is None else shape)
+        steps = tuple(strides) if strides is not None else contiguous_strides(dims, kind.itemsize)
+        return RemoteTensor(self.buffer, TensorRef(
+            buffer=self.ref.buffer, dtype=kind, shape=dims, strides=steps,
+            offset=self.ref.offset + offset))
+
+    def get(self) -> np.ndarray:
+        """``client.get_tensor(self)``."""
+        return self.client.get_tensor(self)
+
+    def set(self, values: Any) -> None:
+        """``client.set_tensor(self, values)``."""
+        self.client.set_tensor(self, values)
+
+
+class RemoteBuffer:
+    """A block of worker memory owned by this client's session, named by a client-chosen handle."""
+
+    __slots__ = ("client", "handle", "size", "allocation")
+
+    def __init__(self, client: Client, handle: int, size: int, allocation: Future[Any]) -> None:
+        self.client = client
+        self.handle = handle
+        self.size = size
+        self.allocation = allocation
+
+    def __repr__(self) -> str:
+        return f"RemoteBuffer(handle={self.handle}, size={self.size}, worker={self.client.endpoint})"
+
+    def tensor(self, shape: int | Sequence[int], dtype: DTypeLike = "float32", offset: int = 0,
+               strides: Sequence[int] | None = None) -> RemoteTensor:
+        """A typed view at ``offset`` bytes (contiguous unless ``strides`` are given)."""
+        kind = as_dtype(dtype)
+        dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        steps = tuple(strides) if strides is not None else contiguous_strides(dims, kind.itemsize)
+        ref = TensorRef(buffer=self.handle, dtype=kind, shape=dims, strides=steps, offset=offset)
+        lo, hi = ref.byte_extent()
+        if lo < 0 or hi > self.size:
+            raise BadRequest(f"tensor {kind.dtype_name}{list(dims)} at offset {offset} reaches "
+                             f"bytes [{lo}, {hi}) of a {self.size}-byte buffer")
+        return RemoteTensor(self, ref)
+
+    def free(self) -> None:
+        self.free_async().result()
+
+    def free_async(self) -> Future[None]:
+        return self.client._call(Cmd.FREE_BUFFER, p.BufferOp(handle=self.handle))
+
+    def clear(self, value: int = 0) -> None:
+        self.clear_async(value).result()
+
+    def clear_async(self, value: int = 0) -> Future[None]:
+        """Set every byte of the buffer to ``value`` (0..255)."""
+        return self.client._call(Cmd.CLEAR_BUFFER, p.ClearBuffer(handle=self.handle, value=value))
+
+
+class Client:
+    """A connection to one worker and a session on it.
+
+    ``with Client("tcp://127.0.0.1:50052") as c: ...`` — ``close()`` frees the session's buffers on
+    the worker and fails anything still pending with ``ClientClosed``.
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = 60.0, connect_timeout: float = 10.0,
+                 window: int = 512, window_bytes: int = 64 << 20, heartbeat: float = 2.0,
+                 name: str = "zmq-rpc-client", chunk_bytes: int = DEFAULT_CHUNK,
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.timeout = timeout
+        self._engine = Engine(endpoint, EngineOptions(
+            timeout=timeout, window=window, window_bytes=window_bytes, heartbeat=heartbeat), ctx)
+        self._handles = itertools.count(1)
+        self._handle_lock = threading.Lock()
+        try:
+            self.info: p.HelloReply = self._hello(connect_timeout)
+        except BaseException:
+            self._engine.close()
+            raise
+        self.chunk_bytes = max(4096, min(chunk_bytes, self.info.max_message_size - (64 << 10)))
+
+    def _hello(self, timeout: float) -> p.HelloReply:
+        major, minor = p.PROTOCOL_VERSION
+        hello = p.Hello(major=major, minor=minor, client=self.name)
+        try:
+            info = self._engine.submit(Cmd.HELLO, hello, timeout=timeout).result()
+        except RpcError as exc:
+            if isinstance(exc, VersionMismatch):
+                raise
+            raise ConnectionLost(f"cannot reach a zmq-rpc worker at {self.endpoint}: "
+                                 f"{exc.message}") from exc
+        if info.major != major:
+            raise VersionMismatch(f"worker speaks protocol {info.major}.{info.minor}, "
+                                  f"this client {major}.{minor}")
+        return info
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Free this session on the worker, fail pending requests, stop the I/O thread."""
+        self._engine.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._engine.closed
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.endpoint!r}, server={self.info.server!r})"
+
+    # --------------------------------------------------------------------------- plumbing
+
+    def _call(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any] = (),
+              on_reply: Callable[[p.Message, list[zmq.Frame]], Any] | None = None,
+              timeout: float | None = None) -> Future[Any]:
+        if on_reply is None:
+            def on_reply(reply: p.Message, frames: list[zmq.Frame]) -> None:
+                return None
+        return self._engine.submit(cmd, msg, payload, on_reply, timeout)
+
+    def _new_handle(self) -> int:
+        with self._handle_lock:
+            return next(self._handles)
+
+    def _own(self, tensor: RemoteTensor) -> None:
+        if tensor.buffer.client is not self:
+            raise BadRequest(f"{tensor!r} lives on {tensor.client.endpoint}, not on {self.endpoint}")
+
+    # --------------------------------------------------------------------------- commands
+
+    def alloc_buffer(self, size: int) -> RemoteBuffer:
+        """Allocate ``size`` bytes on the worker (raises OutOfMemory beyond its limits)."""
+        return self.alloc_buffer_async(size).result()
+
+    def alloc_buffer_async(self, size: int) -> Future[RemoteBuffer]:
+        """Allocate without waiting; the future resolves to the buffer."""
+        buffer = self.alloc_buffer_nowait(size)
+        return _then(buffer.allocation, lambda _: buffer)
+
+    def alloc_buffer_nowait(self, size: int) -> RemoteBuffer:
+        """The buffer object at once, for pipelining: later requests may use it immediately;
+        ``buffer.allocation`` is the allocation's future (its error, if any, also fails them)."""
+        if size < 0:
+            raise BadRequest(f"buffer size must be >= 0, got {size}")
+        handle = self._new_handle()
+        future = self._call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=handle, size=size))
+        return RemoteBuffer(self, handle, size, future)
+
+    def set_tensor(self, tensor: RemoteTensor, values: Any) -> None:
+        """Upload ``values`` (same shape; same dtype, or float32 into bfloat16) into the view."""
+        self.set_tensor_async(tensor, values).result()
+
+    def set_tensor_async(self, tensor: RemoteTensor, values: Any) -> Future[None]:
+        """Pipelined upload. Do not modify ``values`` until the future is done (zero-copy send)."""
+        self._own(tensor)
+        data = _payload_array(tensor, values)
+        flat = data.reshape(-1).view(np.uint8)
+        parts = [self._call(Cmd.SET_TENSOR, p.SetTensor(tensor=sub),
+                            [flat[start:start + sub.nbytes]])
+                 for start, sub in p.split_tensor(tensor.ref, self.chunk_bytes)]
+        return _gather(parts, lambda: None)
+
+    def get_tensor(self, tensor: RemoteTensor) -> np.ndarray:
+        """Download the view as a new C-ordered numpy array (bfloat16 arrives as float32)."""
+        return self.get_tensor_async(tensor).result()
+
+    def get_tensor_async(self, tensor: RemoteTensor) -> Future[np.ndarray]:
+        self._own(tensor)
+        out = np.empty(tensor.shape, dtype=tensor.ref.dtype.storage)
+        flat = out.reshape(-1).view(np.uint8)
+
+        def landing(start: int, size: int) -> Callable[[p.Message, list[zmq.Frame]], None]:
+            def land(reply: p.Message, frames: list[zmq.Frame]) -> None:
+                if len(frames[0]) != size:
+                    raise ProtocolError(f"GET_TENSOR reply of {len(frames[0])} bytes, "
+                                          f"expected {size}")
+                flat[start:start + size] = np.frombuffer(frames[0].buffer, np.uint8)
+            return land
+
+        parts = [self._call(Cmd.GET_TENSOR, p.GetTensor(tensor=sub),
+                            on_reply=landing(start, sub.nbytes))
+                 for start, sub in p.split_tensor(tensor.ref, self.chunk_bytes)]
+        convert = tensor.ref.dtype is DType.BFLOAT16
+        return _gather(parts, lambda: from_bfloat16(out) if convert else out)
+
+    def memset_tensor(self, tensor: RemoteTensor, value: int, offset: int = 0,
+                      size: int | None = None) -> None:
+        """Set bytes [offset, offset+size) of the tensor's data to ``value`` (0..255)."""
+        self.memset_tensor_async(tensor, value, offset, size).result()
+
+    def memset_tensor_async(self, tensor: RemoteTensor, value: int, offset: int = 0,
+                            size: int | None = None) -> Future[None]:
+        self._own(tensor)
+        return self._call(Cmd.MEMSET_TENSOR, p.MemsetTensor(
+            tensor=tensor.ref, value=value, offset=offset, size=-1 if size is None else size))
+
+    def copy_tensor(self, src: RemoteTensor, dst: RemoteTensor) -> None:
+        """dst[...] = src on the worker (same shape and dtype; overlapping views are fine)."""
+        self.copy_tensor_async(src, dst).result()
+
+    def copy_tensor_async(self, src: RemoteTensor, dst: RemoteTensor) -> Future[None]:
+        self._own(src)
+        self._own(dst)
+        return self._call(Cmd.COPY_TENSOR, p.CopyTensor(src=src.ref, dst=dst.ref))
+
+    def device_memory(self) -> MemoryInfo:
+        """Free and total bytes this worker may hand out (all sessions together)."""
+        return self.device_memory_async().result()
+
+    def device_memory_async(self) -> Future[MemoryInfo]:
+        return self._call(Cmd.DEVICE_MEMORY, p.Empty(),
+                          on_reply=lambda r, f: MemoryInfo(r.free, r.total))  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        """Return once every request issued before it to this worker has run."""
+        self.synchronize_async().result()
+
+    def synchronize_async(self) -> Future[None]:
+        return self._call(Cmd.SYNCHRONIZE, p.Empty())
+
+    def ping(self) -> None:
+        """One tiny round trip (what the latency benchmark measures)."""
+        self.ping_async().result()
+
+    def ping_async(self) -> Future[None]:
+        return self._call(Cmd.PING, p.Empty())
+
+
+def _payload_array(tensor: RemoteTensor, values: Any) -> np.ndarray:
+    storage = np.dtype(tensor.ref.dtype.storage)
+    if tensor.ref.dtype is DType.BFLOAT16 and np.asarray(values).dtype != np.uint16:
+        values = to_bfloat16(np.asarray(values, dtype=np.float32))
+    array = values if isinstance(values, np.ndarray) else np.asarray(values, dtype=storage)
+    if array.dtype != storage:
+        raise BadRequest(f"array of dtype {array.dtype} for a {tensor.dtype} tensor; "
+                         f"convert it first (e.g. values.astype({storage.name!r}))")
+    if array.shape != tensor.shape:
+        raise BadRequest(f"array of shape {array.shape} for a tensor of shape {tensor.shape}")
+    return np.ascontiguousarray(array)
+
+
+def _then(future: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
+    out: Future[T] = Future()
+    out.set_running_or_notify_cancel()
+
+    def done(f: Future[Any]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            out.set_exception(exc)
+            return
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as err:
+            out.set_exception(err)
+
+    future.add_done_callback(done)
+    return out
+
+
+def _gather(parts: list[Future[Any]], result: Callable[[], T]) -> Future[T]:
+    """One future for several requests: the first error in issue order, else ``result()``."""
+    if len(parts) == 1:
+        return _then(parts[0], lambda _: result())
+    out: Future[T] = Future()
+    out.set_running_or_notify_cancel()
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [f.exception() for f in parts if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            try:
+                out.set_result(result())
+            except BaseException as err:
+                out.set_exception(err)
+
+    for part in parts:
+        part.add_done_callback(done)
+    return out

@@ -1,0 +1,84 @@
+"""The CPU backend: buffers are aligned numpy byte arrays, tensors are strided numpy views of them.
+
+Owned by the worker's backend thread: nothing here is thread-safe, and nothing needs to be.
+The executor validates every view against its buffer before calling in here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ...broker.protocol import DType, TensorRef
+
+ALIGNMENT = 64
+
+STORAGE_DTYPES: dict[DType, np.dtype[Any]] = {d: np.dtype(d.storage) for d in DType}
+"""The numpy dtype that stores each wire dtype (bfloat16 as raw uint16 words)."""
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (0 if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+class NumpyBackend:
+    """Host-memory buffers and numpy views; the executor's only way to touch tensor data."""
+
+    name = "numpy"
+    kind = "cpu"
+    alignment = ALIGNMENT
+    xp = np
+
+    def device_name(self) -> str:
+        """A human-readable device name for HELLO."""
+        return f"cpu ({os.cpu_count()} cores)"
+
+    def total_memory(self) -> int:
+        """Physical memory behind this backend."""
+        return physical_memory()
+
+    def alloc(self, size: int) -> np.ndarray:
+        """A zero-filled, ``ALIGNMENT``-aligned byte array (zeroed: no data leaks between sessions)."""
+        raw = np.zeros(size + ALIGNMENT, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ALIGNMENT
+        return raw[start:start + size]
+
+    def view(self, buffer: np.ndarray, ref: TensorRef) -> np.ndarray:
+        """The strided view ``ref`` describes (validated by the caller to lie inside ``buffer``)."""
+        dtype = STORAGE_DTYPES[ref.dtype]
+        if ref.numel == 0:
+            return np.empty(ref.shape, dtype)
+        return np.ndarray(ref.shape, dtype, buffer=buffer.data, offset=ref.offset,
+                          strides=ref.strides)
+
+    def write(self, view: np.ndarray, payload: Any) -> None:
+        """Copy a C-ordered payload (any buffer object) into ``view``: the one copy on receive."""
+        src = np.frombuffer(payload, dtype=view.dtype)
+        if view.flags.c_contiguous:
+            view.reshape(-1)[...] = src
+        else:
+            view[...] = src.reshape(view.shape)
+
+    def read(self, view: np.ndarray) -> tuple[Any, bool]:
+        """The view's bytes in C order, and whether they alias the buffer (zero-copy)."""
+        if view.flags.c_contiguous:
+            return view.reshape(-1).view(np.uint8), True
+        return np.ascontiguousarray(view).reshape(-1).view(np.uint8), False
+
+    def fill(self, view: np.ndarray, byte: int) -> None:
+        """Set every byte of the view's elements to ``byte``."""
+        if view.flags.c_contiguous:
+            view.reshape(-1).view(np.uint8)[...] = byte
+        else:
+            pattern = np.full(view.dtype.itemsize, byte, np.uint8).view(view.dtype)[0]
+            view[...] = pattern
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """dst[...] = src; numpy copies through a temporary when the two overlap."""
+        dst[...] = src

@@ -1,0 +1,97 @@
+"""``zmq-rpc-worker``: run one worker process until SIGINT/SIGTERM.
+
+The main thread parses flags, pins BLAS threads (before numpy is imported), starts a
+:class:`~zmq_rpc.worker.server.WorkerServer`, prints the endpoint it listens on, and waits for a
+signal; then it stops the server (in-flight requests answered or failed) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from importlib.metadata import PackageNotFoundError, version
+
+BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                    "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Parse sizes written like ``512MiB``, ``4GiB``, ``1.5GB`` or ``1048576`` into bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (write e.g. 512MiB, 4GiB, 100MB)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def package_version() -> str:
+    """The installed zmq-rpc version."""
+    try:
+        return version("zmq-rpc")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's command line."""
+    ap = argparse.ArgumentParser(prog="zmq-rpc-worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--bind", default="tcp://127.0.0.1:50052",
+                    help="endpoint to listen on for clients (default %(default)s; "
+                         "port * picks a free one)")
+    ap.add_argument("--device", default="cpu", help="cpu (numpy) or cuda[:N] (cupy)")
+    ap.add_argument("--mem", type=parse_size, default=0,
+                    help="memory the worker may hand out, e.g. 512MiB or 4GiB "
+                         "(default: 80%% of the device's memory)")
+    ap.add_argument("--max-buffer", type=parse_size, default=0,
+                    help="largest single buffer (default: --mem)")
+    ap.add_argument("--max-message", type=parse_size, default=64 << 20,
+                    help="largest message accepted; bigger tensors travel in chunks "
+                         "(default 64MiB)")
+    ap.add_argument("--session-timeout", type=float, default=30.0,
+                    help="seconds of silence after which a client's session is freed")
+    ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
+    ap.add_argument("--log-level", default="INFO",
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    ap.add_argument("--version", action="version", version=f"zmq-rpc {package_version()}")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``zmq-rpc-worker``."""
+    args = build_parser().parse_args(argv)
+    for var in BLAS_THREAD_VARS:
+        os.environ[var] = str(args.threads)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .server import WorkerConfig, WorkerServer  # after the BLAS variables are set
+
+    config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
+                          max_buffer_size=args.max_buffer, max_message_size=args.max_message,
+                          session_timeout=args.session_timeout)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server = WorkerServer(config)
+    try:
+        endpoint = server.start()
+    except Exception as exc:
+        logging.getLogger("zmq_rpc.worker").error("cannot start: %s", exc)
+        return 1
+    print(f"zmq-rpc-worker listening on {endpoint}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

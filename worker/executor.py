@@ -1,0 +1,384 @@
+"""The backend thread: the single owner of sessions, buffers and every tensor byte on a worker.
+
+Runs in its own thread (:class:`BackendThread`). It receives requests from the broker thread over the
+inproc PAIR as ``[client_id, header, *payload]``, validates them (protocol decoding first, then
+state: handles, bounds, limits), runs them in order per session, and answers every one of them on
+the same PAIR, an error reply included. No other thread touches anything here; other threads talk
+to it only through its sockets.
+
+Ordering: each session has a FIFO. A request runs only after every earlier request of its session
+has run; a request whose precondition does not hold yet (a buffer still being sent zero-copy, a peer
+transfer not yet arrived) waits at the head of its session's queue while other sessions go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import zmq
+
+from ..broker import protocol as p
+from ..broker.errors import BadRequest
+from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
+
+log = logging.getLogger("zmq_rpc.worker")
+
+DRAIN_BATCH = 512
+"""Most requests taken from the PAIR per poll wake-up before replies are flushed."""
+
+TRACK_THRESHOLD = 64 * 1024
+"""Replies at least this big are sent zero-copy from buffer memory, with a tracker."""
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """What the worker may hand out, and how long a silent session lives."""
+
+    memory_limit: int
+    max_buffer_size: int
+    max_message_size: int
+    session_timeout: float
+
+
+@dataclass
+class Buffer:
+    """One allocation: its memory and the zero-copy sends that still read from it."""
+
+    handle: int
+    size: int
+    memory: Any
+    sending: list[zmq.MessageTracker] = field(default_factory=list)
+
+    def busy(self) -> bool:
+        """Whether a zero-copy reply still reads this memory (writes must wait)."""
+        self.sending = [t for t in self.sending if not t.done]
+        return bool(self.sending)
+
+
+@dataclass
+class Request:
+    """A decoded request waiting in its session's queue."""
+
+    cmd: Cmd
+    req_id: int
+    msg: p.Message
+    payload: Sequence[Any]
+
+
+@dataclass
+class Session:
+    """A client's resources; freed when it says goodbye or goes silent past the session timeout."""
+
+    client_id: bytes
+    name: str
+    buffers: dict[int, Buffer] = field(default_factory=dict)
+    queue: deque[Request] = field(default_factory=deque)
+    last_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}/{self.client_id.hex()[:8]}"
+
+
+Reply = tuple[p.Message, list[Any]]
+Handler = Callable[[Session, Any, Sequence[Any]], Reply]
+
+NO_REPLY: Reply = (p.Empty(), [])
+
+
+class Executor:
+    """Runs validated requests against a backend. Owned by the backend thread."""
+
+    def __init__(self, backend: Any, limits: WorkerLimits, send: Callable[..., Any],
+                 server_name: str, peer_endpoint: str = "") -> None:
+        self.backend = backend
+        self.limits = limits
+        self._send = send
+        self.server_name = server_name
+        self.peer_endpoint = peer_endpoint
+        self.sessions: dict[bytes, Session] = {}
+        self.used_memory = 0
+        self.capabilities: list[str] = ["views", "chunked-transfer", "zero-copy"]
+        self.handlers: dict[Cmd, Handler] = {
+            Cmd.PING: lambda s, m, f: NO_REPLY,
+            Cmd.GOODBYE: self._goodbye,
+            Cmd.ALLOC_BUFFER: self._alloc,
+            Cmd.FREE_BUFFER: self._free,
+            Cmd.CLEAR_BUFFER: self._clear,
+            Cmd.DEVICE_MEMORY: self._device_memory,
+            Cmd.SET_TENSOR: self._set_tensor,
+            Cmd.GET_TENSOR: self._get_tensor,
+            Cmd.MEMSET_TENSOR: self._memset,
+            Cmd.COPY_TENSOR: self._copy,
+            Cmd.SYNCHRONIZE: lambda s, m, f: NO_REPLY,
+        }
+        self.writes: dict[Cmd, Callable[[Any], list[int]]] = {
+            Cmd.CLEAR_BUFFER: lambda m: [m.handle],
+            Cmd.SET_TENSOR: lambda m: [m.tensor.buffer],
+            Cmd.MEMSET_TENSOR: lambda m: [m.tensor.buffer],
+            Cmd.COPY_TENSOR: lambda m: [m.dst.buffer],
+        }
+        """Which buffers a command writes: it waits until their zero-copy sends are done."""
+        self.preconditions: list[Callable[[Session, Request], bool]] = [self._buffers_idle]
+
+    # ------------------------------------------------------------------ entry from the loop
+
+    def handle_frames(self, frames: list[zmq.Frame]) -> None:
+        """One message from the broker: ``[client_id, header, *payload]``."""
+        if len(frames) < 2:
+            log.warning("dropping a message of %d frame(s) from the broker", len(frames))
+            return
+        client_id = frames[0].bytes
+        try:
+            cmd, req_id, msg = p.decode_request([f.buffer for f in frames[1:]])
+        except BadRequest as exc:
+            self._reply_error(client_id, getattr(exc, "req_id", 0), ErrorCode(exc.code or 1),
+                              exc.message)
+            return
+        self._accept(client_id, Request(cmd, req_id, msg, frames[2:]))
+
+    def _accept(self, client_id: bytes, req: Request) -> None:
+        if req.cmd is Cmd.HELLO:
+            self._hello(client_id, req)
+            return
+        session = self.sessions.get(client_id)
+        if session is None:
+            self._reply_error(client_id, req.req_id, ErrorCode.NO_SESSION,
+                              "no session: send HELLO first (or the session expired)")
+            return
+        session.last_seen = time.monotonic()
+        session.queue.append(req)
+        if len(session.queue) == 1:
+            self.pump(session)
+
+    def pump(self, session: Session) -> bool:
+        """Run the session's queue until empty or its head must wait; True if it must wait."""
+        while session.queue:
+            req = session.queue[0]
+            if not all(ready(session, req) for ready in self.preconditions):
+                return True
+            session.queue.popleft()
+            self._run(session, req)
+            if session.client_id not in self.sessions:
+                return False
+        return False
+
+    def pump_all(self) -> bool:
+        """Retry every waiting session; True if some still wait."""
+        waiting = False
+        for session in list(self.sessions.values()):
+            if session.queue:
+                waiting = self.pump(session) or waiting
+        return waiting
+
+    def _run(self, session: Session, req: Request) -> None:
+        try:
+            reply, payload = self.handlers[req.cmd](session, req.msg, req.payload)
+        except WireError as exc:
+            self._reply_error(session.client_id, req.req_id, exc.code, exc.message)
+            return
+        except MemoryError:
+            self._reply_error(session.client_id, req.req_id, ErrorCode.OUT_OF_MEMORY,
+                              f"{req.cmd.name}: the worker ran out of host memory")
+            return
+        except Exception as exc:  # a bug must not take the worker down: report it
+            log.exception("internal error in %s for %s", req.cmd.name, session.label)
+            self._reply_error(session.client_id, req.req_id, ErrorCode.INTERNAL,
+                              f"{req.cmd.name} failed: {type(exc).__name__}: {exc}")
+            return
+        self.reply(session.client_id, req.req_id, reply, payload)
+
+    # --------------------------------------------------------------------------- replies
+
+    def reply(self, client_id: bytes, req_id: int, msg: p.Message, payload: list[Any]) -> None:
+        """Send a successful reply; big payloads that alias buffer memory are tracked."""
+        header = p.encode_reply(req_id, msg)
+        tracked = [b for b in payload if isinstance(b, TrackedPayload)]
+        frames = [client_id, header, *[getattr(b, "data", b) for b in payload]]
+        if not tracked:
+            self._send(frames, copy=False)
+            return
+        tracker = self._send(frames, copy=False, track=True)
+        for item in tracked:
+            item.buffer.sending.append(tracker)
+
+    def _reply_error(self, client_id: bytes, req_id: int, code: ErrorCode, message: str) -> None:
+        log.debug("error reply %s to %s: %s", code.name, client_id.hex()[:8], message)
+        self._send([client_id, p.encode_error(req_id, code, message)], copy=False)
+
+    # --------------------------------------------------------------------------- sessions
+
+    def _hello(self, client_id: bytes, req: Request) -> None:
+        msg = cast(p.Hello, req.msg)
+        if msg.major != p.PROTOCOL_VERSION[0]:
+            self._reply_error(client_id, req.req_id, ErrorCode.VERSION_MISMATCH,
+                              f"client speaks protocol {msg.major}.{msg.minor}, worker speaks "
+                              f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}")
+            return
+        session = self.sessions.get(client_id)
+        if session is None:
+            session = self.sessions[client_id] = Session(client_id, msg.client or "client")
+            log.info("session %s opened (%d open)", session.label, len(self.sessions))
+        session.last_seen = time.monotonic()
+        self.reply(client_id, req.req_id, self.hello_reply(), [])
+
+    def hello_reply(self) -> p.HelloReply:
+        """What this worker tells new sessions."""
+        free, total = self.memory()
+        device = p.Device(name=self.backend.device_name(), kind=self.backend.kind,
+                          total_memory=total, free_memory=free)
+        return p.HelloReply(
+            major=p.PROTOCOL_VERSION[0], minor=p.PROTOCOL_VERSION[1], server=self.server_name,
+            devices=(device,), alignment=self.backend.alignment,
+            max_buffer_size=self.limits.max_buffer_size,
+            max_message_size=self.limits.max_message_size,
+            session_timeout_ms=int(self.limits.session_timeout * 1000),
+            capabilities=tuple(self.capabilities), peer_endpoint=self.peer_endpoint)
+
+    def _goodbye(self, session: Session, msg: p.Empty, payload: Sequence[Any]) -> Reply:
+        self.close_session(session, "said goodbye")
+        return NO_REPLY
+
+    def close_session(self, session: Session, why: str) -> None:
+        """Free everything the session owns."""
+        freed = sum(b.size for b in session.buffers.values())
+        self.used_memory -= freed
+        session.buffers.clear()
+        self.sessions.pop(session.client_id, None)
+        for req in session.queue:
+            if req.cmd is not Cmd.GOODBYE:
+                self._reply_error(session.client_id, req.req_id, ErrorCode.NO_SESSION,
+                                  f"session closed ({why})")
+        session.queue.clear()
+        log.info("session %s closed (%s): freed %d bytes; %d session(s) open",
+                 session.label, why, freed, len(self.sessions))
+
+    def expire_sessions(self, now: float) -> None:
+        """Close sessions silent for longer than the session timeout."""
+        for session in list(self.sessions.values()):
+            if now - session.last_seen > self.limits.session_timeout:
+                self.close_session(session, f"no message for {self.limits.session_timeout:g} s")
+
+    # ---------------------------------------------------------------------------- buffers
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes the worker may still hand out."""
+        return max(self.limits.memory_limit - self.used_memory, 0), self.limits.memory_limit
+
+    def _alloc(self, session: Session, msg: p.AllocBuffer, payload: Sequence[Any]) -> Reply:
+        if msg.handle in session.buffers:
+            raise WireError(ErrorCode.INVALID_HANDLE, f"buffer handle {msg.handle} is in use")
+        if msg.size > self.limits.max_buffer_size:
+            raise WireError(ErrorCode.OUT_OF_MEMORY, f"buffer of {msg.size} bytes is over the "
+                            f"maximum buffer size {self.limits.max_buffer_size}")
+        free, total = self.memory()
+        if msg.size > free:
+            raise WireError(ErrorCode.OUT_OF_MEMORY, f"buffer of {msg.size} bytes does not fit: "
+                            f"{free} of {total} bytes free on this worker")
+        memory = self.backend.alloc(msg.size)
+        session.buffers[msg.handle] = Buffer(msg.handle, msg.size, memory)
+        self.used_memory += msg.size
+        return NO_REPLY
+
+    def buffer(self, session: Session, handle: int) -> Buffer:
+        """The session's buffer ``handle``, or an INVALID_HANDLE error."""
+        buf = session.buffers.get(handle)
+        if buf is None:
+            raise WireError(ErrorCode.INVALID_HANDLE,
+                            f"buffer {handle} does not exist in this session")
+        return buf
+
+    def _free(self, session: Session, msg: p.BufferOp, payload: Sequence[Any]) -> Reply:
+        buf = self.buffer(session, msg.handle)
+        del session.buffers[msg.handle]
+        self.used_memory -= buf.size
+        return NO_REPLY
+
+    def _clear(self, session: Session, msg: p.ClearBuffer, payload: Sequence[Any]) -> Reply:
+        buf = self.buffer(session, msg.handle)
+        self.backend.fill(buf.memory, msg.value)
+        return NO_REPLY
+
+    def _device_memory(self, session: Session, msg: p.Empty, payload: Sequence[Any]) -> Reply:
+        free, total = self.memory()
+        return p.DeviceMemoryReply(free=free, total=total), []
+
+    def _buffers_idle(self, session: Session, req: Request) -> bool:
+        written = self.writes.get(req.cmd)
+        if written is None:
+            return True
+        for handle in written(req.msg):
+            buf = session.buffers.get(handle)
+            if buf is not None and buf.sending and buf.busy():
+                return False
+        return True
+
+    # ---------------------------------------------------------------------------- tensors
+
+    def view(self, session: Session, ref: TensorRef) -> Any:
+        """The backend view of ``ref`` after checking its handle and that it lies in its buffer."""
+        buf = self.buffer(session, ref.buffer)
+        check_inside(ref, buf.size)
+        return self.backend.view(buf.memory, ref)
+
+    def _set_tensor(self, session: Session, msg: p.SetTensor, payload: Sequence[Any]) -> Reply:
+        self.backend.write(self.view(session, msg.tensor), payload[0])
+        return NO_REPLY
+
+    def _get_tensor(self, session: Session, msg: p.GetTensor, payload: Sequence[Any]) -> Reply:
+        data, aliased = self.backend.read(self.view(session, msg.tensor))
+        if aliased and msg.tensor.nbytes >= TRACK_THRESHOLD:
+            return p.GetTensorReply(), [TrackedPayload(data, session.buffers[msg.tensor.buffer])]
+        return p.GetTensorReply(), [data]
+
+    def _memset(self, session: Session, msg: p.MemsetTensor, payload: Sequence[Any]) -> Reply:
+        ref = msg.tensor
+        view = self.view(session, ref)
+        if msg.offset > ref.nbytes:
+            raise WireError(ErrorCode.OUT_OF_BOUNDS,
+                            f"offset {msg.offset} is past the tensor's {ref.nbytes} bytes")
+        size = ref.nbytes - msg.offset if msg.size == -1 else msg.size
+        if size > ref.nbytes - msg.offset:
+            raise WireError(ErrorCode.OUT_OF_BOUNDS, f"bytes [{msg.offset}, +{size}) are outside "
+                            f"the tensor's {ref.nbytes} bytes")
+        if msg.offset == 0 and size == ref.nbytes:
+            self.backend.fill(view, msg.value)
+        elif not ref.is_contiguous():
+            raise WireError(ErrorCode.BAD_REQUEST, "a byte range memset needs a contiguous tensor")
+        else:
+            self.backend.fill(view.reshape(-1).view("uint8")[msg.offset:msg.offset + size],
+                              msg.value)
+        return NO_REPLY
+
+    def _copy(self, session: Session, msg: p.CopyTensor, payload: Sequence[Any]) -> Reply:
+        if msg.src.shape != msg.dst.shape or msg.src.dtype != msg.dst.dtype:
+            raise WireError(ErrorCode.BAD_REQUEST,
+                            f"copy needs equal shapes and dtypes: {msg.src.shape} "
+                            f"{msg.src.dtype.dtype_name} -> {msg.dst.shape} "
+                            f"{msg.dst.dtype.dtype_name}")
+        src = self.view(session, msg.src)
+        dst = self.view(session, msg.dst)
+        self.backend.copy(dst, src)
+        return NO_REPLY
+
+
+@dataclass(frozen=True)
+class TrackedPayload:
+    """A reply frame that aliases ``buffer``'s memory: the buffer records the send's tracker."""
+
+    data: Any
+    buffer: Buffer
+
+
+def check_inside(ref: TensorRef, size: int) -> None:
+    """OUT_OF_BOUNDS unless every element ``ref`` can reach lies in ``[0, size)``."""
+    lo, hi = ref.byte_extent()
+    if lo < 0 or hi > size or (ref.numel == 0 and ref.offset > size):
+        raise WireError(ErrorCode.OUT_OF_BOUNDS,
+                        f"view {ref.dtype.dtype_name}{list(ref.shape)} strides {list(ref.strides)} "
+                        f"at offset {ref.offset} reaches bytes [{lo}, {hi}) of a {size}-byte buffer")

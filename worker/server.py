@@ -1,0 +1,232 @@
+"""A whole worker in one object: the broker thread, the backend thread, and their lifecycle.
+
+:class:`WorkerServer` is created and stopped by one thread (the CLI's main thread, or a test). It owns
+the zmq context and the control sockets that tell the other two threads to stop; the broker thread
+owns the ROUTER (:mod:`zmq_rpc.broker.broker`), the backend thread owns every byte of tensor state
+(:class:`BackendThread`, running :class:`~zmq_rpc.worker.executor.Executor`).
+
+Shutdown (``stop()``, SIGINT/SIGTERM in the CLI): the backend answers every request it already
+holds, fails those still waiting with SHUTTING_DOWN, then the broker stops forwarding and closes the
+ROUTER with a linger so the last replies reach their clients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
+from ..broker.protocol import ErrorCode
+from .executor import DRAIN_BATCH, Executor, WorkerLimits
+
+log = logging.getLogger("zmq_rpc.worker")
+
+_ids = itertools.count()
+
+DEFAULT_BIND = "tcp://127.0.0.1:50052"
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a worker is started with (the CLI's flags)."""
+
+    bind: str = DEFAULT_BIND
+    device: str = "cpu"
+    memory_limit: int = 0
+    """Bytes the worker may hand out; 0 means 80 % of the device's memory."""
+    max_buffer_size: int = 0
+    """Largest single buffer; 0 means the memory limit."""
+    max_message_size: int = 64 << 20
+    session_timeout: float = 30.0
+    heartbeat_ivl_ms: int = 1000
+    heartbeat_timeout_ms: int = 5000
+    name: str = field(default_factory=lambda: f"zmq-rpc-worker@{socket.gethostname()}")
+
+
+def make_backend(device: str) -> Any:
+    """The compute backend for ``--device`` (cupy is imported only when asked for)."""
+    if device == "cpu":
+        from .backends.numpy_backend import NumpyBackend
+        return NumpyBackend()
+    if device.startswith("cuda"):
+        from .backends.cupy_backend import CupyBackend
+        index = int(device.partition(":")[2] or 0)
+        return CupyBackend(index)
+    raise ValueError(f"unknown device {device!r}: expected 'cpu' or 'cuda[:N]'")
+
+
+class BackendThread(threading.Thread):
+    """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Any, limits: WorkerLimits,
+                 endpoints: tuple[str, str], name: str) -> None:
+        super().__init__(name="zmq-rpc-backend", daemon=False)
+        self.ctx = ctx
+        self.backend = backend
+        self.limits = limits
+        self.pair_endpoint, self.control_endpoint = endpoints
+        self.server_name = name
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.pair: zmq.Socket[bytes] | None = None
+        self.executor: Executor | None = None
+
+    def run(self) -> None:
+        pair = self.ctx.socket(zmq.PAIR)
+        control = self.ctx.socket(zmq.PAIR)
+        try:
+            pair.setsockopt(zmq.SNDHWM, 0)
+            pair.setsockopt(zmq.RCVHWM, 0)
+            pair.bind(self.pair_endpoint)
+            control.bind(self.control_endpoint)
+            self.executor = Executor(self.backend, self.limits, pair.send_multipart,
+                                     self.server_name)
+            self.pair = pair
+            self.ready.set()
+            self._loop(pair, control)
+        except BaseException as exc:
+            self.error = exc
+            log.exception("backend thread failed")
+        finally:
+            self.ready.set()
+            pair.close(linger=1000)
+            control.close(linger=0)
+
+    def _loop(self, pair: zmq.Socket[bytes], control: zmq.Socket[bytes]) -> None:
+        assert self.executor is not None
+        poller = zmq.Poller()
+        poller.register(pair, zmq.POLLIN)
+        poller.register(control, zmq.POLLIN)
+        waiting = False
+        next_expiry = time.monotonic() + 1.0
+        while True:
+            timeout = 1 if waiting else 250
+            events = dict(poller.poll(timeout))
+            if pair in events:
+                self._drain(pair)
+            if control in events:
+                self._shutdown(pair, control.recv())
+                return
+            waiting = self.executor.pump_all() if (waiting or pair in events) else False
+            now = time.monotonic()
+            if now >= next_expiry:
+                self.executor.expire_sessions(now)
+                next_expiry = now + min(1.0, self.limits.session_timeout / 4)
+
+    def _drain(self, pair: zmq.Socket[bytes]) -> None:
+        assert self.executor is not None
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = pair.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.executor.handle_frames(frames)
+
+    def _shutdown(self, pair: zmq.Socket[bytes], command: bytes) -> None:
+        """Answer what is already queued, fail what waits, then confirm on the control socket."""
+        assert self.executor is not None
+        executor = self.executor
+        while pair.poll(0):
+            self._drain(pair)
+        executor.pump_all()
+        for session in list(executor.sessions.values()):
+            for req in session.queue:
+                executor._reply_error(session.client_id, req.req_id, ErrorCode.SHUTTING_DOWN,
+                                      "the worker is shutting down")
+            session.queue.clear()
+        log.info("backend drained; %d session(s) were open", len(executor.sessions))
+
+
+class WorkerServer:
+    """A running worker: ``with WorkerServer(WorkerConfig(bind="tcp://127.0.0.1:*")) as w: w.endpoint``."""
+
+    def __init__(self, config: WorkerConfig | None = None) -> None:
+        self.config = config or WorkerConfig()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.endpoint = ""
+        self._uid = f"{os.getpid()}-{next(_ids)}"
+        self._backend_thread: BackendThread | None = None
+        self._broker_thread: BrokerThread | None = None
+        self._backend_ctl: zmq.Socket[bytes] | None = None
+        self._broker_ctl: zmq.Socket[bytes] | None = None
+        self._stopped = False
+
+    def limits(self, backend: Any) -> WorkerLimits:
+        """The effective limits (defaults resolved against the device's memory)."""
+        cfg = self.config
+        memory = cfg.memory_limit or int(backend.total_memory() * 0.8) or (8 << 30)
+        return WorkerLimits(memory_limit=memory,
+                            max_buffer_size=min(cfg.max_buffer_size or memory, memory),
+                            max_message_size=cfg.max_message_size,
+                            session_timeout=cfg.session_timeout)
+
+    def start(self) -> str:
+        """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""
+        cfg = self.config
+        if not is_loopback_endpoint(cfg.bind):
+            log.warning("binding %s beyond loopback: zmq-rpc has no authentication yet, anyone "
+                        "who can reach this port can use this worker", cfg.bind)
+        backend = make_backend(cfg.device)
+        pair_ep = f"inproc://zmq-rpc-backend-{self._uid}"
+        backend_ctl_ep = f"inproc://zmq-rpc-backend-ctl-{self._uid}"
+        broker_ctl_ep = f"inproc://zmq-rpc-broker-ctl-{self._uid}"
+        self._backend_thread = BackendThread(self.ctx, backend, self.limits(backend),
+                                             (pair_ep, backend_ctl_ep), cfg.name)
+        self._backend_thread.start()
+        self._wait_ready(self._backend_thread)
+        self._backend_ctl = self._control(backend_ctl_ep)
+        self._broker_ctl = self.ctx.socket(zmq.PAIR)
+        self._broker_ctl.bind(broker_ctl_ep)
+        self._broker_thread = BrokerThread(self.ctx, BrokerConfig(
+            bind=cfg.bind, backend_endpoint=pair_ep, control_endpoint=broker_ctl_ep,
+            max_message_size=cfg.max_message_size, heartbeat_ivl_ms=cfg.heartbeat_ivl_ms,
+            heartbeat_timeout_ms=cfg.heartbeat_timeout_ms))
+        self._broker_thread.start()
+        self._wait_ready(self._broker_thread)
+        self.endpoint = self._broker_thread.endpoint
+        log.info("worker %s listening on %s (device %s)", cfg.name, self.endpoint, cfg.device)
+        return self.endpoint
+
+    def _control(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self.ctx.socket(zmq.PAIR)
+        sock.connect(endpoint)
+        return sock
+
+    def _wait_ready(self, thread: BackendThread | BrokerThread) -> None:
+        thread.ready.wait(10)
+        if thread.error is not None or not thread.is_alive():
+            self.stop()
+            raise RuntimeError(f"{thread.name} failed to start: {thread.error}")
+
+    def stop(self) -> None:
+        """Answer or fail in-flight requests, close every socket, join the threads. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._backend_ctl is not None and self._backend_thread is not None:
+            self._backend_ctl.send(b"STOP")
+            self._backend_thread.join()
+        if self._broker_ctl is not None and self._broker_thread is not None:
+            time.sleep(0.05)  # let the proxy forward the backend's last replies
+            self._broker_ctl.send(b"TERMINATE")
+            self._broker_thread.join()
+        for sock in (self._backend_ctl, self._broker_ctl):
+            if sock is not None:
+                sock.close(linger=0)
+        self.ctx.term()
+        log.info("worker %s stopped", self.config.name)
+
+    def __enter__(self) -> WorkerServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
