@@ -78,7 +78,7 @@ class BrokerThread(threading.Thread):
         finally:
             self.ready.set()
             for sock in sockets:
-                sock.close(linger=1000 if sock.socket_type == zmq.ROUTER else 0)
+                sock.close(linger=1000 if sock.type == zmq.ROUTER else 0)
 
     def _open(self, sockets: list[zmq.Socket[bytes]]) -> tuple[zmq.Socket[bytes], ...]:
         cfg = self.config

@@ -44,7 +44,8 @@ def as_dtype(dtype: DTypeLike) -> DType:
 
 def to_bfloat16(values: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits (uint16), rounding to nearest even."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    values = np.asarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
     rounded = bits + (0x7FFF + ((bits >> 16) & 1))
     out = (rounded >> 16).astype(np.uint16)
     nan = np.isnan(values)

@@ -52,16 +52,20 @@ _DEFAULT_ALIGNMENT: Final = 32
 RopeMode = Literal["normal", "neox"]
 
 # ggml type -> our qtype string; anything else is rejected.
-_QTYPES: Final[Mapping[GGMLQuantizationType, str]] = MappingProxyType({
-    GGMLQuantizationType.F32: "f32",
-    GGMLQuantizationType.F16: "f16",
-    GGMLQuantizationType.Q8_0: "q8_0",
-    GGMLQuantizationType.Q4_1: "q4_1",
-})
-_FLOAT_DTYPES: Final[Mapping[str, type[np.floating[Any]]]] = MappingProxyType({
-    "f32": np.float32,
-    "f16": np.float16,
-})
+_QTYPES: Final[Mapping[GGMLQuantizationType, str]] = MappingProxyType(
+    {
+        GGMLQuantizationType.F32: "f32",
+        GGMLQuantizationType.F16: "f16",
+        GGMLQuantizationType.Q8_0: "q8_0",
+        GGMLQuantizationType.Q4_1: "q4_1",
+    }
+)
+_FLOAT_DTYPES: Final[Mapping[str, type[np.floating[Any]]]] = MappingProxyType(
+    {
+        "f32": np.float32,
+        "f16": np.float16,
+    }
+)
 
 
 class GGUFModelError(ValueError):
@@ -114,8 +118,10 @@ class GGUFMetadata(Mapping[str, Any]):
                 raise GGUFModelError(f"GGUF metadata key {key!r} is missing")
             return default
         value = self._values[key]
-        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-            raise GGUFModelError(f"GGUF metadata key {key!r} has unexpected type {type(value).__name__}")
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise GGUFModelError(
+                f"GGUF metadata key {key!r} has unexpected type {type(value).__name__}"
+            )
         return value
 
     def get_str(self, key: str, default: str | None = None) -> str:
@@ -173,8 +179,13 @@ class LlamaConfig:
         """
         arch = meta.get_str("general.architecture")
         if arch != "llama":
-            raise GGUFModelError(f"unsupported architecture {arch!r}: only 'llama' GGUF models are supported")
-        d_model, n_heads = meta.get_int("llama.embedding_length"), meta.get_int("llama.attention.head_count")
+            raise GGUFModelError(
+                f"unsupported architecture {arch!r}: only 'llama' GGUF models are supported"
+            )
+        d_model, n_heads = (
+            meta.get_int("llama.embedding_length"),
+            meta.get_int("llama.attention.head_count"),
+        )
         head_dim = meta.get_int("llama.attention.key_length", d_model // max(n_heads, 1))
         config = cls(
             n_layers=meta.get_int("llama.block_count"),
@@ -197,16 +208,32 @@ class LlamaConfig:
         return config
 
     def _validate(self) -> None:
-        positive = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size")
+        positive = (
+            "n_layers",
+            "d_model",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+            "vocab_size",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
-                raise GGUFModelError(f"llama config: {name} must be positive, got {getattr(self, name)}")
+                raise GGUFModelError(
+                    f"llama config: {name} must be positive, got {getattr(self, name)}"
+                )
         if self.n_heads % self.n_kv_heads:
-            raise GGUFModelError(f"llama config: {self.n_heads} heads not divisible by {self.n_kv_heads} KV heads")
+            raise GGUFModelError(
+                f"llama config: {self.n_heads} heads not divisible by {self.n_kv_heads} KV heads"
+            )
         if self.rope_dims % 2 or not 0 < self.rope_dims <= self.head_dim:
-            raise GGUFModelError(f"llama config: bad rope dims {self.rope_dims} for head size {self.head_dim}")
+            raise GGUFModelError(
+                f"llama config: bad rope dims {self.rope_dims} for head size {self.head_dim}"
+            )
         if not (0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
-            raise GGUFModelError(f"llama config: bos/eos ids {self.bos_id}/{self.eos_id} outside the vocab")
+            raise GGUFModelError(
+                f"llama config: bos/eos ids {self.bos_id}/{self.eos_id} outside the vocab"
+            )
         if not (self.norm_eps > 0 and self.rope_base > 0):
             raise GGUFModelError("llama config: norm eps and rope base must be positive")
 
@@ -330,7 +357,9 @@ def _open_reader(path: Path) -> GGUFReader:
 
 
 def _read_metadata(reader: GGUFReader) -> GGUFMetadata:
-    values = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    values = {
+        key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")
+    }
     return GGUFMetadata(values)
 
 
@@ -339,7 +368,9 @@ def _read_alignment(meta: GGUFMetadata, reader: GGUFReader) -> int:
     if alignment <= 0 or alignment & (alignment - 1):
         raise GGUFModelError(f"general.alignment must be a power of two, got {alignment}")
     if reader.data_offset % alignment:
-        raise GGUFModelError(f"tensor data starts at {reader.data_offset}, not {alignment}-byte aligned")
+        raise GGUFModelError(
+            f"tensor data starts at {reader.data_offset}, not {alignment}-byte aligned"
+        )
     return alignment
 
 
@@ -353,24 +384,36 @@ def _view_tensor(file_bytes: np.ndarray, info: ReaderTensor, alignment: int) -> 
     qtype = _QTYPES.get(info.tensor_type)
     if qtype is None:
         raise GGUFModelError(
-            f"tensor {info.name!r} has ggml type {info.tensor_type.name}; supported: {sorted(_QTYPES.values())}"
+            f"tensor {info.name!r} has ggml type {info.tensor_type.name}; "
+            f"supported: {sorted(_QTYPES.values())}"
         )
     shape = tuple(int(d) for d in reversed(info.shape.tolist()))
     offset, nbytes = int(info.data_offset), _data_nbytes(info.name, qtype, shape)
     if offset % alignment:
-        raise GGUFModelError(f"tensor {info.name!r} at offset {offset} is not {alignment}-byte aligned")
+        raise GGUFModelError(
+            f"tensor {info.name!r} at offset {offset} is not {alignment}-byte aligned"
+        )
     if not (offset < len(file_bytes) and nbytes <= len(file_bytes) - offset):
-        raise GGUFModelError(f"tensor {info.name!r} ({nbytes} bytes at {offset}) runs past the end of the file")
-    raw = file_bytes[offset:offset + nbytes]
+        raise GGUFModelError(
+            f"tensor {info.name!r} ({nbytes} bytes at {offset}) runs past the end of the file"
+        )
+    raw = file_bytes[offset : offset + nbytes]
     return GGUFTensor(
-        name=info.name, qtype=qtype, shape=shape, data=_typed_view(raw, qtype, shape), offset=offset, nbytes=nbytes
+        name=info.name,
+        qtype=qtype,
+        shape=shape,
+        data=_typed_view(raw, qtype, shape),
+        offset=offset,
+        nbytes=nbytes,
     )
 
 
 def _data_nbytes(name: str, qtype: str, shape: tuple[int, ...]) -> int:
     block_size, type_size = _block_geometry(qtype)
     if not shape or shape[-1] % block_size:
-        raise GGUFModelError(f"tensor {name!r} shape {shape} does not hold whole {qtype} blocks of {block_size}")
+        raise GGUFModelError(
+            f"tensor {name!r} shape {shape} does not hold whole {qtype} blocks of {block_size}"
+        )
     return math.prod(shape) // block_size * type_size
 
 
@@ -387,4 +430,6 @@ def _check_shapes(config: LlamaConfig, tensors: Mapping[str, GGUFTensor]) -> Non
         if tensor is None:
             raise GGUFModelError(f"llama GGUF lacks tensor {name!r}")
         if tensor.shape != shape:
-            raise GGUFModelError(f"tensor {name!r} has shape {tensor.shape}, config expects {shape}")
+            raise GGUFModelError(
+                f"tensor {name!r} has shape {tensor.shape}, config expects {shape}"
+            )

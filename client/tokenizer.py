@@ -50,15 +50,26 @@ _PRE_SPLITS_DIGITS: Final[Mapping[str, bool]] = {
 
 _IM_START: Final = "<|im_start|>"
 _IM_END: Final = "<|im_end|>"
-_CHATML_MARKERS: Final = (_IM_START, _IM_END, "message['role']", "message['content']", "add_generation_prompt")
+_CHATML_MARKERS: Final = (
+    _IM_START,
+    _IM_END,
+    "message['role']",
+    "message['content']",
+    "add_generation_prompt",
+)
 _DEFAULT_SYSTEM_RE: Final = re.compile(
-    r"!=\s*'system'\s*%\}\s*\{\{\s*'<\|im_start\|>system(?:\\n|\n)(?P<text>.*?)<\|im_end\|>", re.DOTALL
+    r"!=\s*'system'\s*%\}\s*\{\{\s*'<\|im_start\|>system(?:\\n|\n)(?P<text>.*?)<\|im_end\|>",
+    re.DOTALL,
 )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from each byte to a printable unicode character."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     mapping = {b: chr(b) for b in printable}
     extra = (b for b in range(256) if b not in mapping)
     mapping.update({b: chr(256 + n) for n, b in enumerate(extra)})
@@ -72,7 +83,9 @@ def _token_bytes(token: str, token_type: int) -> bytes:
     """The bytes a token stands for: byte-level decoded for normal tokens, UTF-8 otherwise."""
     if token_type != TOKEN_TYPE_NORMAL:
         return token.encode("utf-8")
-    return b"".join(bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in token)
+    return b"".join(
+        bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in token
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +108,15 @@ class ChatMLTemplate:
         """
         missing = [m for m in _CHATML_MARKERS if m not in template]
         if missing:
-            raise ValueError(f"chat template is not ChatML (lacks {missing}); only ChatML is implemented")
+            raise ValueError(
+                f"chat template is not ChatML (lacks {missing}); only ChatML is implemented"
+            )
         match = _DEFAULT_SYSTEM_RE.search(template)
         return cls(default_system=match.group("text").replace("\\n", "\n") if match else None)
 
-    def render(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """Render ``messages`` (dicts with ``role`` and ``content``) as a ChatML prompt."""
         turns = [_chatml_turn(m.get("role"), m.get("content")) for m in messages]
         if turns and self.default_system is not None and messages[0].get("role") != "system":
@@ -118,7 +135,9 @@ def _chatml_turn(role: object, content: object) -> str:
 class StreamDecoder:
     """Incremental detokenizer: feed ids one at a time, get back only complete characters."""
 
-    def __init__(self, token_bytes: Sequence[bytes], special_ids: frozenset[int], skip_special_tokens: bool) -> None:
+    def __init__(
+        self, token_bytes: Sequence[bytes], special_ids: frozenset[int], skip_special_tokens: bool
+    ) -> None:
         self._token_bytes = token_bytes
         self._skip = special_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -220,8 +239,10 @@ class Tokenizer:
         if tail:
             yield tail
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render chat ``messages`` (``{"role": ..., "content": ...}``) as the model's ChatML prompt.
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render chat ``messages`` (``{"role": ..., "content": ...}``) as a ChatML prompt.
 
         Raises:
             ValueError: the GGUF has no ChatML template.
@@ -258,11 +279,15 @@ def load_tokenizer(model: LlamaGGUF) -> Tokenizer:
 def _vocab(meta: GGUFMetadata, vocab_size: int) -> tuple[list[str], list[int]]:
     kind = meta.get_str("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise GGUFModelError(f"tokenizer model {kind!r} is not supported; only 'gpt2' byte-level BPE is")
+        raise GGUFModelError(
+            f"tokenizer model {kind!r} is not supported; only 'gpt2' byte-level BPE is"
+        )
     tokens = [str(t) for t in meta.get_list("tokenizer.ggml.tokens")]
     types = [int(t) for t in meta.get_list("tokenizer.ggml.token_type")]
     if not len(tokens) == len(types) == vocab_size:
-        raise GGUFModelError(f"{len(tokens)} tokens, {len(types)} token types, vocab size {vocab_size}")
+        raise GGUFModelError(
+            f"{len(tokens)} tokens, {len(types)} token types, vocab size {vocab_size}"
+        )
     if len(set(tokens)) != len(tokens):
         raise GGUFModelError("the GGUF vocabulary holds duplicate tokens")
     return tokens, types
@@ -279,25 +304,37 @@ def _merges(meta: GGUFMetadata) -> list[tuple[str, str]]:
 def _splits_digits(meta: GGUFMetadata) -> bool:
     pre = meta.get_str("tokenizer.ggml.pre", "default")
     if pre not in _PRE_SPLITS_DIGITS:
-        raise GGUFModelError(f"pre-tokenizer {pre!r} is not supported; known: {sorted(_PRE_SPLITS_DIGITS)}")
+        raise GGUFModelError(
+            f"pre-tokenizer {pre!r} is not supported; known: {sorted(_PRE_SPLITS_DIGITS)}"
+        )
     return _PRE_SPLITS_DIGITS[pre]
 
 
-def _build_backend(tokens: list[str], merges: list[tuple[str, str]], split_digits: bool) -> HFTokenizer:
+def _build_backend(
+    tokens: list[str], merges: list[tuple[str, str]], split_digits: bool
+) -> HFTokenizer:
     vocab = {tok: i for i, tok in enumerate(tokens)}
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    steps = [pre_tokenizers.Digits(individual_digits=True), byte_level] if split_digits else [byte_level]
+    steps = (
+        [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        if split_digits
+        else [byte_level]
+    )
     backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
     return backend
 
 
-def _register_added_tokens(backend: HFTokenizer, tokens: list[str], types: list[int]) -> frozenset[int]:
+def _register_added_tokens(
+    backend: HFTokenizer, tokens: list[str], types: list[int]
+) -> frozenset[int]:
     """Register control tokens as special and user-defined ones as plain added tokens."""
     special = [i for i, kind in enumerate(types) if kind == TOKEN_TYPE_CONTROL]
     user = [i for i, kind in enumerate(types) if kind == TOKEN_TYPE_USER_DEFINED]
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in special]
+    )
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
     for i in special + user:
         if backend.token_to_id(tokens[i]) != i:

@@ -1,0 +1,134 @@
+"""Shared fixtures: in-process and subprocess workers on random loopback ports, clients, raw sockets.
+
+Every socket a test opens through ``raw_socket`` is closed with linger 0 at teardown; every worker
+is stopped; every client is closed, so a leak fails a test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from zmq_rpc.client import Client
+from zmq_rpc.worker.server import WorkerConfig, WorkerServer
+
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+@pytest.fixture
+def make_worker() -> Iterator[Callable[..., WorkerServer]]:
+    """Start in-process workers: ``make_worker(memory_limit=..., session_timeout=...)``."""
+    servers: list[WorkerServer] = []
+
+    def start(**overrides: Any) -> WorkerServer:
+        config = WorkerConfig(bind=LOOPBACK, **overrides)
+        server = WorkerServer(config)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def worker(make_worker: Callable[..., WorkerServer]) -> WorkerServer:
+    """One in-process worker with a 256 MiB memory limit."""
+    return make_worker(memory_limit=256 << 20)
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable[..., Client]]:
+    """Open clients that are closed at teardown: ``make_client(endpoint, timeout=...)``."""
+    clients: list[Client] = []
+
+    def open_client(endpoint: str, **options: Any) -> Client:
+        options.setdefault("timeout", 20.0)
+        client = Client(endpoint, **options)
+        clients.append(client)
+        return client
+
+    yield open_client
+    for client in clients:
+        client.close()
+
+
+@pytest.fixture
+def client(worker: WorkerServer, make_client: Callable[..., Client]) -> Client:
+    return make_client(worker.endpoint)
+
+
+@pytest.fixture
+def zmq_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+@pytest.fixture
+def raw_socket(zmq_ctx: zmq.Context[zmq.Socket[bytes]]
+               ) -> Iterator[Callable[[int], zmq.Socket[bytes]]]:
+    """Raw sockets for speaking (or abusing) the wire protocol; closed with linger 0."""
+    sockets: list[zmq.Socket[bytes]] = []
+
+    def make(kind: int) -> zmq.Socket[bytes]:
+        sock = zmq_ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sockets.append(sock)
+        return sock
+
+    yield make
+    for sock in sockets:
+        sock.close(linger=0)
+
+
+class WorkerProcess:
+    """A ``zmq-rpc-worker`` subprocess; ``endpoint`` is parsed from its first stdout line."""
+
+    def __init__(self, *args: str) -> None:
+        cmd = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", LOOPBACK,
+               "--log-level", "WARNING", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "listening on" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"worker did not start: {line!r} {self.proc.stderr.read()!r}")
+        self.endpoint = line.rsplit(" ", 1)[1].strip()
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        return code
+
+
+@pytest.fixture
+def spawn_worker() -> Iterator[Callable[..., WorkerProcess]]:
+    """Start worker subprocesses, killed at teardown if still running."""
+    procs: list[WorkerProcess] = []
+
+    def spawn(*args: str) -> WorkerProcess:
+        proc = WorkerProcess(*args)
+        procs.append(proc)
+        return proc
+
+    yield spawn
+    for proc in procs:
+        if proc.proc.poll() is None:
+            proc.terminate(signal.SIGKILL)
+        else:
+            proc.terminate()
