@@ -73,6 +73,10 @@ class Cmd(enum.IntEnum):
     MEMSET_TENSOR = 10
     COPY_TENSOR = 11
     SYNCHRONIZE = 12
+    GRAPH_COMPUTE = 13
+    GRAPH_REGISTER = 14
+    GRAPH_RUN = 15
+    GRAPH_FREE = 16
 
 
 class ErrorCode(enum.IntEnum):
@@ -356,7 +360,7 @@ def split_tensor(ref: TensorRef, limit: int) -> list[tuple[int, TensorRef]]:
 
 
 def _tensor_to_wire(value: Any) -> Any:
-    if isinstance(value, TensorRef):
+    if hasattr(value, "to_wire"):
         return value.to_wire()
     if isinstance(value, (list, tuple)):
         return [_tensor_to_wire(v) for v in value]
@@ -673,3 +677,7 @@ def decode_reply(cmd: Cmd, header: list[Any]) -> Message | RpcError:
         message = header[2] if len(header) > 2 and type(header[2]) is str else "(no message)"
         return error_for_code(status, message)
     return REPLIES[cmd].from_fields(header[2:])
+
+
+# The graph commands' messages live beside the graph encoding; importing it registers them.
+from . import graph as _graph  # noqa: E402,F401  (circular by design: graph needs this module)

@@ -22,10 +22,20 @@ from ..broker.errors import (
     VersionMismatch,
 )
 from .aio import AsyncClient
-from .client import Client, MemoryInfo, RemoteBuffer, RemoteTensor, from_bfloat16, to_bfloat16
+from ..broker.ops import OpError
+from .client import (
+    Client,
+    MemoryInfo,
+    RegisteredGraph,
+    RemoteBuffer,
+    RemoteTensor,
+    from_bfloat16,
+    to_bfloat16,
+)
+from .graph import Graph, GraphTensor
 
 __all__ = [
-    "AsyncClient", "Client", "MemoryInfo", "RemoteBuffer", "RemoteTensor", "from_bfloat16",
+    "AsyncClient", "Client", "Graph", "GraphTensor", "MemoryInfo", "OpError", "RegisteredGraph", "RemoteBuffer", "RemoteTensor", "from_bfloat16",
     "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
     "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
     "TransferError", "TransportError", "VersionMismatch",

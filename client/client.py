@@ -21,7 +21,9 @@ import zmq
 from ..broker import protocol as p
 from ..broker.errors import BadRequest, ConnectionLost, ProtocolError, RpcError, VersionMismatch
 from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
+from ..broker import graph as wire_graph
 from .engine import Engine, EngineOptions
+from .graph import Graph
 
 log = logging.getLogger("zmq_rpc.client")
 
@@ -390,6 +392,106 @@ class Client:
 
     def ping_async(self) -> Future[None]:
         return self._call(Cmd.PING, p.Empty())
+
+    # ----------------------------------------------------------------------------- graphs
+
+    def compute(self, graph: Graph, inputs: Inputs = None,
+                fetch: Sequence[RemoteTensor] = ()) -> list[np.ndarray]:
+        """Validate and run ``graph`` once on the worker (one message); see :meth:`run`."""
+        return self.compute_async(graph, inputs, fetch).result()
+
+    def compute_async(self, graph: Graph, inputs: Inputs = None,
+                      fetch: Sequence[RemoteTensor] = ()) -> Future[list[np.ndarray]]:
+        self._own_graph(graph)
+        refs, frames = self._graph_inputs(inputs)
+        msg = wire_graph.GraphCompute(graph=graph.spec(), inputs=refs,
+                                      fetch=[self._ref(t) for t in fetch])
+        return self._call(Cmd.GRAPH_COMPUTE, msg, frames, on_reply=_fetched(fetch))
+
+    def register(self, graph: Graph) -> RegisteredGraph:
+        """Validate ``graph`` on the worker and keep it (and its scratch arena) for :meth:`run`."""
+        return self.register_async(graph).result()
+
+    def register_async(self, graph: Graph) -> Future[RegisteredGraph]:
+        self._own_graph(graph)
+        handle = RegisteredGraph(self, self._new_handle(), graph)
+        future = self._call(Cmd.GRAPH_REGISTER,
+                            wire_graph.GraphRegister(handle=handle.handle, graph=graph.spec()))
+        return _then(future, lambda _: handle)
+
+    def run(self, graph: RegisteredGraph, inputs: Inputs = None,
+            fetch: Sequence[RemoteTensor] = ()) -> list[np.ndarray]:
+        """Rerun a registered graph with one small message.
+
+        ``inputs`` (pairs of RemoteTensor and array, or a dict) are written first, in the same
+        message; the arrays of the ``fetch`` tensors come back in the reply, after the run.
+        """
+        return self.run_async(graph, inputs, fetch).result()
+
+    def run_async(self, graph: RegisteredGraph, inputs: Inputs = None,
+                  fetch: Sequence[RemoteTensor] = ()) -> Future[list[np.ndarray]]:
+        if graph.client is not self:
+            raise BadRequest("that graph is registered on another worker")
+        refs, frames = self._graph_inputs(inputs)
+        msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs,
+                                  fetch=[self._ref(t) for t in fetch])
+        return self._call(Cmd.GRAPH_RUN, msg, frames, on_reply=_fetched(fetch))
+
+    def _own_graph(self, graph: Graph) -> None:
+        if graph.client is not None and graph.client is not self:
+            raise BadRequest(f"that graph uses tensors of {graph.client.endpoint}, "
+                             f"not of {self.endpoint}")
+
+    def _ref(self, tensor: RemoteTensor) -> TensorRef:
+        self._own(tensor)
+        return tensor.ref
+
+    def _graph_inputs(self, inputs: Inputs) -> tuple[list[TensorRef], list[np.ndarray]]:
+        pairs = list(inputs.items()) if isinstance(inputs, dict) else list(inputs or ())
+        refs = [self._ref(t) for t, _ in pairs]
+        frames = [_payload_array(t, v).reshape(-1).view(np.uint8) for t, v in pairs]
+        total = sum(f.nbytes for f in frames)
+        if total > self.chunk_bytes:
+            raise BadRequest(f"{total} bytes of graph inputs in one message; upload inputs over "
+                             f"{self.chunk_bytes} bytes with set_tensor_async first")
+        return refs, frames
+
+
+class RegisteredGraph:
+    """A graph kept by the worker under a client-chosen handle; ``client.run(g)`` reruns it."""
+
+    __slots__ = ("client", "handle", "graph")
+
+    def __init__(self, client: Client, handle: int, graph: Graph) -> None:
+        self.client = client
+        self.handle = handle
+        self.graph = graph
+
+    def __repr__(self) -> str:
+        return f"RegisteredGraph(handle={self.handle}, nodes={len(self.graph)})"
+
+    def free(self) -> None:
+        self.free_async().result()
+
+    def free_async(self) -> Future[None]:
+        """Release the graph and its scratch arena on the worker."""
+        return self.client._call(Cmd.GRAPH_FREE, p.BufferOp(handle=self.handle))
+
+
+Inputs = dict[RemoteTensor, Any] | Sequence[tuple[RemoteTensor, Any]] | None
+
+
+def _fetched(fetch: Sequence[RemoteTensor]) -> Callable[[p.Message, list[zmq.Frame]], Any]:
+    shapes = [(t.shape, t.ref.dtype) for t in fetch]
+
+    def land(reply: p.Message, frames: list[zmq.Frame]) -> list[np.ndarray]:
+        arrays = []
+        for (shape, dtype), frame in zip(shapes, frames):
+            array = np.frombuffer(frame.buffer, dtype.storage).reshape(shape).copy()
+            arrays.append(from_bfloat16(array) if dtype is DType.BFLOAT16 else array)
+        return arrays
+
+    return land
 
 
 def _payload_array(tensor: RemoteTensor, values: Any) -> np.ndarray:

@@ -7,6 +7,9 @@ is stopped; every client is closed, so a leak fails a test instead of hanging CI
 from __future__ import annotations
 
 import os
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")   # before numpy loads: 2 cores, workers in the same process
 import signal
 import subprocess
 import sys

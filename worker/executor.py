@@ -16,15 +16,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import zmq
 
+from ..broker import graph as g
 from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
+from .graph_exec import CompiledGraph, compile_graph
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -77,6 +79,7 @@ class Session:
     client_id: bytes
     name: str
     buffers: dict[int, Buffer] = field(default_factory=dict)
+    graphs: dict[int, CompiledGraph] = field(default_factory=dict)
     queue: deque[Request] = field(default_factory=deque)
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -103,7 +106,8 @@ class Executor:
         self.peer_endpoint = peer_endpoint
         self.sessions: dict[bytes, Session] = {}
         self.used_memory = 0
-        self.capabilities: list[str] = ["views", "chunked-transfer", "zero-copy"]
+        self.capabilities: list[str] = ["views", "chunked-transfer", "zero-copy",
+                                        f"graph-v{g.GRAPH_VERSION}"]
         self.handlers: dict[Cmd, Handler] = {
             Cmd.PING: lambda s, m, f: NO_REPLY,
             Cmd.GOODBYE: self._goodbye,
@@ -116,12 +120,18 @@ class Executor:
             Cmd.MEMSET_TENSOR: self._memset,
             Cmd.COPY_TENSOR: self._copy,
             Cmd.SYNCHRONIZE: lambda s, m, f: NO_REPLY,
+            Cmd.GRAPH_REGISTER: self._graph_register,
+            Cmd.GRAPH_RUN: self._graph_run,
+            Cmd.GRAPH_COMPUTE: self._graph_compute,
+            Cmd.GRAPH_FREE: self._graph_free,
         }
-        self.writes: dict[Cmd, Callable[[Any], list[int]]] = {
-            Cmd.CLEAR_BUFFER: lambda m: [m.handle],
-            Cmd.SET_TENSOR: lambda m: [m.tensor.buffer],
-            Cmd.MEMSET_TENSOR: lambda m: [m.tensor.buffer],
-            Cmd.COPY_TENSOR: lambda m: [m.dst.buffer],
+        self.writes: dict[Cmd, Callable[[Session, Any], Iterable[int]]] = {
+            Cmd.CLEAR_BUFFER: lambda s, m: [m.handle],
+            Cmd.SET_TENSOR: lambda s, m: [m.tensor.buffer],
+            Cmd.MEMSET_TENSOR: lambda s, m: [m.tensor.buffer],
+            Cmd.COPY_TENSOR: lambda s, m: [m.dst.buffer],
+            Cmd.GRAPH_COMPUTE: lambda s, m: [t.buffer for t in [*m.graph.tensors, *m.inputs]],
+            Cmd.GRAPH_RUN: self._graph_run_writes,
         }
         """Which buffers a command writes: it waits until their zero-copy sends are done."""
         self.preconditions: list[Callable[[Session, Request], bool]] = [self._buffers_idle]
@@ -247,8 +257,10 @@ class Executor:
     def close_session(self, session: Session, why: str) -> None:
         """Free everything the session owns."""
         freed = sum(b.size for b in session.buffers.values())
+        freed += sum(graph.arena_size for graph in session.graphs.values())
         self.used_memory -= freed
         session.buffers.clear()
+        session.graphs.clear()
         self.sessions.pop(session.client_id, None)
         for req in session.queue:
             if req.cmd is not Cmd.GOODBYE:
@@ -312,7 +324,7 @@ class Executor:
         written = self.writes.get(req.cmd)
         if written is None:
             return True
-        for handle in written(req.msg):
+        for handle in written(session, req.msg):
             buf = session.buffers.get(handle)
             if buf is not None and buf.sending and buf.busy():
                 return False
@@ -331,10 +343,8 @@ class Executor:
         return NO_REPLY
 
     def _get_tensor(self, session: Session, msg: p.GetTensor, payload: Sequence[Any]) -> Reply:
-        data, aliased = self.backend.read(self.view(session, msg.tensor))
-        if aliased and msg.tensor.nbytes >= TRACK_THRESHOLD:
-            return p.GetTensorReply(), [TrackedPayload(data, session.buffers[msg.tensor.buffer])]
-        return p.GetTensorReply(), [data]
+        return p.GetTensorReply(), [self._fetched(session, msg.tensor,
+                                                  self.view(session, msg.tensor))]
 
     def _memset(self, session: Session, msg: p.MemsetTensor, payload: Sequence[Any]) -> Reply:
         ref = msg.tensor
@@ -364,6 +374,78 @@ class Executor:
         src = self.view(session, msg.src)
         dst = self.view(session, msg.dst)
         self.backend.copy(dst, src)
+        return NO_REPLY
+
+
+    # ----------------------------------------------------------------------------- graphs
+
+    def _graph_register(self, session: Session, msg: g.GraphRegister,
+                        payload: Sequence[Any]) -> Reply:
+        if msg.handle in session.graphs:
+            raise WireError(ErrorCode.INVALID_HANDLE, f"graph handle {msg.handle} is in use")
+        graph = self._compile(session, msg.graph)
+        self._reserve(graph.arena_size, "graph scratch arena")
+        graph.ensure_arena()
+        session.graphs[msg.handle] = graph
+        return NO_REPLY
+
+    def _compile(self, session: Session, spec: g.GraphSpec) -> CompiledGraph:
+        for ref in spec.tensors:
+            self.view(session, ref)          # handles exist, views inside their buffers
+        return compile_graph(spec)
+
+    def _reserve(self, size: int, what: str) -> None:
+        free, total = self.memory()
+        if size > free:
+            raise WireError(ErrorCode.OUT_OF_MEMORY, f"{what} of {size} bytes does not fit: "
+                            f"{free} of {total} bytes free on this worker")
+        self.used_memory += size
+
+    def _graph(self, session: Session, handle: int) -> CompiledGraph:
+        graph = session.graphs.get(handle)
+        if graph is None:
+            raise WireError(ErrorCode.INVALID_HANDLE,
+                            f"graph {handle} is not registered in this session")
+        return graph
+
+    def _graph_run_writes(self, session: Session, msg: g.GraphRun) -> Iterable[int]:
+        graph = session.graphs.get(msg.handle)
+        written = graph.written_buffers if graph is not None else frozenset()
+        return [*written, *(t.buffer for t in msg.inputs)]
+
+    def _graph_run(self, session: Session, msg: g.GraphRun, payload: Sequence[Any]) -> Reply:
+        return self._execute(session, self._graph(session, msg.handle), msg, payload)
+
+    def _graph_compute(self, session: Session, msg: g.GraphCompute,
+                       payload: Sequence[Any]) -> Reply:
+        graph = self._compile(session, msg.graph)
+        self._reserve(graph.arena_size, "graph scratch arena")
+        try:
+            return self._execute(session, graph, msg, payload)
+        finally:
+            self.used_memory -= graph.arena_size
+
+    def _execute(self, session: Session, graph: CompiledGraph, msg: g.GraphRun | g.GraphCompute,
+                 payload: Sequence[Any]) -> Reply:
+        inputs = [self.view(session, ref) for ref in msg.inputs]
+        fetch = [self.view(session, ref) for ref in msg.fetch]
+        externals = [self.view(session, ref) for ref in graph.spec.tensors]
+        for view, frame in zip(inputs, payload):
+            self.backend.write(view, frame)
+        graph.run(externals)
+        frames = [self._fetched(session, ref, view) for ref, view in zip(msg.fetch, fetch)]
+        return g.GraphReply(sizes=[ref.nbytes for ref in msg.fetch]), frames
+
+    def _fetched(self, session: Session, ref: TensorRef, view: Any) -> Any:
+        data, aliased = self.backend.read(view)
+        if aliased and ref.nbytes >= TRACK_THRESHOLD:
+            return TrackedPayload(data, session.buffers[ref.buffer])
+        return data
+
+    def _graph_free(self, session: Session, msg: p.BufferOp, payload: Sequence[Any]) -> Reply:
+        graph = self._graph(session, msg.handle)
+        del session.graphs[msg.handle]
+        self.used_memory -= graph.arena_size
         return NO_REPLY
 
 

@@ -1,0 +1,203 @@
+"""Computation graphs on the wire: encoding, structural validation and shape inference.
+
+Pure functions and immutable data, shared by the client (which infers shapes so that mistakes fail
+before anything is sent) and the worker (which validates again before anything runs).
+
+Wire form (a msgpack value inside a request header; ``GRAPH_VERSION`` is its first element)::
+
+    [GRAPH_VERSION,
+     [tensor, ...],                       external tensors: [buffer, dtype, shape, strides, offset]
+     [[op, [src, ...], {param: value}, dst], ...]]     nodes, in topological order
+
+A ``src`` >= 0 names an earlier node's result (so a graph cannot have a cycle); a ``src`` < 0 names
+external tensor ``-1 - src``. ``dst`` is -1 (the result stays in the worker's scratch arena) or the
+index of an external tensor the result is written into (same shape; dtype converted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BadRequest
+from .ops import OPS, OpError, OpKind, TensorMeta, infer
+from .protocol import (
+    Cmd,
+    ErrorCode,
+    Message,
+    TensorRef,
+    _f,
+    check_handle,
+    check_tensor,
+    list_of,
+    register_command,
+)
+from .protocol import BufferOp, Empty
+
+GRAPH_VERSION = 1
+MAX_NODES = 1 << 16
+MAX_TENSORS = 1 << 14
+MAX_PARAMS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One op applied to earlier results (``src >= 0``) or external tensors (``src < 0``)."""
+
+    op: str
+    srcs: tuple[int, ...]
+    params: dict[str, Any]
+    dst: int = -1
+
+    def to_wire(self) -> list[Any]:
+        return [self.op, list(self.srcs), self.params, self.dst]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSpec:
+    """A whole graph: the external tensors it touches and its nodes in topological order."""
+
+    tensors: tuple[TensorRef, ...]
+    nodes: tuple[Node, ...]
+
+    def to_wire(self) -> list[Any]:
+        return [GRAPH_VERSION, [t.to_wire() for t in self.tensors],
+                [n.to_wire() for n in self.nodes]]
+
+
+def _bad(why: str) -> BadRequest:
+    return BadRequest(f"graph: {why}", code=ErrorCode.GRAPH_INVALID)
+
+
+def check_graph(value: Any, field: str = "graph") -> GraphSpec:
+    """Decode and structurally validate a wire graph (no shapes yet: see :func:`infer_graph`)."""
+    if type(value) is not list or len(value) != 3:
+        raise _bad("expected [version, tensors, nodes]")
+    version, tensors, nodes = value
+    if version != GRAPH_VERSION:
+        raise _bad(f"encoding version {version!r}, this side speaks {GRAPH_VERSION}")
+    if type(tensors) is not list or len(tensors) > MAX_TENSORS:
+        raise _bad(f"at most {MAX_TENSORS} external tensors")
+    if type(nodes) is not list or not 0 < len(nodes) <= MAX_NODES:
+        raise _bad(f"a graph has 1 to {MAX_NODES} nodes, got "
+                   f"{len(nodes) if type(nodes) is list else '?'}")
+    refs = tuple(check_tensor(t, f"{field}.tensors[{i}]") for i, t in enumerate(tensors))
+    return GraphSpec(refs, tuple(_check_node(n, i, len(refs)) for i, n in enumerate(nodes)))
+
+
+def _check_node(value: Any, index: int, n_tensors: int) -> Node:
+    if type(value) is not list or len(value) != 4:
+        raise _bad(f"node {index}: expected [op, srcs, params, dst]")
+    op, srcs, params, dst = value
+    if type(op) is not str or op not in OPS:
+        raise _bad(f"node {index}: unknown op {str(op)[:40]!r}")
+    if type(srcs) is not list or len(srcs) > 64 or any(type(s) is not int for s in srcs):
+        raise _bad(f"node {index}: srcs must be a list of integers")
+    for src in srcs:
+        if not (-n_tensors <= src < index):
+            raise _bad(f"node {index}: src {src} is neither an earlier node nor an external "
+                       "tensor (nodes may only use earlier results: no cycles)")
+    if type(params) is not dict or len(params) > MAX_PARAMS or \
+            any(type(k) is not str for k in params):
+        raise _bad(f"node {index}: params must be a map of names to values")
+    if type(dst) is not int or not -1 <= dst < n_tensors:
+        raise _bad(f"node {index}: dst {dst!r} is not -1 or an external tensor index")
+    return Node(op, tuple(srcs), params, dst)
+
+
+def tensor_meta(ref: TensorRef) -> TensorMeta:
+    """What the op rules need to know of an external tensor."""
+    return TensorMeta(ref.shape, ref.dtype.dtype_name, ref.is_contiguous())
+
+
+def infer_graph(spec: GraphSpec) -> tuple[list[TensorMeta], list[dict[str, Any]]]:
+    """Every node's output meta and normalized params, checking each op's rules and each dst.
+
+    Raises BadRequest (code GRAPH_INVALID) naming the node.
+    """
+    external = [tensor_meta(t) for t in spec.tensors]
+    metas: list[TensorMeta] = []
+    params: list[dict[str, Any]] = []
+    for index, node in enumerate(spec.nodes):
+        inputs = [metas[s] if s >= 0 else external[-1 - s] for s in node.srcs]
+        try:
+            meta, normalized = infer(node.op, inputs, node.params)
+        except OpError as exc:
+            raise _bad(f"node {index}: {exc}") from None
+        _check_dst(spec, index, node, meta)
+        metas.append(meta)
+        params.append(normalized)
+    return metas, params
+
+
+def _check_dst(spec: GraphSpec, index: int, node: Node, meta: TensorMeta) -> None:
+    if node.dst < 0:
+        return
+    if OPS[node.op].kind is OpKind.INPLACE:
+        raise _bad(f"node {index}: {node.op} writes into its destination input; it takes no dst")
+    target = spec.tensors[node.dst]
+    if target.shape != meta.shape:
+        raise _bad(f"node {index}: result shape {meta.shape} does not match its output tensor "
+                   f"{target.shape}")
+
+
+def external_srcs(spec: GraphSpec) -> Sequence[int]:
+    """Indices of the external tensors the graph reads or writes."""
+    return sorted({-1 - s for n in spec.nodes for s in n.srcs if s < 0} |
+                  {n.dst for n in spec.nodes if n.dst >= 0})
+
+
+# ------------------------------------------------------------------------------ messages
+
+MAX_IO = 256
+_check_refs = list_of(check_tensor, MAX_IO)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphRegister(Message):
+    """Validate ``graph`` and keep it under the client-chosen ``handle`` for cheap reruns."""
+
+    handle: int = _f(check_handle)
+    graph: GraphSpec = _f(check_graph)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphRun(Message):
+    """Run registered graph ``handle``: first write ``inputs`` (one payload frame each, C order),
+    then run, then return the bytes of each ``fetch`` tensor as reply frames."""
+
+    handle: int = _f(check_handle)
+    inputs: list[TensorRef] = _f(_check_refs)
+    fetch: list[TensorRef] = _f(_check_refs)
+
+    def payload_sizes(self) -> list[int]:
+        return [t.nbytes for t in self.inputs]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphCompute(Message):
+    """Validate and run ``graph`` once (GRAPH_RUN semantics for inputs and fetch)."""
+
+    graph: GraphSpec = _f(check_graph)
+    inputs: list[TensorRef] = _f(_check_refs)
+    fetch: list[TensorRef] = _f(_check_refs)
+
+    def payload_sizes(self) -> list[int]:
+        return [t.nbytes for t in self.inputs]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphReply(Message):
+    """A graph ran: one payload frame per fetched tensor, of these sizes."""
+
+    sizes: list[int] = _f(list_of(check_handle, MAX_IO))
+
+    def payload_sizes(self) -> list[int]:
+        return list(self.sizes)
+
+
+register_command(Cmd.GRAPH_REGISTER, GraphRegister, Empty)
+register_command(Cmd.GRAPH_RUN, GraphRun, GraphReply)
+register_command(Cmd.GRAPH_COMPUTE, GraphCompute, GraphReply)
+register_command(Cmd.GRAPH_FREE, BufferOp, Empty)

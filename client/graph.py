@@ -1,0 +1,270 @@
+"""Build computation graphs on the client; run them on a worker in one message.
+
+A :class:`Graph` records ops over :class:`~zmq_rpc.client.RemoteTensor` inputs. Every op infers its
+result's shape and dtype at once with the same rules the worker applies (:mod:`zmq_rpc.broker.ops`),
+so a mistake raises :class:`~zmq_rpc.broker.ops.OpError` here, before anything is sent. A result
+either lands in a RemoteTensor you name (``out=``) or stays in the worker's scratch arena.
+
+    g = Graph()
+    h = g.rms_norm(x, eps=1e-5) * w            # GraphTensor values; operators build ops
+    g.matmul(h, W, transpose_b=True, out=y)    # y = h @ W.T written into RemoteTensor y
+    client.compute(g)                          # or: handle = client.register(g); client.run(handle)
+
+Plain data, no sockets: any thread may build graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..broker.graph import GraphSpec, Node, tensor_meta
+from ..broker.ops import OpError, TensorMeta, infer
+from ..broker.protocol import TensorRef
+
+Operand = "GraphTensor | Any"
+
+
+class GraphTensor:
+    """A value inside a :class:`Graph`: an external RemoteTensor or a node's result."""
+
+    __slots__ = ("graph", "index", "meta")
+
+    def __init__(self, graph: Graph, index: int, meta: TensorMeta) -> None:
+        self.graph = graph
+        self.index = index
+        self.meta = meta
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.meta.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.meta.dtype
+
+    def __repr__(self) -> str:
+        where = f"node {self.index}" if self.index >= 0 else f"input {-1 - self.index}"
+        return f"GraphTensor({self.dtype}{list(self.shape)}, {where})"
+
+    def __add__(self, other: Any) -> GraphTensor:
+        return self.graph.add(self, other)
+
+    def __sub__(self, other: Any) -> GraphTensor:
+        return self.graph.sub(self, other)
+
+    def __mul__(self, other: Any) -> GraphTensor:
+        if isinstance(other, (int, float)):
+            return self.graph.scale(self, float(other))
+        return self.graph.mul(self, other)
+
+    def __truediv__(self, other: Any) -> GraphTensor:
+        return self.graph.div(self, other)
+
+    def __matmul__(self, other: Any) -> GraphTensor:
+        return self.graph.matmul(self, other)
+
+    def __neg__(self) -> GraphTensor:
+        return self.graph.neg(self)
+
+    @property
+    def T(self) -> GraphTensor:
+        return self.graph.transpose(self)
+
+    def reshape(self, *shape: int) -> GraphTensor:
+        return self.graph.reshape(self, shape)
+
+
+class Graph:
+    """An ordered list of ops over one worker's tensors (a DAG by construction)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[TensorRef] = []
+        self.nodes: list[Node] = []
+        self.metas: list[TensorMeta] = []
+        self.client: Any = None
+        self._external: dict[TensorRef, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def spec(self) -> GraphSpec:
+        """The graph as the wire sees it."""
+        if not self.nodes:
+            raise OpError("an empty graph has nothing to run")
+        return GraphSpec(tuple(self.tensors), tuple(self.nodes))
+
+    # ------------------------------------------------------------------------ building
+
+    def input(self, tensor: Any) -> GraphTensor:
+        """Use a RemoteTensor in this graph (ops do this implicitly)."""
+        if isinstance(tensor, GraphTensor):
+            if tensor.graph is not self:
+                raise OpError("a GraphTensor from another graph")
+            return tensor
+        ref = tensor.ref
+        self._bind(tensor.client)
+        index = self._external.get(ref)
+        if index is None:
+            index = self._external[ref] = len(self.tensors)
+            self.tensors.append(ref)
+        return GraphTensor(self, -1 - index, tensor_meta(ref))
+
+    def _bind(self, client: Any) -> None:
+        if self.client is None:
+            self.client = client
+        elif self.client is not client:
+            raise OpError(f"one graph runs on one worker: {client.endpoint} is not "
+                          f"{self.client.endpoint}")
+
+    def op(self, name: str, *inputs: Any, out: Any = None, **params: Any) -> GraphTensor:
+        """Append ``name(inputs, **params)``; its result goes into RemoteTensor ``out`` if given."""
+        values = [self.input(x) for x in inputs]
+        meta, _ = infer(name, [v.meta for v in values], params)
+        dst = -1
+        if out is not None:
+            if tuple(out.shape) != meta.shape:
+                raise OpError(f"{name}: result shape {meta.shape} does not fit output tensor "
+                              f"{tuple(out.shape)}")
+            dst = -1 - self.input(out).index
+        self.nodes.append(Node(name, tuple(v.index for v in values), _wire_params(params), dst))
+        self.metas.append(meta)
+        return GraphTensor(self, len(self.nodes) - 1, meta)
+
+    # ---------------------------------------------------------------- the op set, typed
+
+    def get_rows(self, table: Any, idx: Any, *, qtype: str = "none", out: Any = None) -> GraphTensor:
+        return self.op("get_rows", table, idx, qtype=qtype, out=out)
+
+    def add(self, a: Any, b: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("add", a, b, out=out)
+
+    def sub(self, a: Any, b: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("sub", a, b, out=out)
+
+    def mul(self, a: Any, b: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("mul", a, b, out=out)
+
+    def div(self, a: Any, b: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("div", a, b, out=out)
+
+    def scale(self, x: Any, s: float, *, out: Any = None) -> GraphTensor:
+        return self.op("scale", x, s=float(s), out=out)
+
+    def neg(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("neg", x, out=out)
+
+    def abs(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("abs", x, out=out)
+
+    def sqr(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("sqr", x, out=out)
+
+    def sqrt(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("sqrt", x, out=out)
+
+    def exp(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("exp", x, out=out)
+
+    def log(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("log", x, out=out)
+
+    def tanh(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("tanh", x, out=out)
+
+    def relu(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("relu", x, out=out)
+
+    def silu(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("silu", x, out=out)
+
+    def sigmoid(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("sigmoid", x, out=out)
+
+    def gelu(self, x: Any, *, approximate: str = "tanh", out: Any = None) -> GraphTensor:
+        return self.op("gelu", x, approximate=approximate, out=out)
+
+    def matmul(self, a: Any, b: Any, *, transpose_b: bool = False, out: Any = None) -> GraphTensor:
+        """Batched ``a @ b`` (``a @ b.T`` with transpose_b, for weights stored (out, in))."""
+        return self.op("matmul", a, b, transpose_b=transpose_b, out=out)
+
+    def mul_mat_q(self, x: Any, wq: Any, *, qtype: str, out: Any = None) -> GraphTensor:
+        """``x @ dequantize(wq).T`` for a ggml-quantized weight (uint8 blocks), fused."""
+        return self.op("mul_mat_q", x, wq, qtype=qtype, out=out)
+
+    def dequantize(self, q: Any, *, qtype: str, out: Any = None) -> GraphTensor:
+        return self.op("dequantize", q, qtype=qtype, out=out)
+
+    def rms_norm(self, x: Any, *, eps: float, out: Any = None) -> GraphTensor:
+        return self.op("rms_norm", x, eps=float(eps), out=out)
+
+    def layer_norm(self, x: Any, weight: Any = None, bias: Any = None, *, eps: float,
+                   out: Any = None) -> GraphTensor:
+        extra = [t for t in (weight, bias) if t is not None]
+        if bias is not None and weight is None:
+            raise OpError("layer_norm: a bias needs a weight")
+        return self.op("layer_norm", x, *extra, eps=float(eps), out=out)
+
+    def soft_max(self, x: Any, mask: Any = None, *, scale: float = 1.0,
+                 out: Any = None) -> GraphTensor:
+        extra = [] if mask is None else [mask]
+        return self.op("soft_max", x, *extra, scale=float(scale), out=out)
+
+    def rope(self, x: Any, pos: Any, *, n_dims: int, mode: str = "normal",
+             freq_base: float = 10000.0, freq_scale: float = 1.0, out: Any = None) -> GraphTensor:
+        """Rotary embedding of x (..., T, H, D) at positions pos (T,) int32."""
+        return self.op("rope", x, pos, n_dims=n_dims, mode=mode, freq_base=float(freq_base),
+                       freq_scale=float(freq_scale), out=out)
+
+    def reshape(self, x: Any, shape: Sequence[int]) -> GraphTensor:
+        return self.op("reshape", x, shape=list(shape))
+
+    def view(self, x: Any, shape: Sequence[int], strides: Sequence[int],
+             offset: int = 0) -> GraphTensor:
+        """A byte-strided view of a contiguous value (like ggml_view)."""
+        return self.op("view", x, shape=list(shape), strides=list(strides), offset=offset)
+
+    def permute(self, x: Any, axes: Sequence[int]) -> GraphTensor:
+        return self.op("permute", x, axes=list(axes))
+
+    def transpose(self, x: Any) -> GraphTensor:
+        """Swap the last two axes (a view)."""
+        return self.op("transpose", x)
+
+    def cont(self, x: Any, *, out: Any = None) -> GraphTensor:
+        return self.op("cont", x, out=out)
+
+    def concat(self, *xs: Any, axis: int, out: Any = None) -> GraphTensor:
+        return self.op("concat", *xs, axis=axis, out=out)
+
+    def cpy(self, src: Any, dst: Any) -> GraphTensor:
+        """Write src into existing tensor dst, converting dtype (how a KV cache is written)."""
+        return self.op("cpy", src, dst)
+
+    def set_rows(self, dst: Any, src: Any, idx: Any) -> GraphTensor:
+        """dst[idx[i]] = src[i] into an existing tensor; index values are checked at run time."""
+        return self.op("set_rows", dst, src, idx)
+
+    def sum(self, x: Any, *, axis: int | Sequence[int], keepdims: bool = False,
+            out: Any = None) -> GraphTensor:
+        return self.op("sum", x, axis=_axis(axis), keepdims=keepdims, out=out)
+
+    def mean(self, x: Any, *, axis: int | Sequence[int], keepdims: bool = False,
+             out: Any = None) -> GraphTensor:
+        return self.op("mean", x, axis=_axis(axis), keepdims=keepdims, out=out)
+
+    def argmax(self, x: Any, *, out: Any = None) -> GraphTensor:
+        """Index of the largest element along the last axis (int32)."""
+        return self.op("argmax", x, out=out)
+
+    def diag_mask_inf(self, x: Any, *, n_past: int, out: Any = None) -> GraphTensor:
+        """Causal mask: x[..., i, j] = -inf where j > n_past + i."""
+        return self.op("diag_mask_inf", x, n_past=n_past, out=out)
+
+
+def _axis(axis: int | Sequence[int]) -> Any:
+    return axis if isinstance(axis, int) else list(axis)
+
+
+def _wire_params(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}

@@ -1,0 +1,500 @@
+"""numpy kernels for every op in :mod:`zmq_rpc.broker.ops`.
+
+Owns the arithmetic. Only the backend thread calls it. Callers validate each node with
+:func:`zmq_rpc.broker.ops.infer` first and pass the *normalized* params it returns; inputs are numpy arrays
+in storage dtype (bfloat16 as raw uint16 bits), possibly strided views.
+
+- :func:`run_compute` writes into ``out`` (C-contiguous, the output's storage dtype), through ufunc
+  ``out=`` and in-place updates, so a warm rerun allocates little beyond small per-row temporaries
+  (exceptions are noted at each kernel: rope, argmax and dtype conversions of bfloat16 inputs).
+- :func:`run_view` returns a view that shares memory with its input.
+- :func:`run_inplace` writes into the destination input.
+
+Floating-point exceptions are silent, as in ggml: overflow gives inf, 0/0 gives NaN. Data-dependent
+checks (index values, a view escaping its runtime buffer) raise :class:`OpRuntimeError` before any memory
+is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from ...broker import quant
+from ...broker.ops import OPS, OpError, OpKind, TensorMeta, view_span
+
+__all__ = [
+    "OpRuntimeError",
+    "as_float32",
+    "erf",
+    "from_float32",
+    "numpy_dtype",
+    "run_compute",
+    "run_inplace",
+    "run_view",
+]
+
+F32 = npt.NDArray[np.float32]
+Params = Mapping[str, Any]
+Kernel = Callable[[Sequence[np.ndarray], Sequence[TensorMeta], Params, np.ndarray], None]
+
+
+class OpRuntimeError(Exception):
+    """Raised at run time by data-dependent checks (index values out of range)."""
+
+
+_STORAGE: Final[Mapping[str, np.dtype[Any]]] = {
+    name: np.dtype("uint16" if name == "bfloat16" else name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "uint16",
+                 "int32", "uint32", "int64", "uint64", "bool")
+}
+
+
+# ------------------------------------------------------------------------------------ dtype helpers
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """Storage dtype of a dtype name (bfloat16 is stored as uint16 bits). Raises ValueError if unknown."""
+    try:
+        return _STORAGE[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r}") from None
+
+
+def as_float32(arr: np.ndarray, dtype_name: str, out: np.ndarray | None = None) -> F32:
+    """Values of ``arr`` (storage dtype of ``dtype_name``) as float32.
+
+    Without ``out`` this returns ``arr`` itself when it is already float32 (do not write to the result).
+    With ``out`` (float32, ``arr`` broadcastable to it) the values are written there and ``out`` is returned.
+    """
+    if dtype_name == "bfloat16":
+        if out is None:
+            out = np.empty(arr.shape, np.float32)
+        np.left_shift(arr, 16, out=out.view(np.uint32), dtype=np.uint32)
+        return out
+    if out is None:
+        return arr if arr.dtype == np.float32 else arr.astype(np.float32)
+    np.copyto(out, arr, casting="unsafe")
+    return out
+
+
+def from_float32(arr32: np.ndarray, dtype_name: str, out: np.ndarray) -> None:
+    """Write float32 values into ``out`` (storage dtype of ``dtype_name``).
+
+    bfloat16 rounds to nearest even and keeps NaNs quiet NaNs; integer targets truncate like a C cast
+    (NaN and out-of-range values give unspecified integers).
+    """
+    if dtype_name != "bfloat16":
+        np.copyto(out, arr32, casting="unsafe")
+        return
+    bits = np.ascontiguousarray(arr32, dtype=np.float32).view(np.uint32)
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += 0x7FFF
+    rounded += bits
+    rounded >>= 16
+    nan = np.isnan(arr32)
+    np.copyto(rounded, (bits >> 16) | 0x40, where=nan)
+    np.copyto(out, rounded, casting="unsafe")
+
+
+def convert(dst: np.ndarray, dst_dtype: str, src: np.ndarray, src_dtype: str) -> None:
+    """Copy ``src`` into ``dst`` (broadcasting), converting between dtype names."""
+    if src_dtype == dst_dtype:
+        np.copyto(dst, src)
+    elif dst_dtype == "bfloat16":
+        from_float32(np.broadcast_to(as_float32(src, src_dtype), dst.shape), dst_dtype, dst)
+    elif src_dtype == "bfloat16" and dst.dtype == np.float32:
+        as_float32(src, src_dtype, out=dst)
+    else:
+        np.copyto(dst, as_float32(src, src_dtype) if src_dtype == "bfloat16" else src, casting="unsafe")
+
+
+def _load(out: np.ndarray, x: np.ndarray, meta: TensorMeta) -> F32:
+    """Write ``x`` as float32 into ``out`` (the usual first step of an in-place kernel)."""
+    convert(out, "float32", x, meta.dtype)
+    return out
+
+
+def _ufunc_src(x: np.ndarray, meta: TensorMeta) -> np.ndarray:
+    """``x`` in a form a ufunc with ``dtype=float32`` reads correctly (only bfloat16 needs converting)."""
+    return as_float32(x, meta.dtype) if meta.dtype == "bfloat16" else x
+
+
+# -------------------------------------------------------------------------------------------- erf
+
+_ERF_CHUNK: Final = 16384
+# Numerical Recipes' Chebyshev fit of erfc (|erf error| < 1.2e-7; 8.3e-8 measured on [-6, 6]).
+_ERFC_COEFFS: Final = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+                       0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+
+
+def _erf64(z: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """erf of a float64 chunk, with three chunk-sized temporaries."""
+    a = np.abs(z)
+    t = a * 0.5
+    t += 1.0
+    np.reciprocal(t, out=t)
+    poly = np.full_like(t, _ERFC_COEFFS[-1])
+    for coeff in _ERFC_COEFFS[-2::-1]:
+        poly *= t
+        poly += coeff
+    a *= a
+    poly -= a
+    np.exp(poly, out=poly)
+    poly *= t  # erfc(|z|)
+    np.subtract(1.0, poly, out=poly)
+    return np.copysign(poly, z, out=poly)
+
+
+def erf(x: np.ndarray, out: np.ndarray | None = None) -> F32:
+    """Vectorized error function, float32 result, absolute error < 1.2e-7.
+
+    Works in float64 chunks of 16K elements, so temporaries stay small (~0.5 MiB); ``out``
+    (C-contiguous float32) may be ``x`` itself.
+    """
+    result = np.empty(x.shape, np.float32) if out is None else out
+    src, dst = x.reshape(-1), result.reshape(-1)
+    for start in range(0, src.size, _ERF_CHUNK):
+        dst[start:start + _ERF_CHUNK] = _erf64(src[start:start + _ERF_CHUNK].astype(np.float64))
+    return result
+
+
+# ------------------------------------------------------------------------------ elementwise kernels
+
+_F32: Final = np.float32
+_SQRT_2_OVER_PI: Final = math.sqrt(2.0 / math.pi)
+
+
+def _simple(fn: np.ufunc) -> Kernel:
+    def kernel(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+        fn(_ufunc_src(xs[0], ms[0]), out=out, dtype=_F32)
+
+    return kernel
+
+
+def _binary(fn: np.ufunc) -> Kernel:
+    def kernel(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+        fn(_ufunc_src(xs[0], ms[0]), _ufunc_src(xs[1], ms[1]), out=out, dtype=_F32)
+
+    return kernel
+
+
+def _scale(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    np.multiply(_ufunc_src(xs[0], ms[0]), _F32(p["s"]), out=out, dtype=_F32)
+
+
+def _relu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    np.maximum(_ufunc_src(xs[0], ms[0]), _F32(0), out=out, dtype=_F32)
+
+
+def _sigmoid_into(x: np.ndarray, out: np.ndarray) -> None:
+    """out = 1 / (1 + exp(-x)); saturates to 0 and 1 without NaN."""
+    np.negative(x, out=out, dtype=_F32)
+    np.exp(out, out=out)
+    out += 1
+    np.reciprocal(out, out=out)
+
+
+def _sigmoid(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    _sigmoid_into(_ufunc_src(xs[0], ms[0]), out)
+
+
+def _silu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    x = _ufunc_src(xs[0], ms[0])
+    _sigmoid_into(x, out)
+    np.multiply(out, x, out=out, dtype=_F32)
+
+
+def _gelu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (ggml's); erf: 0.5 x (1 + erf(x / sqrt 2))."""
+    x = _ufunc_src(xs[0], ms[0])
+    if p["approximate"] == "erf":
+        np.multiply(x, _F32(1 / math.sqrt(2.0)), out=out, dtype=_F32)
+        erf(out, out=out)
+    else:
+        np.square(x, out=out, dtype=_F32)
+        out *= _F32(0.044715)
+        out += 1
+        np.multiply(out, x, out=out, dtype=_F32)
+        out *= _F32(_SQRT_2_OVER_PI)
+        np.tanh(out, out=out)
+    out += 1
+    np.multiply(out, x, out=out, dtype=_F32)
+    out *= _F32(0.5)
+
+
+# ----------------------------------------------------------------------------- matmul and friends
+
+
+def _matmul(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """BLAS handles a transposed (Fortran-ordered) 2-D operand itself, so transpose_b copies nothing."""
+    a, b = as_float32(xs[0], ms[0].dtype), as_float32(xs[1], ms[1].dtype)
+    np.matmul(a, np.swapaxes(b, -1, -2) if p["transpose_b"] else b, out=out)
+
+
+_MMQ_BLOCK_BYTES: Final = 1 << 20  # float32 bytes of W dequantized per step
+
+
+def _mul_mat_q(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """out = x @ dequantize(wq).T, dequantizing W about 1 MiB of rows at a time into one reusable buffer.
+
+    MEASURED_TABLE
+    """
+    x = as_float32(xs[0], ms[0].dtype).reshape(-1, ms[0].shape[-1])
+    wq, qtype = xs[1], p["qtype"]
+    n_out, n_in = wq.shape[0], x.shape[1]
+    out2 = out.reshape(-1, n_out)
+    rows = max(1, _MMQ_BLOCK_BYTES // max(1, 4 * n_in))
+    buf = np.empty((min(rows, n_out), n_in), np.float32)
+    for start in range(0, n_out, rows):
+        w = quant.dequantize(wq[start:start + rows], qtype, out=buf[:min(rows, n_out - start)])
+        np.matmul(x, w.T, out=out2[:, start:start + rows])
+
+
+def _dequantize(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    quant.dequantize(xs[0], p["qtype"], out=out)
+
+
+def _check_index(idx: np.ndarray, n: int, what: str) -> None:
+    """Reject index values outside [0, n) before they are used (no negative wraparound)."""
+    if idx.size == 0:
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= n:
+        raise OpRuntimeError(f"{what}: index {lo if lo < 0 else hi} is out of range [0, {n})")
+
+
+def _get_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Only the selected rows are read (and dequantized, for a quantized table)."""
+    table, idx = xs
+    _check_index(idx, table.shape[0], "get_rows")
+    if p["qtype"] != "none":
+        rows = np.take(table, idx.reshape(-1), axis=0, mode="clip")
+        quant.dequantize(rows, p["qtype"], out=out.reshape(-1, out.shape[-1]))
+    elif ms[0].dtype == "float32":
+        np.take(table, idx, axis=0, out=out, mode="clip")
+    else:
+        _load(out, np.take(table, idx, axis=0, mode="clip"), ms[0])
+
+
+# ----------------------------------------------------------------------------------- normalization
+
+
+def _root_mean_square(x: F32, eps: float) -> F32:
+    """sqrt(mean(x^2) + eps) over the last axis, shape (..., 1): one small array per call."""
+    rms: F32 = np.vecdot(x, x)[..., None]
+    rms *= _F32(1.0 / x.shape[-1])
+    rms += _F32(eps)
+    return np.sqrt(rms, out=rms)
+
+
+def _rms_norm(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """x / sqrt(mean(x^2) + eps) over the last axis (ggml: no weight)."""
+    _load(out, xs[0], ms[0])
+    out /= _root_mean_square(out, p["eps"])
+
+
+def _layer_norm(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """(x - mean) / sqrt(var + eps) over the last axis, then * weight + bias when given."""
+    _load(out, xs[0], ms[0])
+    out -= out.mean(axis=-1, keepdims=True)
+    out /= _root_mean_square(out, p["eps"])
+    for fn, x, meta in zip((np.multiply, np.add), xs[1:], ms[1:], strict=False):
+        fn(out, _ufunc_src(x, meta), out=out, dtype=_F32)
+
+
+def _soft_max(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """softmax(x * scale + mask) over the last axis. A row that is all -inf comes out as zeros, not NaN."""
+    _load(out, xs[0], ms[0])
+    if p["scale"] != 1.0:
+        out *= _F32(p["scale"])
+    if len(xs) > 1:
+        np.add(out, _ufunc_src(xs[1], ms[1]), out=out, dtype=_F32)
+    peak = out.max(axis=-1, keepdims=True)
+    peak[peak == -np.inf] = 0
+    out -= peak
+    np.exp(out, out=out)
+    total = out.sum(axis=-1, keepdims=True)
+    total[total == 0] = 1
+    out /= total
+
+
+def _rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Rotate feature pairs of each head by theta_i = pos * freq_scale * freq_base ** (-2i / n_dims).
+
+    x is (..., T, H, D); "normal" pairs (2i, 2i+1), "neox" pairs (i, i + n_dims/2); features past n_dims
+    pass through. Angles are computed in float64 (ggml accumulates them in float32, so it differs by a few
+    ulps of the angle). Allocates two temporaries of half the rotated part.
+    """
+    _load(out, xs[0], ms[0])
+    n_dims = int(p["n_dims"])
+    half = n_dims // 2
+    inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * np.arange(half) / n_dims)
+    theta = xs[1].astype(np.float64)[:, None] * inv_freq  # (T, half)
+    cos, sin = np.cos(theta).astype(_F32)[:, None, :], np.sin(theta).astype(_F32)[:, None, :]
+    if p["mode"] == "neox":
+        x0, x1 = out[..., :half], out[..., half:n_dims]
+    else:
+        x0, x1 = out[..., 0:n_dims:2], out[..., 1:n_dims:2]
+    x0_sin, x1_sin = x0 * sin, x1 * sin
+    x0 *= cos
+    x0 -= x1_sin
+    x1 *= cos
+    x1 += x0_sin
+
+
+def _diag_mask_inf(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """x[..., i, j] = -inf where j > n_past + i."""
+    _load(out, xs[0], ms[0])
+    rows, cols = out.shape[-2:]
+    mask = np.arange(cols)[None, :] > np.arange(rows)[:, None] + int(p["n_past"])
+    np.copyto(out, _F32(-np.inf), where=mask)
+
+
+# ------------------------------------------------------------------------------ copies, reductions
+
+
+def _cont(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    np.copyto(out, xs[0])
+
+
+def _concat(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Keeps the dtype when all inputs share it, else float32."""
+    axis = int(p["axis"])
+    dtypes = {m.dtype for m in ms}
+    out_dtype = ms[0].dtype if len(dtypes) == 1 else "float32"
+    start = 0
+    for x, meta in zip(xs, ms, strict=True):
+        part = out[(slice(None),) * axis + (slice(start, start + x.shape[axis]),)]
+        convert(part, out_dtype, x, meta.dtype)
+        start += x.shape[axis]
+
+
+def _sum(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    np.sum(_ufunc_src(xs[0], ms[0]), axis=tuple(p["axis"]), keepdims=p["keepdims"], dtype=_F32, out=out)
+
+
+def _mean(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Sum / count; an empty reduction gives NaN, like numpy (without its warning)."""
+    _sum(xs, ms, p, out)
+    np.divide(out, _F32(math.prod(xs[0].shape[a] for a in p["axis"])), out=out)
+
+
+def _argmax(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """First maximum (a NaN counts as the maximum, like numpy). Allocates an intp array of out's size."""
+    x = as_float32(xs[0], ms[0].dtype) if ms[0].dtype == "bfloat16" else xs[0]
+    np.copyto(out, np.argmax(x, axis=-1), casting="unsafe")
+
+
+# ------------------------------------------------------------------------------------ dispatch
+
+_COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
+    **{name: _simple(fn) for name, fn in (
+        ("neg", np.negative), ("abs", np.absolute), ("sqr", np.square), ("sqrt", np.sqrt),
+        ("exp", np.exp), ("log", np.log), ("tanh", np.tanh))},
+    **{name: _binary(fn) for name, fn in (
+        ("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.divide))},
+    "scale": _scale, "relu": _relu, "sigmoid": _sigmoid, "silu": _silu, "gelu": _gelu,
+    "matmul": _matmul, "mul_mat_q": _mul_mat_q, "dequantize": _dequantize, "get_rows": _get_rows,
+    "rms_norm": _rms_norm, "layer_norm": _layer_norm, "soft_max": _soft_max, "rope": _rope,
+    "diag_mask_inf": _diag_mask_inf, "cont": _cont, "concat": _concat,
+    "sum": _sum, "mean": _mean, "argmax": _argmax,
+}
+
+
+def _kind_check(op: str, kind: OpKind) -> None:
+    spec = OPS.get(op)
+    if spec is None or spec.kind is not kind:
+        raise OpError(f"{op!r} is not a {kind.value} op")
+
+
+def run_compute(op: str, inputs: Sequence[np.ndarray], metas: Sequence[TensorMeta], params: Params,
+                out: np.ndarray) -> None:
+    """Run a COMPUTE op into ``out`` (C-contiguous, storage dtype of the output meta).
+
+    ``metas`` and ``params`` are the input metas and the normalized params of :func:`ops.infer`.
+    Raises OpError for a non-compute op and OpRuntimeError when index values are out of range.
+    """
+    _kind_check(op, OpKind.COMPUTE)
+    if out.size == 0:
+        return
+    with np.errstate(all="ignore"):
+        _COMPUTE_KERNELS[op](inputs, metas, params, out)
+
+
+# --------------------------------------------------------------------------------------- views
+
+
+def _strided_view(x: np.ndarray, p: Params) -> np.ndarray:
+    """A byte-strided view of contiguous ``x``; the span is checked again against the real buffer."""
+    shape, strides, offset = tuple(p["shape"]), tuple(p["strides"]), int(p["offset"])
+    span = view_span(shape, strides, offset, x.itemsize)
+    lo, hi = span if span is not None else (offset, offset)
+    if not x.flags.c_contiguous or lo < 0 or hi > x.nbytes:
+        raise OpRuntimeError(f"view bytes [{lo}, {hi}) escape the {x.nbytes}-byte input (or it is strided)")
+    start = x.reshape(-1)[offset // x.itemsize:]
+    return np.lib.stride_tricks.as_strided(start, shape, strides)
+
+
+def _reshape(x: np.ndarray, p: Params) -> np.ndarray:
+    try:
+        return np.reshape(x, tuple(p["shape"]), copy=False)
+    except ValueError as exc:
+        raise OpRuntimeError(f"reshape of a strided array would copy: {exc}") from None
+
+
+_VIEW_KERNELS: Final[Mapping[str, Callable[[np.ndarray, Params], np.ndarray]]] = {
+    "reshape": _reshape,
+    "view": _strided_view,
+    "permute": lambda x, p: np.transpose(x, tuple(p["axes"])),
+    "transpose": lambda x, p: np.swapaxes(x, -1, -2),
+}
+
+
+def run_view(op: str, x: np.ndarray, meta: TensorMeta, params: Params) -> np.ndarray:
+    """Run a VIEW op on input ``x`` (described by ``meta``); the result shares x's memory."""
+    _kind_check(op, OpKind.VIEW)
+    return _VIEW_KERNELS[op](x, params)
+
+
+# ------------------------------------------------------------------------------------- in place
+
+
+def _cpy(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta]) -> None:
+    """dst[...] = src with dtype conversion; equal shapes, or equal sizes (C order) when both contiguous."""
+    src, dst = xs
+    if src.shape != dst.shape:
+        src = src.reshape(dst.shape)
+    convert(dst, ms[1].dtype, src, ms[0].dtype)
+
+
+def _set_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta]) -> None:
+    """dst[idx[i]] = src[i] with dtype conversion; with repeated indices the last row wins."""
+    dst, src, idx = xs
+    _check_index(idx, dst.shape[0], "set_rows")
+    if ms[0].dtype != ms[1].dtype:
+        converted = np.empty(src.shape, dst.dtype)
+        convert(converted, ms[0].dtype, src, ms[1].dtype)
+        src = converted
+    dst[idx] = src
+
+
+_INPLACE_KERNELS: Final[Mapping[str, Callable[[Sequence[np.ndarray], Sequence[TensorMeta]], None]]] = {
+    "cpy": _cpy,
+    "set_rows": _set_rows,
+}
+
+
+def run_inplace(op: str, inputs: Sequence[np.ndarray], metas: Sequence[TensorMeta], params: Params) -> None:
+    """Run an INPLACE op: writes into ``inputs[OPS[op].dst_input]``.
+
+    Raises OpRuntimeError when index values are out of range (nothing is written then).
+    """
+    _kind_check(op, OpKind.INPLACE)
+    with np.errstate(all="ignore"):
+        _INPLACE_KERNELS[op](inputs, metas)

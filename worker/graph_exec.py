@@ -1,0 +1,234 @@
+"""Graph compile and run on the backend thread: validation, a reusable scratch arena, execution.
+
+Owned by the backend thread (it only runs inside :class:`~zmq_rpc.worker.executor.Executor`
+handlers). :func:`compile_graph` validates a decoded graph against the session (handles, bounds,
+op rules) and plans its scratch arena once: every intermediate gets an offset, reused as soon as
+its last reader has run (liveness over views too), so a registered graph allocates nothing per run.
+:meth:`CompiledGraph.run` then executes the nodes in order through the numpy kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..broker.graph import GraphSpec, infer_graph, tensor_meta
+from ..broker.ops import OPS, OpKind, TensorMeta
+from ..broker.protocol import ErrorCode, WireError
+from .backends import numpy_ops as K
+
+ARENA_ALIGN = 64
+
+
+@dataclass
+class Step:
+    """One planned node: what to run, on what, and where its result lives."""
+
+    op: str
+    kind: OpKind
+    srcs: tuple[int, ...]
+    params: dict[str, Any]
+    meta: TensorMeta
+    in_metas: list[TensorMeta]
+    dst: int
+    slot: int = -1          # arena offset of its result (COMPUTE into scratch), else -1
+    direct: bool = False    # COMPUTE straight into its dst tensor
+
+
+@dataclass
+class CompiledGraph:
+    """A validated graph with its arena plan (and, once allocated, its arena)."""
+
+    spec: GraphSpec
+    steps: list[Step]
+    arena_size: int
+    written_buffers: frozenset[int]
+    arena: np.ndarray | None = None
+    runs: int = 0
+    arena_allocations: int = 0
+    index_checks: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def ensure_arena(self) -> None:
+        """Allocate the arena on first use; later runs reuse it."""
+        if self.arena is None:
+            self.arena = np.empty(self.arena_size, np.uint8)
+            self.arena_allocations += 1
+
+    def run(self, externals: Sequence[np.ndarray]) -> None:
+        """Execute every node; raises WireError(GRAPH_FAILED) naming the node on failure."""
+        self.ensure_arena()
+        self._precheck_indices(externals)
+        values: list[Any] = [None] * len(self.steps)
+        written: list[int] = []
+        for index, step in enumerate(self.steps):
+            inputs = [values[s] if s >= 0 else externals[-1 - s] for s in step.srcs]
+            try:
+                values[index] = self._run_step(step, inputs, externals)
+            except (K.OpRuntimeError, ValueError, ArithmeticError, IndexError) as exc:
+                raise _failed(index, step, exc, written) from None
+            if step.dst >= 0 or step.kind is OpKind.INPLACE:
+                written.append(index)
+        self.runs += 1
+
+    def _run_step(self, step: Step, inputs: list[Any], externals: Sequence[np.ndarray]) -> Any:
+        if step.kind is OpKind.VIEW:
+            return K.run_view(step.op, inputs[0], step.in_metas[0], step.params)
+        if step.kind is OpKind.INPLACE:
+            K.run_inplace(step.op, inputs, step.in_metas, step.params)
+            return inputs[OPS[step.op].dst_input or 0]
+        out = externals[step.dst] if step.direct else self._scratch(step)
+        K.run_compute(step.op, inputs, step.in_metas, step.params, out)
+        if step.dst >= 0 and not step.direct:
+            dst_meta = tensor_meta(self.spec.tensors[step.dst])
+            K.convert(externals[step.dst], dst_meta.dtype, out, step.meta.dtype)
+        return out
+
+    def _scratch(self, step: Step) -> np.ndarray:
+        assert self.arena is not None
+        dtype = K.numpy_dtype(step.meta.dtype)
+        return self.arena[step.slot:step.slot + step.meta.nbytes].view(dtype).reshape(
+            step.meta.shape)
+
+    def _precheck_indices(self, externals: Sequence[np.ndarray]) -> None:
+        """Index values held in external tensors are checked before any node writes anything."""
+        for node, src, rows in self.index_checks:
+            idx = externals[-1 - src]
+            if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+                bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+                raise WireError(ErrorCode.GRAPH_FAILED,
+                                f"node {node} ({self.steps[node].op}): index {bad} is out of "
+                                f"range [0, {rows}); nothing was written")
+
+
+def _failed(index: int, step: Step, exc: Exception, written: list[int]) -> WireError:
+    note = (f"; outputs of nodes {written} were already written" if written
+            else "; no output was written")
+    return WireError(ErrorCode.GRAPH_FAILED,
+                     f"node {index} ({step.op}) failed: {exc}{note}")
+
+
+def compile_graph(spec: GraphSpec) -> CompiledGraph:
+    """Infer shapes (GRAPH_INVALID on any rule broken) and plan the scratch arena."""
+    try:
+        metas, params = infer_graph(spec)
+    except Exception as exc:
+        raise WireError(ErrorCode.GRAPH_INVALID, getattr(exc, "message", str(exc))) from None
+    external = [tensor_meta(t) for t in spec.tensors]
+    steps = [Step(n.op, OPS[n.op].kind, n.srcs, params[i], metas[i],
+                  [metas[s] if s >= 0 else external[-1 - s] for s in n.srcs], n.dst)
+             for i, n in enumerate(spec.nodes)]
+    _mark_direct(spec, steps)
+    arena_size = _plan_arena(steps)
+    graph = CompiledGraph(spec, steps, arena_size, _written_buffers(spec, steps))
+    graph.index_checks = _index_checks(steps)
+    return graph
+
+
+def _mark_direct(spec: GraphSpec, steps: list[Step]) -> None:
+    """COMPUTE results go straight into their dst when it is contiguous, of the same dtype, and
+    not also read by that node (so no kernel ever writes a buffer it is reading)."""
+    for step in steps:
+        if step.kind is not OpKind.COMPUTE or step.dst < 0:
+            continue
+        target = spec.tensors[step.dst]
+        read_buffers = {spec.tensors[-1 - s].buffer for s in step.srcs if s < 0}
+        step.direct = (target.is_contiguous() and target.dtype.dtype_name == step.meta.dtype
+                       and target.buffer not in read_buffers)
+
+
+def _owner(steps: list[Step], index: int) -> int:
+    """The node whose storage a result lives in (views and in-place ops alias their input);
+    -1 for external storage."""
+    while True:
+        step = steps[index]
+        if step.kind is OpKind.COMPUTE:
+            return index if not step.direct else -1
+        src = step.srcs[0] if step.kind is OpKind.VIEW else step.srcs[OPS[step.op].dst_input or 0]
+        if src < 0:
+            return -1
+        index = src
+
+
+def _plan_arena(steps: list[Step]) -> int:
+    """Give each scratch result an arena offset, reusing space after its last reader."""
+    owners = [_owner(steps, i) for i in range(len(steps))]
+    last_use = {i: i for i, o in enumerate(owners) if o == i}
+    for i, step in enumerate(steps):
+        for src in step.srcs:
+            if src >= 0 and owners[src] >= 0:
+                last_use[owners[src]] = max(last_use[owners[src]], i)
+    allocator = _FirstFit()
+    for i, step in enumerate(steps):
+        if owners[i] == i:
+            step.slot = allocator.take(step.meta.nbytes)
+        for owner, last in list(last_use.items()):
+            if last == i:
+                allocator.give(steps[owner].slot, steps[owner].meta.nbytes)
+                del last_use[owner]
+    return allocator.high_water
+
+
+class _FirstFit:
+    """Offsets in a growing arena: first-fit over a sorted free list, neighbours merged."""
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []
+        self.high_water = 0
+
+    def take(self, size: int) -> int:
+        size = _aligned(size)
+        for i, (offset, length) in enumerate(self.free):
+            if length >= size:
+                self.free[i] = (offset + size, length - size)
+                if self.free[i][1] == 0:
+                    del self.free[i]
+                return offset
+        if self.free and self.free[-1][0] + self.free[-1][1] == self.high_water:
+            offset = self.free.pop()[0]
+        else:
+            offset = self.high_water
+        self.high_water = offset + size
+        return offset
+
+    def give(self, offset: int, size: int) -> None:
+        self.free.append((offset, _aligned(size)))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, length in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self.free = merged
+
+
+def _aligned(size: int) -> int:
+    return max(ARENA_ALIGN, -(-size // ARENA_ALIGN) * ARENA_ALIGN)
+
+
+def _written_buffers(spec: GraphSpec, steps: list[Step]) -> frozenset[int]:
+    """Buffer handles the graph writes: dst tensors and in-place targets (through views)."""
+    handles = {spec.tensors[s.dst].buffer for s in steps if s.dst >= 0}
+    for step in steps:
+        if step.kind is OpKind.INPLACE:
+            src = step.srcs[OPS[step.op].dst_input or 0]
+            while src >= 0 and steps[src].kind is not OpKind.COMPUTE:
+                prior = steps[src]
+                src = prior.srcs[0 if prior.kind is OpKind.VIEW else OPS[prior.op].dst_input or 0]
+            if src < 0:
+                handles.add(spec.tensors[-1 - src].buffer)
+    return frozenset(handles)
+
+
+def _index_checks(steps: list[Step]) -> list[tuple[int, int, int]]:
+    """(node, external src, rows) for get_rows/set_rows whose indices come from external tensors."""
+    checks = []
+    for i, step in enumerate(steps):
+        if step.op == "get_rows" and step.srcs[1] < 0:
+            checks.append((i, step.srcs[1], step.in_metas[0].shape[0]))
+        elif step.op == "set_rows" and step.srcs[2] < 0:
+            checks.append((i, step.srcs[2], step.in_metas[0].shape[0]))
+    return checks
