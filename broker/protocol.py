@@ -77,6 +77,9 @@ class Cmd(enum.IntEnum):
     GRAPH_REGISTER = 14
     GRAPH_RUN = 15
     GRAPH_FREE = 16
+    PEER_SEND = 17
+    PEER_RECV = 18
+    PEER_PROBE = 19
 
 
 class ErrorCode(enum.IntEnum):
@@ -623,6 +626,8 @@ def decode_request(frames: Sequence[Any]) -> tuple[Cmd, int, Message]:
 
     Raises BadRequest; ``exc.req_id`` carries the request id when the header got that far.
     """
+    if not frames:
+        raise BadRequest("a request needs a header frame", code=ErrorCode.BAD_REQUEST)
     header = unpack_header(frames[0])
     req_id = header[1]
     try:
@@ -679,5 +684,6 @@ def decode_reply(cmd: Cmd, header: list[Any]) -> Message | RpcError:
     return REPLIES[cmd].from_fields(header[2:])
 
 
-# The graph commands' messages live beside the graph encoding; importing it registers them.
-from . import graph as _graph  # noqa: E402,F401  (circular by design: graph needs this module)
+# The graph and peer commands' messages live beside their encodings; importing them registers them.
+from . import graph as _graph  # noqa: E402,F401  (circular by design: they need this module)
+from . import peer as _peer  # noqa: E402,F401

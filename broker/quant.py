@@ -99,8 +99,11 @@ _DEQUANT: Final[dict[str, Callable[[np.ndarray, F32], None]]] = {"q8_0": _dequan
 def quantize(x: np.ndarray, qtype: str) -> U8:
     """Quantize float values (..., n * 32) into uint8 blocks (..., n * bytes_per_block).
 
-    Follows ggml's reference quantizers (``quantize_row_q8_0_ref``, ``quantize_row_q4_1_ref``): scales are
-    computed in float32 and stored as float16. Raises ValueError for a ragged last dim or non-finite input.
+    Follows ggml's reference quantizers (``quantize_row_q8_0_ref``, ``quantize_row_q4_1_ref``): scales
+    are computed in float32 and stored as float16, q8_0 rounds half away from zero. One deviation: a
+    block whose float16 scale rounds to 0 gets all-zero quants (ggml writes quants the zero scale
+    discards anyway), so requantizing a dequantized tensor is stable. Raises ValueError for a ragged
+    last dim, non-finite input, or values whose scale (or q4_1 minimum) does not fit in float16.
     """
     per_block, block_bytes = _block(qtype)
     values = np.asarray(x, dtype=np.float32)
@@ -109,7 +112,10 @@ def quantize(x: np.ndarray, qtype: str) -> U8:
     if not np.isfinite(values).all():
         raise ValueError("cannot quantize NaN or infinite values")
     blocks = np.empty(values.size // per_block, _LAYOUT[qtype])
-    _QUANT[qtype](values.reshape(-1, per_block), blocks)
+    with np.errstate(all="ignore"):  # 1/d of a tiny d overflows; those blocks get zero quants
+        _QUANT[qtype](values.reshape(-1, per_block), blocks)
+    if not all(np.isfinite(blocks[name]).all() for name in ("d", "m") if name in blocks.dtype.names):
+        raise ValueError(f"values too large for {qtype}: a block scale overflows float16")
     return blocks.view(np.uint8).reshape(values.shape[:-1] + (values.shape[-1] // per_block * block_bytes,))
 
 
@@ -121,17 +127,20 @@ def _inverse(d: F32) -> F32:
 
 def _quant_q8_0(x: F32, blocks: np.ndarray) -> None:
     d = np.abs(x).max(axis=1) / np.float32(127)
-    scaled = x * _inverse(d)[:, None]
     blocks["d"] = d
-    blocks["qs"] = np.copysign(np.floor(np.abs(scaled) + np.float32(0.5)), scaled)  # roundf: half away from 0
+    scaled = x * _inverse(d)[:, None]
+    q = np.copysign(np.floor(np.abs(scaled) + np.float32(0.5)), scaled)  # roundf: half away from zero
+    q[blocks["d"] == 0] = 0
+    blocks["qs"] = q
 
 
 def _quant_q4_1(x: F32, blocks: np.ndarray) -> None:
     lo, hi = x.min(axis=1), x.max(axis=1)
     d = (hi - lo) / np.float32(15)
-    q = np.floor((x - lo[:, None]) * _inverse(d)[:, None] + np.float32(0.5))
-    q = np.minimum(q, 15).astype(np.uint8)
     blocks["d"], blocks["m"] = d, lo
+    q = np.floor((x - lo[:, None]) * _inverse(d)[:, None] + np.float32(0.5))
+    q[blocks["d"] == 0] = 0
+    q = np.minimum(q, 15).astype(np.uint8)
     blocks["qs"] = q[:, :16] | (q[:, 16:] << 4)
 
 

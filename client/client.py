@@ -24,6 +24,7 @@ from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
 from ..broker import graph as wire_graph
 from .engine import Engine, EngineOptions
 from .graph import Graph
+from .peer import Routes, copy_between
 
 log = logging.getLogger("zmq_rpc.client")
 
@@ -227,8 +228,11 @@ class Client:
     def __init__(self, endpoint: str, *, timeout: float = 60.0, connect_timeout: float = 10.0,
                  window: int = 512, window_bytes: int = 64 << 20, heartbeat: float = 2.0,
                  name: str = "zmq-rpc-client", chunk_bytes: int = DEFAULT_CHUNK,
+                 peer_copy: bool = True,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         self.endpoint = endpoint
+        self.peer_copy = peer_copy
+        self._routes = Routes()
         self.name = name
         self.timeout = timeout
         self._engine = Engine(endpoint, EngineOptions(
@@ -363,13 +367,17 @@ class Client:
             tensor=tensor.ref, value=value, offset=offset, size=-1 if size is None else size))
 
     def copy_tensor(self, src: RemoteTensor, dst: RemoteTensor) -> None:
-        """dst[...] = src on the worker (same shape and dtype; overlapping views are fine)."""
+        """dst[...] = src (same shape and dtype), on one worker or across two.
+
+        Across workers, src's worker pushes the bytes straight to dst's worker (the client never
+        touches them) and dst's worker runs nothing else of this client's until they have landed.
+        """
         self.copy_tensor_async(src, dst).result()
 
     def copy_tensor_async(self, src: RemoteTensor, dst: RemoteTensor) -> Future[None]:
-        self._own(src)
-        self._own(dst)
-        return self._call(Cmd.COPY_TENSOR, p.CopyTensor(src=src.ref, dst=dst.ref))
+        if src.client is not dst.client:
+            return copy_between(src, dst)
+        return src.client._call(Cmd.COPY_TENSOR, p.CopyTensor(src=src.ref, dst=dst.ref))
 
     def device_memory(self) -> MemoryInfo:
         """Free and total bytes this worker may hand out (all sessions together)."""

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-message", type=parse_size, default=64 << 20,
                     help="largest message accepted; bigger tensors travel in chunks "
                          "(default 64MiB)")
+    ap.add_argument("--peer-bind", default=None,
+                    help="endpoint where other workers push tensors to this one (default: the "
+                         "--bind host, a free port; 'none' disables worker-to-worker copy)")
+    ap.add_argument("--peer-advertise", default="",
+                    help="peer endpoint to tell clients, when it differs from what is bound "
+                         "(NAT, multi-host)")
     ap.add_argument("--session-timeout", type=float, default=30.0,
                     help="seconds of silence after which a client's session is freed")
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
@@ -76,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,
-                          session_timeout=args.session_timeout)
+                          session_timeout=args.session_timeout,
+                          peer_bind="" if args.peer_bind == "none" else args.peer_bind,
+                          peer_advertise=args.peer_advertise)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

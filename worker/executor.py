@@ -81,11 +81,23 @@ class Session:
     buffers: dict[int, Buffer] = field(default_factory=dict)
     graphs: dict[int, CompiledGraph] = field(default_factory=dict)
     queue: deque[Request] = field(default_factory=deque)
+    held_by: Pending | None = None
     last_seen: float = field(default_factory=time.monotonic)
 
     @property
     def label(self) -> str:
         return f"{self.name}/{self.client_id.hex()[:8]}"
+
+
+@dataclass(eq=False)
+class Pending:
+    """A request whose reply comes later (a peer transfer). If ``holds_queue``, the session's
+    later requests wait until it finishes, and fail with it if it fails."""
+
+    session: Session
+    req_id: int
+    cmd: Cmd
+    holds_queue: bool
 
 
 Reply = tuple[p.Message, list[Any]]
@@ -132,9 +144,17 @@ class Executor:
             Cmd.COPY_TENSOR: lambda s, m: [m.dst.buffer],
             Cmd.GRAPH_COMPUTE: lambda s, m: [t.buffer for t in [*m.graph.tensors, *m.inputs]],
             Cmd.GRAPH_RUN: self._graph_run_writes,
+            Cmd.PEER_RECV: lambda s, m: [m.dst.buffer],
         }
         """Which buffers a command writes: it waits until their zero-copy sends are done."""
         self.preconditions: list[Callable[[Session, Request], bool]] = [self._buffers_idle]
+        self.peers: Any = None
+        self.deferred_handlers: dict[Cmd, Callable[[Pending, Any], bool]] = {
+            Cmd.PEER_RECV: self._peer_recv,
+            Cmd.PEER_SEND: self._peer_send,
+            Cmd.PEER_PROBE: self._peer_probe,
+        }
+        """Handlers that may answer later: they return True when the reply is deferred."""
 
     # ------------------------------------------------------------------ entry from the loop
 
@@ -168,7 +188,7 @@ class Executor:
 
     def pump(self, session: Session) -> bool:
         """Run the session's queue until empty or its head must wait; True if it must wait."""
-        while session.queue:
+        while session.queue and session.held_by is None:
             req = session.queue[0]
             if not all(ready(session, req) for ready in self.preconditions):
                 return True
@@ -188,7 +208,14 @@ class Executor:
 
     def _run(self, session: Session, req: Request) -> None:
         try:
-            reply, payload = self.handlers[req.cmd](session, req.msg, req.payload)
+            deferred = self.deferred_handlers.get(req.cmd)
+            if deferred is not None:
+                pending = Pending(session, req.req_id, req.cmd, req.cmd is Cmd.PEER_RECV)
+                if deferred(pending, req.msg):
+                    return
+                reply, payload = NO_REPLY
+            else:
+                reply, payload = self.handlers[req.cmd](session, req.msg, req.payload)
         except WireError as exc:
             self._reply_error(session.client_id, req.req_id, exc.code, exc.message)
             return
@@ -262,6 +289,8 @@ class Executor:
         session.buffers.clear()
         session.graphs.clear()
         self.sessions.pop(session.client_id, None)
+        if self.peers is not None:
+            self.peers.fail_session(session)
         for req in session.queue:
             if req.cmd is not Cmd.GOODBYE:
                 self._reply_error(session.client_id, req.req_id, ErrorCode.NO_SESSION,
@@ -336,6 +365,10 @@ class Executor:
         """The backend view of ``ref`` after checking its handle and that it lies in its buffer."""
         buf = self.buffer(session, ref.buffer)
         check_inside(ref, buf.size)
+        if ref.nbytes > self.limits.max_buffer_size:
+            raise WireError(ErrorCode.OUT_OF_BOUNDS, f"view of {ref.nbytes} bytes (repeating "
+                            f"elements through zero strides) is over the maximum buffer size "
+                            f"{self.limits.max_buffer_size}")
         return self.backend.view(buf.memory, ref)
 
     def _set_tensor(self, session: Session, msg: p.SetTensor, payload: Sequence[Any]) -> Reply:
@@ -376,6 +409,48 @@ class Executor:
         self.backend.copy(dst, src)
         return NO_REPLY
 
+
+    # ------------------------------------------------------------------------ peer copy
+
+    def _peer_recv(self, pending: Pending, msg: Any) -> bool:
+        if self.peers is None:
+            raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
+        if self.peers.start_recv(pending, msg):
+            return False
+        pending.session.held_by = pending
+        return True
+
+    def _peer_send(self, pending: Pending, msg: Any) -> bool:
+        if self.peers is None:
+            raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
+        self.peers.start_send(pending, msg)
+        return True
+
+    def _peer_probe(self, pending: Pending, msg: Any) -> bool:
+        if self.peers is None:
+            raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
+        self.peers.start_probe(pending, msg)
+        return True
+
+    def finish(self, pending: Pending, error: str | None) -> None:
+        """A deferred request is done: reply, release its session's queue, or fail what waited."""
+        session = pending.session
+        if self.sessions.get(session.client_id) is not session:
+            return  # the session closed meanwhile
+        if error is None:
+            self.reply(session.client_id, pending.req_id, p.Empty(), [])
+        else:
+            self._reply_error(session.client_id, pending.req_id, ErrorCode.TRANSFER_FAILED, error)
+        if session.held_by is not pending:
+            return
+        session.held_by = None
+        if error is not None:
+            for req in session.queue:
+                self._reply_error(session.client_id, req.req_id, ErrorCode.TRANSFER_FAILED,
+                                  f"an earlier transfer this request was queued behind failed: "
+                                  f"{error}")
+            session.queue.clear()
+        self.pump(session)
 
     # ----------------------------------------------------------------------------- graphs
 

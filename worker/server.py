@@ -26,6 +26,7 @@ import zmq
 from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
 from ..broker.protocol import ErrorCode
 from .executor import DRAIN_BATCH, Executor, WorkerLimits
+from .peer_links import PeerLinks
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -48,6 +49,10 @@ class WorkerConfig:
     session_timeout: float = 30.0
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
+    peer_bind: str | None = None
+    """Where peers push tensors to us; None: the client bind's host, a free port; "" disables."""
+    peer_advertise: str = ""
+    """The peer endpoint told to clients (for multi-host setups); default: what was bound."""
     name: str = field(default_factory=lambda: f"zmq-rpc-worker@{socket.gethostname()}")
 
 
@@ -67,13 +72,15 @@ class BackendThread(threading.Thread):
     """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Any, limits: WorkerLimits,
-                 endpoints: tuple[str, str], name: str) -> None:
+                 endpoints: tuple[str, str], name: str, peer: tuple[str, str]) -> None:
         super().__init__(name="zmq-rpc-backend", daemon=False)
         self.ctx = ctx
         self.backend = backend
         self.limits = limits
         self.pair_endpoint, self.control_endpoint = endpoints
         self.server_name = name
+        self.peer_bind, self.peer_advertise = peer
+        self.peers: PeerLinks | None = None
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.pair: zmq.Socket[bytes] | None = None
@@ -89,6 +96,12 @@ class BackendThread(threading.Thread):
             control.bind(self.control_endpoint)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
                                      self.server_name)
+            if self.peer_bind:
+                self.peers = PeerLinks(self.ctx, self.peer_bind, self.peer_advertise,
+                                       self.limits.max_message_size, self.executor)
+                self.executor.peers = self.peers
+                self.executor.peer_endpoint = self.peers.endpoint
+                self.executor.capabilities.append("peer-copy")
             self.pair = pair
             self.ready.set()
             self._loop(pair, control)
@@ -97,6 +110,8 @@ class BackendThread(threading.Thread):
             log.exception("backend thread failed")
         finally:
             self.ready.set()
+            if self.peers is not None:
+                self.peers.close()
             pair.close(linger=1000)
             control.close(linger=0)
 
@@ -105,21 +120,35 @@ class BackendThread(threading.Thread):
         poller = zmq.Poller()
         poller.register(pair, zmq.POLLIN)
         poller.register(control, zmq.POLLIN)
+        peers = self.peers
+        if peers is not None:
+            poller.register(peers.pull, zmq.POLLIN)
         waiting = False
         next_expiry = time.monotonic() + 1.0
         while True:
-            timeout = 1 if waiting else 250
-            events = dict(poller.poll(timeout))
+            events = dict(poller.poll(self._timeout_ms(waiting)))
             if pair in events:
                 self._drain(pair)
+            if peers is not None and peers.pull in events:
+                peers.drain()
             if control in events:
                 self._shutdown(pair, control.recv())
                 return
-            waiting = self.executor.pump_all() if (waiting or pair in events) else False
+            waiting = self.executor.pump_all() if (waiting or events) else False
             now = time.monotonic()
+            if peers is not None:
+                peers.expire(now)
             if now >= next_expiry:
                 self.executor.expire_sessions(now)
                 next_expiry = now + min(1.0, self.limits.session_timeout / 4)
+
+    def _timeout_ms(self, waiting: bool) -> int:
+        if waiting:
+            return 1
+        deadline = self.peers.next_deadline() if self.peers is not None else None
+        if deadline is None:
+            return 250
+        return max(1, min(250, int((deadline - time.monotonic()) * 1000) + 1))
 
     def _drain(self, pair: zmq.Socket[bytes]) -> None:
         assert self.executor is not None
@@ -179,7 +208,8 @@ class WorkerServer:
         backend_ctl_ep = f"inproc://zmq-rpc-backend-ctl-{self._uid}"
         broker_ctl_ep = f"inproc://zmq-rpc-broker-ctl-{self._uid}"
         self._backend_thread = BackendThread(self.ctx, backend, self.limits(backend),
-                                             (pair_ep, backend_ctl_ep), cfg.name)
+                                             (pair_ep, backend_ctl_ep), cfg.name,
+                                             (self._peer_bind(), cfg.peer_advertise))
         self._backend_thread.start()
         self._wait_ready(self._backend_thread)
         self._backend_ctl = self._control(backend_ctl_ep)
@@ -194,6 +224,15 @@ class WorkerServer:
         self.endpoint = self._broker_thread.endpoint
         log.info("worker %s listening on %s (device %s)", cfg.name, self.endpoint, cfg.device)
         return self.endpoint
+
+    def _peer_bind(self) -> str:
+        cfg = self.config
+        if cfg.peer_bind is not None:
+            return cfg.peer_bind
+        if cfg.bind.startswith("tcp://"):
+            host = cfg.bind[len("tcp://"):].rsplit(":", 1)[0]
+            return f"tcp://{host}:*"
+        return f"inproc://zmq-rpc-peer-{self._uid}" if cfg.bind.startswith("inproc") else ""
 
     def _control(self, endpoint: str) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(zmq.PAIR)

@@ -75,9 +75,10 @@ class NumpyBackend:
         """Set every byte of the view's elements to ``byte``."""
         if view.flags.c_contiguous:
             view.reshape(-1).view(np.uint8)[...] = byte
-        else:
-            pattern = np.full(view.dtype.itemsize, byte, np.uint8).view(view.dtype)[0]
-            view[...] = pattern
+        elif view.dtype.itemsize == 1:
+            view.view(np.uint8)[...] = byte             # bool included: no value conversion
+        else:                                           # same-dtype assignment copies the bits
+            view[...] = np.frombuffer(bytes([byte]) * view.dtype.itemsize, view.dtype)[0]
 
     def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         """dst[...] = src; numpy copies through a temporary when the two overlap."""

@@ -1,0 +1,531 @@
+"""Tests for broker/protocol.py: a message class per command, golden bytes, decoding as validation.
+
+Pure functions only: no sockets. The property tests feed ``decode_request`` random bytes and random
+msgpack structures (it may only ever raise ``BadRequest``), and check the tensor geometry helpers
+(``TensorRef.byte_extent``, ``split_tensor``) against brute force numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.errors import BadRequest
+from zmq_rpc.broker.protocol import Cmd, DType, ErrorCode, TensorRef
+
+pytestmark = pytest.mark.timeout(30)
+
+PROPERTY = settings(max_examples=200, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+F32 = DType.FLOAT32
+
+
+def ref(shape: tuple[int, ...] = (3, 4), strides: tuple[int, ...] | None = None, *,
+        buffer: int = 7, dtype: DType = F32, offset: int = 0) -> TensorRef:
+    if strides is None:
+        strides = p.contiguous_strides(shape, dtype.itemsize)
+    return TensorRef(buffer=buffer, dtype=dtype, shape=shape, strides=strides, offset=offset)
+
+
+def pack(*values: Any) -> bytes:
+    return msgpack.packb(list(values), use_bin_type=True)
+
+
+def wire(tensor: TensorRef) -> list[Any]:
+    return tensor.to_wire()
+
+
+def frames_of(cmd: Cmd, req_id: int, msg: p.Message, payload: list[bytes] | None = None
+              ) -> list[bytes]:
+    if payload is None:
+        payload = [bytes(n) for n in p.payload_sizes(msg)]
+    return [p.encode_request(cmd, req_id, msg), *payload]
+
+
+# ----------------------------------------------------------------- one class per command
+
+STRIDED = ref((2, 3), (48, -8), dtype=DType.FLOAT64, offset=32, buffer=(1 << 63) - 1)
+
+REQUEST_EXAMPLES: dict[Cmd, p.Message] = {
+    Cmd.HELLO: p.Hello(major=1, minor=0, client="pytest ✓"),
+    Cmd.PING: p.Empty(),
+    Cmd.GOODBYE: p.Empty(),
+    Cmd.ALLOC_BUFFER: p.AllocBuffer(handle=3, size=(1 << 63) - 1),
+    Cmd.FREE_BUFFER: p.BufferOp(handle=0),
+    Cmd.CLEAR_BUFFER: p.ClearBuffer(handle=12, value=255),
+    Cmd.DEVICE_MEMORY: p.Empty(),
+    Cmd.SET_TENSOR: p.SetTensor(tensor=STRIDED),
+    Cmd.GET_TENSOR: p.GetTensor(tensor=ref((), (), dtype=DType.BFLOAT16, offset=6)),
+    Cmd.MEMSET_TENSOR: p.MemsetTensor(tensor=ref((5,), dtype=DType.UINT8), value=7, offset=1,
+                                      size=-1),
+    Cmd.COPY_TENSOR: p.CopyTensor(src=ref((4, 0), (0, -4)), dst=ref((4, 0), buffer=9)),
+    Cmd.SYNCHRONIZE: p.Empty(),
+}
+
+
+BASE_COMMANDS = list(REQUEST_EXAMPLES)
+"""The buffer and tensor commands; the graph commands appended after them have their own tests."""
+
+
+def test_every_command_has_a_request_and_a_reply_class() -> None:
+    assert set(p.REQUESTS) == set(Cmd)
+    assert set(p.REPLIES) == set(Cmd)
+    assert all(cmd > max(BASE_COMMANDS) for cmd in set(Cmd) - set(BASE_COMMANDS))
+    for cmd in Cmd:
+        for cls in (p.REQUESTS[cmd], p.REPLIES[cmd]):
+            assert issubclass(cls, p.Message)
+            params = vars(cls).get("__dataclass_params__")
+            assert params is not None and params.frozen, f"{cls.__name__}: a frozen dataclass"
+
+
+@pytest.mark.parametrize("cmd", BASE_COMMANDS, ids=lambda c: c.name)
+def test_request_round_trip(cmd: Cmd) -> None:
+    msg = REQUEST_EXAMPLES[cmd]
+    assert isinstance(msg, p.REQUESTS[cmd])
+    frames = frames_of(cmd, 2**32 + 5, msg)
+    assert len(frames) - 1 == p.payload_count(msg)
+    assert p.decode_request(frames) == (cmd, 2**32 + 5, msg)
+
+
+def test_tensor_fields_survive_the_round_trip() -> None:
+    _, _, msg = p.decode_request(frames_of(Cmd.SET_TENSOR, 1, p.SetTensor(tensor=STRIDED)))
+    got = msg.tensor  # type: ignore[attr-defined]
+    assert (got.buffer, got.dtype, got.shape, got.strides, got.offset) == \
+        ((1 << 63) - 1, DType.FLOAT64, (2, 3), (48, -8), 32)
+    assert type(got.dtype) is DType and type(got.shape) is tuple and type(got.strides) is tuple
+
+
+REPLY_EXAMPLES: dict[Cmd, p.Message] = {
+    Cmd.HELLO: p.HelloReply(
+        major=1, minor=0, server="worker", alignment=64, max_buffer_size=1 << 30,
+        devices=(p.Device(name="cpu", kind="cpu", total_memory=1 << 34, free_memory=1 << 33),),
+        max_message_size=64 << 20, session_timeout_ms=30_000,
+        capabilities=("views", "zero-copy"), peer_endpoint="tcp://127.0.0.1:5"),
+    Cmd.DEVICE_MEMORY: p.DeviceMemoryReply(free=10, total=20),
+    Cmd.GET_TENSOR: p.GetTensorReply(),
+}
+
+
+@pytest.mark.parametrize("cmd", BASE_COMMANDS, ids=lambda c: c.name)
+def test_reply_round_trip(cmd: Cmd) -> None:
+    msg = REPLY_EXAMPLES.get(cmd, p.Empty())
+    assert isinstance(msg, p.REPLIES[cmd])
+    header = p.unpack_header(p.encode_reply(77, msg))
+    assert header[:2] == [p.STATUS_OK, 77]
+    assert p.decode_reply(cmd, header) == msg
+
+
+@pytest.mark.parametrize("code", list(ErrorCode), ids=lambda c: c.name)
+def test_error_reply_maps_to_a_fixed_exception_class(code: ErrorCode) -> None:
+    header = p.unpack_header(p.encode_error(3, code, "why"))
+    assert header == [int(code), 3, "why"]
+    exc = p.decode_reply(Cmd.PING, header)
+    assert isinstance(exc, p._ERROR_CLASSES[code])
+    assert exc.code == code and code.name in exc.message and "why" in exc.message
+
+
+def test_error_message_is_capped() -> None:
+    header = p.unpack_header(p.encode_error(1, ErrorCode.INTERNAL, "x" * 10_000))
+    assert len(header[2]) == p.MAX_STRING
+
+
+# ---------------------------------------------------------------------------- golden bytes
+# These pin the encoding byte for byte. If one of them changes, the wire format changed: bump
+# PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
+# The enums are append-only: a new member must take a value above every pinned one.
+
+
+def test_protocol_version_is_pinned() -> None:
+    assert p.PROTOCOL_VERSION == (1, 0)
+
+
+def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
+           ) -> None:
+    """Every pinned member keeps its name and value; members added since come after them."""
+    top = max(v[0] if isinstance(v, tuple) else v for v in table.values())
+    assert {m.name: value(m) for m in enum if m.value <= top} == table
+    assert all(m.value > top for m in enum if m.name not in table)
+
+
+def test_enum_values_are_pinned() -> None:
+    pinned(Cmd, {
+        "HELLO": 1, "PING": 2, "GOODBYE": 3, "ALLOC_BUFFER": 4, "FREE_BUFFER": 5,
+        "CLEAR_BUFFER": 6, "DEVICE_MEMORY": 7, "SET_TENSOR": 8, "GET_TENSOR": 9,
+        "MEMSET_TENSOR": 10, "COPY_TENSOR": 11, "SYNCHRONIZE": 12})
+    pinned(ErrorCode, {
+        "BAD_REQUEST": 1, "UNKNOWN_COMMAND": 2, "VERSION_MISMATCH": 3, "NO_SESSION": 4,
+        "INVALID_HANDLE": 5, "OUT_OF_BOUNDS": 6, "OUT_OF_MEMORY": 7, "SIZE_MISMATCH": 8,
+        "GRAPH_INVALID": 9, "GRAPH_FAILED": 10, "TRANSFER_FAILED": 11, "SHUTTING_DOWN": 12,
+        "INTERNAL": 13})
+    pinned(DType, {
+        "FLOAT32": (0, 4), "FLOAT16": (1, 2), "BFLOAT16": (2, 2), "FLOAT64": (3, 8),
+        "INT8": (4, 1), "UINT8": (5, 1), "INT16": (6, 2), "UINT16": (7, 2), "INT32": (8, 4),
+        "UINT32": (9, 4), "INT64": (10, 8), "UINT64": (11, 8), "BOOL": (12, 1)},
+        lambda d: (d.value, d.itemsize))
+    assert p.STATUS_OK == 0
+
+
+def test_golden_hello() -> None:
+    header = p.encode_request(Cmd.HELLO, 1, p.Hello(major=1, minor=0, client="golden"))
+    assert header.hex() == "9501010100a6676f6c64656e"
+
+
+def test_golden_set_tensor_2d_strided() -> None:
+    tensor = ref((3, 4), (32, 4), buffer=7, offset=16)  # every other row of a float32[6, 4]
+    header = p.encode_request(Cmd.SET_TENSOR, 42, p.SetTensor(tensor=tensor))
+    # [8, 42, [7, 0, [3, 4], [32, 4], 16]]
+    assert header.hex() == "93082a95070092030492200410"
+
+
+def test_golden_error_and_ok_replies() -> None:
+    assert p.encode_error(9, ErrorCode.OUT_OF_BOUNDS, "view outside").hex() == \
+        "930609ac76696577206f757473696465"
+    assert p.encode_reply(5, p.Empty()).hex() == "920005"
+
+
+# ------------------------------------------------------------------- decoding is validation
+
+
+def bad(frames: list[Any], code: ErrorCode = ErrorCode.BAD_REQUEST, match: str = "") -> BadRequest:
+    with pytest.raises(BadRequest, match=match) as info:
+        p.decode_request(frames)
+    assert info.value.code == code, info.value.message
+    return info.value
+
+
+def test_not_msgpack() -> None:
+    bad([b"\xc1"], match="not valid msgpack")  # 0xc1 is never used by msgpack
+    bad([b"\x93\x01"], match="not valid msgpack")  # truncated array
+    bad([b""], match="not valid msgpack")
+    bad([pack(1, 2) + b"\x00"], match="not valid msgpack")  # trailing bytes
+
+
+@pytest.mark.parametrize("header", [
+    msgpack.packb(1), msgpack.packb("HELLO"), msgpack.packb({"cmd": 1, "req_id": 2}),
+    msgpack.packb(None), msgpack.packb(b"\x01\x02"),
+], ids=["int", "str", "map", "nil", "bin"])
+def test_not_an_array(header: bytes) -> None:
+    bad([header], match=r"array \[cmd, req_id")
+
+
+@pytest.mark.parametrize("header", [pack(), pack(Cmd.PING), pack(Cmd.PING, "1"),
+                                    pack(Cmd.PING, None), pack(Cmd.PING, True),
+                                    pack(Cmd.PING, 1.0), pack("PING", 1), pack(False, 1)],
+                         ids=["empty", "no-id", "str-id", "nil-id", "bool-id", "float-id",
+                              "str-cmd", "bool-cmd"])
+def test_missing_or_mistyped_req_id_and_cmd(header: bytes) -> None:
+    exc = bad([header], match=r"\[cmd, req_id")
+    assert not hasattr(exc, "req_id")
+
+
+@pytest.mark.parametrize("cmd", [0, max(Cmd) + 1, 255, -1, 2**64 - 1])
+def test_unknown_command(cmd: int) -> None:
+    exc = bad([pack(cmd, 5)], ErrorCode.UNKNOWN_COMMAND, match=f"unknown command {cmd}")
+    assert exc.req_id == 5  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("header", [
+    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", "extra"),
+    pack(Cmd.ALLOC_BUFFER, 1, 3), pack(Cmd.GET_TENSOR, 1), pack(Cmd.COPY_TENSOR, 1, wire(ref())),
+])
+def test_wrong_field_count(header: bytes) -> None:
+    exc = bad([header], match=r"takes \d+ fields, got \d+")
+    assert exc.req_id == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fields,field", [
+    ((3, "8"), "size"), (("3", 8), "handle"), ((True, 8), "handle"), ((3, False), "size"),
+    ((3, 8.0), "size"), ((3.0, 8), "handle"), ((None, 8), "handle"), ((3, [8]), "size"),
+    ((3, b"\x08"), "size"),
+])
+def test_wrong_field_types(fields: tuple[Any, Any], field: str) -> None:
+    bad([pack(Cmd.ALLOC_BUFFER, 1, *fields)], match=f"field '{field}': expected an integer")
+
+
+@pytest.mark.parametrize("fields", [
+    (1, 0, 7), (1, 0, None), (1.0, 0, "c"), (True, 0, "c"), (1, 0, "x" * (p.MAX_STRING + 1)),
+    (-1, 0, "c"), (2**32, 0, "c"),
+])
+def test_hello_field_checks(fields: tuple[Any, ...]) -> None:
+    bad([pack(Cmd.HELLO, 1, *fields)], match="field")
+
+
+@pytest.mark.parametrize("handle,size", [(-1, 8), (2**63, 8), (2**64 - 1, 8), (1, -1),
+                                         (1, 2**63), (1, 2**64 - 1), (-(2**63), 8)])
+def test_negative_and_huge_sizes_and_handles(handle: int, size: int) -> None:
+    bad([pack(Cmd.ALLOC_BUFFER, 1, handle, size)], match=r"outside \[0, ")
+
+
+@pytest.mark.parametrize("value", [-1, 256, True])
+def test_byte_values(value: Any) -> None:
+    bad([pack(Cmd.CLEAR_BUFFER, 1, 1, value)], match="field 'value'")
+
+
+def tensor_header(*, buffer: Any = 1, dtype: Any = 0, shape: Any = (2,), strides: Any = (4,),
+                  offset: Any = 0, cmd: Cmd = Cmd.GET_TENSOR) -> bytes:
+    return pack(cmd, 1, [buffer, dtype, list(shape) if isinstance(shape, tuple) else shape,
+                         list(strides) if isinstance(strides, tuple) else strides, offset])
+
+
+@pytest.mark.parametrize("dtype", [13, -1, 255, 2**64 - 1, "float32", 0.0, True, None])
+def test_unknown_dtype(dtype: Any) -> None:
+    bad([tensor_header(dtype=dtype)], match="unknown dtype code")
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"shape": (1,) * 9, "strides": (4,) * 9}, "at most 8 items"),
+    ({"shape": (2, 2), "strides": (4,)}, r"rank of shape \(2\) != rank of strides \(1\)"),
+    ({"shape": (), "strides": (4,)}, r"rank of shape \(0\) != rank of strides \(1\)"),
+    ({"shape": (-1,)}, r"outside \[0, "),
+    ({"shape": (2, -3), "strides": (12, 4)}, r"outside \[0, "),
+    ({"shape": (p.MAX_DIM + 1,)}, r"outside \[0, "),
+    ({"shape": (2**64 - 1,)}, r"outside \[0, "),
+    ({"shape": (1 << 40, 1 << 40), "strides": (4, 4)}, "over the limit"),
+    ({"shape": (2**32, 2**32), "strides": (0, 0)}, "over the limit"),
+    ({"strides": (p.MAX_DIM + 1,)}, r"outside \[-"),
+    ({"strides": (-(2**63),)}, r"outside \[-"),
+    ({"offset": -1}, "offset"),
+    ({"offset": 2**63}, "offset"),
+    ({"offset": 2**64 - 1}, "offset"),
+    ({"buffer": -1}, "buffer"),
+    ({"buffer": 2**64 - 1}, "buffer"),
+    ({"shape": (2.0,)}, "expected an integer"),
+    ({"shape": (True,)}, "expected an integer"),
+    ({"strides": (4.0,)}, "expected an integer"),
+    ({"shape": "2"}, "expected a list"),
+    ({"offset": 0.0}, "expected an integer"),
+])
+def test_bad_tensor_fields(kw: dict[str, Any], match: str) -> None:
+    bad([tensor_header(**kw)], match=match)
+
+
+@pytest.mark.parametrize("value", [None, 5, [1, 0, [2], [4]], [1, 0, [2], [4], 0, 0], {"b": 1}])
+def test_tensor_is_a_five_item_array(value: Any) -> None:
+    bad([pack(Cmd.GET_TENSOR, 1, value)], match=r"\[buffer, dtype, shape, strides, offset\]")
+
+
+def test_header_over_the_limit() -> None:
+    big = pack(Cmd.HELLO, 1, 1, 0, "c") + bytes(p.MAX_HEADER_BYTES)
+    bad([big], match=f"over {p.MAX_HEADER_BYTES}")
+    ok = pack(Cmd.PING, 1)
+    assert len(ok) <= p.MAX_HEADER_BYTES and p.decode_request([ok])[0] is Cmd.PING
+
+
+def test_header_exactly_at_the_limit_is_parsed() -> None:
+    # a bin field padded so the header is exactly MAX_HEADER_BYTES long: size check passes,
+    # schema check (a str, not bytes) refuses it
+    body = pack(Cmd.HELLO, 1, 1, 0, b"")
+    pad = p.MAX_HEADER_BYTES - len(pack(Cmd.HELLO, 1, 1, 0, bytes(1 << 17)))
+    header = pack(Cmd.HELLO, 1, 1, 0, bytes((1 << 17) + pad))
+    assert len(header) == p.MAX_HEADER_BYTES and len(body) < len(header)
+    bad([header], match="field 'client'")
+
+
+@pytest.mark.parametrize("payloads", [0, 2])
+def test_set_tensor_payload_frame_count(payloads: int) -> None:
+    header = p.encode_request(Cmd.SET_TENSOR, 1, p.SetTensor(tensor=ref((2,))))
+    bad([header, *[bytes(8)] * payloads], match=f"takes 1 payload frame\\(s\\), got {payloads}")
+
+
+@pytest.mark.parametrize("cmd", [c for c in BASE_COMMANDS if c is not Cmd.SET_TENSOR],
+                         ids=lambda c: c.name)
+def test_payload_on_a_command_without_one(cmd: Cmd) -> None:
+    bad([*frames_of(cmd, 1, REQUEST_EXAMPLES[cmd]), b"x"], match="takes 0 payload")
+
+
+@pytest.mark.parametrize("size", [0, 23, 25, 48])
+def test_payload_size_mismatch(size: int) -> None:
+    header = p.encode_request(Cmd.SET_TENSOR, 4, p.SetTensor(tensor=ref((2, 3))))
+    exc = bad([header, bytes(size)], ErrorCode.SIZE_MISMATCH,
+              match=f"payload of {size} bytes, tensor needs 24")
+    assert exc.req_id == 4  # type: ignore[attr-defined]
+
+
+def test_payload_size_uses_dense_bytes_not_extent() -> None:
+    strided = ref((2, 3), (64, -8), dtype=DType.INT16, offset=100)
+    header = p.encode_request(Cmd.SET_TENSOR, 1, p.SetTensor(tensor=strided))
+    assert p.decode_request([header, bytes(12)])[2] == p.SetTensor(tensor=strided)
+    memoryview_frames = [memoryview(header), memoryview(bytes(12))]
+    assert p.decode_request(memoryview_frames)[0] is Cmd.SET_TENSOR
+
+
+def test_no_frames_at_all() -> None:
+    bad([], match="frame")
+
+
+# ------------------------------------------------------------------------ property tests
+
+scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+           | st.text(max_size=20) | st.binary(max_size=20))
+msgpackable = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=4),
+    max_leaves=30)
+
+
+def decodes_or_bad_request(frames: list[bytes]) -> None:
+    try:
+        cmd, req_id, msg = p.decode_request(frames)
+    except BadRequest as exc:
+        assert isinstance(exc.code, ErrorCode) and exc.message
+        return
+    assert isinstance(cmd, Cmd) and type(req_id) is int and isinstance(msg, p.REQUESTS[cmd])
+
+
+@PROPERTY
+@given(st.binary(max_size=200), st.lists(st.binary(max_size=40), max_size=3))
+def test_random_bytes_only_raise_bad_request(header: bytes, payload: list[bytes]) -> None:
+    decodes_or_bad_request([header, *payload])
+
+
+@PROPERTY
+@given(msgpackable, st.lists(st.binary(max_size=40), max_size=3))
+def test_random_structures_only_raise_bad_request(value: Any, payload: list[bytes]) -> None:
+    decodes_or_bad_request([msgpack.packb(value, use_bin_type=True), *payload])
+
+
+@PROPERTY
+@given(st.integers(-2, 24), st.integers(-(2**63), 2**64 - 1), st.lists(msgpackable, max_size=6),
+       st.lists(st.binary(max_size=64), max_size=3))
+def test_random_fields_only_raise_bad_request(cmd: int, req_id: int, fields: list[Any],
+                                              payload: list[bytes]) -> None:
+    decodes_or_bad_request([pack(cmd, req_id, *fields), *payload])
+
+
+@PROPERTY
+@given(st.sampled_from(BASE_COMMANDS), st.data())
+def test_mutated_valid_headers_only_raise_bad_request(cmd: Cmd, data: st.DataObject) -> None:
+    frames = frames_of(cmd, 9, REQUEST_EXAMPLES[cmd])
+    header = bytearray(frames[0])
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(header) - 1))
+        header[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        header = header[:data.draw(st.integers(0, len(header)))]
+    decodes_or_bad_request([bytes(header), *frames[1:]])
+
+
+@PROPERTY
+@given(st.sampled_from([Cmd.GET_TENSOR, Cmd.SET_TENSOR]), st.data())
+def test_random_tensor_values_only_raise_bad_request(cmd: Cmd, data: st.DataObject) -> None:
+    ints = st.integers(-(2**63), 2**64 - 1) | st.integers(-3, 3)
+    value = data.draw(st.lists(ints | st.lists(ints, max_size=10) | msgpackable,
+                               min_size=4, max_size=6))
+    decodes_or_bad_request([pack(cmd, 1, value), *data.draw(st.lists(st.binary(max_size=64),
+                                                                      max_size=2))])
+
+
+@st.composite
+def tensor_refs(draw: st.DrawFn) -> TensorRef:
+    rank = draw(st.integers(0, p.MAX_RANK))
+    small = draw(st.booleans())
+    dim = st.integers(0, 5) if small else st.integers(0, p.MAX_DIM)
+    shape = tuple(draw(st.lists(dim, min_size=rank, max_size=rank)))
+    if np.prod(shape, dtype=object) > p.MAX_DIM:
+        shape = tuple(min(d, 2) for d in shape)
+    strides = tuple(draw(st.lists(st.integers(-p.MAX_DIM, p.MAX_DIM), min_size=rank,
+                                  max_size=rank)))
+    return TensorRef(buffer=draw(st.integers(0, p.MAX_HANDLE)), dtype=draw(st.sampled_from(DType)),
+                     shape=shape, strides=strides, offset=draw(st.integers(0, p.MAX_HANDLE)))
+
+
+@PROPERTY
+@given(tensor_refs(), st.integers(0, 2**64 - 1))
+def test_valid_tensor_refs_round_trip(tensor: TensorRef, req_id: int) -> None:
+    assert p.check_tensor(tensor.to_wire(), "t") == tensor
+    assert p.decode_request(frames_of(Cmd.GET_TENSOR, req_id, p.GetTensor(tensor=tensor))) == \
+        (Cmd.GET_TENSOR, req_id, p.GetTensor(tensor=tensor))
+    src = dataclasses.replace(tensor, buffer=0, offset=tensor.offset // 2)
+    copy = p.CopyTensor(src=src, dst=tensor)
+    assert p.decode_request(frames_of(Cmd.COPY_TENSOR, req_id, copy))[2] == copy
+
+
+@st.composite
+def small_views(draw: st.DrawFn, max_dim: int = 4) -> TensorRef:
+    rank = draw(st.integers(0, 3))
+    dtype = draw(st.sampled_from([DType.UINT8, DType.FLOAT16, DType.FLOAT32, DType.FLOAT64]))
+    shape = tuple(draw(st.lists(st.integers(0, max_dim), min_size=rank, max_size=rank)))
+    stride = st.integers(-24, 24) | st.sampled_from([0, dtype.itemsize, -dtype.itemsize])
+    if draw(st.booleans()):
+        strides = p.contiguous_strides(shape, dtype.itemsize)
+    else:
+        strides = tuple(draw(st.lists(stride, min_size=rank, max_size=rank)))
+    return TensorRef(buffer=1, dtype=dtype, shape=shape, strides=strides,
+                     offset=draw(st.integers(0, 200)))
+
+
+def element_offsets(tensor: TensorRef) -> list[int]:
+    """Every element's first byte, in C order (brute force)."""
+    return [tensor.offset + sum(i * s for i, s in zip(index, tensor.strides))
+            for index in itertools.product(*(range(d) for d in tensor.shape))]
+
+
+@PROPERTY
+@given(small_views())
+def test_byte_extent_matches_brute_force(tensor: TensorRef) -> None:
+    starts = element_offsets(tensor)
+    expected = ((min(starts), max(starts) + tensor.dtype.itemsize) if starts
+                else (tensor.offset, tensor.offset))
+    assert tensor.byte_extent() == expected
+
+
+def test_byte_extent_examples() -> None:
+    assert ref((2, 3), (-12, 4), offset=12).byte_extent() == (0, 24)  # rows reversed
+    assert ref((5,), (0,), offset=8).byte_extent() == (8, 12)  # broadcast
+    assert ref((0, 7), (4, 4), offset=3).byte_extent() == (3, 3)  # empty
+    assert ref((), (), dtype=DType.FLOAT64, offset=1).byte_extent() == (1, 9)  # scalar
+
+
+def view_bytes(data: np.ndarray, tensor: TensorRef) -> bytes:
+    """The view's elements in C order, read with as_strided from a byte array."""
+    if tensor.numel == 0:
+        return b""
+    size = tensor.dtype.itemsize
+    elements = np.lib.stride_tricks.as_strided(
+        data[tensor.offset:], shape=(*tensor.shape, size), strides=(*tensor.strides, 1),
+        writeable=False)
+    return elements.tobytes()
+
+
+@PROPERTY
+@given(small_views(max_dim=5), st.integers(0, 80))
+def test_split_tensor_tiles_the_view(tensor: TensorRef, limit: int) -> None:
+    lo, hi = tensor.byte_extent()
+    if lo < 0:
+        tensor = dataclasses.replace(tensor, offset=tensor.offset - lo)
+        lo, hi = tensor.byte_extent()
+    data = (np.arange(hi + 8) * 7 % 251).astype(np.uint8)
+    whole = view_bytes(data, tensor)
+    assert len(whole) == tensor.nbytes
+
+    pieces = p.split_tensor(tensor, limit)
+    position = 0
+    for start, piece in pieces:
+        assert start == position, "pieces must tile the data in order, without gaps"
+        assert (piece.buffer, piece.dtype) == (tensor.buffer, tensor.dtype)
+        assert piece.nbytes <= max(limit, tensor.dtype.itemsize) or len(pieces) == 1
+        plo, phi = piece.byte_extent()
+        assert lo <= plo and phi <= hi or piece.numel == 0
+        assert view_bytes(data, piece) == whole[start:start + piece.nbytes]
+        position += piece.nbytes
+    assert position == tensor.nbytes
+
+
+def test_split_tensor_examples() -> None:
+    flat = ref((10,), dtype=DType.FLOAT32, offset=8)
+    assert [(s, t.shape, t.offset) for s, t in p.split_tensor(flat, 16)] == \
+        [(0, (4,), 8), (16, (4,), 24), (32, (2,), 40)]
+    assert p.split_tensor(flat, 40) == [(0, flat)]
+    rows = ref((4, 3), (24, 4))  # every other row of a float32[8, 3]
+    assert [(s, t.shape, t.offset) for s, t in p.split_tensor(rows, 24)] == \
+        [(0, (2, 3), 0), (24, (2, 3), 48)]

@@ -1,0 +1,274 @@
+"""Worker-to-worker transfers, on the backend thread: the PULL socket, lazy PUSH links, bookkeeping.
+
+Owned by the backend thread, like every other piece of tensor state: it binds the peer PULL socket,
+opens one PUSH socket per destination peer on first use (and reuses it), writes arriving chunks
+straight into their destination views, sends acknowledgements, and fails transfers at their
+deadline. Nothing here blocks: the backend loop polls the PULL socket and calls :meth:`expire`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+
+from ..broker import peer as wire
+from ..broker.errors import BadRequest
+from ..broker.protocol import ErrorCode, TensorRef, WireError, split_tensor
+
+if TYPE_CHECKING:
+    from .executor import Executor, Pending, Session
+
+log = logging.getLogger("zmq_rpc.worker.peer")
+
+CHUNK_BYTES = 4 << 20
+STASH_TTL = 30.0
+
+
+@dataclass
+class Incoming:
+    """A PEER_RECV at the head of its session's queue, collecting chunks into ``dst``."""
+
+    pending: Pending
+    ref: TensorRef
+    view: Any
+    deadline: float
+    staging: np.ndarray | None
+    received: set[int] = field(default_factory=set)
+    nchunks: int = -1
+    reply_to: str = ""
+
+
+@dataclass
+class Outgoing:
+    """A PEER_SEND or PEER_PROBE waiting for the peer's acknowledgement."""
+
+    pending: Pending
+    endpoint: str
+    deadline: float
+    what: str
+
+
+@dataclass
+class Stashed:
+    """Chunks that arrived before their PEER_RECV reached the head of its queue."""
+
+    messages: list[tuple[wire.Chunk, zmq.Frame]] = field(default_factory=list)
+    nbytes: int = 0
+    expires: float = 0.0
+
+
+class PeerLinks:
+    """The backend thread's peer sockets and the transfers in progress."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], bind: str, advertise: str,
+                 max_message_size: int, executor: Executor) -> None:
+        self.ctx = ctx
+        self.executor = executor
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        self.pull.bind(bind)
+        bound = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = advertise or bound
+        self.links: dict[str, zmq.Socket[bytes]] = {}
+        self.incoming: dict[bytes, Incoming] = {}
+        self.outgoing: dict[bytes, Outgoing] = {}
+        self.stash: dict[bytes, Stashed] = {}
+        self.stash_limit = max(executor.limits.memory_limit // 4, 64 << 20)
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        for sock in self.links.values():
+            sock.close(linger=0)
+
+    def next_deadline(self) -> float | None:
+        """The earliest moment something here may time out."""
+        times = [t.deadline for t in self.incoming.values()]
+        times += [t.deadline for t in self.outgoing.values()]
+        times += [s.expires for s in self.stash.values()]
+        return min(times) if times else None
+
+    # ------------------------------------------------------------- requests (from executor)
+
+    def start_recv(self, pending: Pending, msg: wire.PeerRecv) -> bool:
+        """Begin receiving into ``msg.dst``; True when already complete (stashed chunks)."""
+        if msg.token in self.incoming:
+            raise WireError(ErrorCode.TRANSFER_FAILED, "that transfer token is already in use")
+        view = self.executor.view(pending.session, msg.dst)
+        staging = None if msg.dst.is_contiguous() else np.empty(msg.dst.nbytes, np.uint8)
+        self.incoming[msg.token] = Incoming(pending, msg.dst, view,
+                                            time.monotonic() + msg.timeout_ms / 1000, staging)
+        stashed = self.stash.pop(msg.token, None)
+        for chunk, frame in stashed.messages if stashed else []:
+            self._on_chunk(chunk, frame)
+        return msg.token not in self.incoming
+
+    def start_send(self, pending: Pending, msg: wire.PeerSend) -> None:
+        """Push ``msg.src`` to ``msg.endpoint`` in chunks; the reply waits for the ack."""
+        session = pending.session
+        view = self.executor.view(session, msg.src)
+        buffer = session.buffers[msg.src.buffer]
+        link = self._link(msg.endpoint)
+        pieces = split_tensor(msg.src, CHUNK_BYTES)
+        self.outgoing[msg.token] = Outgoing(pending, msg.endpoint,
+                                            time.monotonic() + msg.timeout_ms / 1000,
+                                            f"transfer to {msg.endpoint}")
+        for seq, (start, sub) in enumerate(pieces):
+            data, aliased = self.executor.backend.read(
+                view if len(pieces) == 1 else self.executor.backend.view(buffer.memory, sub))
+            header = wire.encode_chunk(wire.Chunk(msg.token, seq, len(pieces), start,
+                                                  msg.src.nbytes, self.endpoint))
+            if aliased and sub.nbytes >= 64 * 1024:
+                buffer.sending.append(link.send_multipart([header, data], copy=False, track=True))
+            else:
+                link.send_multipart([header, data], copy=False)
+
+    def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
+        token = os.urandom(wire.TOKEN_BYTES)
+        link = self._link(msg.endpoint)
+        self.outgoing[token] = Outgoing(pending, msg.endpoint,
+                                        time.monotonic() + msg.timeout_ms / 1000,
+                                        f"probe of {msg.endpoint}")
+        link.send(wire.encode_probe(wire.Probe(token, self.endpoint)))
+
+    def _link(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self.links.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                raise WireError(ErrorCode.TRANSFER_FAILED,
+                                f"cannot connect to peer {endpoint!r}: {exc}") from None
+            self.links[endpoint] = sock
+        return sock
+
+    def _drop_link(self, endpoint: str) -> None:
+        """Close a link whose peer failed us: what is queued on it is dropped, next use reconnects."""
+        sock = self.links.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    # ----------------------------------------------------------- peer messages (PULL side)
+
+    def drain(self) -> None:
+        """Handle what peers pushed to us."""
+        for _ in range(256):
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = wire.decode_peer([f.buffer for f in frames[:1]] + frames[1:])
+            except BadRequest as exc:
+                log.warning("dropping a bad peer message: %s", exc)
+                continue
+            self._dispatch(message, frames)
+
+    def _dispatch(self, message: wire.Chunk | wire.Ack | wire.Probe, frames: list[Any]) -> None:
+        if isinstance(message, wire.Chunk):
+            self._on_chunk(message, frames[1])
+        elif isinstance(message, wire.Ack):
+            self._on_ack(message)
+        else:
+            self._send_ack(message.reply_to, wire.Ack(message.token, True, "probe"))
+
+    def _on_chunk(self, chunk: wire.Chunk, frame: zmq.Frame) -> None:
+        transfer = self.incoming.get(chunk.token)
+        if transfer is None:
+            self._stash(chunk, frame)
+            return
+        transfer.reply_to = chunk.reply_to
+        try:
+            self._land(transfer, chunk, frame)
+        except WireError as exc:
+            self._finish_incoming(chunk.token, exc.message)
+            return
+        if len(transfer.received) == transfer.nchunks:
+            self._finish_incoming(chunk.token, None)
+
+    def _land(self, transfer: Incoming, chunk: wire.Chunk, frame: zmq.Frame) -> None:
+        size = len(frame)
+        total = transfer.ref.nbytes
+        if chunk.total != total or chunk.start > total or size > total - chunk.start:
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"chunk of {size} bytes at {chunk.start} does not fit a {total}-byte "
+                            f"destination (sender says {chunk.total})")
+        if transfer.nchunks not in (-1, chunk.nchunks) or chunk.seq in transfer.received:
+            raise WireError(ErrorCode.TRANSFER_FAILED, "inconsistent or repeated chunk")
+        transfer.nchunks = chunk.nchunks
+        transfer.received.add(chunk.seq)
+        target = transfer.staging if transfer.staging is not None else \
+            transfer.view.reshape(-1).view(np.uint8)
+        target[chunk.start:chunk.start + size] = np.frombuffer(frame.buffer, np.uint8)
+
+    def _stash(self, chunk: wire.Chunk, frame: zmq.Frame) -> None:
+        total = sum(s.nbytes for s in self.stash.values())
+        if total + len(frame) > self.stash_limit:
+            log.warning("dropping a chunk for unknown transfer %s: stash full", chunk.token.hex())
+            return
+        entry = self.stash.setdefault(chunk.token, Stashed())
+        entry.messages.append((chunk, frame))
+        entry.nbytes += len(frame)
+        entry.expires = time.monotonic() + STASH_TTL
+
+    def _finish_incoming(self, token: bytes, error: str | None) -> None:
+        transfer = self.incoming.pop(token)
+        if error is None and transfer.staging is not None:
+            transfer.view[...] = transfer.staging.view(transfer.view.dtype).reshape(
+                transfer.view.shape)
+        if transfer.reply_to:
+            self._send_ack(transfer.reply_to, wire.Ack(token, error is None, error or "ok"))
+        self.executor.finish(transfer.pending, error)
+
+    def _on_ack(self, ack: wire.Ack) -> None:
+        out = self.outgoing.pop(ack.token, None)
+        if out is None:
+            return
+        self.executor.finish(out.pending, None if ack.ok else
+                             f"{out.what} refused by the peer: {ack.message}")
+
+    def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:
+        try:
+            self._link(endpoint).send(wire.encode_ack(ack), zmq.NOBLOCK)
+        except (WireError, zmq.ZMQError) as exc:
+            log.warning("cannot acknowledge to %s: %s", endpoint, exc)
+
+    # ----------------------------------------------------------------------- deadlines
+
+    def expire(self, now: float) -> None:
+        """Fail transfers past their deadline; forget stale stashed chunks."""
+        for token, transfer in list(self.incoming.items()):
+            if now >= transfer.deadline:
+                got = f"{len(transfer.received)} of {max(transfer.nchunks, 0) or '?'} chunks"
+                self._finish_incoming(token, f"transfer into {list(transfer.ref.shape)} timed "
+                                             f"out ({got} arrived)")
+        for token, out in list(self.outgoing.items()):
+            if now >= out.deadline:
+                del self.outgoing[token]
+                self._drop_link(out.endpoint)
+                self.executor.finish(out.pending, f"{out.what}: no acknowledgement within the "
+                                                  "timeout (peer unreachable, dead or too slow)")
+        for token, entry in list(self.stash.items()):
+            if now >= entry.expires:
+                del self.stash[token]
+
+    def fail_session(self, session: Session) -> None:
+        """Forget the transfers of a closed session (no replies: the session is gone)."""
+        for table in (self.incoming, self.outgoing):
+            for token, item in list(table.items()):
+                if item.pending.session is session:
+                    del table[token]
+
+
+Finish = Callable[["Pending", "str | None"], None]
