@@ -276,9 +276,9 @@ class _IoLoop:
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
-                self.fail_in_flight(ConnectionLost(
+                self.fail_pending(ConnectionLost(
                     f"connection to {self.engine.endpoint} lost; requests in flight may or may "
-                    "not have run"))
+                    "not have run, queued ones were not sent"))
             elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                 self.connected = True
 
@@ -289,12 +289,16 @@ class _IoLoop:
         self.in_flight.clear()
         self.in_flight_bytes = 0
 
-    def fail_all(self, exc: RpcError) -> None:
+    def fail_pending(self, exc: RpcError) -> None:
+        """Fail what is in flight and what waits to be sent."""
         self.fail_in_flight(exc)
         for call in self.backlog:
             if not call.future.done():
                 call.future.set_exception(exc)
         self.backlog.clear()
+
+    def fail_all(self, exc: RpcError) -> None:
+        self.fail_pending(exc)
         while True:
             try:
                 call = self.engine._inbox.get_nowait()
