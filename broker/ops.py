@@ -57,7 +57,6 @@ DTYPE_SIZES: Final[Mapping[str, int]] = MappingProxyType({
 })
 FLOAT_DTYPES: Final = frozenset({"float32", "float16", "bfloat16", "float64"})
 INDEX_DTYPES: Final = frozenset({"int32", "int64"})
-ALL_DTYPES: Final = frozenset(DTYPE_SIZES)
 #: qtype -> (elements per block, bytes per block); ``broker.quant.BLOCK`` is a copy.
 QUANT_BLOCKS: Final[Mapping[str, tuple[int, int]]] = MappingProxyType({"q8_0": (32, 34), "q4_1": (32, 20)})
 
@@ -130,17 +129,13 @@ def _show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _prod_ok(shape: Sequence[int]) -> bool:
-    return math.prod(shape) < MAX_ELEMENTS
-
-
 def _check_shape(shape: object, what: str) -> None:
     if not isinstance(shape, tuple) or len(shape) > MAX_RANK:
         raise OpError(f"{what} shape must be a tuple of at most {MAX_RANK} dims, got {_show(shape)}")
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < MAX_DIM:
             raise OpError(f"{what} shape {_show(shape)}: dims must be ints in [0, 2**40)")
-    if not _prod_ok(shape):
+    if math.prod(shape) >= MAX_ELEMENTS:
         raise OpError(f"{what} shape {_show(shape)} has 2**40 or more elements")
 
 
@@ -373,6 +368,7 @@ def _get_rows(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
 
 
 def _layer_norm(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """Inputs: x, then optionally weight (d,), then optionally bias (d,); a bias needs a weight."""
     out = _float_unary(ins, p)
     for i, name in enumerate(("weight", "bias"), start=1):
         if len(ins) > i:

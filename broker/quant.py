@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from .ops import QUANT_BLOCKS
 
-__all__ = ["BLOCK", "CHUNK_BLOCKS", "dequantize", "quantize"]
+__all__ = ["BLOCK", "CHUNK_BLOCKS", "dequantize", "dequantized_shape", "quantize"]
 
 #: qtype -> (elements per block, bytes per block).
 BLOCK: Final[dict[str, tuple[int, int]]] = dict(QUANT_BLOCKS)
@@ -34,6 +34,8 @@ _LAYOUT: Final = {
     "q8_0": np.dtype([("d", "<f2"), ("qs", "i1", (32,))]),
     "q4_1": np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", (16,))]),
 }
+
+_SCALES: Final = {"q8_0": ("d",), "q4_1": ("d", "m")}
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
@@ -114,7 +116,7 @@ def quantize(x: np.ndarray, qtype: str) -> U8:
     blocks = np.empty(values.size // per_block, _LAYOUT[qtype])
     with np.errstate(all="ignore"):  # 1/d of a tiny d overflows; those blocks get zero quants
         _QUANT[qtype](values.reshape(-1, per_block), blocks)
-    if not all(np.isfinite(blocks[name]).all() for name in ("d", "m") if name in blocks.dtype.names):
+    if not all(np.isfinite(blocks[name]).all() for name in _SCALES[qtype]):
         raise ValueError(f"values too large for {qtype}: a block scale overflows float16")
     return blocks.view(np.uint8).reshape(values.shape[:-1] + (values.shape[-1] // per_block * block_bytes,))
 
