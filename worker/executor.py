@@ -118,8 +118,9 @@ class Executor:
         self.peer_endpoint = peer_endpoint
         self.sessions: dict[bytes, Session] = {}
         self.used_memory = 0
-        self.capabilities: list[str] = ["views", "chunked-transfer", "zero-copy",
-                                        f"graph-v{g.GRAPH_VERSION}"]
+        self.capabilities: list[str] = ["views", "chunked-transfer", "zero-copy"]
+        if getattr(backend, "supports_graphs", True):
+            self.capabilities.append(f"graph-v{g.GRAPH_VERSION}")
         self.handlers: dict[Cmd, Handler] = {
             Cmd.PING: lambda s, m, f: NO_REPLY,
             Cmd.GOODBYE: self._goodbye,
@@ -465,6 +466,9 @@ class Executor:
         return NO_REPLY
 
     def _compile(self, session: Session, spec: g.GraphSpec) -> CompiledGraph:
+        if not getattr(self.backend, "supports_graphs", True):
+            raise WireError(ErrorCode.GRAPH_INVALID,
+                            f"the {self.backend.name} backend does not run graphs yet")
         for ref in spec.tensors:
             self.view(session, ref)          # handles exist, views inside their buffers
         return compile_graph(spec)

@@ -208,9 +208,10 @@ class PeerLinks:
             raise WireError(ErrorCode.TRANSFER_FAILED, "inconsistent or repeated chunk")
         transfer.nchunks = chunk.nchunks
         transfer.received.add(chunk.seq)
-        target = transfer.staging if transfer.staging is not None else \
-            transfer.view.reshape(-1).view(np.uint8)
-        target[chunk.start:chunk.start + size] = np.frombuffer(frame.buffer, np.uint8)
+        if transfer.staging is not None:
+            transfer.staging[chunk.start:chunk.start + size] = np.frombuffer(frame.buffer, np.uint8)
+        else:
+            self.executor.backend.write_bytes(transfer.view, chunk.start, frame.buffer)
 
     def _stash(self, chunk: wire.Chunk, frame: zmq.Frame) -> None:
         total = sum(s.nbytes for s in self.stash.values())
@@ -225,8 +226,7 @@ class PeerLinks:
     def _finish_incoming(self, token: bytes, error: str | None) -> None:
         transfer = self.incoming.pop(token)
         if error is None and transfer.staging is not None:
-            transfer.view[...] = transfer.staging.view(transfer.view.dtype).reshape(
-                transfer.view.shape)
+            self.executor.backend.write(transfer.view, transfer.staging)
         if transfer.reply_to:
             self._send_ack(transfer.reply_to, wire.Ack(token, error is None, error or "ok"))
         self.executor.finish(transfer.pending, error)

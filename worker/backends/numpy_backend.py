@@ -65,6 +65,11 @@ class NumpyBackend:
         else:
             view[...] = src.reshape(view.shape)
 
+    def write_bytes(self, view: np.ndarray, start: int, payload: Any) -> None:
+        """Copy ``payload`` to bytes [start, start+len) of a contiguous view's data."""
+        data = np.frombuffer(payload, np.uint8)
+        view.reshape(-1).view(np.uint8)[start:start + data.size] = data
+
     def read(self, view: np.ndarray) -> tuple[Any, bool]:
         """The view's bytes in C order, and whether they alias the buffer (zero-copy)."""
         if view.flags.c_contiguous:
