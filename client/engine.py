@@ -75,6 +75,8 @@ class Engine:
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._io_sleeping = False
+        """Set by the I/O thread just before it blocks; submitters wake it only then."""
         self._closed = False
         self._close_lock = threading.Lock()
         self._started = threading.Event()
@@ -101,7 +103,8 @@ class Engine:
         nbytes = sum(memoryview(f).nbytes for f in payload)
         self._inbox.put(Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply,
                              nbytes))
-        os.eventfd_write(self._wake_fd, 1)
+        if self._io_sleeping:
+            os.eventfd_write(self._wake_fd, 1)
         return future
 
     def close(self, timeout: float = 5.0) -> None:
@@ -172,11 +175,14 @@ class _IoLoop:
     def loop(self) -> None:
         engine = self.engine
         while True:
-            events = dict(self.poller.poll(self._poll_timeout_ms()))
+            engine._io_sleeping = True      # then look again: a submit may have raced us
+            timeout = 0 if not engine._inbox.empty() else self._poll_timeout_ms()
+            events = dict(self.poller.poll(timeout))
+            engine._io_sleeping = False
             if engine._wake_fd in events:
                 os.eventfd_read(engine._wake_fd)
-                if not self._take_inbox():
-                    return
+            if not self._take_inbox():
+                return
             if self.dealer in events:
                 self._receive()
             if self.monitor in events:
@@ -214,7 +220,7 @@ class _IoLoop:
             self.backlog.popleft()
             if call.future.done():
                 continue
-            self.dealer.send_multipart(call.frames, copy=False)
+            self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
             call.frames = []
             call.sent = True
             self.in_flight[call.req_id] = call
