@@ -1,0 +1,150 @@
+"""Tests of ``zmq-rpc-bench`` (:mod:`zmq_rpc.tools.bench`) and its raw baselines.
+
+Figures on a shared 2-core machine are noise: these tests check that every case runs and reports
+samples, that servers stop cleanly, and how results are summarized, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from zmq_rpc.tools import baselines as bl
+from zmq_rpc.tools import bench
+
+
+@pytest.mark.timeout(180)
+def test_quick_run_reports_every_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    code = bench.main(["--quick", "--json", str(out), "--cases", "rtt,pipelined,set,get",
+                       "--sizes", "4KiB,256KiB"])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["errors"] == []
+    assert len(doc["meta"]["endpoints"]) == 2
+    by_case: dict[str, list[dict[str, object]]] = {}
+    for row in doc["results"]:
+        by_case.setdefault(row["case"], []).append(row)
+        assert row["ours"] and row["baselines"]
+        assert all(samples for samples in row["baselines"].values())
+    assert set(by_case) == {"rtt", "pipelined", "set", "get"}
+    for case in ("set", "get"):
+        baselines = {name for row in by_case[case] for name in row["baselines"]}  # type: ignore[attr-defined]
+        assert {"zmq-chunked", "zmq-whole", "tcp"} <= baselines
+    printed = capsys.readouterr().out
+    assert "ours [min-max]" in printed
+    for label in ("rtt", "pipelined", "set 4KiB", "get 256KiB"):
+        assert f"\n{label} " in printed
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["echo", "bulk-zmq", "bulk-tcp"])
+def test_baseline_server_round_trip_and_clean_stop(kind: str) -> None:
+    server = bl.ServerProcess(bl.baseline_argv(kind))
+    try:
+        endpoint = server.wait_ready()
+        _exercise(kind, endpoint)
+    finally:
+        code = server.stop()
+    assert code == 0
+
+
+def _exercise(kind: str, endpoint: str) -> None:
+    data = np.arange(300_000, dtype=np.uint32).view(np.uint8)
+    if kind == "bulk-tcp":
+        tcp = bl.TcpBulk(endpoint)
+        try:
+            tcp.set(data)
+            assert np.array_equal(tcp.get(data.size), data)
+        finally:
+            tcp.close()
+        return
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        if kind == "echo":
+            sock = bl.dealer(ctx, endpoint)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            bl.echo_once(sock, b"hello")
+            bl.echo_pipelined(sock, 2_000, 64, b"hello")
+            sock.close(linger=0)
+        else:
+            _exercise_bulk_zmq(bl.ZmqBulk(ctx, endpoint), data)
+    finally:
+        ctx.term()
+
+
+def _exercise_bulk_zmq(client: bl.ZmqBulk, data: np.ndarray) -> None:
+    client.sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    try:
+        for chunk in (65_536, data.size):
+            client.set(data, chunk)
+            assert np.array_equal(client.get(data.size, chunk), data)
+    finally:
+        client.close()
+
+
+def _row(ours: Sequence[float], base: Sequence[float], higher: bool,
+         target: bench.Target | None) -> bench.CaseResult:
+    return bench.CaseResult("demo", "demo 1KiB", "GB/s", list(ours),
+                            {"slow": [x / 2 for x in base], "fast": list(base)}, target,
+                            higher_is_better=higher)
+
+
+def test_results_compare_with_the_best_baseline() -> None:
+    row = _row([1.0, 2.0, 3.0], [2.0, 2.0, 5.0], True, bench.Target(0.9, higher_is_better=True))
+    assert row.best_baseline() == "fast"
+    assert row.ratio() == pytest.approx(1.0)
+    assert row.passed() is True
+    latency = _row([3.0], [2.0], False, bench.Target(1.2, higher_is_better=False))
+    assert latency.best_baseline() == "slow"
+    assert latency.passed() is False
+    assert _row([1.0], [1.0], True, None).passed() is None
+
+
+def test_table_shows_figures_ratio_and_mark() -> None:
+    rows = [_row([1.0, 2.0, 3.0], [2.0, 2.0, 5.0], True, bench.Target(0.9, True)),
+            _row([300.0], [100.0], False, bench.Target(1.5, False))]
+    text = bench.format_table(rows)
+    lines = text.splitlines()
+    assert lines[0].startswith("case") and set(lines[1]) == {"-"}
+    assert "2.00 [1.00-3.00]" in lines[2] and "PASS" in lines[2] and "slow 1.00" in lines[2]
+    assert "FAIL" in lines[3] and "6.00x" in lines[3]
+
+
+def test_cases_and_commands_can_be_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "CASES", dict(bench.CASES))
+    monkeypatch.setattr(bench, "COMMANDS", dict(bench.COMMANDS))
+
+    @bench.register_case("demo", default=False)
+    def demo(ctx: bench.BenchContext) -> list[bench.CaseResult]:
+        """A demo case."""
+        return []
+
+    assert bench.CASES["demo"].help == "A demo case."
+    with pytest.raises(ValueError):
+        bench.register_case("demo")(demo)
+    calls: list[Sequence[str]] = []
+
+    def generate(argv: Sequence[str]) -> int:
+        calls.append(argv)
+        return 7
+
+    bench.register_command("generate", generate)
+    assert bench.main(["generate", "--prompt", "hi"]) == 7
+    assert calls == [["--prompt", "hi"]]
+
+
+def test_unknown_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--cases", "rtt,nope"])
+    assert stop.value.code == 2
+    assert "unknown case" in capsys.readouterr().err
+
+
+def test_format_size() -> None:
+    assert [bench.format_size(n) for n in (4096, 1 << 20, 256 << 20, 1000)] == \
+        ["4KiB", "1MiB", "256MiB", "1000B"]
