@@ -630,17 +630,19 @@ def decode_request(frames: Sequence[Any]) -> tuple[Cmd, int, Message]:
         raise BadRequest("a request needs a header frame", code=ErrorCode.BAD_REQUEST)
     header = unpack_header(frames[0])
     req_id = header[1]
-    try:
-        cmd = Cmd(header[0])
-    except ValueError:
+    cmd = _COMMANDS.get(header[0])
+    if cmd is None:
         raise _with_id(BadRequest(f"unknown command {header[0]}",
-                                  code=ErrorCode.UNKNOWN_COMMAND), req_id) from None
+                                  code=ErrorCode.UNKNOWN_COMMAND), req_id)
     try:
         msg = REQUESTS[cmd].from_fields(header[2:])
         _check_payload(cmd, msg, frames)
     except BadRequest as exc:
         raise _with_id(exc, req_id) from None
     return cmd, req_id, msg
+
+
+_COMMANDS: dict[int, Cmd] = {int(c): c for c in Cmd}
 
 
 def _with_id(exc: BadRequest, req_id: int) -> BadRequest:

@@ -239,7 +239,8 @@ class Executor:
         tracked = [b for b in payload if isinstance(b, TrackedPayload)]
         frames = [client_id, header, *[getattr(b, "data", b) for b in payload]]
         if not tracked:
-            self._send(frames, copy=False)
+            small = all(len(f) < zmq.COPY_THRESHOLD for f in frames[2:])
+            self._send(frames, copy=small)   # copying tiny frames beats making zero-copy ones
             return
         tracker = self._send(frames, copy=False, track=True)
         for item in tracked:
@@ -247,7 +248,7 @@ class Executor:
 
     def _reply_error(self, client_id: bytes, req_id: int, code: ErrorCode, message: str) -> None:
         log.debug("error reply %s to %s: %s", code.name, client_id.hex()[:8], message)
-        self._send([client_id, p.encode_error(req_id, code, message)], copy=False)
+        self._send([client_id, p.encode_error(req_id, code, message)])
 
     # --------------------------------------------------------------------------- sessions
 
