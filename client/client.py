@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 import zmq
@@ -149,7 +149,8 @@ class RemoteTensor:
 
     def reshape(self, *shape: int | Sequence[int]) -> RemoteTensor:
         """A reshaped view of a contiguous tensor (one -1 allowed)."""
-        dims = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        first = shape[0] if len(shape) == 1 else None
+        dims = tuple(first) if isinstance(first, Sequence) else tuple(cast(tuple[int, ...], shape))
         if not self.is_contiguous():
             raise BadRequest("reshape needs a contiguous tensor; views of it cannot be reshaped")
         probe, base = self._probe()

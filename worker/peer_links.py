@@ -126,7 +126,9 @@ class PeerLinks:
             header = wire.encode_chunk(wire.Chunk(msg.token, seq, len(pieces), start,
                                                   msg.src.nbytes, self.endpoint))
             if aliased and sub.nbytes >= 64 * 1024:
-                buffer.sending.append(link.send_multipart([header, data], copy=False, track=True))
+                tracker = link.send_multipart([header, data], copy=False, track=True)
+                if tracker is not None:
+                    buffer.sending.append(tracker)
             else:
                 link.send_multipart([header, data], copy=False)
 
@@ -265,10 +267,12 @@ class PeerLinks:
 
     def fail_session(self, session: Session) -> None:
         """Forget the transfers of a closed session (no replies: the session is gone)."""
-        for table in (self.incoming, self.outgoing):
-            for token, item in list(table.items()):
-                if item.pending.session is session:
-                    del table[token]
+        for token, incoming in list(self.incoming.items()):
+            if incoming.pending.session is session:
+                del self.incoming[token]
+        for token, outgoing in list(self.outgoing.items()):
+            if outgoing.pending.session is session:
+                del self.outgoing[token]
 
 
 Finish = Callable[["Pending", "str | None"], None]
