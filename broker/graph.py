@@ -23,7 +23,9 @@ from typing import Any
 from .errors import BadRequest
 from .ops import OPS, OpError, OpKind, TensorMeta, infer
 from .protocol import (
+    BufferOp,
     Cmd,
+    Empty,
     ErrorCode,
     Message,
     TensorRef,
@@ -33,7 +35,6 @@ from .protocol import (
     list_of,
     register_command,
 )
-from .protocol import BufferOp, Empty
 
 GRAPH_VERSION = 1
 MAX_NODES = 1 << 16

@@ -21,8 +21,8 @@ from ..broker.errors import (
     TransportError,
     VersionMismatch,
 )
-from .aio import AsyncClient
 from ..broker.ops import OpError
+from .aio import AsyncClient
 from .client import (
     Client,
     MemoryInfo,

@@ -18,10 +18,10 @@ from typing import Any, NamedTuple, TypeVar, cast
 import numpy as np
 import zmq
 
+from ..broker import graph as wire_graph
 from ..broker import protocol as p
 from ..broker.errors import BadRequest, ConnectionLost, ProtocolError, RpcError, VersionMismatch
 from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
-from ..broker import graph as wire_graph
 from .engine import Engine, EngineOptions
 from .graph import Graph
 from .peer import Routes, copy_between

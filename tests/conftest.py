@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import zmq
-
 from zmq_rpc.client import Client
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-
+from conftest import WorkerProcess
 from zmq_rpc.broker.protocol import DType
 from zmq_rpc.client import (
     AsyncClient,
@@ -27,8 +27,6 @@ from zmq_rpc.client import (
     to_bfloat16,
 )
 from zmq_rpc.worker.server import WorkerServer
-
-from conftest import WorkerProcess
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,6 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-
 from conftest import WorkerProcess
 from zmq_rpc.client import Client, ConnectionLost, RpcError
 from zmq_rpc.worker.cli import parse_size
