@@ -27,6 +27,12 @@ log = logging.getLogger("zmq_rpc.client.peer")
 
 PROBE_TIMEOUT_S = 3.0
 
+_ISSUE_LOCK = threading.Lock()
+"""Held while the two halves of one copy are queued. Without it, copies issued from two threads
+in opposite directions can interleave so that each worker holds its queue for a receive whose
+send waits behind the other worker's receive: a deadlock until the transfer timeout. In one global
+order, the earliest unfinished copy can always proceed."""
+
 
 class Routes:
     """Which destination peer endpoints one source worker can reach (probed once each)."""
@@ -72,10 +78,11 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
         return _relay(src, dst)
     token = os.urandom(wire.TOKEN_BYTES)
     transfer_ms = max(1, int(wait * 0.8 * 1000))   # the workers' verdict comes before our timeout
-    landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
-                                                  timeout_ms=transfer_ms), timeout=wait)
-    sent = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
-                                                timeout_ms=transfer_ms), timeout=wait)
+    with _ISSUE_LOCK:   # every worker queues the halves of all copies in one global order
+        landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
+                                                      timeout_ms=transfer_ms), timeout=wait)
+        sent = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
+                                                    timeout_ms=transfer_ms), timeout=wait)
     from .client import _gather
     return _gather([landed, sent], lambda: None)
 

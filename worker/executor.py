@@ -417,9 +417,12 @@ class Executor:
     def _peer_recv(self, pending: Pending, msg: Any) -> bool:
         if self.peers is None:
             raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
-        if self.peers.start_recv(pending, msg):
-            return False
-        pending.session.held_by = pending
+        pending.session.held_by = pending      # before: chunks stashed earlier may finish it now
+        try:
+            self.peers.start_recv(pending, msg)
+        except BaseException:
+            pending.session.held_by = None
+            raise
         return True
 
     def _peer_send(self, pending: Pending, msg: Any) -> bool:

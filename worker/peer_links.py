@@ -29,6 +29,8 @@ log = logging.getLogger("zmq_rpc.worker.peer")
 
 CHUNK_BYTES = 4 << 20
 STASH_TTL = 30.0
+MAX_LINKS = 64
+MAX_STASHED_TRANSFERS = 1024
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Incoming:
     staging: np.ndarray | None
     received: set[int] = field(default_factory=set)
     nchunks: int = -1
+    nbytes: int = 0
     reply_to: str = ""
 
 
@@ -81,6 +84,8 @@ class PeerLinks:
         self.incoming: dict[bytes, Incoming] = {}
         self.outgoing: dict[bytes, Outgoing] = {}
         self.stash: dict[bytes, Stashed] = {}
+        self.stash_bytes = 0
+        self._dropped = 0
         self.stash_limit = max(executor.limits.memory_limit // 4, 64 << 20)
 
     def close(self) -> None:
@@ -92,13 +97,14 @@ class PeerLinks:
         """The earliest moment something here may time out."""
         times = [t.deadline for t in self.incoming.values()]
         times += [t.deadline for t in self.outgoing.values()]
-        times += [s.expires for s in self.stash.values()]
+        if self.stash:
+            times.append(next(iter(self.stash.values())).expires)
         return min(times) if times else None
 
     # ------------------------------------------------------------- requests (from executor)
 
-    def start_recv(self, pending: Pending, msg: wire.PeerRecv) -> bool:
-        """Begin receiving into ``msg.dst``; True when already complete (stashed chunks)."""
+    def start_recv(self, pending: Pending, msg: wire.PeerRecv) -> None:
+        """Begin receiving into ``msg.dst`` (chunks stashed earlier may finish it at once)."""
         if msg.token in self.incoming:
             raise WireError(ErrorCode.TRANSFER_FAILED, "that transfer token is already in use")
         view = self.executor.view(pending.session, msg.dst)
@@ -106,9 +112,10 @@ class PeerLinks:
         self.incoming[msg.token] = Incoming(pending, msg.dst, view,
                                             time.monotonic() + msg.timeout_ms / 1000, staging)
         stashed = self.stash.pop(msg.token, None)
+        self.stash_bytes -= stashed.nbytes if stashed else 0
         for chunk, frame in stashed.messages if stashed else []:
-            self._on_chunk(chunk, frame)
-        return msg.token not in self.incoming
+            if msg.token in self.incoming:
+                self._on_chunk(chunk, frame)
 
     def start_send(self, pending: Pending, msg: wire.PeerSend) -> None:
         """Push ``msg.src`` to ``msg.endpoint`` in chunks; the reply waits for the ack."""
@@ -141,18 +148,28 @@ class PeerLinks:
         link.send(wire.encode_probe(wire.Probe(token, self.endpoint)))
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
-        sock = self.links.get(endpoint)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)
-                raise WireError(ErrorCode.TRANSFER_FAILED,
-                                f"cannot connect to peer {endpoint!r}: {exc}") from None
+        """The PUSH socket to ``endpoint``: reused, most recently used last; at most MAX_LINKS
+        stay open (a peer can name any reply address: never let that exhaust our sockets)."""
+        sock = self.links.pop(endpoint, None)
+        if sock is not None:
             self.links[endpoint] = sock
+            return sock
+        while len(self.links) >= MAX_LINKS:
+            oldest = next(iter(self.links))
+            self._drop_link(oldest)
+        try:
+            sock = self.ctx.socket(zmq.PUSH)
+        except zmq.ZMQError as exc:
+            raise WireError(ErrorCode.TRANSFER_FAILED, f"cannot open a peer link: {exc}") from None
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"cannot connect to peer {endpoint!r}: {exc}") from None
+        self.links[endpoint] = sock
         return sock
 
     def _drop_link(self, endpoint: str) -> None:
@@ -210,20 +227,34 @@ class PeerLinks:
             raise WireError(ErrorCode.TRANSFER_FAILED, "inconsistent or repeated chunk")
         transfer.nchunks = chunk.nchunks
         transfer.received.add(chunk.seq)
+        transfer.nbytes += size
+        if len(transfer.received) == transfer.nchunks and transfer.nbytes != total:
+            raise WireError(ErrorCode.TRANSFER_FAILED, f"all {chunk.nchunks} chunks arrived but "
+                            f"carried {transfer.nbytes} of {total} bytes")
         if transfer.staging is not None:
             transfer.staging[chunk.start:chunk.start + size] = np.frombuffer(frame.buffer, np.uint8)
         else:
             self.executor.backend.write_bytes(transfer.view, chunk.start, frame.buffer)
 
     def _stash(self, chunk: wire.Chunk, frame: zmq.Frame) -> None:
-        total = sum(s.nbytes for s in self.stash.values())
-        if total + len(frame) > self.stash_limit:
-            log.warning("dropping a chunk for unknown transfer %s: stash full", chunk.token.hex())
+        """Keep a chunk whose PEER_RECV has not reached its queue's head yet (bounded in bytes
+        and in transfers; the dict stays in expiry order, so expiring pops from the front)."""
+        entry = self.stash.pop(chunk.token, None)
+        full = (self.stash_bytes + len(frame) > self.stash_limit or
+                (entry is None and len(self.stash) >= MAX_STASHED_TRANSFERS))
+        if full:
+            if entry is not None:
+                self.stash[chunk.token] = entry
+            self._dropped += 1
+            if self._dropped in (1, 10, 100, 1000) or self._dropped % 10000 == 0:
+                log.warning("dropped %d chunk(s) for unknown transfers: stash full", self._dropped)
             return
-        entry = self.stash.setdefault(chunk.token, Stashed())
+        entry = entry or Stashed()
         entry.messages.append((chunk, frame))
         entry.nbytes += len(frame)
         entry.expires = time.monotonic() + STASH_TTL
+        self.stash[chunk.token] = entry
+        self.stash_bytes += len(frame)
 
     def _finish_incoming(self, token: bytes, error: str | None) -> None:
         transfer = self.incoming.pop(token)
@@ -261,9 +292,12 @@ class PeerLinks:
                 self._drop_link(out.endpoint)
                 self.executor.finish(out.pending, f"{out.what}: no acknowledgement within the "
                                                   "timeout (peer unreachable, dead or too slow)")
-        for token, entry in list(self.stash.items()):
-            if now >= entry.expires:
-                del self.stash[token]
+        while self.stash:
+            token, entry = next(iter(self.stash.items()))
+            if now < entry.expires:
+                break
+            del self.stash[token]
+            self.stash_bytes -= entry.nbytes
 
     def fail_session(self, session: Session) -> None:
         """Forget the transfers of a closed session (no replies: the session is gone)."""

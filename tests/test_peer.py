@@ -1,0 +1,527 @@
+"""Worker-to-worker copies: dtypes and views, chains, both directions, rings, ordering, dead peers,
+held sessions, the relay fallback, and hostile input on the peer endpoint."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from conftest import WorkerProcess
+from zmq_rpc.broker import peer as wire
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.protocol import Cmd, DType
+from zmq_rpc.client import (
+    Client,
+    ConnectionLost,
+    Graph,
+    RemoteTensor,
+    TransferError,
+    from_bfloat16,
+    to_bfloat16,
+)
+from zmq_rpc.client import peer as client_peer
+from zmq_rpc.worker.server import WorkerServer
+
+pytestmark = pytest.mark.timeout(30)
+
+RNG = np.random.default_rng(5)
+MiB = 1 << 20
+
+
+def random_array(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    if dtype == "bool":
+        return RNG.integers(0, 2, shape).astype(bool)
+    if dtype == "bfloat16":
+        return from_bfloat16(to_bfloat16(RNG.standard_normal(shape).astype(np.float32)))
+    kind = np.dtype(dtype)
+    if kind.kind == "f":
+        return RNG.standard_normal(shape).astype(kind)
+    info = np.iinfo(kind)
+    return RNG.integers(info.min, info.max, shape, dtype=kind, endpoint=True)
+
+
+def tensor(client: Client, shape: tuple[int, ...], dtype: str = "float32",
+           offset: int = 0) -> RemoteTensor:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * DType.from_name(dtype).itemsize
+    return client.alloc_buffer(nbytes + offset).tensor(shape, dtype, offset=offset)
+
+
+def token() -> bytes:
+    return os.urandom(wire.TOKEN_BYTES)
+
+
+@pytest.fixture
+def trio(make_worker: Callable[..., WorkerServer],
+         make_client: Callable[..., Client]) -> list[Client]:
+    """Clients of three in-process workers (peer endpoints on loopback)."""
+    return [make_client(make_worker(memory_limit=256 * MiB).endpoint, timeout=10)
+            for _ in range(3)]
+
+
+@pytest.fixture
+def relay_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    with caplog.at_level(logging.INFO, logger="zmq_rpc.client.peer"):
+        yield caplog
+
+
+def relayed(caplog: pytest.LogCaptureFixture) -> int:
+    return sum("relaying" in r.getMessage() for r in caplog.records)
+
+
+def wait_all(futures: list[Future[Any]], timeout: float = 20) -> list[Any]:
+    return [f.result(timeout=timeout) for f in futures]
+
+
+# ---------------------------------------------------------------------------- data paths
+
+
+@pytest.mark.parametrize("dtype", [d.dtype_name for d in DType])
+def test_peer_copy_every_dtype(trio: list[Client], dtype: str,
+                               relay_log: pytest.LogCaptureFixture) -> None:
+    a, b, _ = trio
+    for shape in [(), (7,), (3, 5, 4), (0, 3), (300, 301)]:
+        src, dst = tensor(a, shape, dtype, offset=64), tensor(b, shape, dtype, offset=8)
+        values = random_array(shape, dtype)
+        a.set_tensor(src, values)
+        a.copy_tensor(src, dst)
+        out = b.get_tensor(dst)
+        assert out.shape == shape
+        np.testing.assert_array_equal(out, values)
+    assert relayed(relay_log) == 0
+
+
+VIEW_CASES = {
+    # name: (view shape, contiguous base, strided base, view of the strided base)
+    "small": ((4, 6), (4, 6), (9, 13), lambda t: t[1::2, 2::2]),
+    "small-transposed": ((4, 6), (4, 6), (6, 4), lambda t: t.T),
+    "multi-chunk-columns": ((1024, 1536), (1024, 1536), (1024, 3072), lambda t: t[:, ::2]),
+    "multi-chunk-rows": ((1024, 1536), (1024, 1536), (2048, 1536), lambda t: t[::2]),
+}
+
+
+def placed(client: Client, case: str, strided: bool, fill: float) -> tuple[Any, np.ndarray, Any]:
+    """A base tensor set to known values, its local mirror, and the view (remote, local)."""
+    shape, dense, base_shape, view = VIEW_CASES[case]
+    base_shape = base_shape if strided else dense
+    local = (RNG.standard_normal(base_shape) + fill).astype(np.float32)
+    base = tensor(client, base_shape)
+    client.set_tensor(base, local)
+    pick = view if strided else (lambda t: t)
+    remote = pick(base)
+    assert remote.shape == shape and remote.is_contiguous() is not strided
+    return base, local, (remote, pick(local))
+
+
+@pytest.mark.parametrize("case", list(VIEW_CASES))
+@pytest.mark.parametrize("which", ["src", "dst", "both"])
+def test_peer_copy_strided_views(trio: list[Client], case: str, which: str,
+                                 relay_log: pytest.LogCaptureFixture) -> None:
+    a, b, _ = trio
+    _, _, (src, src_local) = placed(a, case, which in ("src", "both"), 0.0)
+    dst_base, dst_local_base, (dst, dst_local) = placed(b, case, which in ("dst", "both"), 100.0)
+    a.copy_tensor(src, dst)
+    dst_local[...] = src_local                  # the bytes outside the view stay as they were
+    np.testing.assert_array_equal(b.get_tensor(dst_base), dst_local_base)
+    assert relayed(relay_log) == 0
+
+
+def test_chain_across_three_workers_issued_async(trio: list[Client]) -> None:
+    a, b, c = trio
+    n = 256 * 1024
+    xa, xb, xc = tensor(a, (n,)), tensor(b, (n,)), tensor(c, (n,))
+    a.copy_tensor(xa, xb)
+    b.copy_tensor(xb, xc)                       # routes probed; from here nothing waits
+    rounds = [np.arange(n, dtype=np.float32) * (r + 1) for r in range(6)]
+    fetched = []
+    for values in rounds:
+        a.set_tensor_async(xa, values)
+        a.copy_tensor_async(xa, xb)
+        b.copy_tensor_async(xb, xc)
+        fetched.append(c.get_tensor_async(xc))
+    for values, out in zip(rounds, wait_all(fetched)):
+        np.testing.assert_array_equal(out, values)
+
+
+def test_many_copies_in_both_directions_at_once(trio: list[Client]) -> None:
+    a, b, _ = trio
+    sizes = [16 * 1024] * 30 + [MiB // 4] * 4 + [3 * MiB]
+    pairs = [(tensor(a, (n,)), tensor(b, (n,)), tensor(b, (n,)), tensor(a, (n,))) for n in sizes]
+    expect = []
+    for i, (a_src, b_dst, b_src, a_dst) in enumerate(pairs):
+        ab = np.full(a_src.shape, i, np.float32)
+        ba = np.full(b_src.shape, -i, np.float32)
+        a.set_tensor_async(a_src, ab)
+        b.set_tensor_async(b_src, ba)
+        expect += [(b, b_dst, ab), (a, a_dst, ba)]
+    copies = []
+    for a_src, b_dst, b_src, a_dst in pairs:    # A->B and B->A interleaved, none waited for
+        copies += [a.copy_tensor_async(a_src, b_dst), b.copy_tensor_async(b_src, a_dst)]
+    wait_all(copies)
+    gets = [client.get_tensor_async(t) for client, t, _ in expect]
+    for (_, _, values), out in zip(expect, wait_all(gets)):
+        np.testing.assert_array_equal(out, values)
+
+
+def test_ring_of_three_workers_repeated(trio: list[Client]) -> None:
+    n = 64 * 1024
+    outs = [tensor(c, (n,)) for c in trio]
+    ins = [tensor(c, (n,)) for c in trio]
+    checks = []
+    for r in range(12):
+        for i, client in enumerate(trio):
+            client.set_tensor_async(outs[i], np.full(n, 10 * r + i, np.float32))
+        order = range(3) if r % 2 else reversed(range(3))
+        for i in order:                         # A->B, B->C, C->A, all in flight together
+            trio[i].copy_tensor_async(outs[i], ins[(i + 1) % 3])
+        for i, client in enumerate(trio):
+            checks.append((client.get_tensor_async(ins[i]), 10 * r + (i - 1) % 3))
+    for future, value in checks:
+        assert np.all(future.result(timeout=20) == value)
+
+
+def test_ordering_stress_copy_then_compute(trio: list[Client]) -> None:
+    """1,000 times: set x on A, copy A:x -> B:x, run y = x + 1 on B; nothing waited for."""
+    a, b, _ = trio
+    n = 16 * 1024                               # 64 KiB: zero-copy sends with trackers
+    xa, xb, yb, one = tensor(a, (n,)), tensor(b, (n,)), tensor(b, (n,)), tensor(b, (n,))
+    b.set_tensor(one, np.ones(n, np.float32))
+    g = Graph()
+    g.add(xb, one, out=yb)
+    step = b.register(g)
+    a.copy_tensor(xa, xb)
+    base = np.arange(n, dtype=np.float32)
+    results = []
+    for k in range(1000):
+        a.set_tensor_async(xa, base + k)        # a new array each time: never reused in flight
+        a.copy_tensor_async(xa, xb)
+        results.append(b.run_async(step, fetch=[yb]))
+    for k, future in enumerate(results):
+        (y,) = future.result(timeout=25)
+        assert y[0] == k + 1 and y[-1] == n + k, f"iteration {k} saw stale data"
+
+
+# ------------------------------------------------------------------------- failures
+
+
+def test_destination_killed_mid_transfer(spawn_worker: Callable[..., WorkerProcess]) -> None:
+    procs = [spawn_worker() for _ in range(3)]
+    a, b, c = (Client(w.endpoint, timeout=3) for w in procs)
+    try:
+        src, dst = tensor(a, (64 * MiB,)), tensor(b, (64 * MiB,))   # 256 MiB
+        a.copy_tensor(src[:16], dst[:16])        # route probed while B is alive
+        start = time.monotonic()
+        copy = a.copy_tensor_async(src, dst)
+        time.sleep(0.05)
+        procs[1].terminate(signal.SIGKILL)
+        with pytest.raises((TransferError, ConnectionLost)):
+            copy.result(timeout=10)
+        assert time.monotonic() - start < 4.5
+        head = src[:1024]                        # A is healthy: its sent buffer is writable
+        a.set_tensor(head, np.arange(1024, dtype=np.float32))
+        np.testing.assert_array_equal(a.get_tensor(head), np.arange(1024))
+        fresh = tensor(c, (1024,))
+        a.copy_tensor(head, fresh)
+        np.testing.assert_array_equal(c.get_tensor(fresh), np.arange(1024))
+    finally:
+        for client in (a, b, c):
+            client.close()
+
+
+def test_source_killed_mid_transfer(spawn_worker: Callable[..., WorkerProcess]) -> None:
+    wa, wb = spawn_worker(), spawn_worker()
+    a, b, other = Client(wa.endpoint, timeout=3), Client(wb.endpoint, timeout=3), \
+        Client(wb.endpoint, timeout=3)
+    try:
+        src, dst, small = tensor(a, (64 * MiB,)), tensor(b, (64 * MiB,)), tensor(b, (4,))
+        b.set_tensor(small, np.arange(4, dtype=np.float32))
+        a.copy_tensor(src[:16], dst[:16])
+        start = time.monotonic()
+        copy = a.copy_tensor_async(src, dst)
+        queued = b.get_tensor_async(small)      # behind the PEER_RECV in B's queue
+        time.sleep(0.05)
+        wa.terminate(signal.SIGKILL)
+        while not copy.done():                  # other sessions of B go on meanwhile
+            t0 = time.monotonic()
+            other.ping()
+            assert time.monotonic() - t0 < 1.0
+            time.sleep(0.05)
+        with pytest.raises((TransferError, ConnectionLost)):
+            copy.result()
+        assert time.monotonic() - start < 4.5
+        with pytest.raises(TransferError, match="earlier transfer"):
+            queued.result(timeout=5)
+        np.testing.assert_array_equal(b.get_tensor(small), np.arange(4))   # released
+    finally:
+        for client in (a, b, other):
+            client.close()
+
+
+def test_held_session_does_not_block_other_clients(make_worker: Callable[..., WorkerServer],
+                                                   make_client: Callable[..., Client]) -> None:
+    worker = make_worker()
+    b = make_client(worker.endpoint, timeout=5)
+    other = make_client(worker.endpoint, timeout=5)
+    t = tensor(b, (256,))
+    b.set_tensor(t, np.ones(256, np.float32))
+    held = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token(), dst=t.ref, timeout_ms=2500))
+    queued = b.get_tensor_async(t)
+    mine = tensor(other, (256,))
+    for k in range(20):
+        t0 = time.monotonic()
+        other.set_tensor(mine, np.full(256, k, np.float32))
+        assert other.get_tensor(mine)[0] == k
+        assert time.monotonic() - t0 < 1.0
+    assert not held.done() and not queued.done()
+    with pytest.raises(TransferError, match="timed out"):
+        held.result(timeout=5)
+    with pytest.raises(TransferError, match="earlier transfer"):
+        queued.result(timeout=5)
+    np.testing.assert_array_equal(b.get_tensor(t), np.ones(256))
+
+
+# ------------------------------------------------------------------------ relay fallback
+
+
+def test_relay_when_a_worker_has_no_peer_endpoint(make_worker: Callable[..., WorkerServer],
+                                                  make_client: Callable[..., Client],
+                                                  relay_log: pytest.LogCaptureFixture) -> None:
+    a = make_client(make_worker().endpoint)
+    b = make_client(make_worker(peer_bind="").endpoint)
+    assert a.info.peer_endpoint and not b.info.peer_endpoint
+    values = random_array((33, 17), "float64")
+    src, dst = tensor(a, (33, 17), "float64"), tensor(b, (17, 33), "float64").T
+    a.set_tensor(src, values)
+    a.copy_tensor(src, dst)                     # to the worker without an endpoint
+    np.testing.assert_array_equal(b.get_tensor(dst), values)
+    back = tensor(a, (33, 17), "float64")
+    b.copy_tensor(dst, back)                    # from it
+    np.testing.assert_array_equal(a.get_tensor(back), values)
+    assert relayed(relay_log) == 2
+
+
+def test_relay_when_the_peer_endpoint_is_unreachable(make_worker: Callable[..., WorkerServer],
+                                                     make_client: Callable[..., Client],
+                                                     relay_log: pytest.LogCaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_peer, "PROBE_TIMEOUT_S", 0.5)
+    a = make_client(make_worker().endpoint)
+    b = make_client(make_worker(peer_advertise="tcp://127.0.0.1:9").endpoint)
+    assert b.info.peer_endpoint == "tcp://127.0.0.1:9"
+    src, dst = tensor(a, (1000,), "int32"), tensor(b, (1000,), "int32")
+    for k in range(3):
+        a.set_tensor(src, np.arange(1000, dtype=np.int32) * k)
+        a.copy_tensor(src, dst)
+        np.testing.assert_array_equal(b.get_tensor(dst), np.arange(1000) * k)
+    b.copy_tensor(dst, src)                     # B's acks would go to port 9: relayed too
+    np.testing.assert_array_equal(a.get_tensor(src), np.arange(1000) * 2)
+    warnings = [r for r in relay_log.records if "cannot reach peer" in r.getMessage()]
+    assert len(warnings) == 2                   # probed once per route
+    assert relayed(relay_log) == 4
+
+
+# ------------------------------------------------------------------------- hostile peers
+
+
+@pytest.fixture
+def pusher(raw_socket: Callable[[int], zmq.Socket[bytes]]) -> Callable[[str], zmq.Socket[bytes]]:
+    def connect(endpoint: str) -> zmq.Socket[bytes]:
+        sock = raw_socket(zmq.PUSH)
+        sock.connect(endpoint)
+        return sock
+    return connect
+
+
+def garbage() -> Iterator[list[bytes]]:
+    pack = msgpack.packb
+    good_token = bytes(16)
+    yield from ([b""], [b"\xc1"], [b"\xff" * 100], [pack(None)], [pack([])], [pack({"a": 1})],
+                [pack(["1"])], [pack([99, 1, 2])], [pack([wire.PEER_CHUNK])],
+                [pack([wire.PEER_CHUNK, good_token, 0, 1, 0, 4, "x"])],           # no payload
+                [pack([wire.PEER_CHUNK, b"short", 0, 1, 0, 4, "x"]), b"1234"],
+                [pack([wire.PEER_CHUNK, good_token, 5, 2, 0, 4, "x"]), b"1234"],  # seq >= n
+                [pack([wire.PEER_CHUNK, good_token, -1, 2, 0, 4, "x"]), b"1234"],
+                [pack([wire.PEER_CHUNK, good_token, 0, 1, 0, 2 ** 64 - 1, "x"]), b"1"],
+                [pack([wire.PEER_CHUNK, good_token, 0, 1, 0, 4, 7]), b"1234"],
+                [pack([wire.PEER_CHUNK, good_token, 0, 1, 0, 4, "x"]), b"1", b"2"],
+                [pack([wire.PEER_ACK, good_token, 1, "yes"])],
+                [wire.encode_ack(wire.Ack(token(), True, "nobody asked"))],
+                [pack([wire.PEER_PROBE_MSG, good_token])],
+                [wire.encode_probe(wire.Probe(token(), "not an endpoint"))],
+                [wire.encode_probe(wire.Probe(token(), "tcp://[::1"))],
+                [wire.encode_probe(wire.Probe(token(), "ipc:///nonexistent/dir/sock"))])
+    for _ in range(300):
+        yield [RNG.bytes(int(RNG.integers(0, 64))) for _ in range(int(RNG.integers(1, 4)))]
+    values: list[Any] = [0, -1, 2 ** 63, "s", b"b" * 16, None, True, 1.5, [1], {}]
+    for _ in range(100):                        # valid msgpack, random shapes
+        fields = [values[i] for i in RNG.integers(0, len(values), int(RNG.integers(0, 8)))]
+        yield [pack([int(RNG.integers(0, 5)), *fields])] + [b"x"] * int(RNG.integers(0, 3))
+
+
+def test_garbage_on_the_peer_endpoint_is_dropped(trio: list[Client],
+                                                 pusher: Callable[[str], zmq.Socket[bytes]],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    a, b, _ = trio
+    sock = pusher(a.info.peer_endpoint)
+    with caplog.at_level(logging.WARNING, logger="zmq_rpc.worker.peer"):
+        for frames in garbage():
+            sock.send_multipart(frames)
+        a.ping()
+        src, dst = tensor(a, (5 * MiB // 4,)), tensor(b, (5 * MiB // 4,))
+        values = RNG.standard_normal(src.shape).astype(np.float32)
+        a.set_tensor(src, values)
+        a.copy_tensor(src, dst)                 # peer copies both ways still work
+        b.copy_tensor(dst, src)
+        np.testing.assert_array_equal(a.get_tensor(src), values)
+        np.testing.assert_array_equal(b.get_tensor(dst), values)
+    assert any("dropping a bad peer message" in r.getMessage() for r in caplog.records)
+
+
+def pending_recv(client: Client, dst: RemoteTensor, tok: bytes,
+                 timeout_ms: int = 5000) -> tuple[Future[Any], Future[Any]]:
+    """A PEER_RECV nobody else sends to, and a request queued behind it; the PEER_RECV is at the
+    head of its queue (registered on the worker) when this returns."""
+    held = client._call(Cmd.PEER_RECV, wire.PeerRecv(token=tok, dst=dst.ref,
+                                                     timeout_ms=timeout_ms))
+    queued = client.get_tensor_async(dst)
+    time.sleep(0.3)
+    assert not held.done()
+    return held, queued
+
+
+BAD_CHUNKS = {
+    # name: chunks (seq, nchunks, start, total, payload bytes) for a 1024-byte destination
+    "wrong total": [(0, 1, 0, 2048, 1024)],
+    "start past the end": [(0, 1, 4096, 1024, 0)],
+    "huge start": [(0, 1, 2 ** 63 - 1, 1024, 8)],
+    "payload overruns": [(0, 2, 1000, 1024, 100)],
+    "repeated chunk": [(0, 2, 0, 1024, 512), (0, 2, 0, 1024, 512)],
+    "inconsistent count": [(0, 2, 0, 1024, 512), (1, 3, 512, 1024, 512)],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHUNKS))
+def test_bad_chunks_fail_the_transfer(trio: list[Client], case: str,
+                                      pusher: Callable[[str], zmq.Socket[bytes]],
+                                      raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
+    b = trio[1]
+    dst = tensor(b, (256,))
+    b.set_tensor(dst, np.full(256, 7, np.float32))
+    acks = raw_socket(zmq.PULL)
+    acks.bind("tcp://127.0.0.1:*")
+    reply_to = acks.getsockopt_string(zmq.LAST_ENDPOINT)
+    tok = token()
+    held, queued = pending_recv(b, dst, tok)
+    sock = pusher(b.info.peer_endpoint)
+    for seq, count, start, total, size in BAD_CHUNKS[case]:
+        chunk = wire.Chunk(tok, seq, count, start, total, reply_to)
+        sock.send_multipart([wire.encode_chunk(chunk), bytes(size)])
+    with pytest.raises(TransferError, match="does not fit|inconsistent or repeated"):
+        held.result(timeout=5)
+    with pytest.raises(TransferError, match="earlier transfer"):
+        queued.result(timeout=5)
+    ack = wire.decode_peer([acks.recv()])
+    assert isinstance(ack, wire.Ack) and ack.token == tok and not ack.ok
+    assert b.get_tensor(dst).shape == (256,)    # the session goes on
+
+
+# ----------------------------------------------------------------- known product bugs
+
+
+def test_opposite_copies_from_two_threads(trio: list[Client], make_client: Callable[..., Client],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = (make_client(c.endpoint, timeout=2) for c in trio[:2])
+    ab = (tensor(a, (64,)), tensor(b, (64,)))
+    ba = (tensor(b, (64,)), tensor(a, (64,)))
+    a.copy_tensor(*ab)
+    b.copy_tensor(*ba)                           # routes probed
+    both_received = threading.Barrier(2)
+    for client in (a, b):                        # hold each thread between its two submits
+        real = client._call
+
+        def call(cmd: Cmd, *args: Any, _real: Any = real, **kw: Any) -> Future[Any]:
+            future = _real(cmd, *args, **kw)
+            if cmd is Cmd.PEER_RECV:
+                try:
+                    both_received.wait(timeout=1.0)
+                except threading.BrokenBarrierError:
+                    pass                         # a lock in copy_between serializes: fine
+            return future
+        monkeypatch.setattr(client, "_call", call)
+    results: list[Future[None]] = [Future(), Future()]
+
+    def copy(i: int, pair: tuple[RemoteTensor, RemoteTensor]) -> None:
+        results[i] = pair[0].client.copy_tensor_async(*pair)
+    threads = [threading.Thread(target=copy, args=(i, pair)) for i, pair in enumerate([ab, ba])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wait_all(results, timeout=15)               # today: TransferError after 0.8 x timeout
+
+
+@pytest.mark.parametrize("total", [64, 128], ids=["landed", "refused"])
+def test_stashed_transfer_gets_one_reply(trio: list[Client], total: int,
+                                         pusher: Callable[[str], zmq.Socket[bytes]],
+                                         raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
+    b = trio[1]
+    dealer = raw_socket(zmq.DEALER)
+    dealer.connect(b.endpoint)
+    dealer.send(p.encode_request(Cmd.HELLO, 1, p.Hello(major=p.PROTOCOL_VERSION[0],
+                                                      minor=p.PROTOCOL_VERSION[1], client="raw")))
+    dealer.recv_multipart()
+    dealer.send(p.encode_request(Cmd.ALLOC_BUFFER, 2, p.AllocBuffer(handle=1, size=64)))
+    dealer.recv_multipart()
+    tok = token()
+    pusher(b.info.peer_endpoint).send_multipart(
+        [wire.encode_chunk(wire.Chunk(tok, 0, 1, 0, total, "x")), bytes(64)])
+    time.sleep(0.3)
+    dst = p.TensorRef(buffer=1, dtype=DType.UINT8, shape=(64,), strides=(1,), offset=0)
+    dealer.send(p.encode_request(Cmd.PEER_RECV, 3, wire.PeerRecv(token=tok, dst=dst,
+                                                                 timeout_ms=2000)))
+    replies = []
+    while dealer.poll(500):
+        replies.append(p.unpack_header(dealer.recv_multipart()[0]))
+    assert [h[1] for h in replies if h[1] == 3] == [3]          # today: [3, 3]
+    assert (replies[0][0] == p.STATUS_OK) == (total == 64)
+
+
+def test_probe_flood_does_not_exhaust_peer_links(trio: list[Client],
+                                                 pusher: Callable[[str], zmq.Socket[bytes]],
+                                                 raw_socket: Callable[[int], zmq.Socket[bytes]]
+                                                 ) -> None:
+    a = trio[0]
+    sock = pusher(a.info.peer_endpoint)
+    for port in range(1100):                    # well-formed probes; nothing listens there
+        sock.send(wire.encode_probe(wire.Probe(token(), f"tcp://127.0.0.1:{20000 + port}")))
+    acks = raw_socket(zmq.PULL)
+    acks.bind("tcp://127.0.0.1:*")
+    mine = token()
+    sock.send(wire.encode_probe(wire.Probe(mine, acks.getsockopt_string(zmq.LAST_ENDPOINT))))
+    assert acks.poll(3000), "a real peer's probe was never acknowledged"
+    assert wire.decode_peer([acks.recv()]) == wire.Ack(mine, True, "probe")
+
+
+def test_flood_of_unknown_tokens_drains_quickly(trio: list[Client],
+                                                pusher: Callable[[str], zmq.Socket[bytes]],
+                                                raw_socket: Callable[[int], zmq.Socket[bytes]]
+                                                ) -> None:
+    a = trio[0]
+    sock = pusher(a.info.peer_endpoint)
+    acks = raw_socket(zmq.PULL)
+    acks.bind("tcp://127.0.0.1:*")
+    start = time.monotonic()
+    for _ in range(20_000):                     # 1.2 MB of well-formed chunks, nobody awaits them
+        sock.send_multipart([wire.encode_chunk(wire.Chunk(token(), 0, 1, 0, 1, "x")), b""])
+    sock.send(wire.encode_probe(wire.Probe(token(), acks.getsockopt_string(zmq.LAST_ENDPOINT))))
+    left_ms = int((start + 2.5 - time.monotonic()) * 1000)
+    assert acks.poll(max(left_ms, 1)), "20,000 messages not drained in 2.5 s"   # today: ~5 s
