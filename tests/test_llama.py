@@ -1,0 +1,291 @@
+"""Tests for zmq_rpc.client.llama: the pipelined llama forward against the numpy reference.
+
+Three in-process workers are shared by the whole module; models are loaded once per layout
+(1, 2 and 3 stages) and shared by the tests that use them, so the file stays quick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from llama_reference import ReferenceLlama, require_model_path
+from zmq_rpc.broker.errors import BadRequest
+from zmq_rpc.client import Client
+from zmq_rpc.client import llama as llama_mod
+from zmq_rpc.client.gguf_model import LlamaGGUF, load_gguf
+from zmq_rpc.client.llama import LlamaModel, plan_stages, sample_token
+from zmq_rpc.client.tokenizer import load_tokenizer
+from zmq_rpc.worker.server import WorkerConfig, WorkerServer
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+N_NEW = 16
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def gguf() -> LlamaGGUF:
+    return load_gguf(require_model_path())
+
+
+@pytest.fixture(scope="module")
+def ref(gguf: LlamaGGUF) -> ReferenceLlama:
+    return ReferenceLlama(gguf)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(gguf: LlamaGGUF) -> list[int]:
+    tok = load_tokenizer(gguf)
+    return tok.encode(tok.apply_chat_template(QUESTION))
+
+
+@pytest.fixture(scope="module")
+def ref_logits(ref: ReferenceLlama, prompt_ids: list[int]) -> np.ndarray:
+    return ref.forward(prompt_ids, 0)
+
+
+@pytest.fixture(scope="module")
+def ref_greedy(ref: ReferenceLlama, prompt_ids: list[int]) -> list[int]:
+    return ref.generate_greedy(prompt_ids, N_NEW)
+
+
+@pytest.fixture(scope="module")
+def clients() -> Iterator[list[Client]]:
+    """Three in-process workers and a client on each; all closed and stopped at the end."""
+    servers = [WorkerServer(WorkerConfig(bind="tcp://127.0.0.1:*")) for _ in range(3)]
+    opened: list[Client] = []
+    try:
+        for server in servers:
+            opened.append(Client(server.start(), timeout=60.0))
+        yield opened
+    finally:
+        for client in opened:
+            client.close()
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def model(gguf: LlamaGGUF, clients: list[Client]) -> Iterator[Callable[..., LlamaModel]]:
+    """``model(stages, **load_options)``: loaded on first use, then shared; closed at the end."""
+    loaded: dict[tuple[Any, ...], LlamaModel] = {}
+
+    def get(stages: int, **options: Any) -> LlamaModel:
+        key = (stages, *sorted(options.items()))
+        if key not in loaded:
+            loaded[key] = LlamaModel.load(gguf, clients[:stages], **options)
+        return loaded[key]
+
+    yield get
+    for m in loaded.values():
+        m.close()
+
+
+LAYOUTS = [pytest.param(1, {}, id="1-worker"), pytest.param(2, {}, id="2-workers"),
+           pytest.param(3, {"prefill_chunk": 8}, id="3-workers-chunk8")]
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+
+@pytest.mark.timeout(10)
+def test_plan_stages_is_contiguous_and_balanced() -> None:
+    ranges = plan_stages([10] * 30, first_extra=30, last_extra=30, n_stages=3)
+    assert [r.start for r in ranges] == [0, ranges[0].stop, ranges[1].stop]
+    assert ranges[-1].stop == 30 and all(len(r) >= 1 for r in ranges)
+    loads = [10 * len(r) + (30 if i in (0, 2) else 0) for i, r in enumerate(ranges)]
+    assert max(loads) - min(loads) <= 20
+    assert plan_stages([1, 1], 0, 0, 1) == [range(2)]
+    with pytest.raises(ValueError):
+        plan_stages([1, 1], 0, 0, 3)
+
+
+@pytest.mark.timeout(10)
+def test_sample_token_greedy_topk_topp_and_seed() -> None:
+    logits = np.array([0.0, 3.0, 1.0, 2.9], np.float32)
+    assert sample_token(logits) == 1
+    assert sample_token(logits, temperature=5.0, top_k=1) == 1
+    assert sample_token(logits, temperature=5.0, top_p=1e-6) == 1
+    draws = [sample_token(logits, 1.0, rng=np.random.default_rng(7)) for _ in range(3)]
+    assert len(set(draws)) == 1
+    rng = np.random.default_rng(0)
+    picks = {sample_token(logits, 1.0, top_k=2, rng=rng) for _ in range(200)}
+    assert picks == {1, 3}
+
+
+# ------------------------------------------------------------------------- against reference
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stages, options", LAYOUTS)
+def test_prefill_logits_match_reference(model: Callable[..., LlamaModel], stages: int,
+                                        options: dict[str, Any], prompt_ids: list[int],
+                                        ref_logits: np.ndarray) -> None:
+    m = model(stages, **options)
+    m.reset()
+    logits = m.prefill(prompt_ids)
+    assert logits.shape == (m.config.vocab_size,)
+    assert np.abs(logits - ref_logits[-1]).max() <= TOLERANCE
+    assert m.n_past == len(prompt_ids)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stages, options", LAYOUTS)
+def test_greedy_generation_matches_reference(model: Callable[..., LlamaModel], stages: int,
+                                             options: dict[str, Any], prompt_ids: list[int],
+                                             ref_greedy: list[int]) -> None:
+    m = model(stages, **options)
+    streamed: list[int] = []
+    out = m.generate(prompt_ids, N_NEW, stop_ids=(), stream=streamed.append)
+    assert out == ref_greedy
+    assert streamed == out
+    assert m.n_past == len(prompt_ids) + N_NEW - 1
+    decode = [s for s in m.stats if s.mode == "decode"]
+    assert decode[-1].messages == stages + 2 * (stages - 1)   # runs + peer recv/send per hop
+
+
+@pytest.mark.timeout(120)
+def test_decode_logits_match_reference(model: Callable[..., LlamaModel], prompt_ids: list[int],
+                                       ref_logits: np.ndarray) -> None:
+    m = model(2)
+    m.reset()
+    m.prefill(prompt_ids[:-1])
+    assert np.abs(m.decode(prompt_ids[-1]) - ref_logits[-1]).max() <= TOLERANCE
+
+
+@pytest.mark.timeout(120)
+def test_forward_full_matches_reference(model: Callable[..., LlamaModel], prompt_ids: list[int],
+                                        ref_logits: np.ndarray) -> None:
+    logits = model(2).forward_full(prompt_ids)
+    assert logits.shape == ref_logits.shape
+    assert np.abs(logits - ref_logits).max() <= TOLERANCE
+
+
+@pytest.mark.timeout(180)
+def test_greedy_without_cache_matches(model: Callable[..., LlamaModel], prompt_ids: list[int],
+                                      ref_greedy: list[int]) -> None:
+    """Every token from a full recompute of the whole sequence (no cache reuse)."""
+    m, ids, out = model(2), list(prompt_ids), []
+    for _ in range(N_NEW):
+        out.append(int(np.argmax(m.forward_full(ids)[-1])))
+        ids.append(out[-1])
+    assert out == ref_greedy
+
+
+@pytest.mark.timeout(120)
+def test_quantized_weights_match_reference(model: Callable[..., LlamaModel],
+                                           prompt_ids: list[int], ref_logits: np.ndarray) -> None:
+    m = model(1, weights="quantized")
+    m.reset()
+    assert np.abs(m.prefill(prompt_ids) - ref_logits[-1]).max() <= TOLERANCE
+
+
+@pytest.mark.timeout(120)
+def test_float16_cache_stays_close(model: Callable[..., LlamaModel], prompt_ids: list[int],
+                                   ref_logits: np.ndarray, ref_greedy: list[int]) -> None:
+    m = model(1, weights="quantized", kv_dtype="float16")
+    m.reset()
+    assert np.abs(m.prefill(prompt_ids) - ref_logits[-1]).max() <= 0.1
+    assert m.generate(prompt_ids, 4, stop_ids=()) == ref_greedy[:4]
+
+
+# ------------------------------------------------------------------------ loading, lifecycle
+
+
+@pytest.mark.timeout(120)
+def test_load_reports_compact_weight_bytes(model: Callable[..., LlamaModel],
+                                           gguf: LlamaGGUF) -> None:
+    one, two = model(1), model(2)
+    for m in (one, two):
+        stats = m.load_stats
+        assert stats is not None
+        assert 90 << 20 <= stats.weight_bytes <= 96 << 20
+        assert stats.upload_gbps > 0 and stats.total_seconds >= stats.upload_seconds
+    assert one.load_stats is not None and two.load_stats is not None
+    embd = gguf.tensors["token_embd.weight"].nbytes
+    assert one.load_stats.upload_bytes == one.load_stats.weight_bytes
+    assert two.load_stats.upload_bytes == two.load_stats.weight_bytes + embd
+    layers = [s.layers for s in two.stages]
+    assert layers[0].start == 0 and layers[0].stop == layers[1].start and layers[1].stop == 30
+
+
+@pytest.mark.timeout(60)
+def test_progress_reports_bytes_and_close_frees_memory(gguf: LlamaGGUF,
+                                                       clients: list[Client]) -> None:
+    calls: list[tuple[int, int]] = []
+    free_before = clients[2].device_memory().free
+    m = LlamaModel.load(gguf, clients[2:], weights="quantized",
+                        progress=lambda done, total: calls.append((done, total)))
+    assert calls[0][0] == 0 and calls[-1][0] == calls[-1][1] == gguf.tensor_data_bytes
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    assert clients[2].device_memory().free < free_before - (90 << 20)
+    m.close()
+    m.close()
+    assert clients[2].device_memory().free == free_before
+    with pytest.raises(RuntimeError):
+        m.prefill([1])
+
+
+@pytest.mark.timeout(60)
+def test_generate_streams_and_stops_at_eos(model: Callable[..., LlamaModel],
+                                           prompt_ids: list[int], gguf: LlamaGGUF) -> None:
+    m = model(1)
+    out = m.generate(prompt_ids, 64)
+    assert out[-1] == gguf.config.eos_id and len(out) < 64
+    assert "Paris" in load_tokenizer(gguf).decode(out)
+    seeded = [m.generate(prompt_ids, 6, temperature=0.8, top_k=40, top_p=0.95, seed=3)
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+@pytest.mark.timeout(60)
+def test_context_overflow_and_bad_tokens_are_refused(model: Callable[..., LlamaModel]) -> None:
+    m = model(1)
+    m.reset()
+    with pytest.raises(ValueError, match="overflow"):
+        m.prefill([1] * (m.n_ctx + 1))
+    with pytest.raises(ValueError, match="vocabulary"):
+        m.prefill([m.config.vocab_size])
+    with pytest.raises(ValueError):
+        m.prefill([])
+    assert m.n_past == 0
+
+
+@pytest.mark.timeout(120)
+def test_relay_hand_off_when_peer_copy_is_refused(model: Callable[..., LlamaModel],
+                                                  prompt_ids: list[int], ref_greedy: list[int],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Client.copy_tensor_async
+
+    def no_cross_worker(self: Client, src: Any, dst: Any) -> Any:
+        if src.client is not dst.client:
+            raise BadRequest("cross-worker copy not supported")
+        return original(self, src, dst)
+
+    monkeypatch.setattr(Client, "copy_tensor_async", no_cross_worker)
+    m = model(2)
+    src, dst = m.stages[0].io["decode"].x_out, m.stages[1].io["decode"].x_in
+    assert src is not None and dst is not None
+    values = np.arange(src.shape[1], dtype=np.float32)[None]
+    src.set(values)
+    transfer = llama_mod._hand_off(src, dst).result(timeout=10)
+    assert transfer.result(timeout=10) == values.nbytes
+    np.testing.assert_array_equal(dst.get(), values)
+    assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
+
+
+@pytest.mark.timeout(120)
+def test_generate_tool_streams_the_answer(clients: list[Client],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from zmq_rpc.tools import generate
+
+    workers = ",".join(c.endpoint for c in clients[:2])
+    code = generate.main(["--prompt", "What is the capital of France?", "--workers", workers,
+                          "--max-new-tokens", "12"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "Paris" in captured.out
+    for line in ("load:", "prefill:", "generation:", "per token:", "floor at"):
+        assert line in captured.err
