@@ -135,8 +135,12 @@ def infer_graph(spec: GraphSpec) -> tuple[list[TensorMeta], list[dict[str, Any]]
 def _check_dst(spec: GraphSpec, index: int, node: Node, meta: TensorMeta) -> None:
     if node.dst < 0:
         return
-    if OPS[node.op].kind is OpKind.INPLACE:
+    kind = OPS[node.op].kind
+    if kind is OpKind.INPLACE:
         raise _bad(f"node {index}: {node.op} writes into its destination input; it takes no dst")
+    if kind is OpKind.VIEW:
+        raise _bad(f"node {index}: {node.op} makes a view and writes nothing; to land it in a "
+                   "tensor, add cont(..., out=) or cpy")
     target = spec.tensors[node.dst]
     if target.shape != meta.shape:
         raise _bad(f"node {index}: result shape {meta.shape} does not match its output tensor "

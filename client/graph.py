@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..broker.graph import GraphSpec, Node, tensor_meta
-from ..broker.ops import OpError, TensorMeta, infer
+from ..broker.ops import OPS, OpError, OpKind, TensorMeta, infer
 from ..broker.protocol import TensorRef
 
 Operand = "GraphTensor | Any"
@@ -123,6 +123,11 @@ class Graph:
         meta, _ = infer(name, [v.meta for v in values], params)
         dst = -1
         if out is not None:
+            if isinstance(out, GraphTensor):
+                raise OpError(f"{name}: out= takes a RemoteTensor, not a value of the graph")
+            if OPS[name].kind is not OpKind.COMPUTE:
+                raise OpError(f"{name}: only computing ops take out= (use cont(..., out=) to land "
+                              "a view, cpy to write into an existing tensor)")
             if tuple(out.shape) != meta.shape:
                 raise OpError(f"{name}: result shape {meta.shape} does not fit output tensor "
                               f"{tuple(out.shape)}")

@@ -8,7 +8,7 @@ otherwise.
 Sections: every op through the wire; views, KV-cache writes and ``out=`` landings; a
 transformer-like block; register/run; the scratch arena; validation (each abuse followed by a good
 request from another client); the wire golden bytes; a property test over random elementwise graphs;
-product bugs, pinned as strict xfails.
+product bugs found while writing it (now fixed, kept as regression tests).
 """
 
 from __future__ import annotations
@@ -1042,10 +1042,6 @@ def _soft_max_mask_through_reshape(client: Client) -> tuple[Graph, RemoteTensor,
     return g, mask, [1 / 3, 0, 1 / 3, 1 / 3]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: worker/graph_exec.py _mark_direct only looks at a "
-                   "node's direct external srcs; an input that lives in the output's buffer "
-                   "(through a view, or as an earlier node's direct result) is overwritten while "
-                   "it is still being read")
 @pytest.mark.parametrize("build", [_concat_through_reshape, _concat_of_a_direct_result,
                                    _soft_max_mask_through_reshape], ids=lambda f: f.__name__[1:])
 def test_output_aliasing_an_input(client: Client, build: Callable[
@@ -1055,8 +1051,6 @@ def test_output_aliasing_an_input(client: Client, build: Callable[
     close(got, expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a VIEW op with a dst (out=) passes the builder and "
-                   "worker validation, but CompiledGraph._run_step never writes the dst")
 @pytest.mark.parametrize("op,params", [("reshape", {"shape": [3, 2]}), ("transpose", {})])
 def test_view_op_with_an_output_tensor(client: Client, op: str, params: dict[str, Any]) -> None:
     x = put(client, np.arange(6, dtype=F32).reshape(2, 3))
@@ -1071,9 +1065,6 @@ def test_view_op_with_an_output_tensor(client: Client, op: str, params: dict[str
     np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: client/graph.py Graph.op accepts a GraphTensor as "
-                   "out=; node 0's result gives dst = -1 - 0 = -1, so the output is silently "
-                   "dropped")
 def test_out_must_be_a_remote_tensor(client: Client) -> None:
     a = put(client, np.ones(4, F32))
     g = Graph()
@@ -1082,9 +1073,6 @@ def test_out_must_be_a_remote_tensor(client: Client) -> None:
         g.add(a, a, out=first)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: worker/graph_exec.py _index_checks pre-checks only "
-                   "index tensors used directly; a view of an external index tensor skips the "
-                   "pre-check and earlier nodes' outputs are written before the failure")
 def test_index_precheck_sees_through_views(client: Client) -> None:
     idx = put(client, np.array([[0, 9, 2]], np.int32))
     table = put(client, _normal(6, 4))
@@ -1104,9 +1092,6 @@ def _neg_chain(n: int) -> GraphSpec:
                               *(Node("neg", (i,), {}) for i in range(n - 1))))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: worker/graph_exec.py _plan_arena scans every "
-                   "not-yet-freed result at every node (O(n^2)): a MAX_NODES graph holds the "
-                   "backend thread, and every session, for minutes")
 @pytest.mark.timeout(60)
 def test_arena_planning_is_linear_in_nodes() -> None:
     small, big = _neg_chain(1000), _neg_chain(8000)

@@ -9,6 +9,7 @@ its last reader has run (liveness over views too), so a registered graph allocat
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..broker.graph import GraphSpec, infer_graph, tensor_meta
 from ..broker.ops import OPS, OpKind, TensorMeta
-from ..broker.protocol import ErrorCode, WireError
+from ..broker.protocol import ErrorCode, TensorRef, WireError
 from .backends import numpy_ops as K
 
 ARENA_ALIGN = 64
@@ -93,14 +94,24 @@ class CompiledGraph:
             step.meta.shape)
 
     def _precheck_indices(self, externals: Sequence[np.ndarray]) -> None:
-        """Index values held in external tensors are checked before any node writes anything."""
+        """Index values held in external tensors (directly or through views) are checked before
+        any node writes anything."""
         for node, src, rows in self.index_checks:
-            idx = externals[-1 - src]
+            idx = self._through_views(src, externals)
             if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows):
                 bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
                 raise WireError(ErrorCode.GRAPH_FAILED,
                                 f"node {node} ({self.steps[node].op}): index {bad} is out of "
                                 f"range [0, {rows}); nothing was written")
+
+
+    def _through_views(self, src: int, externals: Sequence[np.ndarray]) -> np.ndarray:
+        """The array ``src`` names when it is an external tensor or a view chain over one."""
+        if src < 0:
+            return externals[-1 - src]
+        step = self.steps[src]
+        base = self._through_views(step.srcs[0], externals)
+        return K.run_view(step.op, base, step.in_metas[0], step.params)
 
 
 def _failed(index: int, step: Step, exc: Exception, written: list[int]) -> WireError:
@@ -128,15 +139,38 @@ def compile_graph(spec: GraphSpec) -> CompiledGraph:
 
 
 def _mark_direct(spec: GraphSpec, steps: list[Step]) -> None:
-    """COMPUTE results go straight into their dst when it is contiguous, of the same dtype, and
-    not also read by that node (so no kernel ever writes a buffer it is reading)."""
+    """COMPUTE results go straight into their dst when it is contiguous, of the same dtype, read
+    by no node, written by no other node, and overlapping no other tensor the graph reads or
+    writes: then no kernel ever writes memory that one of its inputs (directly, through a view,
+    or as an earlier result) lives in. Otherwise the result is computed in scratch and copied."""
+    read = {-1 - s for n in spec.nodes for s in n.srcs if s < 0}
+    writers: dict[int, int] = {}
+    for node in spec.nodes:
+        if node.dst >= 0:
+            writers[node.dst] = writers.get(node.dst, 0) + 1
+    crowded = _overlapping(spec, read | set(writers))
     for step in steps:
         if step.kind is not OpKind.COMPUTE or step.dst < 0:
             continue
         target = spec.tensors[step.dst]
-        read_buffers = {spec.tensors[-1 - s].buffer for s in step.srcs if s < 0}
         step.direct = (target.is_contiguous() and target.dtype.dtype_name == step.meta.dtype
-                       and target.buffer not in read_buffers)
+                       and step.dst not in read and writers[step.dst] == 1
+                       and step.dst not in crowded)
+
+
+def _overlapping(spec: GraphSpec, indices: set[int]) -> set[int]:
+    """The tensors among ``indices`` whose bytes overlap another one's (a sweep per buffer)."""
+    spans = sorted((spec.tensors[i].buffer, *spec.tensors[i].byte_extent(), i) for i in indices)
+    crowded: set[int] = set()
+    reach, reach_owner, buffer = -1, -1, None
+    for buf, lo, hi, index in spans:
+        if buf != buffer:
+            reach, reach_owner, buffer = -1, -1, buf
+        if lo < hi and lo < reach:
+            crowded.update((index, reach_owner))
+        if hi > reach and lo < hi:
+            reach, reach_owner = hi, index
+    return crowded
 
 
 def _owner(steps: list[Step], index: int) -> int:
@@ -160,14 +194,15 @@ def _plan_arena(steps: list[Step]) -> int:
         for src in step.srcs:
             if src >= 0 and owners[src] >= 0:
                 last_use[owners[src]] = max(last_use[owners[src]], i)
+    frees_at: dict[int, list[int]] = {}
+    for owner, last in last_use.items():
+        frees_at.setdefault(last, []).append(owner)
     allocator = _FirstFit()
     for i, step in enumerate(steps):
         if owners[i] == i:
             step.slot = allocator.take(step.meta.nbytes)
-        for owner, last in list(last_use.items()):
-            if last == i:
-                allocator.give(steps[owner].slot, steps[owner].meta.nbytes)
-                del last_use[owner]
+        for owner in frees_at.get(i, ()):
+            allocator.give(steps[owner].slot, steps[owner].meta.nbytes)
     return allocator.high_water
 
 
@@ -194,15 +229,16 @@ class _FirstFit:
         return offset
 
     def give(self, offset: int, size: int) -> None:
-        self.free.append((offset, _aligned(size)))
-        self.free.sort()
-        merged: list[tuple[int, int]] = []
-        for start, length in self.free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((start, length))
-        self.free = merged
+        """Return a block, merging it with free neighbours (the list stays sorted)."""
+        size = _aligned(size)
+        at = bisect.bisect(self.free, (offset, size))
+        if at < len(self.free) and offset + size == self.free[at][0]:
+            size += self.free.pop(at)[1]
+        if at and self.free[at - 1][0] + self.free[at - 1][1] == offset:
+            offset, size = self.free[at - 1][0], self.free[at - 1][1] + size
+            self.free[at - 1] = (offset, size)
+        else:
+            self.free.insert(at, (offset, size))
 
 
 def _aligned(size: int) -> int:
@@ -227,8 +263,16 @@ def _index_checks(steps: list[Step]) -> list[tuple[int, int, int]]:
     """(node, external src, rows) for get_rows/set_rows whose indices come from external tensors."""
     checks = []
     for i, step in enumerate(steps):
-        if step.op == "get_rows" and step.srcs[1] < 0:
-            checks.append((i, step.srcs[1], step.in_metas[0].shape[0]))
-        elif step.op == "set_rows" and step.srcs[2] < 0:
-            checks.append((i, step.srcs[2], step.in_metas[0].shape[0]))
+        position = {"get_rows": 1, "set_rows": 2}.get(step.op)
+        if position is not None and _view_of_external(steps, step.srcs[position]):
+            checks.append((i, step.srcs[position], step.in_metas[0].shape[0]))
     return checks
+
+
+def _view_of_external(steps: list[Step], src: int) -> bool:
+    """Whether ``src`` is an external tensor, or views all the way down to one."""
+    while src >= 0:
+        if steps[src].kind is not OpKind.VIEW:
+            return False
+        src = steps[src].srcs[0]
+    return True
