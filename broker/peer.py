@@ -10,6 +10,9 @@ Client requests (ordinary DEALER→ROUTER requests, see :mod:`zmq_rpc.broker.pro
 - PEER_SEND on the source worker A: read ``src`` (in order in the client's session on A) and push it
   to B's peer endpoint; the reply comes when B has acknowledged the whole transfer.
 - PEER_PROBE on A: can A reach the peer endpoint? (B answers a probe with an ack.)
+- PEER_FILL on B: a chunk of transfer ``token`` relayed by the client itself (when A cannot reach
+  B): it bypasses the session's queue, which the PEER_RECV holds. A non-empty ``error`` aborts the
+  transfer instead (the client could not fetch the source).
 
 Peer messages (A's PUSH → B's PULL, and acks B's PUSH → A's PULL), header then payload::
 
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -88,6 +91,20 @@ class PeerProbe(Message):
     timeout_ms: int = _f(_check_timeout)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerFill(Message):
+    """On B: one relayed chunk of transfer ``token`` (C-order bytes at ``start``), or an abort."""
+
+    payload_frames: ClassVar[int] = 1
+    token: bytes = _f(check_token)
+    seq: int = _f(_int_in(0, (1 << 32) - 1))
+    nchunks: int = _f(_int_in(1, (1 << 32) - 1))
+    start: int = _f(_int_in(0, (1 << 63) - 1))
+    total: int = _f(_int_in(0, (1 << 63) - 1))
+    error: str = _f(check_str)
+
+
+register_command(Cmd.PEER_FILL, PeerFill, Empty)
 register_command(Cmd.PEER_RECV, PeerRecv, Empty)
 register_command(Cmd.PEER_SEND, PeerSend, Empty)
 register_command(Cmd.PEER_PROBE, PeerProbe, Empty)

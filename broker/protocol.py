@@ -80,6 +80,7 @@ class Cmd(enum.IntEnum):
     PEER_SEND = 17
     PEER_RECV = 18
     PEER_PROBE = 19
+    PEER_FILL = 20
 
 
 class ErrorCode(enum.IntEnum):

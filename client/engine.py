@@ -127,6 +127,7 @@ class Engine:
     # ------------------------------------------------------------------ I/O thread only
 
     def _run(self) -> None:
+        _io_thread.active = True
         try:
             io = _IoLoop(self)
         except BaseException as exc:
@@ -142,6 +143,14 @@ class Engine:
         finally:
             io.fail_all(ClientClosed("the client was closed"))
             io.close()
+
+
+_io_thread = threading.local()
+
+
+def on_io_thread() -> bool:
+    """Whether the caller is a client I/O thread (a future callback): it must never block."""
+    return getattr(_io_thread, "active", False)
 
 
 class _IoLoop:
@@ -209,6 +218,8 @@ class _IoLoop:
                 return False
             self.backlog.append(call)
             heapq.heappush(self.deadlines, (call.deadline, call.req_id))
+            if len(self.deadlines) > 2 * (len(self.in_flight) + len(self.backlog)) + 4096:
+                self._compact_deadlines()
 
     def _send_backlog(self) -> None:
         opts = self.engine.options
@@ -257,6 +268,12 @@ class _IoLoop:
                 call.future.set_result(value)
         except BaseException as exc:
             call.future.set_exception(exc)
+
+    def _compact_deadlines(self) -> None:
+        """Drop heap entries of answered calls (they otherwise stay until their deadline)."""
+        live = [*self.in_flight.values(), *self.backlog]
+        self.deadlines = [(c.deadline, c.req_id) for c in live if not c.future.done()]
+        heapq.heapify(self.deadlines)
 
     def _expire(self, now: float) -> None:
         while self.deadlines and self.deadlines[0][0] <= now:

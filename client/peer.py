@@ -3,9 +3,12 @@
 ``copy_between(src, dst)`` issues, without waiting, PEER_RECV on B (which holds B's queue for this
 session until the bytes have landed, so later requests to B see them) and PEER_SEND on A (which
 runs after A's earlier requests, so it reads what they wrote). The client never touches the bytes.
-Only the first copy between a pair of workers waits: a probe checks that A can reach B; when it
-cannot (or a worker has no peer endpoint), copies between them are relayed through the client,
-with a log line saying so. Any thread may call in; route state is guarded by a lock.
+
+The first copy between two workers asks A to probe B's peer endpoint. Until the probe has answered
+(and for good when it fails, or when a worker has no peer endpoint) copies are relayed: PEER_RECV on
+B as above, a GET on A, and, when its reply arrives, PEER_FILL requests that hand the bytes to B's
+waiting receive. Nothing in here blocks, so copies may be issued from future callbacks too; the
+ordering guarantees are the same either way. Any thread may call in; route state is under a lock.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..broker import peer as wire
-from ..broker.errors import BadRequest, RpcError
-from ..broker.protocol import Cmd
+from ..broker.errors import BadRequest
+from ..broker.protocol import Cmd, DType, TensorRef, split_tensor
 
 if TYPE_CHECKING:
     from .client import Client, RemoteTensor
@@ -40,57 +45,100 @@ class Routes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reachable: dict[str, bool] = {}
+        self._probing: dict[str, Future[Any]] = {}
 
-    def reachable(self, source: Client, endpoint: str) -> bool:
+    def reachable(self, source: Client, endpoint: str, wait: bool) -> bool:
+        """True once a probe from ``source`` reached ``endpoint``; while it is pending, waits for
+        it if ``wait`` (else answers False: relay this copy)."""
         with self._lock:
             known = self._reachable.get(endpoint)
-        if known is None:
-            known = _probe(source, endpoint)
-            with self._lock:
-                self._reachable[endpoint] = known
-        return known
-
-    def forget(self, endpoint: str) -> None:
+            probe = self._probing.get(endpoint)
+            if known is None and probe is None:
+                probe = self._probing[endpoint] = self._start_probe(source, endpoint)
+        if known is not None:
+            return known
+        assert probe is not None
+        if not wait:
+            return False
+        try:
+            probe.result()
+        except Exception:
+            pass
         with self._lock:
-            self._reachable.pop(endpoint, None)
+            return self._reachable.get(endpoint, False)
 
+    def _start_probe(self, source: Client, endpoint: str) -> Future[Any]:
+        msg = wire.PeerProbe(endpoint=endpoint, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
+        probe = source._call(Cmd.PEER_PROBE, msg, timeout=PROBE_TIMEOUT_S + 5)
+        probe.add_done_callback(lambda f: self._record(source, endpoint, f))
+        return probe
 
-def _probe(source: Client, endpoint: str) -> bool:
-    msg = wire.PeerProbe(endpoint=endpoint, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
-    try:
-        source._call(Cmd.PEER_PROBE, msg, timeout=PROBE_TIMEOUT_S + 5).result()
-        return True
-    except RpcError as exc:
-        log.warning("%s cannot reach peer %s (%s): copies to it are relayed through this client",
-                    source.endpoint, endpoint, exc)
-        return False
+    def _record(self, source: Client, endpoint: str, probe: Future[Any]) -> None:
+        ok = probe.exception() is None
+        if not ok:
+            log.warning("%s cannot reach peer %s (%s): copies to it are relayed through this "
+                        "client", source.endpoint, endpoint, probe.exception())
+        with self._lock:
+            self._reachable[endpoint] = ok
+            self._probing.pop(endpoint, None)
 
 
 def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = None) -> Future[Any]:
     """dst[...] = src across workers; see the module docstring for ordering and fallback."""
+    from .engine import on_io_thread
+
     if src.shape != dst.shape or src.ref.dtype is not dst.ref.dtype:
         raise BadRequest(f"copy needs equal shapes and dtypes: {src!r} -> {dst!r}")
     a, b = src.client, dst.client
     wait = min(a.timeout, b.timeout) if timeout is None else timeout
-    target = b.info.peer_endpoint
-    if not target or not a.info.peer_endpoint or a.peer_copy is False \
-            or not a._routes.reachable(a, target):
-        return _relay(src, dst)
-    token = os.urandom(wire.TOKEN_BYTES)
     transfer_ms = max(1, int(wait * 0.8 * 1000))   # the workers' verdict comes before our timeout
+    target = b.info.peer_endpoint
+    direct = bool(target and a.info.peer_endpoint and a.peer_copy and
+                  a._routes.reachable(a, target, wait=not on_io_thread()))
+    token = os.urandom(wire.TOKEN_BYTES)
     with _ISSUE_LOCK:   # every worker queues the halves of all copies in one global order
         landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
                                                       timeout_ms=transfer_ms), timeout=wait)
-        sent = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
-                                                    timeout_ms=transfer_ms), timeout=wait)
+        if direct:
+            sent = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
+                                                        timeout_ms=transfer_ms), timeout=wait)
+        else:
+            sent = _relay(src, dst, token)
     from .client import _gather
     return _gather([landed, sent], lambda: None)
 
 
-def _relay(src: RemoteTensor, dst: RemoteTensor) -> Future[Any]:
-    """Fetch then upload. The fetch is waited for here, so the upload is queued on B before any
-    later request of ours: ordering holds, at the cost of one client round trip."""
+def _relay(src: RemoteTensor, dst: RemoteTensor, token: bytes) -> Future[Any]:
+    """GET on A; when it arrives, PEER_FILL chunks into B's waiting receive (or abort it)."""
     log.info("relaying %d bytes %s -> %s through the client", src.nbytes, src.client.endpoint,
              dst.client.endpoint)
-    values = src.client.get_tensor(src)
-    return dst.client.set_tensor_async(dst, values)
+    from .client import to_bfloat16
+
+    fetched = src.client.get_tensor_async(src)
+    b = dst.client
+
+    def forward(f: Future[Any]) -> None:
+        error = f.exception()
+        if error is not None:
+            b._call(Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0, total=0,
+                                                 error=str(error)[:512]), [b""])
+            return
+        values = f.result()
+        if dst.ref.dtype is DType.BFLOAT16:   # get_tensor widened it to float32: send raw bits
+            values = to_bfloat16(values)
+        flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+        pieces = split_tensor(_flat_ref(dst), b.chunk_bytes)
+        for seq, (start, sub) in enumerate(pieces):
+            b._call(Cmd.PEER_FILL, wire.PeerFill(token=token, seq=seq, nchunks=len(pieces),
+                                                 start=start, total=dst.nbytes, error=""),
+                    [flat[start:start + sub.nbytes]])
+
+    fetched.add_done_callback(forward)
+    return fetched
+
+
+def _flat_ref(tensor: RemoteTensor) -> TensorRef:
+    """A contiguous 1-D stand-in with the tensor's byte count (for cutting the relayed bytes)."""
+    size = tensor.ref.dtype.itemsize
+    return TensorRef(buffer=0, dtype=tensor.ref.dtype, shape=(tensor.ref.numel,), strides=(size,),
+                     offset=0)

@@ -23,6 +23,7 @@ from zmq_rpc.broker.protocol import Cmd, DType
 from zmq_rpc.client import (
     Client,
     ConnectionLost,
+    InvalidHandle,
     Graph,
     RemoteTensor,
     TransferError,
@@ -327,6 +328,52 @@ def test_relay_when_the_peer_endpoint_is_unreachable(make_worker: Callable[..., 
     warnings = [r for r in relay_log.records if "cannot reach peer" in r.getMessage()]
     assert len(warnings) == 2                   # probed once per route
     assert relayed(relay_log) == 4
+
+
+def test_relay_keeps_ordering_and_never_blocks_a_callback(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
+        relay_log: pytest.LogCaptureFixture) -> None:
+    a = make_client(make_worker().endpoint)
+    b = make_client(make_worker(peer_bind="").endpoint)
+    src, dst = tensor(a, (4096,), "bfloat16"), tensor(b, (4096,), "bfloat16")
+    out = tensor(b, (4096,), "float32")
+    g = Graph()
+    g.add(dst, dst, out=out)                    # reads what the relayed copy wrote
+    doubled = b.register(g)
+    results: list[Future[list[np.ndarray]]] = []
+    for k in range(20):
+        a.set_tensor_async(src, np.full(4096, k, np.float32))
+        a.copy_tensor_async(src, dst)           # relayed; not waited for
+        results.append(b.run_async(doubled, fetch=[out]))
+    for k, future in enumerate(results):
+        np.testing.assert_array_equal(future.result(timeout=20)[0], np.full(4096, 2 * k))
+    chained: Future[object] = Future()
+
+    def from_callback(_: Future[None]) -> None:   # runs on a client I/O thread: must not block
+        try:
+            copy = a.copy_tensor_async(src, dst)
+            copy.add_done_callback(lambda f: chained.set_result(f.exception()))
+        except BaseException as exc:
+            chained.set_result(exc)
+
+    a.synchronize_async().add_done_callback(from_callback)
+    assert chained.result(timeout=20) is None
+    np.testing.assert_array_equal(b.get_tensor(dst), np.full(4096, 19.0))
+    assert relayed(relay_log) >= 21
+
+
+def test_failed_relay_fetch_releases_the_destination(make_worker: Callable[..., WorkerServer],
+                                                     make_client: Callable[..., Client]) -> None:
+    a = make_client(make_worker().endpoint)
+    b = make_client(make_worker(peer_bind="").endpoint)
+    src, dst = tensor(a, (64,), "float32"), tensor(b, (64,), "float32")
+    src.buffer.free()                           # the relay's GET on A fails
+    t0 = time.monotonic()
+    with pytest.raises((TransferError, InvalidHandle)):
+        a.copy_tensor(src, dst)
+    assert time.monotonic() - t0 < 5            # aborted at once, not at the transfer timeout
+    b.set_tensor(dst, np.ones(64, np.float32))  # B's queue was released
+    np.testing.assert_array_equal(b.get_tensor(dst), np.ones(64))
 
 
 # ------------------------------------------------------------------------- hostile peers

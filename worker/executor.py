@@ -183,6 +183,9 @@ class Executor:
                               "no session: send HELLO first (or the session expired)")
             return
         session.last_seen = time.monotonic()
+        if req.cmd is Cmd.PEER_FILL:      # feeds the PEER_RECV that holds the queue: not queued
+            self._fill(session, req)
+            return
         session.queue.append(req)
         if len(session.queue) == 1:
             self.pump(session)
@@ -414,9 +417,15 @@ class Executor:
 
     # ------------------------------------------------------------------------ peer copy
 
+    def _fill(self, session: Session, req: Request) -> None:
+        try:
+            self.peers.fill(session, req.msg, req.payload[0])
+        except WireError as exc:
+            self._reply_error(session.client_id, req.req_id, exc.code, exc.message)
+            return
+        self.reply(session.client_id, req.req_id, p.Empty(), [])
+
     def _peer_recv(self, pending: Pending, msg: Any) -> bool:
-        if self.peers is None:
-            raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
         pending.session.held_by = pending      # before: chunks stashed earlier may finish it now
         try:
             self.peers.start_recv(pending, msg)
@@ -426,13 +435,13 @@ class Executor:
         return True
 
     def _peer_send(self, pending: Pending, msg: Any) -> bool:
-        if self.peers is None:
+        if not self.peers.endpoint:
             raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
         self.peers.start_send(pending, msg)
         return True
 
     def _peer_probe(self, pending: Pending, msg: Any) -> bool:
-        if self.peers is None:
+        if not self.peers.endpoint:
             raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
         self.peers.start_probe(pending, msg)
         return True

@@ -74,12 +74,14 @@ class PeerLinks:
                  max_message_size: int, executor: Executor) -> None:
         self.ctx = ctx
         self.executor = executor
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.pull.setsockopt(zmq.MAXMSGSIZE, max_message_size)
-        self.pull.bind(bind)
-        bound = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.endpoint = advertise or bound
+        self.pull: zmq.Socket[bytes] | None = None
+        self.endpoint = ""
+        if bind:      # without one, transfers still arrive relayed by clients (PEER_FILL)
+            self.pull = ctx.socket(zmq.PULL)
+            self.pull.setsockopt(zmq.RCVHWM, 0)
+            self.pull.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+            self.pull.bind(bind)
+            self.endpoint = advertise or self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.links: dict[str, zmq.Socket[bytes]] = {}
         self.incoming: dict[bytes, Incoming] = {}
         self.outgoing: dict[bytes, Outgoing] = {}
@@ -89,7 +91,8 @@ class PeerLinks:
         self.stash_limit = max(executor.limits.memory_limit // 4, 64 << 20)
 
     def close(self) -> None:
-        self.pull.close(linger=0)
+        if self.pull is not None:
+            self.pull.close(linger=0)
         for sock in self.links.values():
             sock.close(linger=0)
 
@@ -180,8 +183,21 @@ class PeerLinks:
 
     # ----------------------------------------------------------- peer messages (PULL side)
 
+    def fill(self, session: Session, msg: wire.PeerFill, frame: zmq.Frame) -> None:
+        """A chunk relayed by the client (no ack: the client's reply is the acknowledgement)."""
+        transfer = self.incoming.get(msg.token)
+        if transfer is not None and transfer.pending.session is not session:
+            raise WireError(ErrorCode.INVALID_HANDLE, "that transfer belongs to another session")
+        if msg.error:
+            if transfer is not None:
+                self._finish_incoming(msg.token, f"the relaying client failed: {msg.error}")
+            return
+        self._on_chunk(wire.Chunk(msg.token, msg.seq, msg.nchunks, msg.start, msg.total, ""),
+                       frame)
+
     def drain(self) -> None:
         """Handle what peers pushed to us."""
+        assert self.pull is not None
         for _ in range(256):
             try:
                 frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -207,7 +223,7 @@ class PeerLinks:
         if transfer is None:
             self._stash(chunk, frame)
             return
-        transfer.reply_to = chunk.reply_to
+        transfer.reply_to = chunk.reply_to or transfer.reply_to
         try:
             self._land(transfer, chunk, frame)
         except WireError as exc:

@@ -96,11 +96,11 @@ class BackendThread(threading.Thread):
             control.bind(self.control_endpoint)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
                                      self.server_name)
-            if self.peer_bind:
-                self.peers = PeerLinks(self.ctx, self.peer_bind, self.peer_advertise,
-                                       self.limits.max_message_size, self.executor)
-                self.executor.peers = self.peers
-                self.executor.peer_endpoint = self.peers.endpoint
+            self.peers = PeerLinks(self.ctx, self.peer_bind, self.peer_advertise,
+                                   self.limits.max_message_size, self.executor)
+            self.executor.peers = self.peers
+            self.executor.peer_endpoint = self.peers.endpoint
+            if self.peers.endpoint:
                 self.executor.capabilities.append("peer-copy")
             self.pair = pair
             self.ready.set()
@@ -121,7 +121,8 @@ class BackendThread(threading.Thread):
         poller.register(pair, zmq.POLLIN)
         poller.register(control, zmq.POLLIN)
         peers = self.peers
-        if peers is not None:
+        assert peers is not None
+        if peers.pull is not None:
             poller.register(peers.pull, zmq.POLLIN)
         waiting = False
         next_expiry = time.monotonic() + 1.0
@@ -129,15 +130,14 @@ class BackendThread(threading.Thread):
             events = dict(poller.poll(self._timeout_ms(waiting)))
             if pair in events:
                 self._drain(pair)
-            if peers is not None and peers.pull in events:
+            if peers.pull is not None and peers.pull in events:
                 peers.drain()
             if control in events:
                 self._shutdown(pair, control.recv())
                 return
             waiting = self.executor.pump_all() if (waiting or events) else False
             now = time.monotonic()
-            if peers is not None:
-                peers.expire(now)
+            peers.expire(now)
             if now >= next_expiry:
                 self.executor.expire_sessions(now)
                 next_expiry = now + min(1.0, self.limits.session_timeout / 4)
