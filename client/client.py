@@ -333,14 +333,24 @@ class Client:
                  for start, sub in p.split_tensor(tensor.ref, self.chunk_bytes)]
         return _gather(parts, lambda: None)
 
-    def get_tensor(self, tensor: RemoteTensor) -> np.ndarray:
-        """Download the view as a new C-ordered numpy array (bfloat16 arrives as float32)."""
-        return self.get_tensor_async(tensor).result()
+    def get_tensor(self, tensor: RemoteTensor, out: np.ndarray | None = None) -> np.ndarray:
+        """Download the view into a new C-ordered numpy array, or into ``out``.
 
-    def get_tensor_async(self, tensor: RemoteTensor) -> Future[np.ndarray]:
+        bfloat16 arrives as float32. ``out`` (C-contiguous, the tensor's shape, its numpy dtype;
+        float32 or uint16 bits for bfloat16) receives the bytes straight from the reply frames,
+        which saves the allocation and first touch of a fresh array on every large download.
+        """
+        return self.get_tensor_async(tensor, out).result()
+
+    def get_tensor_async(self, tensor: RemoteTensor,
+                         out: np.ndarray | None = None) -> Future[np.ndarray]:
         self._own(tensor)
-        out = np.empty(tensor.shape, dtype=tensor.ref.dtype.storage)
-        flat = out.reshape(-1).view(np.uint8)
+        storage = np.dtype(tensor.ref.dtype.storage)
+        convert = tensor.ref.dtype is DType.BFLOAT16 and (out is None or out.dtype != storage)
+        if out is not None:
+            _check_out(tensor, out, storage)
+        target = out if out is not None and not convert else np.empty(tensor.shape, storage)
+        flat = target.reshape(-1).view(np.uint8)
 
         def landing(start: int, size: int) -> Callable[[p.Message, list[zmq.Frame]], None]:
             def land(reply: p.Message, frames: list[zmq.Frame]) -> None:
@@ -353,8 +363,16 @@ class Client:
         parts = [self._call(Cmd.GET_TENSOR, p.GetTensor(tensor=sub),
                             on_reply=landing(start, sub.nbytes))
                  for start, sub in p.split_tensor(tensor.ref, self.chunk_bytes)]
-        convert = tensor.ref.dtype is DType.BFLOAT16
-        return _gather(parts, lambda: from_bfloat16(out) if convert else out)
+
+        def result() -> np.ndarray:
+            if not convert:
+                return target
+            if out is None:
+                return from_bfloat16(target)
+            out[...] = from_bfloat16(target)
+            return out
+
+        return _gather(parts, result)
 
     def memset_tensor(self, tensor: RemoteTensor, value: int, offset: int = 0,
                       size: int | None = None) -> None:
@@ -514,6 +532,15 @@ def _payload_array(tensor: RemoteTensor, values: Any) -> np.ndarray:
     if array.shape != tensor.shape:
         raise BadRequest(f"array of shape {array.shape} for a tensor of shape {tensor.shape}")
     return np.ascontiguousarray(array)
+
+
+def _check_out(tensor: RemoteTensor, out: np.ndarray, storage: np.dtype[Any]) -> None:
+    allowed = {storage} | ({np.dtype(np.float32)} if tensor.ref.dtype is DType.BFLOAT16 else set())
+    if out.shape != tensor.shape or out.dtype not in allowed:
+        raise BadRequest(f"out= must have shape {tensor.shape} and dtype "
+                         f"{' or '.join(sorted(d.name for d in allowed))}, got {out.shape} {out.dtype}")
+    if not (out.flags.c_contiguous and out.flags.writeable):
+        raise BadRequest("out= must be a writeable C-contiguous array")
 
 
 def _then(future: Future[Any], fn: Callable[[Any], T]) -> Future[T]:

@@ -97,6 +97,25 @@ def test_large_strided_tensor_is_chunked(worker: WorkerServer,
     np.testing.assert_array_equal(client.get_tensor(base.T[::2]), values.T[::2])
 
 
+def test_get_into_out(client: Client) -> None:
+    buf = client.alloc_buffer(1 << 20)
+    t = buf.tensor((256, 256), "float32")
+    values = RNG.standard_normal((256, 256)).astype(np.float32)
+    client.set_tensor(t, values)
+    out = np.empty((128, 256), np.float32)
+    assert client.get_tensor(t[::2], out=out) is out
+    np.testing.assert_array_equal(out, values[::2])
+    half = buf.tensor(8, "bfloat16", offset=512 << 10)
+    client.set_tensor(half, np.arange(8, dtype=np.float32))
+    wide, bits = np.empty(8, np.float32), np.empty(8, np.uint16)
+    np.testing.assert_array_equal(client.get_tensor(half, out=wide), np.arange(8))
+    np.testing.assert_array_equal(from_bfloat16(client.get_tensor(half, out=bits)), np.arange(8))
+    for bad in (np.empty((256, 128), np.float32), np.empty((128, 256), np.float64),
+                np.empty((256, 256), np.float32)[::2]):
+        with pytest.raises(BadRequest, match="out="):
+            client.get_tensor(t[::2], out=bad)
+
+
 def test_memset_clear_copy(client: Client) -> None:
     buf = client.alloc_buffer(1024)
     t = buf.tensor(64, "uint8")

@@ -352,7 +352,7 @@ def case_get(ctx: BenchContext) -> list[CaseResult]:
         runners = {"ours": _gbps(size, inner, lambda: client.get_tensor(tensor))}
         if has_out:
             out = np.empty(size, dtype=np.uint8)
-            runners["ours (out=)"] = _gbps(size, inner, lambda: client.get_tensor(  # type: ignore[call-arg]
+            runners["ours (out=)"] = _gbps(size, inner, lambda: client.get_tensor(
                 tensor, out=out))
         runners.update({
             "zmq-chunked": _gbps(size, inner, lambda: zmq_bulk.get(size, BULK_CHUNK)),

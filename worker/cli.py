@@ -8,6 +8,7 @@ signal; then it stops the server (in-flight requests answered or failed) and exi
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import re
@@ -71,11 +72,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 512 << 20) -> bool:
+    """Let glibc reuse freed message buffers instead of mapping fresh pages per message.
+
+    libzmq mallocs every received message; above glibc's mmap threshold each one is a new
+    mapping whose first touch runs at ~2 GB/s. Raising the thresholds keeps chunk-sized buffers
+    in the heap for reuse (REFERENCE.md §2). No-op where glibc's mallopt is unavailable.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, mmap_threshold)) and bool(libc.mallopt(-1, trim_threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zmq-rpc-worker``."""
     args = build_parser().parse_args(argv)
     for var in BLAS_THREAD_VARS:
         os.environ[var] = str(args.threads)
+    tune_malloc()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .server import WorkerConfig, WorkerServer  # after the BLAS variables are set
