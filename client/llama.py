@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..broker.errors import BadRequest, RpcError
+from ..broker.errors import RpcError
 from ..broker.ops import QUANT_BLOCKS
 from .client import Client, RegisteredGraph, RemoteBuffer, RemoteTensor
 from .gguf_model import (
@@ -266,73 +266,20 @@ class _StageRun:
 # -------------------------------------------------------------------------------- hand-off
 
 
-def _hand_off(src: RemoteTensor, dst: RemoteTensor) -> Future[Future[int]]:
+def _hand_off(src: RemoteTensor, dst: RemoteTensor) -> Future[None]:
     """Move the residual stream ``src`` (one worker) into ``dst`` (the same or another worker).
 
-    The returned future resolves once the data is queued on ``dst``'s worker ahead of every
-    request sent to it afterwards; its result is the future of the transfer itself, which
-    resolves to the number of bytes that went through this client (0 for a worker-side copy).
-
-    Same worker, or a worker-to-worker peer copy: ``src.client.copy_tensor_async`` (queued at
-    once). When that raises BadRequest (no cross-worker copy), the data is relayed through the
-    client: ``get_tensor_async`` on src's worker, then ``set_tensor_async`` on dst's from the
-    get's done-callback.
+    Queued at once: a copy on one worker, or a worker-to-worker copy whose receive holds the
+    destination's queue until the bytes have landed (the client relays them itself, without
+    blocking, when the two workers cannot reach each other: see :mod:`zmq_rpc.client.peer`).
     """
-    try:
-        copy = src.client.copy_tensor_async(src, dst)
-    except BadRequest:
-        if src.client is dst.client:
-            raise
-        return _relay(src, dst)
-    queued: Future[Future[int]] = _resolved(_then_value(copy, 0))
-    return queued
-
-
-def _relay(src: RemoteTensor, dst: RemoteTensor) -> Future[Future[int]]:
-    queued: Future[Future[int]] = _new_future()
-
-    def on_data(got: Future[np.ndarray]) -> None:
-        error = got.exception()
-        if error is not None:
-            queued.set_exception(error)
-            return
-        data = got.result()
-        try:
-            written = dst.client.set_tensor_async(dst, data)
-        except Exception as exc:  # noqa: BLE001 - a callback hands every error to its future
-            queued.set_exception(exc)
-            return
-        queued.set_result(_then_value(written, data.nbytes))
-
-    src.client.get_tensor_async(src).add_done_callback(on_data)
-    return queued
+    return src.client.copy_tensor_async(src, dst)
 
 
 def _new_future() -> Future[Any]:
     future: Future[Any] = Future()
     future.set_running_or_notify_cancel()
     return future
-
-
-def _resolved(value: Any) -> Future[Any]:
-    future = _new_future()
-    future.set_result(value)
-    return future
-
-
-def _then_value(future: Future[Any], value: Any) -> Future[Any]:
-    """A future resolving to ``value`` when ``future`` succeeds (its error otherwise)."""
-    out = _new_future()
-
-    def done(f: Future[Any]) -> None:
-        error = f.exception()
-        if error is not None:
-            out.set_exception(error)
-        else:
-            out.set_result(value)
-
-    future.add_done_callback(done)
-    return out
 
 
 class _StepFuture:
@@ -342,7 +289,7 @@ class _StepFuture:
     def __init__(self) -> None:
         self.future: Future[list[np.ndarray]] = _new_future()
         self.runs: list[Future[Any]] = []
-        self.transfers: list[Future[int]] = []
+        self.transfers: list[Future[None]] = []
         self.transfer_messages = 0
         self._final: Future[list[np.ndarray]] | None = None
         self._lock = threading.Lock()
@@ -354,7 +301,7 @@ class _StepFuture:
                 self._final = run
         run.add_done_callback(self._settle)
 
-    def add_transfer(self, transfer: Future[int], messages: int) -> None:
+    def add_transfer(self, transfer: Future[None], messages: int) -> None:
         with self._lock:
             self.transfers.append(transfer)
             self.transfer_messages += messages
@@ -366,12 +313,9 @@ class _StepFuture:
                 self.future.set_exception(error)
 
     def messages(self) -> int:
-        """Requests the step sent: runs, and per hand-off a copy on one worker, a peer
-        receive and send across two, or a relayed get and set."""
+        """Requests the step sent: runs, and per hand-off a copy on one worker, or a peer
+        receive and send across two."""
         return len(self.runs) + self.transfer_messages
-
-    def relayed_bytes(self) -> int:
-        return sum(t.result() for t in self.transfers)
 
     def _settle(self, _: Future[Any]) -> None:
         with self._lock:
@@ -801,9 +745,7 @@ class LlamaModel:
         for future in pending:
             future.result()
         results = [step.future.result() for step in steps]
-        relayed = sum(s.relayed_bytes() for s in steps)
-        self.bytes_received += sum(a.nbytes for r in results for a in r) + relayed
-        self.bytes_sent += relayed
+        self.bytes_received += sum(a.nbytes for r in results for a in r)
         return results
 
     def _launch(self, mode: Mode, chunk: list[int], start: int, fetch: str) -> _StepFuture:
@@ -811,34 +753,24 @@ class LlamaModel:
         runs = self._stage_runs(mode, chunk, start, fetch)
         self.bytes_sent += sum(a.nbytes for r in runs for _, a in r.inputs)
         step = _StepFuture()
-        self._issue(step, mode, runs, 0)
+        self._issue(step, mode, runs)
         return step
 
-    def _issue(self, step: _StepFuture, mode: Mode, runs: list[_StageRun], i: int) -> None:
-        """Run stage ``i``; hand its output to stage ``i + 1`` and continue when that is queued
-        (at once for worker-side copies, from a done-callback for a relay)."""
-        run, stage = runs[i], runs[i].stage
+    def _issue(self, step: _StepFuture, mode: Mode, runs: list[_StageRun]) -> None:
+        """Run every stage in turn, each handing its output to the next; nothing waits here."""
         try:
-            future = stage.client.run_async(stage.graphs[mode], run.inputs, run.fetch)
-            step.add_run(future, final=stage.last)
-            if stage.last:
-                return
-            src, dst = stage.io[mode].x_out, runs[i + 1].stage.io[mode].x_in
-            queued = _hand_off(_need(src), _need(dst))
-        except Exception as exc:  # noqa: BLE001 - may run in a callback: the step gets the error
+            for i, run in enumerate(runs):
+                stage = run.stage
+                step.add_run(stage.client.run_async(stage.graphs[mode], run.inputs, run.fetch),
+                             final=stage.last)
+                if stage.last:
+                    return
+                following = runs[i + 1].stage
+                src, dst = stage.io[mode].x_out, following.io[mode].x_in
+                step.add_transfer(_hand_off(_need(src), _need(dst)),
+                                  1 if stage.client is following.client else 2)
+        except Exception as exc:  # noqa: BLE001 - the step's future carries every failure
             step.fail(exc)
-            return
-
-        def next_stage(q: Future[Future[int]]) -> None:
-            error = q.exception()
-            if error is not None:
-                step.fail(error)
-                return
-            same_worker = stage.client is runs[i + 1].stage.client
-            step.add_transfer(q.result(), 1 if same_worker else 2)
-            self._issue(step, mode, runs, i + 1)
-
-        queued.add_done_callback(next_stage)
 
     def _stage_runs(self, mode: Mode, chunk: list[int], start: int, fetch: str) -> list[_StageRun]:
         """Each stage's inputs for one chunk (padded to the mode's T) and the last one's fetch."""

@@ -12,9 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from llama_reference import ReferenceLlama, require_model_path
-from zmq_rpc.broker.errors import BadRequest
 from zmq_rpc.client import Client
-from zmq_rpc.client import llama as llama_mod
 from zmq_rpc.client.gguf_model import LlamaGGUF, load_gguf
 from zmq_rpc.client.llama import LlamaModel, plan_stages, sample_token
 from zmq_rpc.client.tokenizer import load_tokenizer
@@ -254,26 +252,22 @@ def test_context_overflow_and_bad_tokens_are_refused(model: Callable[..., LlamaM
 
 
 @pytest.mark.timeout(120)
-def test_relay_hand_off_when_peer_copy_is_refused(model: Callable[..., LlamaModel],
-                                                  prompt_ids: list[int], ref_greedy: list[int],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    original = Client.copy_tensor_async
-
-    def no_cross_worker(self: Client, src: Any, dst: Any) -> Any:
-        if src.client is not dst.client:
-            raise BadRequest("cross-worker copy not supported")
-        return original(self, src, dst)
-
-    monkeypatch.setattr(Client, "copy_tensor_async", no_cross_worker)
-    m = model(2)
-    src, dst = m.stages[0].io["decode"].x_out, m.stages[1].io["decode"].x_in
-    assert src is not None and dst is not None
-    values = np.arange(src.shape[1], dtype=np.float32)[None]
-    src.set(values)
-    transfer = llama_mod._hand_off(src, dst).result(timeout=10)
-    assert transfer.result(timeout=10) == values.nbytes
-    np.testing.assert_array_equal(dst.get(), values)
-    assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
+def test_generation_through_relayed_hand_offs(gguf: LlamaGGUF, prompt_ids: list[int],
+                                              ref_greedy: list[int]) -> None:
+    """Workers that cannot reach each other: the client relays every activation itself."""
+    servers = [WorkerServer(WorkerConfig(bind="tcp://127.0.0.1:*", peer_bind=""))
+               for _ in range(2)]
+    opened: list[Client] = []
+    try:
+        opened = [Client(server.start(), timeout=60.0) for server in servers]
+        assert not any(c.info.peer_endpoint for c in opened)
+        with LlamaModel.load(gguf, opened) as m:
+            assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
+    finally:
+        for client in opened:
+            client.close()
+        for server in servers:
+            server.stop()
 
 
 @pytest.mark.timeout(120)
