@@ -29,13 +29,14 @@ from .client import (
     RegisteredGraph,
     RemoteBuffer,
     RemoteTensor,
+    RunResult,
     from_bfloat16,
     to_bfloat16,
 )
 from .graph import Graph, GraphTensor
 
 __all__ = [
-    "AsyncClient", "Client", "Graph", "GraphTensor", "MemoryInfo", "OpError", "RegisteredGraph", "RemoteBuffer", "RemoteTensor", "from_bfloat16",
+    "AsyncClient", "Client", "Graph", "GraphTensor", "MemoryInfo", "OpError", "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16",
     "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
     "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
     "TransferError", "TransportError", "VersionMismatch",

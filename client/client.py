@@ -423,12 +423,12 @@ class Client:
     # ----------------------------------------------------------------------------- graphs
 
     def compute(self, graph: Graph, inputs: Inputs = None,
-                fetch: Sequence[RemoteTensor] = ()) -> list[np.ndarray]:
+                fetch: Sequence[RemoteTensor] = ()) -> RunResult:
         """Validate and run ``graph`` once on the worker (one message); see :meth:`run`."""
         return self.compute_async(graph, inputs, fetch).result()
 
     def compute_async(self, graph: Graph, inputs: Inputs = None,
-                      fetch: Sequence[RemoteTensor] = ()) -> Future[list[np.ndarray]]:
+                      fetch: Sequence[RemoteTensor] = ()) -> Future[RunResult]:
         self._own_graph(graph)
         refs, frames = self._graph_inputs(inputs)
         msg = wire_graph.GraphCompute(graph=graph.spec(), inputs=refs,
@@ -447,7 +447,7 @@ class Client:
         return _then(future, lambda _: handle)
 
     def run(self, graph: RegisteredGraph, inputs: Inputs = None,
-            fetch: Sequence[RemoteTensor] = ()) -> list[np.ndarray]:
+            fetch: Sequence[RemoteTensor] = ()) -> RunResult:
         """Rerun a registered graph with one small message.
 
         ``inputs`` (pairs of RemoteTensor and array, or a dict) are written first, in the same
@@ -456,7 +456,7 @@ class Client:
         return self.run_async(graph, inputs, fetch).result()
 
     def run_async(self, graph: RegisteredGraph, inputs: Inputs = None,
-                  fetch: Sequence[RemoteTensor] = ()) -> Future[list[np.ndarray]]:
+                  fetch: Sequence[RemoteTensor] = ()) -> Future[RunResult]:
         if graph.client is not self:
             raise BadRequest("that graph is registered on another worker")
         refs, frames = self._graph_inputs(inputs)
@@ -508,14 +508,21 @@ class RegisteredGraph:
 Inputs = dict[RemoteTensor, Any] | Sequence[tuple[RemoteTensor, Any]] | None
 
 
+class RunResult(list[np.ndarray]):
+    """The arrays a graph run fetched, in ``fetch`` order, and how long the worker computed."""
+
+    compute_seconds: float = 0.0
+
+
 def _fetched(fetch: Sequence[RemoteTensor]) -> Callable[[p.Message, list[zmq.Frame]], Any]:
     shapes = [(t.shape, t.ref.dtype) for t in fetch]
 
-    def land(reply: p.Message, frames: list[zmq.Frame]) -> list[np.ndarray]:
-        arrays = []
+    def land(reply: p.Message, frames: list[zmq.Frame]) -> RunResult:
+        arrays = RunResult()
         for (shape, dtype), frame in zip(shapes, frames):
             array = np.frombuffer(frame.buffer, dtype.storage).reshape(shape).copy()
             arrays.append(from_bfloat16(array) if dtype is DType.BFLOAT16 else array)
+        arrays.compute_seconds = cast(wire_graph.GraphReply, reply).compute_ns / 1e9
         return arrays
 
     return land

@@ -30,6 +30,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
@@ -326,7 +327,10 @@ class _StepFuture:
                            if p.done() and p.exception() is not None), None)
             if failed is not None:
                 self.future.set_exception(failed)
-            elif self._final is not None and all(p.done() for p in parts):
+            elif self._final is not None and self._final.done():
+                # The last stage ran on data every earlier run and hand-off produced (its worker
+                # fails what queued behind a failed transfer), so its result settles the step;
+                # the senders' acknowledgements need not be waited for.
                 self.future.set_result(self._final.result())
 
 
@@ -358,6 +362,11 @@ class LlamaModel:
         self.kv_dtype: KVDType = kv_dtype
         self.prefill_chunk = prefill_chunk
         self.n_past = 0
+        self.chain_greedy = True
+        """Greedy decoding feeds each token back worker to worker (no client round trip per
+        token); False decodes one client round trip per token."""
+        self.lookahead = 2
+        """Chained greedy steps issued ahead of the one being waited for."""
         self.stats: list[StepStat] = []
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -818,9 +827,67 @@ class LlamaModel:
         pick = (lambda r: int(r[0].reshape(-1)[0])) if greedy else (
             lambda r: sample_token(r[0].reshape(-1), temperature, top_k, top_p, rng))
         out = [pick(self._prefill(prompt_ids, fetch))]
+        if greedy and self.chain_greedy:
+            self._decode_chained(out, max_new_tokens, stops, stream)
+            return out
         for token in self._continue(out, max_new_tokens, stops, stream):
             out.append(pick(self._decode(token, fetch)))
         return out
+
+    def _decode_chained(self, out: list[int], limit: int, stops: set[int],
+                        stream: Callable[[int], None] | None) -> None:
+        """Greedy decoding with the token fed back worker to worker, ``lookahead`` steps ahead.
+
+        Step k copies the last stage's argmax (the previous step's, or the prompt's) into the
+        first stage's token input, then runs every stage; the workers' queues order it all, so
+        no client round trip sits between two tokens. The client streams each token as its step
+        reports it and stops issuing at a stop token; steps already issued past it only write
+        cache rows beyond the end, which later steps overwrite before reading.
+        """
+        if stream is not None:
+            stream(out[-1])
+        if out[-1] in stops or len(out) >= limit:
+            return
+        previous = _need(self.stages[-1].io["prefill"].token)
+        pending: deque[tuple[_StepFuture, float]] = deque()
+        issued, last_arrival = 0, time.perf_counter()
+        try:
+            while True:
+                while (len(pending) < self.lookahead and len(out) + len(pending) < limit
+                       and self.n_past + len(pending) < self.n_ctx):
+                    pending.append((self._launch_chained(previous, self.n_past + len(pending)),
+                                    time.perf_counter()))
+                    previous = _need(self.stages[-1].io["decode"].token)
+                    issued += 1
+                if not pending:
+                    return
+                step, _ = pending.popleft()
+                token = int(self._wait([step])[0][0].reshape(-1)[0])
+                now = time.perf_counter()
+                self.stats.append(StepStat("decode", 1, now - last_arrival, step.messages()))
+                last_arrival = now
+                self.n_past += 1
+                out.append(token)
+                if stream is not None:
+                    stream(token)
+                if token in stops or len(out) >= limit or self.n_past >= self.n_ctx:
+                    return
+        finally:
+            for step, _ in pending:        # already issued: let them finish, results unused
+                step.future.exception()
+
+    def _launch_chained(self, previous: RemoteTensor, start: int) -> _StepFuture:
+        first = self.stages[0]
+        tokens = _need(first.io["decode"].tokens)
+        runs = self._stage_runs("decode", [0], start, "token")
+        runs[0] = _StageRun(first, [(t, a) for t, a in runs[0].inputs if t is not tokens],
+                            runs[0].fetch)
+        self.bytes_sent += sum(a.nbytes for r in runs for _, a in r.inputs)
+        step = _StepFuture()
+        same = previous.client is first.client
+        step.add_transfer(_hand_off(previous, tokens), 1 if same else 2)
+        self._issue(step, "decode", runs)
+        return step
 
     def _continue(self, out: list[int], limit: int, stops: set[int],
                   stream: Callable[[int], None] | None) -> Iterator[int]:

@@ -141,7 +141,13 @@ def test_greedy_generation_matches_reference(model: Callable[..., LlamaModel], s
     assert streamed == out
     assert m.n_past == len(prompt_ids) + N_NEW - 1
     decode = [s for s in m.stats if s.mode == "decode"]
-    assert decode[-1].messages == stages + 2 * (stages - 1)   # runs + peer recv/send per hop
+    feedback = 1 if stages == 1 else 2     # the token goes back to the first stage: a copy
+    assert decode[-1].messages == stages + 2 * (stages - 1) + feedback  # runs + recv/send per hop
+    m.chain_greedy = False                 # one client round trip per token instead
+    assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
+    decode = [s for s in m.stats if s.mode == "decode"]
+    assert decode[-1].messages == stages + 2 * (stages - 1)
+    m.chain_greedy = True
 
 
 @pytest.mark.timeout(120)

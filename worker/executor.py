@@ -82,6 +82,8 @@ class Session:
     graphs: dict[int, CompiledGraph] = field(default_factory=dict)
     queue: deque[Request] = field(default_factory=deque)
     held_by: Pending | None = None
+    frees: int = 0
+    """Bumped whenever a buffer is freed: views resolved before then may be stale."""
     last_seen: float = field(default_factory=time.monotonic)
 
     @property
@@ -342,6 +344,7 @@ class Executor:
     def _free(self, session: Session, msg: p.BufferOp, payload: Sequence[Any]) -> Reply:
         buf = self.buffer(session, msg.handle)
         del session.buffers[msg.handle]
+        session.frees += 1
         self.used_memory -= buf.size
         return NO_REPLY
 
@@ -451,6 +454,11 @@ class Executor:
         session = pending.session
         if self.sessions.get(session.client_id) is not session:
             return  # the session closed meanwhile
+        if error is None and session.held_by is pending:
+            session.held_by = None
+            self.pump(session)   # what waited for these bytes runs first: the reply can wait
+            self.reply(session.client_id, pending.req_id, p.Empty(), [])
+            return
         if error is None:
             self.reply(session.client_id, pending.req_id, p.Empty(), [])
         else:
@@ -521,12 +529,21 @@ class Executor:
                  payload: Sequence[Any]) -> Reply:
         inputs = [self.view(session, ref) for ref in msg.inputs]
         fetch = [self.view(session, ref) for ref in msg.fetch]
-        externals = [self.view(session, ref) for ref in graph.spec.tensors]
+        externals = self._externals(session, graph)
         for view, frame in zip(inputs, payload):
             self.backend.write(view, frame)
+        started = time.perf_counter_ns()
         graph.run(externals)
+        elapsed = time.perf_counter_ns() - started
         frames = [self._fetched(session, ref, view) for ref, view in zip(msg.fetch, fetch)]
-        return g.GraphReply(sizes=[ref.nbytes for ref in msg.fetch]), frames
+        return g.GraphReply(sizes=[ref.nbytes for ref in msg.fetch], compute_ns=elapsed), frames
+
+    def _externals(self, session: Session, graph: CompiledGraph) -> list[Any]:
+        """The graph's external views, validated once and reused until a buffer is freed."""
+        if graph.views is None or graph.views_valid_at != session.frees:
+            graph.views = [self.view(session, ref) for ref in graph.spec.tensors]
+            graph.views_valid_at = session.frees
+        return graph.views
 
     def _fetched(self, session: Session, ref: TensorRef, view: Any) -> Any:
         data, aliased = self.backend.read(view)

@@ -48,6 +48,9 @@ class CompiledGraph:
     arena_size: int
     written_buffers: frozenset[int]
     arena: np.ndarray | None = None
+    views: list[Any] | None = None
+    """The external tensors' views, cached by the executor (see ``views_valid_at``)."""
+    views_valid_at: int = -1
     runs: int = 0
     arena_allocations: int = 0
     index_checks: list[tuple[int, int, int]] = field(default_factory=list)

@@ -276,9 +276,9 @@ class PeerLinks:
         transfer = self.incoming.pop(token)
         if error is None and transfer.staging is not None:
             self.executor.backend.write(transfer.view, transfer.staging)
+        self.executor.finish(transfer.pending, error)   # may run the session's next requests
         if transfer.reply_to:
             self._send_ack(transfer.reply_to, wire.Ack(token, error is None, error or "ok"))
-        self.executor.finish(transfer.pending, error)
 
     def _on_ack(self, ack: wire.Ack) -> None:
         out = self.outgoing.pop(ack.token, None)

@@ -143,8 +143,8 @@ class BackendThread(threading.Thread):
                 next_expiry = now + min(1.0, self.limits.session_timeout / 4)
 
     def _timeout_ms(self, waiting: bool) -> int:
-        if waiting:
-            return 1
+        if waiting or (self.peers is not None and self.peers.incoming):
+            return 1      # a transfer is due: short naps keep this core quick to wake
         deadline = self.peers.next_deadline() if self.peers is not None else None
         if deadline is None:
             return 250
