@@ -97,7 +97,9 @@ class StepStat:
     tokens: int
     seconds: float
     messages: int
-    """Requests issued for the step (runs, hand-offs, relayed gets and sets)."""
+    """Requests issued for the step (runs and hand-offs)."""
+    compute: float = 0.0
+    """Seconds the workers spent running the step's graphs, as they reported it."""
 
 
 # ------------------------------------------------------------------------------------ planning
@@ -313,6 +315,11 @@ class _StepFuture:
             if not self.future.done():
                 self.future.set_exception(error)
 
+    def compute(self) -> float:
+        """Seconds of graph compute the workers reported for this step's runs."""
+        return sum(getattr(r.result(), "compute_seconds", 0.0) for r in self.runs
+                   if r.done() and r.exception() is None)
+
     def messages(self) -> int:
         """Requests the step sent: runs, and per hand-off a copy on one worker, or a peer
         receive and send across two."""
@@ -425,7 +432,12 @@ class LlamaModel:
     def _load(self, progress: Progress | None) -> None:
         start = time.perf_counter()
         uploads = [item for stage in self.stages for item in self._place_weights(stage)]
+        mirror = self._embedding_mirror()
+        if mirror is not None:   # the last stage's copy comes from the first worker, not from us
+            uploads = [(t, data) for t, data in uploads if t is not mirror[1]]
         upload_bytes = self._upload(uploads, progress)
+        if mirror is not None:
+            mirror[0].client.copy_tensor(*mirror)
         uploaded = time.perf_counter()
         if self.weights == "f32":
             self._dequantize_all()
@@ -467,6 +479,13 @@ class LlamaModel:
         placed = layout.bind(buffer)
         self._bind_weights(stage, placed)
         return [(placed[name], _upload_form(src)) for name, src in sources.items()]
+
+    def _embedding_mirror(self) -> tuple[RemoteTensor, RemoteTensor] | None:
+        """(first stage's token_embd, last stage's) when both hold one on different workers."""
+        first, last = self.stages[0], self.stages[-1]
+        if first.client is last.client or first.embd_q is None or last.embd_q is None:
+            return None
+        return first.embd_q, last.embd_q
 
     def _bind_weights(self, stage: _Stage, placed: dict[str, RemoteTensor]) -> None:
         for i in stage.layers:
@@ -735,7 +754,8 @@ class LlamaModel:
             self.n_past = first     # rows written past it are rewritten before they are read
             raise
         self.stats.append(StepStat(mode, len(ids), time.perf_counter() - start,
-                                   sum(s.messages() for s in steps)))
+                                   sum(s.messages() for s in steps),
+                                   sum(s.compute() for s in steps)))
         return results
 
     def _check_tokens(self, ids: list[int]) -> None:
@@ -864,7 +884,8 @@ class LlamaModel:
                 step, _ = pending.popleft()
                 token = int(self._wait([step])[0][0].reshape(-1)[0])
                 now = time.perf_counter()
-                self.stats.append(StepStat("decode", 1, now - last_arrival, step.messages()))
+                self.stats.append(StepStat("decode", 1, now - last_arrival, step.messages(),
+                                           step.compute()))
                 last_arrival = now
                 self.n_past += 1
                 out.append(token)

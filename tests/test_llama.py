@@ -210,7 +210,10 @@ def test_load_reports_compact_weight_bytes(model: Callable[..., LlamaModel],
     assert one.load_stats is not None and two.load_stats is not None
     embd = gguf.tensors["token_embd.weight"].nbytes
     assert one.load_stats.upload_bytes == one.load_stats.weight_bytes
-    assert two.load_stats.upload_bytes == two.load_stats.weight_bytes + embd
+    assert two.load_stats.upload_bytes == two.load_stats.weight_bytes   # embd mirrored by peers
+    assert two.stages[0].embd_q is not None and two.stages[1].embd_q is not None
+    np.testing.assert_array_equal(two.stages[1].embd_q.get(), two.stages[0].embd_q.get())
+    assert embd > 0
     layers = [s.layers for s in two.stages]
     assert layers[0].start == 0 and layers[0].stop == layers[1].start and layers[1].stop == 30
 

@@ -134,7 +134,6 @@ def _summary(model: LlamaModel, args: argparse.Namespace) -> str:
     assert load is not None
     prefill = [s for s in model.stats if s.mode == "prefill"]
     decode = [s for s in model.stats if s.mode == "decode"]
-    compute = sum(model.measure_compute("decode"))
     lines = [
         f"load: {load.total_seconds:.2f} s; upload {load.upload_bytes / 1e6:.1f} MB in "
         f"{load.upload_seconds:.2f} s = {load.upload_gbps:.2f} GB/s effective"
@@ -149,10 +148,13 @@ def _summary(model: LlamaModel, args: argparse.Namespace) -> str:
     ]
     if decode:
         per_token = statistics.median(s.seconds for s in decode)
+        compute = statistics.median(s.compute for s in decode)
+        overhead = statistics.median(s.seconds - s.compute for s in decode)
         lines.append(
             f"per token: {per_token * 1e3:.1f} ms median = {compute * 1e3:.1f} ms compute on the "
-            f"workers + {(per_token - compute) * 1e3:.2f} ms overhead; "
-            f"{statistics.median(s.messages for s in decode):g} messages, 1 round trip")
+            f"workers (as they report it) + {overhead * 1e3:.2f} ms overhead "
+            f"({overhead / per_token:.1%}); {statistics.median(s.messages for s in decode):g} "
+            f"messages per token, no client round trip between tokens when greedy")
     lines.append(_floor(model))
     return "\n".join(lines)
 
