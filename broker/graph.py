@@ -197,6 +197,8 @@ class GraphReply(Message):
     """A graph ran: one payload frame per fetched tensor, of these sizes."""
 
     sizes: list[int] = _f(list_of(check_handle, MAX_IO))
+    compute_ns: int = _f(check_handle)
+    """How long the worker spent running the graph's nodes."""
 
     def payload_sizes(self) -> list[int]:
         return list(self.sizes)

@@ -182,6 +182,18 @@ class BenchContext:
         return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, unit="rep",
                     disable=not self.show_progress, dynamic_ncols=True)
 
+    def workers(self, count: int) -> list[Client]:
+        """The first ``count`` workers' clients, starting more local workers (stopped when the
+        run ends) if the run has fewer."""
+        while len(self.clients) < count:
+            server = bl.ServerProcess(worker_argv())
+            self.resources.callback(server.stop)
+            client = Client(server.wait_ready())
+            self.resources.callback(client.close)
+            self.clients.append(client)
+            self.endpoints.append(client.endpoint)
+        return self.clients[:count]
+
     def baseline_socket(self, kind: str) -> zmq.Socket[bytes]:
         """A DEALER connected to baseline server ``kind``, closed when the run ends."""
         sock = bl.dealer(self.zmq_ctx, self.baselines.endpoint(kind))

@@ -120,10 +120,8 @@ def case_llm(ctx: BenchContext) -> list[CaseResult]:
     except (ImportError, FileNotFoundError) as exc:
         print(f"llm: skipped ({exc})")
         return []
-    from .bench_peer import clients as worker_clients
-
     base = in_process(ctx)
-    runs = [measure(f"{n} worker{'s' if n > 1 else ''}", worker_clients(ctx, n), ctx)
+    runs = [measure(f"{n} worker{'s' if n > 1 else ''}", ctx.workers(n), ctx)
             for n in (1, 2, 3)]
     return rows(base, runs)
 

@@ -27,7 +27,6 @@ import numpy as np
 
 from ..client import Client, Graph, RemoteTensor
 from ..client.pipeline import Pipeline
-from . import baselines as bl
 from .bench import (
     BYTES_PER_SAMPLE,
     BenchContext,
@@ -37,7 +36,6 @@ from .bench import (
     format_size,
     interleave,
     register_case,
-    worker_argv,
 )
 
 MiB = 1 << 20
@@ -45,18 +43,6 @@ PEER_SIZES = (64 << 10, 1 * MiB, 16 * MiB, 256 * MiB)
 CHAIN_ROUNDS = 200
 CHAIN_FLOATS = 16 * 1024                        # 64 KiB hops
 LAYERS, WIDTH, ROWS, MICRO_BATCHES = 12, 1024, 256, 8
-
-
-def clients(ctx: BenchContext, count: int) -> list[Client]:
-    """The first ``count`` workers' clients, starting (and later stopping) workers if too few."""
-    while len(ctx.clients) < count:
-        server = bl.ServerProcess(worker_argv())
-        ctx.resources.callback(server.stop)
-        client = Client(server.wait_ready())
-        ctx.resources.callback(client.close)
-        ctx.clients.append(client)
-        ctx.endpoints.append(client.endpoint)
-    return ctx.clients[:count]
 
 
 def floats(client: Client, count: int, fill: float = 0.0) -> RemoteTensor:
@@ -85,7 +71,7 @@ def timed(fn: Callable[[], Any]) -> float:
 def case_peer_copy(ctx: BenchContext) -> list[CaseResult]:
     """GB/s of one copy between workers; targets: >=1.8x the relay from 16 MiB, not slower at
     64 KiB."""
-    a, b = clients(ctx, 2)
+    a, b = ctx.workers(2)
     rows = []
     with ctx.progress(len(PEER_SIZES) * ctx.reps(5, 2), "peer_copy") as bar:
         for size in PEER_SIZES:
@@ -168,7 +154,7 @@ def _add(x: RemoteTensor, one: RemoteTensor, out: RemoteTensor) -> Graph:
                "issued async vs waiting for each step")
 def case_peer_chain(ctx: BenchContext) -> list[CaseResult]:
     """Rounds/s of a dependent chain: no client round trip per step vs one per step."""
-    a, b = clients(ctx, 2)
+    a, b = ctx.workers(2)
     chain = Chain(a, b)
     try:
         rounds = ctx.reps(CHAIN_ROUNDS, 50)
@@ -231,7 +217,7 @@ def _pipeline_runner(pipe: Pipeline, batches: list[np.ndarray]) -> Runner:
                f"{MICRO_BATCHES} micro-batches vs 1 worker and vs no micro-batching")
 def case_pipeline(ctx: BenchContext) -> list[CaseResult]:
     """k rows/s through the whole model (each worker: one BLAS thread)."""
-    cs = clients(ctx, 3)
+    cs = ctx.workers(3)
     model = Model()
     rng = np.random.default_rng(1)
     micro = [rng.standard_normal((ROWS, WIDTH)).astype(np.float32) for _ in range(MICRO_BATCHES)]

@@ -324,13 +324,13 @@ class Executor:
         if msg.size > self.limits.max_buffer_size:
             raise WireError(ErrorCode.OUT_OF_MEMORY, f"buffer of {msg.size} bytes is over the "
                             f"maximum buffer size {self.limits.max_buffer_size}")
-        free, total = self.memory()
-        if msg.size > free:
-            raise WireError(ErrorCode.OUT_OF_MEMORY, f"buffer of {msg.size} bytes does not fit: "
-                            f"{free} of {total} bytes free on this worker")
-        memory = self.backend.alloc(msg.size)
+        self._reserve(msg.size, "buffer")
+        try:
+            memory = self.backend.alloc(msg.size)
+        except BaseException:
+            self.used_memory -= msg.size
+            raise
         session.buffers[msg.handle] = Buffer(msg.handle, msg.size, memory)
-        self.used_memory += msg.size
         return NO_REPLY
 
     def buffer(self, session: Session, handle: int) -> Buffer:
@@ -482,7 +482,11 @@ class Executor:
             raise WireError(ErrorCode.INVALID_HANDLE, f"graph handle {msg.handle} is in use")
         graph = self._compile(session, msg.graph)
         self._reserve(graph.arena_size, "graph scratch arena")
-        graph.ensure_arena()
+        try:
+            graph.ensure_arena()
+        except BaseException:
+            self.used_memory -= graph.arena_size
+            raise
         session.graphs[msg.handle] = graph
         return NO_REPLY
 
