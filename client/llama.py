@@ -435,9 +435,7 @@ class LlamaModel:
         mirror = self._embedding_mirror()
         if mirror is not None:   # the last stage's copy comes from the first worker, not from us
             uploads = [(t, data) for t, data in uploads if t is not mirror[1]]
-        upload_bytes = self._upload(uploads, progress)
-        if mirror is not None:
-            mirror[0].client.copy_tensor(*mirror)
+        upload_bytes = self._upload(uploads, progress, mirror)
         uploaded = time.perf_counter()
         if self.weights == "f32":
             self._dequantize_all()
@@ -516,16 +514,20 @@ class LlamaModel:
         return kinds.pop()[0]
 
     def _upload(self, uploads: list[tuple[RemoteTensor, np.ndarray]],
-                progress: Progress | None) -> int:
-        """Pipelined set_tensor_async of every weight; progress as acknowledgements arrive."""
-        total = sum(int(data.nbytes) for _, data in uploads)
-        sizes = {t.client.set_tensor_async(t, data): int(data.nbytes) for t, data in uploads}
-        done = 0
+                progress: Progress | None,
+                mirror: tuple[RemoteTensor, RemoteTensor] | None = None) -> int:
+        """Pipelined set_tensor_async of every weight, zero-copy from the mapped file; progress
+        as acknowledgements arrive. The mirrored embedding is copied worker to worker while the
+        rest is still uploading."""
+        parts = {t.client.set_tensor_async(t, data): int(data.nbytes) for t, data in uploads}
+        if mirror is not None:
+            parts[mirror[0].client.copy_tensor_async(*mirror)] = 0
+        total, done = sum(parts.values()), 0
         if progress is not None:
             progress(0, total)
-        for future in as_completed(sizes):
+        for future in as_completed(parts):
             future.result()
-            done += sizes[future]
+            done += parts[future]
             if progress is not None:
                 progress(done, total)
         self.bytes_sent += total
