@@ -285,11 +285,11 @@ class Client:
 
     def _call(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any] = (),
               on_reply: Callable[[p.Message, list[zmq.Frame]], Any] | None = None,
-              timeout: float | None = None) -> Future[Any]:
+              timeout: float | None = None, reply_bytes: int = 0) -> Future[Any]:
         if on_reply is None:
             def on_reply(reply: p.Message, frames: list[zmq.Frame]) -> None:
                 return None
-        return self._engine.submit(cmd, msg, payload, on_reply, timeout)
+        return self._engine.submit(cmd, msg, payload, on_reply, timeout, reply_bytes)
 
     def _new_handle(self) -> int:
         with self._handle_lock:
@@ -361,7 +361,7 @@ class Client:
             return land
 
         parts = [self._call(Cmd.GET_TENSOR, p.GetTensor(tensor=sub),
-                            on_reply=landing(start, sub.nbytes))
+                            on_reply=landing(start, sub.nbytes), reply_bytes=sub.nbytes)
                  for start, sub in p.split_tensor(tensor.ref, self.chunk_bytes)]
 
         def result() -> np.ndarray:

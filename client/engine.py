@@ -90,8 +90,13 @@ class Engine:
     # ------------------------------------------------------------------ any thread
 
     def submit(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any] = (),
-               on_reply: OnReply | None = None, timeout: float | None = None) -> Future[Any]:
-        """Queue a request; the future resolves with ``on_reply(reply, frames)`` or the reply."""
+               on_reply: OnReply | None = None, timeout: float | None = None,
+               reply_bytes: int = 0) -> Future[Any]:
+        """Queue a request; the future resolves with ``on_reply(reply, frames)`` or the reply.
+
+        ``reply_bytes`` (what the reply will carry) counts against the in-flight byte window
+        like the payload does, so large downloads are paced too.
+        """
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()
         if self._closed:
@@ -100,7 +105,7 @@ class Engine:
         req_id = next(self._ids)
         frames = [p.encode_request(cmd, req_id, msg), *payload]
         wait = self.options.timeout if timeout is None else timeout
-        nbytes = sum(memoryview(f).nbytes for f in payload)
+        nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
         self._inbox.put(Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply,
                              nbytes))
         if self._io_sleeping:

@@ -299,3 +299,28 @@ def test_async_client(worker: WorkerServer) -> None:
             assert (await c.device_memory()).total == 256 << 20
 
     asyncio.run(main())
+
+
+def _peak_mib(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM"))
+    return int(line.split()[1]) >> 10
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_large_transfers_need_no_second_copy_in_memory(
+        spawn_worker: Callable[..., WorkerProcess], make_client: Callable[..., Client]) -> None:
+    """256 MiB each way: the extra memory on either side stays near the in-flight window."""
+    proc = spawn_worker()
+    client = make_client(proc.endpoint)
+    size = 256 << 20
+    data = np.ones(size, np.uint8)
+    out = np.zeros(size, np.uint8) + 2           # touched: only new memory shows in the peak
+    t = client.alloc_buffer(size).tensor(size, "uint8")
+    client_before, worker_before = _peak_mib(), _peak_mib(proc.proc.pid)
+    client.set_tensor(t, data)
+    client.get_tensor(t, out=out)
+    assert (out == 1).all()
+    window = client._engine.options.window_bytes >> 20
+    assert _peak_mib() - client_before <= window + 48
+    assert _peak_mib(proc.proc.pid) - worker_before <= (size >> 20) + window + 48
