@@ -320,7 +320,8 @@ def test_large_transfers_need_no_second_copy_in_memory(
     client_before, worker_before = _peak_mib(), _peak_mib(proc.proc.pid)
     client.set_tensor(t, data)
     client.get_tensor(t, out=out)
-    assert (out == 1).all()
+    client_grew, worker_grew = _peak_mib() - client_before, _peak_mib(proc.proc.pid) - worker_before
     window = client._engine.options.window_bytes >> 20
-    assert _peak_mib() - client_before <= window + 48
-    assert _peak_mib(proc.proc.pid) - worker_before <= (size >> 20) + window + 48
+    assert client_grew <= window + 48
+    assert worker_grew <= (size >> 20) + window + 48
+    assert out.min() == 1 and out.max() == 1
