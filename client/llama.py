@@ -41,7 +41,7 @@ import numpy as np
 
 from ..broker.errors import RpcError
 from ..broker.ops import QUANT_BLOCKS
-from .client import Client, RegisteredGraph, RemoteBuffer, RemoteTensor
+from .client import Client, RegisteredGraph, RemoteBuffer, RemoteTensor, RunResult
 from .gguf_model import (
     GGUFTensor,
     LlamaConfig,
@@ -539,7 +539,7 @@ class LlamaModel:
         for future in futures:
             future.result()
 
-    def _dequantize_stage(self, stage: _Stage) -> Future[list[np.ndarray]]:
+    def _dequantize_stage(self, stage: _Stage) -> Future[RunResult]:
         layout, sources = _Layout(), {}
         for i, layer in zip(stage.layers, stage.weights):
             for name, w in layer.linear.items():

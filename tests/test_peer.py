@@ -23,8 +23,8 @@ from zmq_rpc.broker.protocol import Cmd, DType
 from zmq_rpc.client import (
     Client,
     ConnectionLost,
-    InvalidHandle,
     Graph,
+    InvalidHandle,
     RemoteTensor,
     TransferError,
     from_bfloat16,

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..broker.graph import GraphSpec, infer_graph, tensor_meta
 from ..broker.ops import OPS, OpKind, TensorMeta
-from ..broker.protocol import ErrorCode, TensorRef, WireError
+from ..broker.protocol import ErrorCode, WireError
 from .backends import numpy_ops as K
 
 ARENA_ALIGN = 64
