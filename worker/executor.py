@@ -306,6 +306,13 @@ class Executor:
         log.info("session %s closed (%s): freed %d bytes; %d session(s) open",
                  session.label, why, freed, len(self.sessions))
 
+    def fail_queued(self, code: ErrorCode, message: str) -> None:
+        """Answer every request still waiting in any session's queue with an error."""
+        for session in self.sessions.values():
+            for req in session.queue:
+                self._reply_error(session.client_id, req.req_id, code, message)
+            session.queue.clear()
+
     def expire_sessions(self, now: float) -> None:
         """Close sessions silent for longer than the session timeout."""
         for session in list(self.sessions.values()):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -324,5 +323,3 @@ class PeerLinks:
             if outgoing.pending.session is session:
                 del self.outgoing[token]
 
-
-Finish = Callable[["Pending", "str | None"], None]

@@ -160,17 +160,13 @@ class BackendThread(threading.Thread):
             self.executor.handle_frames(frames)
 
     def _shutdown(self, pair: zmq.Socket[bytes], command: bytes) -> None:
-        """Answer what is already queued, fail what waits, then confirm on the control socket."""
+        """Answer what is already queued, fail what still waits (the server then joins us)."""
         assert self.executor is not None
         executor = self.executor
         while pair.poll(0):
             self._drain(pair)
         executor.pump_all()
-        for session in list(executor.sessions.values()):
-            for req in session.queue:
-                executor._reply_error(session.client_id, req.req_id, ErrorCode.SHUTTING_DOWN,
-                                      "the worker is shutting down")
-            session.queue.clear()
+        executor.fail_queued(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
         log.info("backend drained; %d session(s) were open", len(executor.sessions))
 
 
