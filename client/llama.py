@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -925,11 +926,17 @@ class LlamaModel:
     # ---------------------------------------------------------------------------- measuring
 
     def measure_compute(self, mode: Mode = "decode", repeats: int = 5) -> list[float]:
-        """Seconds each stage's ``mode`` graph takes on its worker (median of blocking runs,
-        minus the median ping round trip). Positions go to the scratch row: the cache and
-        position are left as they were."""
+        """Seconds each stage's ``mode`` graph takes on its worker (median of the compute times
+        the worker reports). Positions go to the scratch row: the cache and position are left
+        as they were."""
         self._check_open()
-        return [_timed_run(self._scratch_run(s, mode), mode, repeats) for s in self.stages]
+        medians = []
+        for stage in self.stages:
+            run = self._scratch_run(stage, mode)
+            times = [stage.client.run(stage.graphs[mode], run.inputs).compute_seconds
+                     for _ in range(repeats)]
+            medians.append(statistics.median(times))
+        return medians
 
     def _scratch_run(self, stage: _Stage, mode: Mode) -> _StageRun:
         """Inputs that send every token to the scratch cache row, with nothing visible."""
@@ -1014,18 +1021,3 @@ def _stacked(placed: dict[str, RemoteTensor], names: list[str]) -> RemoteTensor:
     first = placed[names[0]]
     rows = sum(placed[n].shape[0] for n in names)
     return first.view((rows, first.shape[1]))
-
-
-def _timed_run(run: _StageRun, mode: Mode, repeats: int) -> float:
-    client, graph = run.stage.client, run.stage.graphs[mode]
-    client.run(graph, run.inputs)                               # warm up
-    runs, pings = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        client.ping()
-        t1 = time.perf_counter()
-        client.run(graph, run.inputs)
-        t2 = time.perf_counter()
-        pings.append(t1 - t0)
-        runs.append(t2 - t1)
-    return max(float(np.median(runs) - np.median(pings)), 0.0)

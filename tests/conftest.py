@@ -134,3 +134,11 @@ def spawn_worker() -> Iterator[Callable[..., WorkerProcess]]:
             proc.terminate(signal.SIGKILL)
         else:
             proc.terminate()
+
+
+@pytest.fixture(scope="session")
+def llama_gguf() -> Any:
+    """The SmolLM2 GGUF, opened once for the whole run (skipped outside CI when not installed)."""
+    from llama_reference import require_model_path
+    from zmq_rpc.client.gguf_model import load_gguf
+    return load_gguf(require_model_path())

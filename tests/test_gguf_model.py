@@ -21,8 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaGGUF:
-    return load_gguf(require_model_path())
+def model(llama_gguf: LlamaGGUF) -> LlamaGGUF:
+    return llama_gguf
 
 
 def _memmap_base(array: np.ndarray) -> np.memmap | None:

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from llama_reference import ReferenceLlama, require_model_path
+from llama_reference import ReferenceLlama
 from zmq_rpc.client import Client
-from zmq_rpc.client.gguf_model import LlamaGGUF, load_gguf
+from zmq_rpc.client.gguf_model import LlamaGGUF
 from zmq_rpc.client.llama import LlamaModel, plan_stages, sample_token
 from zmq_rpc.client.tokenizer import load_tokenizer
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
@@ -24,8 +24,8 @@ TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def gguf() -> LlamaGGUF:
-    return load_gguf(require_model_path())
+def gguf(llama_gguf: LlamaGGUF) -> LlamaGGUF:
+    return llama_gguf
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ from llama_reference import (
     dequantize,
     dequantize_q4_1,
     dequantize_q8_0,
-    require_model_path,
     rope,
 )
-from zmq_rpc.client.gguf_model import LlamaGGUF, load_gguf
+from zmq_rpc.client.gguf_model import LlamaGGUF
 from zmq_rpc.client.tokenizer import Tokenizer, load_tokenizer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -23,8 +22,8 @@ GGML_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizat
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaGGUF:
-    return load_gguf(require_model_path())
+def model(llama_gguf: LlamaGGUF) -> LlamaGGUF:
+    return llama_gguf
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import itertools
 from typing import Any
 
 import pytest
-from llama_reference import require_model_path
-from zmq_rpc.client.gguf_model import LlamaGGUF, load_gguf
+from zmq_rpc.client.gguf_model import LlamaGGUF
 from zmq_rpc.client.tokenizer import ChatMLTemplate, Tokenizer, load_tokenizer
 
 TEXTS = [
@@ -27,8 +26,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaGGUF:
-    return load_gguf(require_model_path())
+def model(llama_gguf: LlamaGGUF) -> LlamaGGUF:
+    return llama_gguf
 
 
 @pytest.fixture(scope="module")

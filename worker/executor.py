@@ -298,20 +298,19 @@ class Executor:
         self.sessions.pop(session.client_id, None)
         if self.peers is not None:
             self.peers.fail_session(session)
-        for req in session.queue:
-            if req.cmd is not Cmd.GOODBYE:
-                self._reply_error(session.client_id, req.req_id, ErrorCode.NO_SESSION,
-                                  f"session closed ({why})")
-        session.queue.clear()
+        self._fail_queue(session, ErrorCode.NO_SESSION, f"session closed ({why})")
         log.info("session %s closed (%s): freed %d bytes; %d session(s) open",
                  session.label, why, freed, len(self.sessions))
 
     def fail_queued(self, code: ErrorCode, message: str) -> None:
         """Answer every request still waiting in any session's queue with an error."""
         for session in self.sessions.values():
-            for req in session.queue:
-                self._reply_error(session.client_id, req.req_id, code, message)
-            session.queue.clear()
+            self._fail_queue(session, code, message)
+
+    def _fail_queue(self, session: Session, code: ErrorCode, message: str) -> None:
+        for req in session.queue:
+            self._reply_error(session.client_id, req.req_id, code, message)
+        session.queue.clear()
 
     def expire_sessions(self, now: float) -> None:
         """Close sessions silent for longer than the session timeout."""
@@ -474,11 +473,8 @@ class Executor:
             return
         session.held_by = None
         if error is not None:
-            for req in session.queue:
-                self._reply_error(session.client_id, req.req_id, ErrorCode.TRANSFER_FAILED,
-                                  f"an earlier transfer this request was queued behind failed: "
-                                  f"{error}")
-            session.queue.clear()
+            self._fail_queue(session, ErrorCode.TRANSFER_FAILED, "an earlier transfer this "
+                             f"request was queued behind failed: {error}")
         self.pump(session)
 
     # ----------------------------------------------------------------------------- graphs

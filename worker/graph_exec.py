@@ -176,17 +176,19 @@ def _overlapping(spec: GraphSpec, indices: set[int]) -> set[int]:
     return crowded
 
 
-def _owner(steps: list[Step], index: int) -> int:
-    """The node whose storage a result lives in (views and in-place ops alias their input);
-    -1 for external storage."""
-    while True:
-        step = steps[index]
-        if step.kind is OpKind.COMPUTE:
-            return index if not step.direct else -1
+def _root(steps: list[Step], src: int) -> int:
+    """Where the value ``src`` names is stored: follows views to their input and in-place ops
+    to their destination; returns a COMPUTE node's index, or an external src (< 0)."""
+    while src >= 0 and steps[src].kind is not OpKind.COMPUTE:
+        step = steps[src]
         src = step.srcs[0] if step.kind is OpKind.VIEW else step.srcs[OPS[step.op].dst_input or 0]
-        if src < 0:
-            return -1
-        index = src
+    return src
+
+
+def _owner(steps: list[Step], index: int) -> int:
+    """The node whose scratch storage a result lives in; -1 for external storage."""
+    root = _root(steps, index)
+    return root if root >= 0 and not steps[root].direct else -1
 
 
 def _plan_arena(steps: list[Step]) -> int:
@@ -253,12 +255,9 @@ def _written_buffers(spec: GraphSpec, steps: list[Step]) -> frozenset[int]:
     handles = {spec.tensors[s.dst].buffer for s in steps if s.dst >= 0}
     for step in steps:
         if step.kind is OpKind.INPLACE:
-            src = step.srcs[OPS[step.op].dst_input or 0]
-            while src >= 0 and steps[src].kind is not OpKind.COMPUTE:
-                prior = steps[src]
-                src = prior.srcs[0 if prior.kind is OpKind.VIEW else OPS[prior.op].dst_input or 0]
-            if src < 0:
-                handles.add(spec.tensors[-1 - src].buffer)
+            root = _root(steps, step.srcs[OPS[step.op].dst_input or 0])
+            if root < 0:
+                handles.add(spec.tensors[-1 - root].buffer)
     return frozenset(handles)
 
 
