@@ -318,6 +318,8 @@ class LlamaGGUF:
     tensors: Mapping[str, GGUFTensor]
     alignment: int
     tensor_data_bytes: int
+    file_bytes: np.ndarray
+    """The whole mapped file (read-only ``uint8``): tensors' bytes at their ``offset``."""
 
 
 def load_gguf(path: str | Path) -> LlamaGGUF:
@@ -334,6 +336,7 @@ def load_gguf(path: str | Path) -> LlamaGGUF:
     metadata = _read_metadata(reader)
     alignment = _read_alignment(metadata, reader)
     tensors = _read_tensors(reader, alignment)
+    file_bytes: np.ndarray = reader.data
     config = LlamaConfig.from_metadata(metadata, frozenset(tensors))
     _check_shapes(config, tensors)
     return LlamaGGUF(
@@ -343,6 +346,7 @@ def load_gguf(path: str | Path) -> LlamaGGUF:
         tensors=MappingProxyType(tensors),
         alignment=alignment,
         tensor_data_bytes=sum(t.nbytes for t in tensors.values()),
+        file_bytes=file_bytes,
     )
 
 

@@ -32,7 +32,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +40,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..broker import quant
 from ..broker.errors import RpcError
 from ..broker.ops import QUANT_BLOCKS
-from .client import Client, RegisteredGraph, RemoteBuffer, RemoteTensor, RunResult
+from .client import Client, RegisteredGraph, RemoteBuffer, RemoteTensor
 from .gguf_model import (
     GGUFTensor,
     LlamaConfig,
@@ -71,17 +72,19 @@ ALIGN = 64
 
 @dataclass(frozen=True, slots=True)
 class LoadStats:
-    """What loading cost: bytes and seconds of the upload, of the worker-side dequantization."""
+    """What loading cost: bytes and seconds of the upload and of the worker-side build."""
 
     weight_bytes: int
     """Unique weight bytes of the model in compact form (each tensor counted once)."""
     upload_bytes: int
-    """Bytes sent (``token_embd`` twice when the first and last stages differ)."""
+    """Bytes sent: the stages' file ranges (each tensor once, with any alignment padding)."""
     resident_bytes: int
-    """Weight bytes held on all workers (plus the f32 copies in ``weights="f32"`` mode)."""
+    """Weight bytes held on all workers (f32 matmul weights in ``weights="f32"`` mode)."""
     kv_bytes: int
     upload_seconds: float
-    dequantize_seconds: float
+    """From the first allocation to the last uploaded byte acknowledged."""
+    build_seconds: float
+    """The workers laying the uploaded bytes out as resident weights (dequantizing in f32 mode)."""
     total_seconds: float
 
     @property
@@ -179,6 +182,18 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
 # ---------------------------------------------------------------------------- buffer layout
 
 
+def file_runs(tensors: Iterable[GGUFTensor], alignment: int) -> list[tuple[int, int]]:
+    """The fewest contiguous byte ranges ``[start, stop)`` of the file covering ``tensors``:
+    neighbours merge when only alignment padding (under ``alignment`` bytes) lies between them."""
+    runs: list[list[int]] = []
+    for t in sorted({t.name: t for t in tensors}.values(), key=lambda t: t.offset):
+        if runs and 0 <= t.offset - runs[-1][1] < alignment:
+            runs[-1][1] = t.offset + t.nbytes
+        else:
+            runs.append([t.offset, t.offset + t.nbytes])
+    return [(lo, hi) for lo, hi in runs]
+
+
 class _Layout:
     """Places tensors in one buffer: groups start ``ALIGN``-aligned, a group's parts are packed."""
 
@@ -230,7 +245,6 @@ class _LayerWeights:
 class _ModeIO:
     """One stage's step tensors for one mode (inputs, hand-off ends, outputs)."""
 
-    tokens: RemoteTensor | None = None
     pos: RemoteTensor | None = None
     mask: RemoteTensor | None = None
     last_idx: RemoteTensor | None = None
@@ -238,6 +252,8 @@ class _ModeIO:
     x_out: RemoteTensor | None = None
     logits: RemoteTensor | None = None
     token: RemoteTensor | None = None
+    x_next: RemoteTensor | None = None
+    """The picked token's embedding, the next chained step's first input."""
 
 
 @dataclass(eq=False)
@@ -251,13 +267,23 @@ class _Stage:
     last: bool
     buffers: list[RemoteBuffer] = field(default_factory=list)
     weights: list[_LayerWeights] = field(default_factory=list)
-    embd_q: RemoteTensor | None = None
+    embd: _Linear | None = None
     out_norm: RemoteTensor | None = None
     lm_head: _Linear | None = None
     kv: list[tuple[RemoteTensor, RemoteTensor]] = field(default_factory=list)
     kv_buffer: RemoteBuffer | None = None
     io: dict[str, _ModeIO] = field(default_factory=dict)
     graphs: dict[str, RegisteredGraph] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Staged:
+    """A stage's staging buffer during load: the GGUF tensors in it, the uploads filling it."""
+
+    stage: _Stage
+    buffer: RemoteBuffer
+    tensors: dict[str, RemoteTensor] = field(default_factory=dict)
+    uploads: list[tuple[RemoteTensor, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,33 +440,31 @@ class LlamaModel:
         """Layer ranges balanced by the bytes each stage will hold in this weights mode."""
         layer_bytes = [sum(self._resident(self._tensor(i, n)) for names in _FUSED.values()
                            for n in names) for i in range(self.config.n_layers)]
-        embd = self.gguf.tensors["token_embd.weight"]
-        ranges = plan_stages(layer_bytes, embd.nbytes, self._resident(self._head_tensor()),
-                             len(clients))
+        tables = sum(self._resident(self.gguf.tensors[n]) for n in self._last_stage_tables())
+        ranges = plan_stages(layer_bytes, 0, tables, len(clients))
         return [_Stage(i, c, r, first=i == 0, last=i == len(clients) - 1)
                 for i, (c, r) in enumerate(zip(clients, ranges))]
 
     def _resident(self, tensor: GGUFTensor) -> int:
-        """Bytes a matmul weight holds on its worker: blocks, plus their f32 copy in f32 mode."""
+        """Bytes a matmul weight holds on its worker: f32 in f32 mode, else its blocks."""
         if tensor.qtype not in QUANT_BLOCKS:
             raise ValueError(f"{tensor.name}: matmul weights must be one of "
                              f"{sorted(QUANT_BLOCKS)}, not {tensor.qtype}")
-        return tensor.nbytes + (4 * tensor.n_elements if self.weights == "f32" else 0)
+        return 4 * tensor.n_elements if self.weights == "f32" else tensor.nbytes
 
     def _tensor(self, layer: int, name: str) -> GGUFTensor:
         return self.gguf.tensors[f"blk.{layer}.{name}.weight"]
 
     def _load(self, progress: Progress | None) -> None:
+        """Stage each worker's file ranges, then build its resident weights from them there."""
         start = time.perf_counter()
-        uploads = [item for stage in self.stages for item in self._place_weights(stage)]
-        mirror = self._embedding_mirror()
-        if mirror is not None:   # the last stage's copy comes from the first worker, not from us
-            uploads = [(t, data) for t, data in uploads if t is not mirror[1]]
-        upload_bytes = self._upload(uploads, progress, mirror)
+        staged = [self._stage_file_ranges(stage) for stage in self.stages]
+        upload_bytes = self._upload([u for s in staged for u in s.uploads], progress)
         uploaded = time.perf_counter()
-        if self.weights == "f32":
-            self._dequantize_all()
-        dequantized = time.perf_counter()
+        builds = [f for s in staged for f in self._build_resident(s)]
+        for future in builds:
+            future.result()
+        built = time.perf_counter()
         for stage in self.stages:
             self._make_kv(stage)
         self._register_all(("decode", "prefill"))
@@ -449,56 +473,129 @@ class LlamaModel:
             weight_bytes=self.gguf.tensor_data_bytes, upload_bytes=upload_bytes,
             resident_bytes=sum(b.size for s in self.stages for b in s.buffers),
             kv_bytes=sum(s.kv_buffer.size for s in self.stages if s.kv_buffer is not None),
-            upload_seconds=uploaded - start, dequantize_seconds=dequantized - uploaded,
+            upload_seconds=uploaded - start, build_seconds=built - uploaded,
             total_seconds=time.perf_counter() - start)
 
-    def _place_weights(self, stage: _Stage) -> list[tuple[RemoteTensor, np.ndarray]]:
-        """Allocate the stage's weight buffer and return (tensor, data) pairs to upload."""
-        layout, sources = _Layout(), {}
+    def _stage_sources(self, stage: _Stage) -> list[GGUFTensor]:
+        """The GGUF tensors a stage holds: its layers', and the head's on the last stage (with
+        ``token_embd``, which also embeds the token it picked, for chained decoding)."""
+        names = [f"blk.{i}.{part}.weight" for i in stage.layers
+                 for part in (*_NORMS, *(p for parts in _FUSED.values() for p in parts))]
+        if stage.last:
+            names += ["token_embd.weight", "output_norm.weight"]
+            names += [] if self.config.tied_output else ["output.weight"]
+        return [self.gguf.tensors[name] for name in names]
+
+    def _stage_file_ranges(self, stage: _Stage) -> _Staged:
+        """Allocate a staging buffer holding the stage's tensors as the file lays them out, and
+        the uploads that fill it: few contiguous ranges of the mapped file, zero-copy, cut into
+        pieces of one message each."""
+        sources = self._stage_sources(stage)
+        placed, size = [], 0
+        for lo, hi in file_runs(sources, self.gguf.alignment):
+            size = -(-size // ALIGN) * ALIGN
+            placed.append((lo, hi, size))
+            size += hi - lo
+        buffer = stage.client.alloc_buffer_nowait(size)
+        staged = _Staged(stage, buffer)
+        for t in sources:
+            lo, _, at = next(run for run in placed if run[0] <= t.offset < run[1])
+            staged.tensors[t.name] = buffer.tensor(t.data.shape, t.data.dtype, at + t.offset - lo)
+        piece = stage.client.chunk_bytes
+        for lo, hi, at in placed:
+            for start in range(lo, hi, piece):
+                stop = min(start + piece, hi)
+                staged.uploads.append((buffer.tensor(stop - start, "uint8", at + start - lo),
+                                       self.gguf.file_bytes[start:stop]))
+        return staged
+
+    def _upload(self, uploads: list[tuple[RemoteTensor, np.ndarray]],
+                progress: Progress | None) -> int:
+        """Pipelined set_tensor_async of every piece; progress as acknowledgements arrive."""
+        parts = {t.client.set_tensor_async(t, data): int(data.nbytes) for t, data in uploads}
+        total, done = sum(parts.values()), 0
+        if progress is not None:
+            progress(0, total)
+        for future in as_completed(parts):
+            future.result()
+            done += parts[future]
+            if progress is not None:
+                progress(done, total)
+        self.bytes_sent += total
+        return total
+
+    def _build_resident(self, staged: _Staged) -> list[Future[Any]]:
+        """One compute graph on the stage's worker lays the staged bytes out as the weights the
+        stage graphs read (Q/K/V and gate/up stacked; dequantized in f32 mode); then the staging
+        buffer is freed (queued behind the build on the same worker)."""
+        stage, src = staged.stage, staged.tensors
+        layout = _Layout()
+        fills: list[tuple[str, list[str]]] = []
         for i in stage.layers:
             for norm in _NORMS:
-                sources[f"{i}.{norm}"] = self._tensor(i, norm)
                 layout.add(f"{i}.{norm}", (self.config.d_model,), "float32")
-            for parts in _FUSED.values():
-                for k, part in enumerate(parts):
-                    t = sources[f"{i}.{part}"] = self._tensor(i, part)
-                    layout.add(f"{i}.{part}", t.data.shape, "uint8", packed=k > 0)
-        tied = self.config.tied_output
-        if stage.first or (stage.last and tied):
-            t = sources["token_embd"] = self.gguf.tensors["token_embd.weight"]
-            layout.add("token_embd", t.data.shape, "uint8")
-        if stage.last and not tied:
-            t = sources["output"] = self.gguf.tensors["output.weight"]
-            layout.add("output", t.data.shape, "uint8")
+                fills.append((f"{i}.{norm}", [f"blk.{i}.{norm}.weight"]))
+            for name, parts in _FUSED.items():
+                tensors = [self._tensor(i, p) for p in parts]
+                rows = sum(t.data.shape[0] for t in tensors)
+                layout.add(f"{i}.{name}", self._resident_shape(tensors[0], rows),
+                           self._resident_dtype)
+                fills.append((f"{i}.{name}", [t.name for t in tensors]))
         if stage.last:
-            sources["output_norm"] = self.gguf.tensors["output_norm.weight"]
+            for name in self._last_stage_tables():
+                t = self.gguf.tensors[name]
+                layout.add(name, self._resident_shape(t, t.data.shape[0]), self._resident_dtype)
+                fills.append((name, [name]))
             layout.add("output_norm", (self.config.d_model,), "float32")
+            fills.append(("output_norm", ["output_norm.weight"]))
         buffer = stage.client.alloc_buffer_nowait(layout.size)
         stage.buffers.append(buffer)
         placed = layout.bind(buffer)
+        g = Graph()
+        for name, sources in fills:
+            row = 0
+            for source in sources:
+                t, rows = self.gguf.tensors[source], src[source].shape[0]
+                dst = placed[name][row:row + rows] if len(sources) > 1 else placed[name]
+                if self.weights == "f32" and t.qtype in QUANT_BLOCKS:
+                    g.dequantize(src[source], qtype=t.qtype, out=dst)
+                else:
+                    g.cpy(src[source], dst)
+                row += rows
+        built = stage.client.compute_async(g)
         self._bind_weights(stage, placed)
-        return [(placed[name], _upload_form(src)) for name, src in sources.items()]
+        return [built, staged.buffer.free_async()]
 
-    def _embedding_mirror(self) -> tuple[RemoteTensor, RemoteTensor] | None:
-        """(first stage's token_embd, last stage's) when both hold one on different workers."""
-        first, last = self.stages[0], self.stages[-1]
-        if first.client is last.client or first.embd_q is None or last.embd_q is None:
-            return None
-        return first.embd_q, last.embd_q
+    @property
+    def _resident_dtype(self) -> str:
+        return "float32" if self.weights == "f32" else "uint8"
+
+    def _resident_shape(self, t: GGUFTensor, rows: int) -> tuple[int, int]:
+        """A matmul weight as it lives on its worker: (rows, in) f32, or its blocks' bytes."""
+        if self.weights == "f32":
+            return rows, t.shape[-1]
+        return rows, t.data.shape[1]
+
+    def _last_stage_tables(self) -> list[str]:
+        """Vocabulary tables on the last stage: the head, and ``token_embd`` for get_rows (the
+        same table when tied)."""
+        return ["token_embd.weight"] + ([] if self.config.tied_output else ["output.weight"])
 
     def _bind_weights(self, stage: _Stage, placed: dict[str, RemoteTensor]) -> None:
         for i in stage.layers:
-            linear = {name: _Linear(_stacked(placed, [f"{i}.{p}" for p in parts]),
-                                    self._fused_qtype(i, parts))
+            linear = {name: self._linear_weight(placed[f"{i}.{name}"], self._fused_qtype(i, parts))
                       for name, parts in _FUSED.items()}
             stage.weights.append(_LayerWeights(placed[f"{i}.attn_norm"],
                                                placed[f"{i}.ffn_norm"], linear))
-        stage.embd_q = placed.get("token_embd")
-        stage.out_norm = placed.get("output_norm")
         if stage.last:
+            embd = self.gguf.tensors["token_embd.weight"]
+            stage.embd = self._linear_weight(placed["token_embd.weight"], embd.qtype)
+            stage.out_norm = placed["output_norm"]
             head = self._head_tensor()
-            stage.lm_head = _Linear(placed["token_embd" if self.config.tied_output else "output"],
-                                    head.qtype)
+            stage.lm_head = self._linear_weight(placed[head.name], head.qtype)
+
+    def _linear_weight(self, tensor: RemoteTensor, qtype: str) -> _Linear:
+        return _Linear(tensor, "none" if self.weights == "f32" else qtype)
 
     def _head_tensor(self) -> GGUFTensor:
         """The LM head: ``token_embd`` when tied (SmolLM2), else ``output``."""
@@ -513,59 +610,6 @@ class LlamaModel:
             raise ValueError(f"layer {layer}: {'/'.join(parts)} differ in qtype or row size "
                              f"({sorted(kinds)}); they are multiplied as one stacked weight")
         return kinds.pop()[0]
-
-    def _upload(self, uploads: list[tuple[RemoteTensor, np.ndarray]],
-                progress: Progress | None,
-                mirror: tuple[RemoteTensor, RemoteTensor] | None = None) -> int:
-        """Pipelined set_tensor_async of every weight, zero-copy from the mapped file; progress
-        as acknowledgements arrive. The mirrored embedding is copied worker to worker while the
-        rest is still uploading."""
-        parts = {t.client.set_tensor_async(t, data): int(data.nbytes) for t, data in uploads}
-        if mirror is not None:
-            parts[mirror[0].client.copy_tensor_async(*mirror)] = 0
-        total, done = sum(parts.values()), 0
-        if progress is not None:
-            progress(0, total)
-        for future in as_completed(parts):
-            future.result()
-            done += parts[future]
-            if progress is not None:
-                progress(done, total)
-        self.bytes_sent += total
-        return total
-
-    def _dequantize_all(self) -> None:
-        """``weights="f32"``: one compute graph per stage dequantizes into a new f32 buffer."""
-        futures = [self._dequantize_stage(stage) for stage in self.stages]
-        for future in futures:
-            future.result()
-
-    def _dequantize_stage(self, stage: _Stage) -> Future[RunResult]:
-        layout, sources = _Layout(), {}
-        for i, layer in zip(stage.layers, stage.weights):
-            for name, w in layer.linear.items():
-                sources[f"{i}.{name}"] = w
-                layout.add(f"{i}.{name}", self._f32_shape(w), "float32")
-        if stage.lm_head is not None:
-            sources["lm_head"] = stage.lm_head
-            layout.add("lm_head", self._f32_shape(stage.lm_head), "float32")
-        buffer = stage.client.alloc_buffer_nowait(layout.size)
-        stage.buffers.append(buffer)
-        placed = layout.bind(buffer)
-        g = Graph()
-        for name, w in sources.items():
-            g.dequantize(w.tensor, qtype=w.qtype, out=placed[name])
-        for i, layer in zip(stage.layers, stage.weights):
-            layer.linear = {name: _Linear(placed[f"{i}.{name}"]) for name in layer.linear}
-        if stage.lm_head is not None:
-            stage.lm_head = _Linear(placed["lm_head"])
-        return stage.client.compute_async(g)
-
-    @staticmethod
-    def _f32_shape(w: _Linear) -> tuple[int, int]:
-        rows, row_bytes = w.tensor.shape
-        per_block, block_bytes = QUANT_BLOCKS[w.qtype]
-        return rows, row_bytes // block_bytes * per_block
 
     def _make_kv(self, stage: _Stage) -> None:
         """Per layer K and V caches of (n_ctx + 1, n_kv_heads, head_dim); the last row is scratch."""
@@ -588,17 +632,15 @@ class LlamaModel:
         """One small buffer holding this stage's step tensors for ``mode``."""
         T, d, vocab = self._chunk(mode), self.config.d_model, self.config.vocab_size
         wanted: dict[str, tuple[tuple[int, ...], str]] = {
-            "pos": ((T,), "int32"), "mask": ((T, self.n_ctx), "float32")}
-        if stage.first:
-            wanted["tokens"] = ((T,), "int32")
-        else:
-            wanted["x_in"] = ((T, d), "float32")
+            "pos": ((T,), "int32"), "mask": ((T, self.n_ctx), "float32"),
+            "x_in": ((T, d), "float32")}
         if not stage.last:
             wanted["x_out"] = ((T, d), "float32")
         else:
             wanted["logits"] = ((T if mode == "full" else 1, vocab), "float32")
             if mode != "full":
                 wanted["token"] = ((1,), "int32")
+                wanted["x_next"] = ((1, d), "float32")
             if mode == "prefill":
                 wanted["last_idx"] = ((1,), "int32")
         layout = _Layout()
@@ -621,11 +663,7 @@ class LlamaModel:
 
     def _stage_graph(self, stage: _Stage, mode: str, io: _ModeIO) -> Graph:
         g = Graph()
-        if stage.first:
-            qtype = self.gguf.tensors["token_embd.weight"].qtype
-            x: Any = g.get_rows(_need(stage.embd_q), io.tokens, qtype=qtype)
-        else:
-            x = g.input(io.x_in)
+        x: Any = g.input(io.x_in)
         n = len(stage.weights)
         for k, (layer, kv) in enumerate(zip(stage.weights, stage.kv)):
             x = self._block(g, x, layer, kv, io, self._chunk(mode),
@@ -690,17 +728,19 @@ class LlamaModel:
         return _linear(g, g.mul(g.silu(gate), up), w.linear["down"])
 
     def _head(self, g: Graph, x: Any, stage: _Stage, mode: str, io: _ModeIO) -> None:
-        """Final norm, LM head into ``io.logits``, argmax into ``io.token`` (not for "full").
+        """Final norm, LM head into ``io.logits``; but for "full", the argmax into ``io.token``
+        and its embedding into ``io.x_next``.
 
         Prefill keeps only the last real token's row (``io.last_idx``: chunks are padded)."""
-        if stage.lm_head is None:
+        if stage.lm_head is None or stage.embd is None:
             raise RuntimeError("the last stage has no LM head")
         if mode == "prefill":
             x = g.get_rows(x, io.last_idx)
         h = g.mul(g.rms_norm(x, eps=self.config.norm_eps), _need(stage.out_norm))
         logits = _linear(g, h, stage.lm_head, out=io.logits)
         if mode != "full":
-            g.argmax(logits, out=io.token)
+            token = g.argmax(logits, out=io.token)
+            g.get_rows(stage.embd.tensor, token, qtype=stage.embd.qtype, out=io.x_next)
 
     # ------------------------------------------------------------------------- running steps
 
@@ -813,14 +853,25 @@ class LlamaModel:
         mask[:n][np.arange(self.n_ctx)[None, :] <= pos[:n, None]] = 0.0
         tokens = np.zeros(T, np.int32)
         tokens[:n] = chunk
-        return [self._stage_run(s, mode, pos, mask, tokens, n, fetch) for s in self.stages]
+        x = self.embed(tokens)
+        return [self._stage_run(s, mode, pos, mask, x, n, fetch) for s in self.stages]
+
+    def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The input embeddings (T, d_model) float32 of ``token_ids``, read here from the mapped
+        GGUF (like llama.cpp, which keeps the input layer on the host): only the rows asked for
+        are dequantized, and the first worker needs no embedding table."""
+        table = self.gguf.tensors["token_embd.weight"]
+        rows = np.take(table.data, np.asarray(token_ids, np.intp), axis=0)
+        if table.qtype in QUANT_BLOCKS:
+            return quant.dequantize(rows, table.qtype)
+        return rows.astype(np.float32)
 
     def _stage_run(self, stage: _Stage, mode: Mode, pos: np.ndarray, mask: np.ndarray,
-                   tokens: np.ndarray, n: int, fetch: str) -> _StageRun:
+                   x: np.ndarray, n: int, fetch: str) -> _StageRun:
         io = stage.io[mode]
         inputs = [(io.pos, pos), (io.mask, mask)]
         if stage.first:
-            inputs.append((io.tokens, tokens))
+            inputs.append((io.x_in, x))
         if io.last_idx is not None:
             inputs.append((io.last_idx, np.array([n - 1], np.int32)))
         wanted = {"logits": io.logits, "token": io.token}.get(fetch) if stage.last else None
@@ -861,9 +912,9 @@ class LlamaModel:
                         stream: Callable[[int], None] | None) -> None:
         """Greedy decoding with the token fed back worker to worker, ``lookahead`` steps ahead.
 
-        Step k copies the last stage's argmax (the previous step's, or the prompt's) into the
-        first stage's token input, then runs every stage; the workers' queues order it all, so
-        no client round trip sits between two tokens. The client streams each token as its step
+        Step k copies the embedding of the last stage's argmax (the previous step's, or the
+        prompt's) into the first stage's input, then runs every stage; the workers' queues order
+        it all, so no client round trip sits between two tokens. The client streams each token as its step
         reports it and stops issuing at a stop token; steps already issued past it only write
         cache rows beyond the end, which later steps overwrite before reading.
         """
@@ -871,7 +922,7 @@ class LlamaModel:
             stream(out[-1])
         if out[-1] in stops or len(out) >= limit:
             return
-        previous = _need(self.stages[-1].io["prefill"].token)
+        previous = _need(self.stages[-1].io["prefill"].x_next)
         pending: deque[tuple[_StepFuture, float]] = deque()
         issued, last_arrival = 0, time.perf_counter()
         try:
@@ -880,7 +931,7 @@ class LlamaModel:
                        and self.n_past + len(pending) < self.n_ctx):
                     pending.append((self._launch_chained(previous, self.n_past + len(pending)),
                                     time.perf_counter()))
-                    previous = _need(self.stages[-1].io["decode"].token)
+                    previous = _need(self.stages[-1].io["decode"].x_next)
                     issued += 1
                 if not pending:
                     return
@@ -902,14 +953,14 @@ class LlamaModel:
 
     def _launch_chained(self, previous: RemoteTensor, start: int) -> _StepFuture:
         first = self.stages[0]
-        tokens = _need(first.io["decode"].tokens)
+        x_in = _need(first.io["decode"].x_in)
         runs = self._stage_runs("decode", [0], start, "token")
-        runs[0] = _StageRun(first, [(t, a) for t, a in runs[0].inputs if t is not tokens],
+        runs[0] = _StageRun(first, [(t, a) for t, a in runs[0].inputs if t is not x_in],
                             runs[0].fetch)
         self.bytes_sent += sum(a.nbytes for r in runs for _, a in r.inputs)
         step = _StepFuture()
         same = previous.client is first.client
-        step.add_transfer(_hand_off(previous, tokens), 1 if same else 2)
+        step.add_transfer(_hand_off(previous, x_in), 1 if same else 2)
         self._issue(step, "decode", runs)
         return step
 
@@ -943,7 +994,8 @@ class LlamaModel:
         T = self._chunk(mode)
         pos = np.full(T, self.n_ctx, np.int32)
         mask = np.full((T, self.n_ctx), -np.inf, np.float32)
-        return self._stage_run(stage, mode, pos, mask, np.zeros(T, np.int32), 1, "none")
+        x = np.zeros((T, self.config.d_model), np.float32)
+        return self._stage_run(stage, mode, pos, mask, x, 1, "none")
 
     def _warm_up(self, modes: Sequence[Mode]) -> None:
         """Run each graph once on scratch rows, so the first real step does not pay for the
@@ -994,14 +1046,6 @@ class LlamaModel:
         layers = ", ".join(f"{s.client.endpoint}: layers {s.layers.start}-{s.layers.stop - 1}"
                            for s in self.stages)
         return f"LlamaModel({self.weights}, n_ctx={self.n_ctx}, [{layers}])"
-
-
-def _upload_form(tensor: GGUFTensor) -> np.ndarray:
-    """What goes over the wire: quantized blocks as they are (zero-copy views of the file),
-    float tensors (the norms) as float32."""
-    if tensor.qtype in QUANT_BLOCKS:
-        return tensor.data
-    return np.asarray(tensor.data, dtype=np.float32)
 
 
 def _need(tensor: RemoteTensor | None) -> RemoteTensor:

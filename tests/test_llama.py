@@ -14,7 +14,7 @@ import pytest
 from llama_reference import ReferenceLlama
 from zmq_rpc.client import Client
 from zmq_rpc.client.gguf_model import LlamaGGUF
-from zmq_rpc.client.llama import LlamaModel, plan_stages, sample_token
+from zmq_rpc.client.llama import LlamaModel, file_runs, plan_stages, sample_token
 from zmq_rpc.client.tokenizer import load_tokenizer
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
@@ -207,15 +207,38 @@ def test_load_reports_compact_weight_bytes(model: Callable[..., LlamaModel],
         assert stats is not None
         assert 90 << 20 <= stats.weight_bytes <= 96 << 20
         assert stats.upload_gbps > 0 and stats.total_seconds >= stats.upload_seconds
-    assert one.load_stats is not None and two.load_stats is not None
-    embd = gguf.tensors["token_embd.weight"].nbytes
-    assert one.load_stats.upload_bytes == one.load_stats.weight_bytes
-    assert two.load_stats.upload_bytes == two.load_stats.weight_bytes   # embd mirrored by peers
-    assert two.stages[0].embd_q is not None and two.stages[1].embd_q is not None
-    np.testing.assert_array_equal(two.stages[1].embd_q.get(), two.stages[0].embd_q.get())
-    assert embd > 0
+        # every tensor sent once, as file ranges: at most alignment padding between them
+        assert 0 <= stats.upload_bytes - stats.weight_bytes < gguf.alignment * len(gguf.tensors)
+    # the embedding table lives only on the last stage; the first is fed embeddings
+    assert two.stages[0].embd is None and two.stages[1].embd is not None
     layers = [s.layers for s in two.stages]
     assert layers[0].start == 0 and layers[0].stop == layers[1].start and layers[1].stop == 30
+
+
+def test_file_runs_merge_neighbours_across_padding_only(gguf: LlamaGGUF) -> None:
+    t = gguf.tensors
+    layer0 = [v for k, v in t.items() if k.startswith("blk.0.")]
+    runs = file_runs(layer0, gguf.alignment)
+    assert len(runs) == 1 and runs[0][1] - runs[0][0] == sum(v.nbytes for v in layer0)
+    # layer 0, 1 and 2 sit in the file in name order (0, 1, 10..19, 2, ...): 2 runs
+    three = [v for k, v in t.items() if k.split(".")[1:2] in (["0"], ["1"], ["2"])]
+    runs = file_runs(three + three[:3], gguf.alignment)       # duplicates count once
+    assert len(runs) == 2
+    assert sum(hi - lo for lo, hi in runs) == sum(v.nbytes for v in three)
+    whole = file_runs(t.values(), gguf.alignment)
+    assert whole == [(min(v.offset for v in t.values()),
+                      max(v.offset + v.nbytes for v in t.values()))]
+
+
+@pytest.mark.timeout(60)
+def test_client_embedding_matches_the_workers(model: Callable[..., LlamaModel],
+                                              gguf: LlamaGGUF) -> None:
+    """The first stage's input rows, dequantized here, equal the last stage's table rows."""
+    m = model(1)
+    ids = [0, 5, 300, gguf.config.vocab_size - 1]
+    table = m.stages[-1].embd
+    assert table is not None and table.qtype == "none"        # f32 mode: the dequantized head
+    np.testing.assert_array_equal(m.embed(ids), table.tensor.get()[ids])
 
 
 @pytest.mark.timeout(60)
@@ -225,7 +248,9 @@ def test_progress_reports_bytes_and_close_frees_memory(gguf: LlamaGGUF,
     free_before = clients[2].device_memory().free
     m = LlamaModel.load(gguf, clients[2:], weights="quantized",
                         progress=lambda done, total: calls.append((done, total)))
-    assert calls[0][0] == 0 and calls[-1][0] == calls[-1][1] == gguf.tensor_data_bytes
+    assert m.load_stats is not None
+    assert calls[0][0] == 0 and calls[-1][0] == calls[-1][1] == m.load_stats.upload_bytes
+    assert len(calls) > 10                       # pieces of one message each, not whole ranges
     assert [done for done, _ in calls] == sorted(done for done, _ in calls)
     assert clients[2].device_memory().free < free_before - (90 << 20)
     m.close()

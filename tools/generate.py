@@ -137,7 +137,8 @@ def _summary(model: LlamaModel, args: argparse.Namespace) -> str:
     lines = [
         f"load: {load.total_seconds:.2f} s; upload {load.upload_bytes / 1e6:.1f} MB in "
         f"{load.upload_seconds:.2f} s = {load.upload_gbps:.2f} GB/s effective"
-        + (f"; dequantize to f32 {load.dequantize_seconds:.2f} s" if args.weights == "f32" else ""),
+        + f"; {'dequantize to f32' if args.weights == 'f32' else 'lay out'} on the workers "
+          f"{load.build_seconds:.2f} s",
         (f"weights: {load.weight_bytes / 2**20:.1f} MiB compact; "
          f"{load.resident_bytes / 2**20:.1f} MiB on {len(model.stages)} worker(s); "
          f"KV cache {load.kv_bytes / 2**20:.1f} MiB"),
