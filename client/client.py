@@ -22,7 +22,7 @@ from ..broker import graph as wire_graph
 from ..broker import protocol as p
 from ..broker.errors import BadRequest, ConnectionLost, ProtocolError, RpcError, VersionMismatch
 from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
-from .engine import Engine, EngineOptions
+from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions
 from .graph import Graph
 from .peer import Routes, copy_between
 
@@ -227,7 +227,7 @@ class Client:
     """
 
     def __init__(self, endpoint: str, *, timeout: float = 60.0, connect_timeout: float = 10.0,
-                 window: int = 512, window_bytes: int = 64 << 20, heartbeat: float = 2.0,
+                 window: int = 512, window_bytes: int = DEFAULT_WINDOW_BYTES, heartbeat: float = 2.0,
                  name: str = "zmq-rpc-client", chunk_bytes: int = DEFAULT_CHUNK,
                  peer_copy: bool = True,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:

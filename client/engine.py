@@ -36,6 +36,13 @@ OnReply = Callable[[p.Message, list[zmq.Frame]], Any]
 """Turns a decoded reply and its payload frames into the future's result (runs on the I/O thread)."""
 
 
+DEFAULT_WINDOW_BYTES = 16 << 20
+"""Payload bytes in flight per client: four 4 MiB chunks. Loopback set/get ran as fast with 16 MiB
+as with 64 (3.5 vs 3.2 GB/s at 256 MiB); each byte in flight is a message the worker holds in
+freshly grown heap until its backend thread copies it out, so a smaller window touches less new
+memory per transfer and holds less per client."""
+
+
 @dataclass
 class Call:
     """One request on its way: its frames, its future and its deadline."""
@@ -56,7 +63,7 @@ class EngineOptions:
 
     timeout: float = 60.0
     window: int = 512
-    window_bytes: int = 64 << 20
+    window_bytes: int = DEFAULT_WINDOW_BYTES
     heartbeat: float = 2.0
     zmq_heartbeat_ms: int = 1000
     zmq_heartbeat_timeout_ms: int = 5000

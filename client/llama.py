@@ -1,22 +1,31 @@
 """A llama GGUF model run across zmq-rpc workers: a pipeline of contiguous layer ranges.
 
 Owns everything model-shaped on top of the graph API: splitting the layers into stages (one per
-:class:`~zmq_rpc.client.Client`, balanced by resident weight bytes), uploading the GGUF weights in
-their compact form (Q4_1 layers, Q8_0 ``token_embd``, f32 norms; optionally dequantized once on
-the worker into f32), the KV cache that lives on the workers, the forward graphs (per stage one
-registered graph per mode: ``decode`` for 1 token, ``prefill`` and ``full`` for a fixed chunk of
-T tokens), the per-step pipeline, and sampling.
+:class:`~zmq_rpc.client.Client`, balanced by resident weight bytes), loading the weights, the KV
+cache that lives on the workers, the forward graphs (per stage one registered graph per mode:
+``decode`` for 1 token, ``prefill`` and ``full`` for a fixed chunk of T tokens), the per-step
+pipeline, and sampling.
+
+Loading sends the weights in their compact GGUF form (Q4_1 layers, Q8_0 ``token_embd``, f32 norms)
+as the file lays them out: each stage's tensors form a few contiguous ranges of the mapped file,
+sent zero-copy in chunk-sized messages into one staging buffer per worker. One graph per stage then
+lays them out there as the stage graphs read them (Q/K/V and gate/up stacked; dequantized to f32
+in the default ``weights="f32"`` mode) and the staging buffer is freed. The input embedding runs
+here, on the mapped file (as llama.cpp keeps the input layer on the host): the first stage is fed
+(T, d_model) rows and holds no embedding table; ``token_embd`` lives on the last stage only, as
+the tied LM head and to embed the token it picks for chained greedy decoding.
 
 One step of the pipeline, one client round trip (with worker-to-worker copies)::
 
-    client ── run(stage 0: tokens, pos, mask) ──> worker A ── x (T, 576) ──> worker B
+    client ── run(stage 0: x, pos, mask) ──> worker A ── x (T, 576) ──> worker B
            <── logits or argmax (4 bytes) ─── run(stage 1: pos, mask) <──────┘
 
-Each stage's run carries the step's small inputs (token ids, positions, the additive attention
+Each stage's run carries the step's small inputs (embeddings, positions, the additive attention
 mask) in its own message and the last stage's reply carries the fetched result, so the graphs
 keep fixed shapes across steps: attention always reads the whole cache (``n_ctx`` rows) and the
 mask hides the rows past each query's position. Row ``n_ctx`` of every cache is a scratch row
-that the padding tokens of a partial prefill chunk write to.
+that the padding tokens of a partial prefill chunk write to. Chained greedy decoding copies the
+last stage's picked-token embedding (``x_next``) straight to the first stage's input.
 
 Threads: the caller's thread builds and launches steps and blocks only on a step's final result;
 the continuation of a step (the hand-off to the next stage when it goes through this client)
