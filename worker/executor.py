@@ -120,7 +120,9 @@ class Executor:
         self.peer_endpoint = peer_endpoint
         self.sessions: dict[bytes, Session] = {}
         self.used_memory = 0
-        self.capabilities: list[str] = ["views", "chunked-transfer", "zero-copy"]
+        self.capabilities: list[str] = ["views", "chunked-transfer"]
+        if getattr(backend, "zero_copy", True):
+            self.capabilities.append("zero-copy")
         if getattr(backend, "supports_graphs", True):
             self.capabilities.append(f"graph-v{g.GRAPH_VERSION}")
         self.handlers: dict[Cmd, Handler] = {
@@ -227,7 +229,7 @@ class Executor:
             return
         except MemoryError:
             self._reply_error(session.client_id, req.req_id, ErrorCode.OUT_OF_MEMORY,
-                              f"{req.cmd.name}: the worker ran out of host memory")
+                              f"{req.cmd.name}: the worker ran out of {self.backend.kind} memory")
             return
         except Exception as exc:  # a bug must not take the worker down: report it
             log.exception("internal error in %s for %s", req.cmd.name, session.label)

@@ -90,6 +90,7 @@ class BackendThread(threading.Thread):
         pair = self.ctx.socket(zmq.PAIR)
         control = self.ctx.socket(zmq.PAIR)
         try:
+            self.backend.attach()                   # a GPU is current per thread: this one
             pair.setsockopt(zmq.SNDHWM, 0)
             pair.setsockopt(zmq.RCVHWM, 0)
             pair.bind(self.pair_endpoint)

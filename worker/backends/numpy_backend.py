@@ -55,6 +55,9 @@ class NumpyBackend:
     alignment = ALIGNMENT
     xp = np
 
+    def attach(self) -> None:
+        """Called first on the backend thread (a GPU backend makes its device current there)."""
+
     def device_name(self) -> str:
         """A human-readable device name for HELLO."""
         return f"cpu ({os.cpu_count()} cores)"
