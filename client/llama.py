@@ -853,16 +853,20 @@ class LlamaModel:
         except Exception as exc:  # noqa: BLE001 - the step's future carries every failure
             step.fail(exc)
 
-    def _stage_runs(self, mode: Mode, chunk: list[int], start: int, fetch: str) -> list[_StageRun]:
-        """Each stage's inputs for one chunk (padded to the mode's T) and the last one's fetch."""
-        T, n = self._chunk(mode), len(chunk)
+    def _stage_runs(self, mode: Mode, chunk: list[int] | None, start: int,
+                    fetch: str) -> list[_StageRun]:
+        """Each stage's inputs for one chunk (padded to the mode's T) and the last one's fetch;
+        ``chunk`` None: one token whose embedding reaches the first stage by a hand-off."""
+        T, n = self._chunk(mode), 1 if chunk is None else len(chunk)
         pos = np.full(T, self.n_ctx, np.int32)          # padding writes the scratch cache row
         pos[:n] = np.arange(start, start + n, dtype=np.int32)
         mask = np.full((T, self.n_ctx), -np.inf, np.float32)
         mask[:n][np.arange(self.n_ctx)[None, :] <= pos[:n, None]] = 0.0
-        tokens = np.zeros(T, np.int32)
-        tokens[:n] = chunk
-        x = self.embed(tokens)
+        x = None
+        if chunk is not None:
+            tokens = np.zeros(T, np.int32)
+            tokens[:n] = chunk
+            x = self.embed(tokens)
         return [self._stage_run(s, mode, pos, mask, x, n, fetch) for s in self.stages]
 
     def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -876,10 +880,10 @@ class LlamaModel:
         return rows.astype(np.float32)
 
     def _stage_run(self, stage: _Stage, mode: Mode, pos: np.ndarray, mask: np.ndarray,
-                   x: np.ndarray, n: int, fetch: str) -> _StageRun:
+                   x: np.ndarray | None, n: int, fetch: str) -> _StageRun:
         io = stage.io[mode]
         inputs = [(io.pos, pos), (io.mask, mask)]
-        if stage.first:
+        if stage.first and x is not None:
             inputs.append((io.x_in, x))
         if io.last_idx is not None:
             inputs.append((io.last_idx, np.array([n - 1], np.int32)))
@@ -963,9 +967,7 @@ class LlamaModel:
     def _launch_chained(self, previous: RemoteTensor, start: int) -> _StepFuture:
         first = self.stages[0]
         x_in = _need(first.io["decode"].x_in)
-        runs = self._stage_runs("decode", [0], start, "token")
-        runs[0] = _StageRun(first, [(t, a) for t, a in runs[0].inputs if t is not x_in],
-                            runs[0].fetch)
+        runs = self._stage_runs("decode", None, start, "token")
         self.bytes_sent += sum(a.nbytes for r in runs for _, a in r.inputs)
         step = _StepFuture()
         same = previous.client is first.client
