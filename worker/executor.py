@@ -236,7 +236,17 @@ class Executor:
             self._reply_error(session.client_id, req.req_id, ErrorCode.INTERNAL,
                               f"{req.cmd.name} failed: {type(exc).__name__}: {exc}")
             return
+        self._start_sends(session)
         self.reply(session.client_id, req.req_id, reply, payload)
+
+    def _start_sends(self, session: Session) -> None:
+        """Start the peer sends queued right behind a finished request before replying to it:
+        another worker waits on those bytes (a pipeline's next stage), the client does not wait
+        on the reply."""
+        while (session.queue and session.held_by is None
+               and session.queue[0].cmd is Cmd.PEER_SEND
+               and all(ready(session, session.queue[0]) for ready in self.preconditions)):
+            self._run(session, session.queue.popleft())
 
     # --------------------------------------------------------------------------- replies
 
