@@ -36,11 +36,11 @@ OnReply = Callable[[p.Message, list[zmq.Frame]], Any]
 """Turns a decoded reply and its payload frames into the future's result (runs on the I/O thread)."""
 
 
-DEFAULT_WINDOW_BYTES = 32 << 20
-"""Payload bytes in flight per client: eight 4 MiB chunks. On loopback, 16, 32 and 64 MiB moved
-16 and 256 MiB equally within this machine's noise (2.3-3.3 GB/s medians each way); every byte in
-flight is a message the worker holds in freshly grown heap until its backend thread copies it out,
-so a smaller window touches less new memory per transfer and holds less per client."""
+DEFAULT_WINDOW_BYTES = 64 << 20
+"""Payload bytes in flight per client (sixteen 4 MiB chunks). 16 and 32 MiB moved 16 and 256 MiB
+on loopback as fast within this machine's noise; each byte in flight is a message the worker holds
+until its backend thread copies it out, so a client that shares a worker with many others can pass
+a smaller ``window_bytes``."""
 
 
 @dataclass
