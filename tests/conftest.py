@@ -6,6 +6,7 @@ is stopped; every client is closed, so a leak fails a test instead of hanging CI
 
 from __future__ import annotations
 
+import logging
 import os
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -142,3 +143,24 @@ def llama_gguf() -> Any:
     from llama_reference import require_model_path
     from zmq_rpc.client.gguf_model import load_gguf
     return load_gguf(require_model_path())
+
+
+class RelayLog:
+    """The client's peer-copy log records: how many copies it relayed itself."""
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        self.caplog = caplog
+
+    @property
+    def records(self) -> list[logging.LogRecord]:
+        return self.caplog.records              # read late: each test phase has its own list
+
+    def relayed(self) -> int:
+        return sum("relaying" in r.getMessage() for r in self.records)
+
+
+@pytest.fixture
+def relay_log(caplog: pytest.LogCaptureFixture) -> Iterator[RelayLog]:
+    """Captures ``zmq_rpc.client.peer`` INFO records for the test."""
+    with caplog.at_level(logging.INFO, logger="zmq_rpc.client.peer"):
+        yield RelayLog(caplog)

@@ -13,15 +13,14 @@ other tests down with it.
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import WorkerProcess
+from conftest import RelayLog, WorkerProcess
 from zmq_rpc.broker.graph import GRAPH_VERSION
 from zmq_rpc.broker.protocol import DType, split_tensor
 from zmq_rpc.client import (
@@ -216,16 +215,6 @@ def gpu_worker(make_worker: Callable[..., WorkerServer]) -> WorkerServer:
 @pytest.fixture
 def gpu(gpu_worker: WorkerServer, make_client: Callable[..., Client]) -> Client:
     return make_client(gpu_worker.endpoint, timeout=20)
-
-
-@pytest.fixture
-def relay_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    with caplog.at_level(logging.INFO, logger="zmq_rpc.client.peer"):
-        yield caplog
-
-
-def relayed(caplog: pytest.LogCaptureFixture) -> int:
-    return sum("relaying" in r.getMessage() for r in caplog.records)
 
 
 ROUTES = ["cuda->cpu", "cpu->cuda", "cuda->cuda"]
@@ -742,7 +731,7 @@ def placed(client: Client, case: str, strided: bool, shift: float
 @pytest.mark.parametrize("case", list(VIEW_CASES))
 @pytest.mark.parametrize("route", ROUTES, indirect=True)
 def test_peer_copy_views(route: tuple[Client, Client], case: str,
-                         relay_log: pytest.LogCaptureFixture) -> None:
+                         relay_log: RelayLog) -> None:
     a, b = route
     for which in ("neither", "src", "dst", "both"):
         src_base, src_all, src, src_local = placed(a, case, which in ("src", "both"), 0.0)
@@ -753,13 +742,13 @@ def test_peer_copy_views(route: tuple[Client, Client], case: str,
         assert_same(a.get_tensor(src_base), src_all, f"{which} strided: source")
         src_base.buffer.free()
         dst_base.buffer.free()
-    assert relayed(relay_log) == 0, "copies were relayed through the client, not worker to worker"
+    assert relay_log.relayed() == 0, "copies were relayed through the client, not worker to worker"
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("route", ROUTES, indirect=True)
 def test_peer_copy_every_dtype(route: tuple[Client, Client],
-                               relay_log: pytest.LogCaptureFixture) -> None:
+                               relay_log: RelayLog) -> None:
     a, b = route
     for dtype in DTYPES:
         item = DType.from_name(dtype).itemsize
@@ -780,4 +769,4 @@ def test_peer_copy_every_dtype(route: tuple[Client, Client],
         expected = dst_values.copy()
         expected[1::2, 2::2] = src_values.T
         assert_same(fetch(b, target), expected, f"{dtype} strided")
-    assert relayed(relay_log) == 0, "copies were relayed through the client, not worker to worker"
+    assert relay_log.relayed() == 0, "copies were relayed through the client, not worker to worker"

@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import WorkerProcess
+from conftest import RelayLog, WorkerProcess
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.protocol import Cmd, DType
@@ -69,16 +69,6 @@ def trio(make_worker: Callable[..., WorkerServer],
             for _ in range(3)]
 
 
-@pytest.fixture
-def relay_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    with caplog.at_level(logging.INFO, logger="zmq_rpc.client.peer"):
-        yield caplog
-
-
-def relayed(caplog: pytest.LogCaptureFixture) -> int:
-    return sum("relaying" in r.getMessage() for r in caplog.records)
-
-
 def wait_all(futures: list[Future[Any]], timeout: float = 20) -> list[Any]:
     return [f.result(timeout=timeout) for f in futures]
 
@@ -88,7 +78,7 @@ def wait_all(futures: list[Future[Any]], timeout: float = 20) -> list[Any]:
 
 @pytest.mark.parametrize("dtype", [d.dtype_name for d in DType])
 def test_peer_copy_every_dtype(trio: list[Client], dtype: str,
-                               relay_log: pytest.LogCaptureFixture) -> None:
+                               relay_log: RelayLog) -> None:
     a, b, _ = trio
     for shape in [(), (7,), (3, 5, 4), (0, 3), (300, 301)]:
         src, dst = tensor(a, shape, dtype, offset=64), tensor(b, shape, dtype, offset=8)
@@ -98,7 +88,7 @@ def test_peer_copy_every_dtype(trio: list[Client], dtype: str,
         out = b.get_tensor(dst)
         assert out.shape == shape
         np.testing.assert_array_equal(out, values)
-    assert relayed(relay_log) == 0
+    assert relay_log.relayed() == 0
 
 
 VIEW_CASES = {
@@ -126,14 +116,14 @@ def placed(client: Client, case: str, strided: bool, fill: float) -> tuple[Any, 
 @pytest.mark.parametrize("case", list(VIEW_CASES))
 @pytest.mark.parametrize("which", ["src", "dst", "both"])
 def test_peer_copy_strided_views(trio: list[Client], case: str, which: str,
-                                 relay_log: pytest.LogCaptureFixture) -> None:
+                                 relay_log: RelayLog) -> None:
     a, b, _ = trio
     _, _, (src, src_local) = placed(a, case, which in ("src", "both"), 0.0)
     dst_base, dst_local_base, (dst, dst_local) = placed(b, case, which in ("dst", "both"), 100.0)
     a.copy_tensor(src, dst)
     dst_local[...] = src_local                  # the bytes outside the view stay as they were
     np.testing.assert_array_equal(b.get_tensor(dst_base), dst_local_base)
-    assert relayed(relay_log) == 0
+    assert relay_log.relayed() == 0
 
 
 def test_chain_across_three_workers_issued_async(trio: list[Client]) -> None:
@@ -295,7 +285,7 @@ def test_held_session_does_not_block_other_clients(make_worker: Callable[..., Wo
 
 def test_relay_when_a_worker_has_no_peer_endpoint(make_worker: Callable[..., WorkerServer],
                                                   make_client: Callable[..., Client],
-                                                  relay_log: pytest.LogCaptureFixture) -> None:
+                                                  relay_log: RelayLog) -> None:
     a = make_client(make_worker().endpoint)
     b = make_client(make_worker(peer_bind="").endpoint)
     assert a.info.peer_endpoint and not b.info.peer_endpoint
@@ -307,12 +297,12 @@ def test_relay_when_a_worker_has_no_peer_endpoint(make_worker: Callable[..., Wor
     back = tensor(a, (33, 17), "float64")
     b.copy_tensor(dst, back)                    # from it
     np.testing.assert_array_equal(a.get_tensor(back), values)
-    assert relayed(relay_log) == 2
+    assert relay_log.relayed() == 2
 
 
 def test_relay_when_the_peer_endpoint_is_unreachable(make_worker: Callable[..., WorkerServer],
                                                      make_client: Callable[..., Client],
-                                                     relay_log: pytest.LogCaptureFixture,
+                                                     relay_log: RelayLog,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client_peer, "PROBE_TIMEOUT_S", 0.5)
     a = make_client(make_worker().endpoint)
@@ -327,12 +317,12 @@ def test_relay_when_the_peer_endpoint_is_unreachable(make_worker: Callable[..., 
     np.testing.assert_array_equal(a.get_tensor(src), np.arange(1000) * 2)
     warnings = [r for r in relay_log.records if "cannot reach peer" in r.getMessage()]
     assert len(warnings) == 2                   # probed once per route
-    assert relayed(relay_log) == 4
+    assert relay_log.relayed() == 4
 
 
 def test_relay_keeps_ordering_and_never_blocks_a_callback(
         make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
-        relay_log: pytest.LogCaptureFixture) -> None:
+        relay_log: RelayLog) -> None:
     a = make_client(make_worker().endpoint)
     b = make_client(make_worker(peer_bind="").endpoint)
     src, dst = tensor(a, (4096,), "bfloat16"), tensor(b, (4096,), "bfloat16")
@@ -359,7 +349,7 @@ def test_relay_keeps_ordering_and_never_blocks_a_callback(
     a.synchronize_async().add_done_callback(from_callback)
     assert chained.result(timeout=20) is None
     np.testing.assert_array_equal(b.get_tensor(dst), np.full(4096, 19.0))
-    assert relayed(relay_log) >= 21
+    assert relay_log.relayed() >= 21
 
 
 def test_failed_relay_fetch_releases_the_destination(make_worker: Callable[..., WorkerServer],

@@ -599,6 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(args)
 
 
-if __name__ == "__main__":   # python -m zmq_rpc.tools.bench: the case registry lives in the
-    from .bench import main as package_main   # package's module, which the case modules fill
+if __name__ == "__main__":
+    # python -m zmq_rpc.tools.bench: the case modules fill the registry of the package's module
+    from .bench import main as package_main
+
     sys.exit(package_main())
