@@ -204,16 +204,15 @@ def file_runs(tensors: Iterable[GGUFTensor], alignment: int) -> list[tuple[int, 
 
 
 class _Layout:
-    """Places tensors in one buffer: groups start ``ALIGN``-aligned, a group's parts are packed."""
+    """Places tensors one after another in one buffer, each ``ALIGN``-aligned."""
 
     def __init__(self) -> None:
         self.size = 0
         self.places: list[tuple[str, tuple[int, ...], str, int]] = []
 
-    def add(self, name: str, shape: tuple[int, ...], dtype: str, packed: bool = False) -> None:
-        """Reserve ``name``; ``packed`` puts it right after the previous one (no padding)."""
-        if not packed:
-            self.size = -(-self.size // ALIGN) * ALIGN
+    def add(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        """Reserve ``name`` at the next aligned offset."""
+        self.size = -(-self.size // ALIGN) * ALIGN
         self.places.append((name, shape, dtype, self.size))
         self.size += math.prod(shape) * np.dtype(dtype).itemsize
 
@@ -237,7 +236,7 @@ def _linear(g: Graph, x: Any, w: _Linear, out: RemoteTensor | None = None) -> Gr
     return g.mul_mat_q(x, w.tensor, qtype=w.qtype, out=out)
 
 
-# Per layer: the fused linear weights and the GGUF tensors packed into each (rows stacked).
+# Per layer: the fused linear weights and the GGUF tensors stacked (by rows) into each.
 _FUSED = {"qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
           "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
 _NORMS = ("attn_norm", "ffn_norm")
@@ -1069,10 +1068,3 @@ def _need(tensor: RemoteTensor | None) -> RemoteTensor:
 def _heads_first(cache: RemoteTensor) -> RemoteTensor:
     """(n_ctx, n_kv, hd) cache rows -> a (n_kv, n_ctx, hd) strided view."""
     return cache.permute(1, 0, 2)
-
-
-def _stacked(placed: dict[str, RemoteTensor], names: list[str]) -> RemoteTensor:
-    """One (sum of rows, row_bytes) view over tensors placed back to back (packed)."""
-    first = placed[names[0]]
-    rows = sum(placed[n].shape[0] for n in names)
-    return first.view((rows, first.shape[1]))
