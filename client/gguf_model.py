@@ -335,8 +335,8 @@ def load_gguf(path: str | Path) -> LlamaGGUF:
     reader = _open_reader(path)
     metadata = _read_metadata(reader)
     alignment = _read_alignment(metadata, reader)
-    tensors = _read_tensors(reader, alignment)
     file_bytes: np.ndarray = reader.data
+    tensors = _read_tensors(reader, file_bytes, alignment)
     config = LlamaConfig.from_metadata(metadata, frozenset(tensors))
     _check_shapes(config, tensors)
     return LlamaGGUF(
@@ -378,8 +378,8 @@ def _read_alignment(meta: GGUFMetadata, reader: GGUFReader) -> int:
     return alignment
 
 
-def _read_tensors(reader: GGUFReader, alignment: int) -> dict[str, GGUFTensor]:
-    file_bytes: np.ndarray = reader.data
+def _read_tensors(reader: GGUFReader, file_bytes: np.ndarray,
+                  alignment: int) -> dict[str, GGUFTensor]:
     return {t.name: _view_tensor(file_bytes, t, alignment) for t in reader.tensors}
 
 

@@ -58,7 +58,6 @@ def measure(name: str, clients: Sequence[Client], ctx: BenchContext) -> Placemen
         result.raw_upload_gbps.append(raw_upload(gguf.file_bytes, result.upload_bytes, clients))
     with LlamaModel.load(gguf, clients) as model:
         _record_load(result, model)
-        result.raw_upload_gbps.append(raw_upload(gguf.file_bytes, result.upload_bytes, clients))
         for _ in range(ctx.reps(5, 2)):
             for n, samples in ((32, result.prefill32), (128, result.prefill128)):
                 model.reset()
@@ -72,6 +71,8 @@ def measure(name: str, clients: Sequence[Client], ctx: BenchContext) -> Placemen
             result.token_seconds += [s.seconds for s in decode]
             result.generate += [1 / s.seconds for s in decode]
             result.overhead += [(s.seconds - s.compute) * 1e3 for s in decode]
+    # each plain upload, like each reload, runs with no model on the workers
+    result.raw_upload_gbps.append(raw_upload(gguf.file_bytes, result.upload_bytes, clients))
     return result
 
 
