@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import peer
 from .errors import BadRequest
 from .ops import OPS, OpError, OpKind, TensorMeta, infer
 from .protocol import (
@@ -204,7 +205,24 @@ class GraphReply(Message):
         return list(self.sizes)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphRunLinked(Message):
+    """GRAPH_RUN of graph ``handle`` after the ``receive`` hand-offs have landed (within
+    ``timeout_ms``), followed by the ``send`` hand-offs; see :mod:`zmq_rpc.broker.peer`."""
+
+    handle: int = _f(check_handle)
+    inputs: list[TensorRef] = _f(_check_refs)
+    fetch: list[TensorRef] = _f(_check_refs)
+    receive: tuple[peer.Receive, ...] = _f(peer.check_receives)
+    send: tuple[peer.Send, ...] = _f(peer.check_sends)
+    timeout_ms: int = _f(peer.check_timeout)
+
+    def payload_sizes(self) -> list[int]:
+        return [t.nbytes for t in self.inputs]
+
+
 register_command(Cmd.GRAPH_REGISTER, GraphRegister, Empty)
 register_command(Cmd.GRAPH_RUN, GraphRun, GraphReply)
 register_command(Cmd.GRAPH_COMPUTE, GraphCompute, GraphReply)
 register_command(Cmd.GRAPH_FREE, BufferOp, Empty)
+register_command(Cmd.GRAPH_RUN_LINKED, GraphRunLinked, GraphReply)

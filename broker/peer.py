@@ -13,11 +13,19 @@ Client requests (ordinary DEALER→ROUTER requests, see :mod:`zmq_rpc.broker.pro
 - PEER_FILL on B: a chunk of transfer ``token`` relayed by the client itself (when A cannot reach
   B): it bypasses the session's queue, which the PEER_RECV holds. A non-empty ``error`` aborts the
   transfer instead (the client could not fetch the source).
+- GRAPH_RUN_LINKED (protocol 1.1): a GRAPH_RUN fused with the hand-offs around it, so that a
+  pipeline stage costs one request per step instead of three. On its worker it first waits, holding
+  the session's queue like a PEER_RECV, until every ``receive`` transfer has landed; then it writes
+  its inputs and runs the graph like GRAPH_RUN; then it pushes every ``send`` tensor to its peer
+  (unacknowledged: ``reply_to`` is empty, and the receiving worker's own request reports a transfer
+  that fails or never comes) and replies with the run's GraphReply. Issue the run that sends a
+  hand-off before the run that receives it, or a receive may hold its queue ahead of a send that
+  worker itself must make first (its timeout then fails it).
 
 Peer messages (A's PUSH → B's PULL, and acks B's PUSH → A's PULL), header then payload::
 
     [PEER_CHUNK, token, seq, nchunks, start, total, reply_to]   + 1 frame: bytes at C-order `start`
-    [PEER_ACK,   token, ok, message]
+    [PEER_ACK,   token, ok, message]                 (only when the chunks named a reply_to)
     [PEER_PROBE_MSG, token, reply_to]
 
 Chunks carry sequence numbers; the receiver acknowledges a transfer once every chunk has landed, or
@@ -52,6 +60,7 @@ PEER_ACK = 2
 PEER_PROBE_MSG = 3
 TOKEN_BYTES = 16
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
+MAX_HAND_OFFS = 256
 
 
 def check_token(value: Any, field: str) -> bytes:
@@ -61,7 +70,7 @@ def check_token(value: Any, field: str) -> bytes:
     return value
 
 
-_check_timeout = _int_in(1, MAX_TIMEOUT_MS)
+check_timeout = _int_in(1, MAX_TIMEOUT_MS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,7 +79,7 @@ class PeerRecv(Message):
 
     token: bytes = _f(check_token)
     dst: TensorRef = _f(check_tensor)
-    timeout_ms: int = _f(_check_timeout)
+    timeout_ms: int = _f(check_timeout)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,7 +89,7 @@ class PeerSend(Message):
     token: bytes = _f(check_token)
     src: TensorRef = _f(check_tensor)
     endpoint: str = _f(check_str)
-    timeout_ms: int = _f(_check_timeout)
+    timeout_ms: int = _f(check_timeout)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,7 +97,7 @@ class PeerProbe(Message):
     """On A: check that the peer endpoint answers within ``timeout_ms``."""
 
     endpoint: str = _f(check_str)
-    timeout_ms: int = _f(_check_timeout)
+    timeout_ms: int = _f(check_timeout)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +111,56 @@ class PeerFill(Message):
     start: int = _f(_int_in(0, (1 << 63) - 1))
     total: int = _f(_int_in(0, (1 << 63) - 1))
     error: str = _f(check_str)
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """A hand-off a linked run waits for: transfer ``token`` lands in ``dst`` before the run."""
+
+    token: bytes
+    dst: TensorRef
+
+    def to_wire(self) -> list[Any]:
+        return [self.token, self.dst.to_wire()]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """A hand-off a linked run makes: ``src`` goes to the peer at ``endpoint`` after the run."""
+
+    token: bytes
+    src: TensorRef
+    endpoint: str
+
+    def to_wire(self) -> list[Any]:
+        return [self.token, self.src.to_wire(), self.endpoint]
+
+
+def _check_item(value: Any, field: str, arity: int) -> list[Any]:
+    if type(value) is not list or len(value) != arity:
+        raise BadRequest(f"field {field!r}: each entry is an array of {arity}",
+                         code=ErrorCode.BAD_REQUEST)
+    return value
+
+
+def _check_hand_offs(build: Any, arity: int) -> Any:
+    """A list of at most MAX_HAND_OFFS hand-offs with distinct tokens."""
+    def check(value: Any, field: str) -> tuple[Any, ...]:
+        if type(value) is not list or len(value) > MAX_HAND_OFFS:
+            raise BadRequest(f"field {field!r}: an array of at most {MAX_HAND_OFFS} entries",
+                             code=ErrorCode.BAD_REQUEST)
+        items = tuple(build(_check_item(v, field, arity), field) for v in value)
+        if len({item.token for item in items}) != len(items):
+            raise BadRequest(f"field {field!r}: a transfer token appears twice",
+                             code=ErrorCode.BAD_REQUEST)
+        return items
+    return check
+
+
+check_receives = _check_hand_offs(
+    lambda v, f: Receive(check_token(v[0], f), check_tensor(v[1], f)), 2)
+check_sends = _check_hand_offs(
+    lambda v, f: Send(check_token(v[0], f), check_tensor(v[1], f), check_str(v[2], f)), 3)
 
 
 register_command(Cmd.PEER_FILL, PeerFill, Empty)

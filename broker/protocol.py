@@ -47,7 +47,7 @@ from .errors import (
     VersionMismatch,
 )
 
-PROTOCOL_VERSION = (1, 0)
+PROTOCOL_VERSION = (1, 1)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
 
 STATUS_OK = 0
@@ -81,6 +81,7 @@ class Cmd(enum.IntEnum):
     PEER_RECV = 18
     PEER_PROBE = 19
     PEER_FILL = 20
+    GRAPH_RUN_LINKED = 21
 
 
 class ErrorCode(enum.IntEnum):

@@ -34,9 +34,11 @@ from .client import (
     to_bfloat16,
 )
 from .graph import Graph, GraphTensor
+from .peer import HandOff, hand_off
 
 __all__ = [
-    "AsyncClient", "Client", "Graph", "GraphTensor", "MemoryInfo", "OpError", "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16",
+    "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
+    "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
     "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
     "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
     "TransferError", "TransportError", "VersionMismatch",

@@ -24,7 +24,8 @@ from ..broker.errors import BadRequest, ConnectionLost, ProtocolError, RpcError,
 from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
 from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions
 from .graph import Graph
-from .peer import Routes, copy_between
+from .peer import HandOff, Routes, copy_between, run_linked
+from .peer import receive as receive_hand_off
 
 log = logging.getLogger("zmq_rpc.client")
 
@@ -447,22 +448,36 @@ class Client:
         return _then(future, lambda _: handle)
 
     def run(self, graph: RegisteredGraph, inputs: Inputs = None,
-            fetch: Sequence[RemoteTensor] = ()) -> RunResult:
+            fetch: Sequence[RemoteTensor] = (), *, receive: Sequence[HandOff] = (),
+            send: Sequence[HandOff] = ()) -> RunResult:
         """Rerun a registered graph with one small message.
 
         ``inputs`` (pairs of RemoteTensor and array, or a dict) are written first, in the same
         message; the arrays of the ``fetch`` tensors come back in the reply, after the run.
+        ``receive`` and ``send`` are hand-offs (:func:`zmq_rpc.client.hand_off`) from and to
+        other workers' runs: the run waits for the first and pushes the second, in the same one
+        message (issue the sending run before the receiving one).
         """
-        return self.run_async(graph, inputs, fetch).result()
+        return self.run_async(graph, inputs, fetch, receive=receive, send=send).result()
 
     def run_async(self, graph: RegisteredGraph, inputs: Inputs = None,
-                  fetch: Sequence[RemoteTensor] = ()) -> Future[RunResult]:
+                  fetch: Sequence[RemoteTensor] = (), *, receive: Sequence[HandOff] = (),
+                  send: Sequence[HandOff] = ()) -> Future[RunResult]:
         if graph.client is not self:
             raise BadRequest("that graph is registered on another worker")
         refs, frames = self._graph_inputs(inputs)
-        msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs,
-                                  fetch=[self._ref(t) for t in fetch])
+        fetch_refs = [self._ref(t) for t in fetch]
+        if receive or send:
+            return run_linked(self, graph, refs, frames, fetch, receive, send)
+        msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
         return self._call(Cmd.GRAPH_RUN, msg, frames, on_reply=_fetched(fetch))
+
+    def receive(self, hand_off: HandOff) -> None:
+        """Land a hand-off that no run of this worker receives (see :meth:`run`)."""
+        self.receive_async(hand_off).result()
+
+    def receive_async(self, hand_off: HandOff) -> Future[None]:
+        return receive_hand_off(self, hand_off)
 
     def _own_graph(self, graph: Graph) -> None:
         if graph.client is not None and graph.client is not self:

@@ -61,6 +61,7 @@ from .gguf_model import (
     load_gguf,
 )
 from .graph import Graph, GraphTensor
+from .peer import HandOff, hand_off
 
 __all__ = ["LlamaModel", "LoadStats", "StepStat", "plan_stages", "sample_token"]
 
@@ -304,14 +305,17 @@ class _StageRun:
 # -------------------------------------------------------------------------------- hand-off
 
 
-def _hand_off(src: RemoteTensor, dst: RemoteTensor) -> Future[None]:
-    """Move the residual stream ``src`` (one worker) into ``dst`` (the same or another worker).
-
-    Queued at once: a copy on one worker, or a worker-to-worker copy whose receive holds the
-    destination's queue until the bytes have landed (the client relays them itself, without
-    blocking, when the two workers cannot reach each other: see :mod:`zmq_rpc.client.peer`).
-    """
+def _copy(src: RemoteTensor, dst: RemoteTensor) -> Future[None]:
+    """Move the residual stream ``src`` (one worker) into ``dst`` (the same or another worker)
+    outside any run: a copy on one worker, or a worker-to-worker copy whose receive holds the
+    destination's queue until the bytes have landed (see :mod:`zmq_rpc.client.peer`)."""
     return src.client.copy_tensor_async(src, dst)
+
+
+def _messages(h: HandOff) -> int:
+    """Requests a hand-off adds to the two linked runs: none worker to worker, a copy on one
+    worker, a fetch and a relayed fill through the client."""
+    return {"direct": 0, "local": 1, "relay": 2}[h.route]
 
 
 def _new_future() -> Future[Any]:
@@ -344,6 +348,11 @@ class _StepFuture:
             self.transfers.append(transfer)
             self.transfer_messages += messages
         transfer.add_done_callback(self._settle)
+
+    def add_messages(self, messages: int) -> None:
+        """Requests a hand-off added beside the runs (see :func:`_messages`)."""
+        with self._lock:
+            self.transfer_messages += messages
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
@@ -836,19 +845,23 @@ class LlamaModel:
         self._issue(step, mode, runs)
         return step
 
-    def _issue(self, step: _StepFuture, mode: Mode, runs: list[_StageRun]) -> None:
-        """Run every stage in turn, each handing its output to the next; nothing waits here."""
+    def _issue(self, step: _StepFuture, mode: Mode, runs: list[_StageRun],
+                receive: HandOff | None = None, send: HandOff | None = None) -> None:
+        """Run every stage in turn, one linked run each: a stage receives the previous one's
+        output and sends its own to the next (``receive``: the first stage's input from
+        elsewhere; ``send``: the last stage's output to elsewhere). Nothing waits here."""
         try:
             for i, run in enumerate(runs):
                 stage = run.stage
-                step.add_run(stage.client.run_async(stage.graphs[mode], run.inputs, run.fetch),
-                             final=stage.last)
-                if stage.last:
-                    return
-                following = runs[i + 1].stage
-                src, dst = stage.io[mode].x_out, following.io[mode].x_in
-                step.add_transfer(_hand_off(_need(src), _need(dst)),
-                                  1 if stage.client is following.client else 2)
+                out = send if stage.last else hand_off(
+                    _need(stage.io[mode].x_out), _need(runs[i + 1].stage.io[mode].x_in))
+                step.add_run(stage.client.run_async(
+                    stage.graphs[mode], run.inputs, run.fetch,
+                    receive=[receive] if receive else [], send=[out] if out else []),
+                    final=stage.last)
+                if out is not None:
+                    step.add_messages(_messages(out))
+                receive = out
         except Exception as exc:  # noqa: BLE001 - the step's future carries every failure
             step.fail(exc)
 
@@ -924,30 +937,31 @@ class LlamaModel:
                         stream: Callable[[int], None] | None) -> None:
         """Greedy decoding with the token fed back worker to worker, ``lookahead`` steps ahead.
 
-        Step k copies the embedding of the last stage's argmax (the previous step's, or the
-        prompt's) into the first stage's input, then runs every stage; the workers' queues order
-        it all, so no client round trip sits between two tokens. The client streams each token as its step
-        reports it and stops issuing at a stop token; steps already issued past it only write
-        cache rows beyond the end, which later steps overwrite before reading.
+        Each step's last stage sends the embedding of its argmax (``x_next``) to the first
+        stage's input as part of its run, and the next step's first run receives it (the first
+        step's comes from the prompt's run by a copy); the workers' queues order it all, so no
+        client round trip sits between two tokens, and a step is one request per stage. The
+        client streams each token as its step reports it and stops issuing at a stop token;
+        steps already issued past it only write cache rows beyond the end, which later steps
+        overwrite before reading.
         """
         if stream is not None:
             stream(out[-1])
         if out[-1] in stops or len(out) >= limit:
             return
-        previous = _need(self.stages[-1].io["prefill"].x_next)
-        pending: deque[tuple[_StepFuture, float]] = deque()
-        issued, last_arrival = 0, time.perf_counter()
+        pending: deque[_StepFuture] = deque()
+        newest: _StepFuture | None = None
+        carried: HandOff | None = None
+        last_arrival = time.perf_counter()
         try:
             while True:
                 while (len(pending) < self.lookahead and len(out) + len(pending) < limit
                        and self.n_past + len(pending) < self.n_ctx):
-                    pending.append((self._launch_chained(previous, self.n_past + len(pending)),
-                                    time.perf_counter()))
-                    previous = _need(self.stages[-1].io["decode"].x_next)
-                    issued += 1
+                    newest, carried = self._launch_chained(self.n_past + len(pending), carried)
+                    pending.append(newest)
                 if not pending:
                     return
-                step, _ = pending.popleft()
+                step = pending.popleft()
                 token = int(self._wait([step])[0][0].reshape(-1)[0])
                 now = time.perf_counter()
                 self.stats.append(StepStat("decode", 1, now - last_arrival, step.messages(),
@@ -960,19 +974,33 @@ class LlamaModel:
                 if token in stops or len(out) >= limit or self.n_past >= self.n_ctx:
                     return
         finally:
-            for step, _ in pending:        # already issued: let them finish, results unused
-                step.future.exception()
+            self._finish_chain(pending, newest, carried)
 
-    def _launch_chained(self, previous: RemoteTensor, start: int) -> _StepFuture:
-        first = self.stages[0]
+    def _launch_chained(self, start: int, carried: HandOff | None
+                        ) -> tuple[_StepFuture, HandOff]:
+        """Issue one chained step at position ``start``; returns it and the hand-off of its
+        argmax embedding, which the next step receives."""
+        first, last = self.stages[0], self.stages[-1]
         x_in = _need(first.io["decode"].x_in)
         runs = self._stage_runs("decode", None, start, "token")
         self.bytes_sent += sum(a.nbytes for r in runs for _, a in r.inputs)
         step = _StepFuture()
-        same = previous.client is first.client
-        step.add_transfer(_hand_off(previous, x_in), 1 if same else 2)
-        self._issue(step, "decode", runs)
-        return step
+        if carried is None:                 # the prompt's argmax: its run has been issued
+            prompt = _need(last.io["prefill"].x_next)
+            step.add_transfer(_copy(prompt, x_in), 1 if last.client is first.client else 2)
+        following = hand_off(_need(last.io["decode"].x_next), x_in)
+        self._issue(step, "decode", runs, receive=carried, send=following)
+        return step, following
+
+    def _finish_chain(self, pending: deque[_StepFuture], newest: _StepFuture | None,
+                      carried: HandOff | None) -> None:
+        """Let the steps already issued finish (results unused), then land the newest one's
+        hand-off, which no step receives (when that step failed it may never come: the
+        worker drops an unclaimed transfer after a while)."""
+        for step in pending:
+            step.future.exception()
+        if newest is not None and carried is not None and newest.future.exception() is None:
+            self.stages[0].client.receive_async(carried).exception()
 
     def _continue(self, out: list[int], limit: int, stops: set[int],
                   stream: Callable[[int], None] | None) -> Iterator[int]:

@@ -9,6 +9,13 @@ The first copy between two workers asks A to probe B's peer endpoint. Until the 
 B as above, a GET on A, and, when its reply arrives, PEER_FILL requests that hand the bytes to B's
 waiting receive. Nothing in here blocks, so copies may be issued from future callbacks too; the
 ordering guarantees are the same either way. Any thread may call in; route state is under a lock.
+
+A pipeline does better with hand-offs (:func:`hand_off`) folded into its graph runs
+(``client.run_async(graph, ..., receive=[h], send=[h])``, one GRAPH_RUN_LINKED each): the stage
+that produces ``src`` pushes it straight after its run, the stage that consumes ``dst`` waits for
+it before its run, and the step costs one request per stage instead of three (no PEER_SEND, no
+PEER_RECV, no acknowledgement). Routes are the same: on one worker the hand-off is a copy queued
+after the sending run; when the peers cannot reach each other it is relayed after that run.
 """
 
 from __future__ import annotations
@@ -16,17 +23,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from ..broker import graph as wire_graph
 from ..broker import peer as wire
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, DType, TensorRef, split_tensor
 
 if TYPE_CHECKING:
-    from .client import Client, RemoteTensor
+    from .client import Client, RegisteredGraph, RemoteTensor, RunResult
 
 log = logging.getLogger("zmq_rpc.client.peer")
 
@@ -83,18 +93,33 @@ class Routes:
             self._probing.pop(endpoint, None)
 
 
-def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = None) -> Future[Any]:
-    """dst[...] = src across workers; see the module docstring for ordering and fallback."""
-    from .engine import on_io_thread
-
+def _check_pair(src: RemoteTensor, dst: RemoteTensor) -> None:
     if src.shape != dst.shape or src.ref.dtype is not dst.ref.dtype:
         raise BadRequest(f"copy needs equal shapes and dtypes: {src!r} -> {dst!r}")
+
+
+def _transfer_ms(wait: float) -> int:
+    """The workers' deadline for a transfer: their verdict comes before the client's timeout."""
+    return max(1, int(wait * 0.8 * 1000))
+
+
+def _direct(a: Client, b: Client) -> bool:
+    """Whether worker ``a`` pushes straight to worker ``b`` (probed once per pair)."""
+    from .engine import on_io_thread
+
+    target = b.info.peer_endpoint
+    return bool(target and a.info.peer_endpoint and a.peer_copy and
+                a._routes.reachable(a, target, wait=not on_io_thread()))
+
+
+def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = None) -> Future[Any]:
+    """dst[...] = src across workers; see the module docstring for ordering and fallback."""
+    _check_pair(src, dst)
     a, b = src.client, dst.client
     wait = min(a.timeout, b.timeout) if timeout is None else timeout
-    transfer_ms = max(1, int(wait * 0.8 * 1000))   # the workers' verdict comes before our timeout
+    transfer_ms = _transfer_ms(wait)
     target = b.info.peer_endpoint
-    direct = bool(target and a.info.peer_endpoint and a.peer_copy and
-                  a._routes.reachable(a, target, wait=not on_io_thread()))
+    direct = _direct(a, b)
     token = os.urandom(wire.TOKEN_BYTES)
     with _ISSUE_LOCK:   # every worker queues the halves of all copies in one global order
         landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
@@ -142,3 +167,74 @@ def _flat_ref(tensor: RemoteTensor) -> TensorRef:
     size = tensor.ref.dtype.itemsize
     return TensorRef(buffer=0, dtype=tensor.ref.dtype, shape=(tensor.ref.numel,), strides=(size,),
                      offset=0)
+
+
+# ------------------------------------------------------------------------------ hand-offs
+
+Route = Literal["local", "direct", "relay"]
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """``dst[...] = src`` between two graph runs: name it in ``send`` of the run on ``src``'s
+    worker and in ``receive`` of the run on ``dst``'s worker, issuing the sending run first.
+    Each hand-off object is used for one transfer (its token): make a new one per step."""
+
+    src: RemoteTensor
+    dst: RemoteTensor
+    token: bytes
+    route: Route
+    timeout_ms: int
+
+
+def hand_off(src: RemoteTensor, dst: RemoteTensor) -> HandOff:
+    """Plan a hand-off of ``src`` into ``dst`` (equal shapes and dtypes) and pick its route."""
+    _check_pair(src, dst)
+    a, b = src.client, dst.client
+    route: Route = "local" if a is b else "direct" if _direct(a, b) else "relay"
+    return HandOff(src, dst, os.urandom(wire.TOKEN_BYTES), route,
+                   _transfer_ms(min(a.timeout, b.timeout)))
+
+
+def receive(client: Client, h: HandOff) -> Future[None]:
+    """Land a hand-off that no run receives, in ``client``'s queue (a PEER_RECV)."""
+    if h.dst.client is not client:
+        raise BadRequest(f"a hand-off lands in its own worker's tensors, not {h.dst!r}")
+    if h.route == "local":
+        return client.synchronize_async()
+    msg = wire.PeerRecv(token=h.token, dst=h.dst.ref, timeout_ms=h.timeout_ms)
+    return client._call(Cmd.PEER_RECV, msg, timeout=h.timeout_ms / 800)
+
+
+def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
+               frames: list[np.ndarray], fetch: Sequence[RemoteTensor],
+               receive: Sequence[HandOff], send: Sequence[HandOff]) -> Future[RunResult]:
+    """One GRAPH_RUN_LINKED (or a GRAPH_RUN when every hand-off is local), then the copies or
+    relays of the sends that do not go worker to worker; the future carries the run's result
+    or the first error of any part."""
+    from .client import _fetched, _gather
+
+    for h in receive:
+        if h.dst.client is not client:
+            raise BadRequest(f"a run receives into its own worker's tensors, not {h.dst!r}")
+    for h in send:
+        if h.src.client is not client:
+            raise BadRequest(f"a run sends its own worker's tensors, not {h.src!r}")
+    receives = tuple(wire.Receive(h.token, h.dst.ref) for h in receive if h.route != "local")
+    sends = tuple(wire.Send(h.token, h.src.ref, h.dst.client.info.peer_endpoint)
+                  for h in send if h.route == "direct")
+    fetch_refs = [t.ref for t in fetch]
+    if receives or sends:
+        if "linked-runs" not in client.info.capabilities:
+            raise BadRequest(f"the worker at {client.endpoint} does not run linked graphs "
+                             f"(protocol {client.info.major}.{client.info.minor})")
+        timeout_ms = max([h.timeout_ms for h in receive] or [_transfer_ms(client.timeout)])
+        msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
+                                             receive=receives, send=sends, timeout_ms=timeout_ms)
+        run = client._call(Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=_fetched(fetch))
+    else:
+        msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
+        run = client._call(Cmd.GRAPH_RUN, msg, frames, on_reply=_fetched(fetch))
+    after = [client.copy_tensor_async(h.src, h.dst) if h.route == "local"
+             else _relay(h.src, h.dst, h.token) for h in send if h.route != "direct"]
+    return run if not after else _gather([run, *after], run.result)

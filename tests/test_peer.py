@@ -562,3 +562,147 @@ def test_flood_of_unknown_tokens_drains_quickly(trio: list[Client],
     sock.send(wire.encode_probe(wire.Probe(token(), acks.getsockopt_string(zmq.LAST_ENDPOINT))))
     left_ms = int((start + 2.5 - time.monotonic()) * 1000)
     assert acks.poll(max(left_ms, 1)), "20,000 messages not drained in 2.5 s"   # today: ~5 s
+
+
+# ------------------------------------------------------------------------- linked runs
+
+
+def stage(client: Client, n: int, add: float) -> tuple[Any, RemoteTensor, RemoteTensor]:
+    """A registered graph ``y = x + add`` on ``client`` and its x and y tensors (float32[n])."""
+    x, y, c = tensor(client, (n,)), tensor(client, (n,)), tensor(client, (n,))
+    client.set_tensor(c, np.full(n, add, np.float32))
+    g = Graph()
+    g.add(x, c, out=y)
+    return client.register(g), x, y
+
+
+def count_commands(monkeypatch: pytest.MonkeyPatch, clients: list[Client]) -> list[Cmd]:
+    """Record every command the clients send from now on."""
+    sent: list[Cmd] = []
+    for c in clients:
+        submit = c._engine.submit
+
+        def spy(cmd: Cmd, *args: Any, _submit: Any = submit, **kw: Any) -> Any:
+            sent.append(cmd)
+            return _submit(cmd, *args, **kw)
+
+        monkeypatch.setattr(c._engine, "submit", spy)
+    return sent
+
+
+def test_linked_runs_chain_a_ring_with_one_message_per_stage(
+        trio: list[Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A -> B -> C -> A, 200 rounds issued without waiting: each stage adds its constant, the
+    value travels worker to worker, and every step is one GRAPH_RUN_LINKED per worker."""
+    n = 3000                                    # 12 KB: copied sends
+    stages = [stage(c, n, k + 1.0) for k, c in enumerate(trio)]
+    first_x = stages[0][1]
+    trio[0].set_tensor(first_x, np.arange(n, dtype=np.float32))
+    for k in range(3):                          # routes are probed once, before counting
+        assert client_peer.hand_off(stages[k][2], stages[(k + 1) % 3][1]).route == "direct"
+    sent = count_commands(monkeypatch, trio)
+    futures, rounds = [], 200
+    previous = None
+    for _ in range(rounds):
+        for k, (graph, _x, y) in enumerate(stages):
+            following = stages[(k + 1) % 3][1]
+            out = client_peer.hand_off(y, following)
+            futures.append(graph.client.run_async(
+                graph, receive=[previous] if previous else [], send=[out],
+                fetch=[y] if k == 2 else []))
+            previous = out
+    assert previous is not None
+    trio[0].receive(previous)                   # the last hand-off, which no run receives
+    results = wait_all(futures)
+    assert set(sent) == {Cmd.GRAPH_RUN_LINKED, Cmd.PEER_RECV}
+    assert sent.count(Cmd.GRAPH_RUN_LINKED) == 3 * rounds
+    for r in range(rounds):
+        np.testing.assert_array_equal(results[3 * r + 2][0], np.arange(n) + 6.0 * (r + 1))
+    np.testing.assert_array_equal(trio[0].get_tensor(first_x), np.arange(n) + 6.0 * rounds)
+
+
+def test_linked_run_big_strided_and_local_hand_offs(trio: list[Client]) -> None:
+    """A 4 MiB+ zero-copy hand-off into a transposed view, and a hand-off on one worker."""
+    a, b, _ = trio
+    rows, cols = 1100, 1000                      # 4.4 MB: two chunks
+    src, mid = tensor(a, (rows, cols)), tensor(b, (cols, rows)).T
+    dst = tensor(b, (rows, cols))
+    values = random_array((rows, cols), "float32")
+    a.set_tensor(src, values)
+    g = Graph()
+    g.add(src, src, out=src)                    # src *= 2 on A, then handed to B's mid
+    double = a.register(g)
+    h = Graph()
+    h.add(mid, mid, out=mid)                    # mid *= 2 on B, then handed to dst on B
+    again = b.register(h)
+    across, local = client_peer.hand_off(src, mid), client_peer.hand_off(mid, dst)
+    assert (across.route, local.route) == ("direct", "local")
+    a.run_async(double, send=[across])
+    b.run(again, receive=[across], send=[local])
+    np.testing.assert_array_equal(b.get_tensor(dst), values * 4)
+
+
+def test_linked_run_relays_when_the_peer_cannot_be_reached(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
+        relay_log: RelayLog) -> None:
+    a = make_client(make_worker().endpoint)
+    b = make_client(make_worker(peer_bind="").endpoint)
+    ga, xa, ya = stage(a, 500, 1.0)
+    gb, xb, yb = stage(b, 500, 10.0)
+    a.set_tensor(xa, np.zeros(500, np.float32))
+    for _ in range(3):
+        h = client_peer.hand_off(ya, xb)
+        assert h.route == "relay"
+        a.run_async(ga, send=[h])
+        (y,) = b.run(gb, receive=[h], fetch=[yb])
+        np.testing.assert_array_equal(y, np.full(500, 11.0))
+    assert relay_log.relayed() == 3
+
+
+def test_linked_receive_that_never_comes_fails_the_run_and_what_queued_behind(
+        trio: list[Client], make_client: Callable[..., Client]) -> None:
+    a, b, _ = trio
+    gb, xb, yb = stage(b, 100, 1.0)
+    orphan = client_peer.hand_off(tensor(a, (100,)), xb)
+    orphan = client_peer.HandOff(orphan.src, orphan.dst, orphan.token, orphan.route, 400)
+    other = make_client(b.endpoint)             # another session on B goes on meanwhile
+    started = time.monotonic()
+    run = b.run_async(gb, receive=[orphan], fetch=[yb])
+    behind = b.get_tensor_async(yb)
+    other.ping()
+    assert not run.done()
+    with pytest.raises(TransferError, match="receiving the run's input failed.*timed out"):
+        run.result(timeout=10)
+    with pytest.raises(TransferError, match="queued behind failed"):
+        behind.result(timeout=10)
+    assert time.monotonic() - started < 5
+    b.ping()                                    # the session serves again
+
+
+def test_linked_run_bad_hand_off_gets_one_error_and_the_queue_goes_on(trio: list[Client]) -> None:
+    """A receive into a freed buffer fails before anything runs: one reply (the run's error),
+    and the request behind it runs."""
+    a, b, _ = trio
+    gb, xb, yb = stage(b, 100, 1.0)
+    gone = tensor(b, (100,))
+    h = client_peer.hand_off(tensor(a, (100,)), gone)
+    gone.buffer.free()
+    with pytest.raises(InvalidHandle, match="receiving the run's input failed"):
+        b.run(gb, receive=[h], fetch=[yb])
+    b.set_tensor(xb, np.ones(100, np.float32))
+    (y,) = b.run(gb, fetch=[yb])
+    np.testing.assert_array_equal(y, np.full(100, 2.0))
+
+
+def test_linked_run_send_of_an_unknown_handle_fails_before_running(trio: list[Client]) -> None:
+    a, b, _ = trio
+    ga, xa, ya = stage(a, 100, 1.0)
+    a.set_tensor(xa, np.zeros(100, np.float32))
+    bad = wire.Send(token(), p.TensorRef(buffer=10**9, dtype=DType.FLOAT32, shape=(100,),
+                                         strides=(4,), offset=0), b.info.peer_endpoint)
+    from zmq_rpc.broker import graph as wire_graph
+    msg = wire_graph.GraphRunLinked(handle=ga.handle, inputs=[], fetch=[], receive=(),
+                                    send=(bad,), timeout_ms=1000)
+    with pytest.raises(InvalidHandle):
+        a._call(Cmd.GRAPH_RUN_LINKED, msg).result(timeout=5)
+    assert a.get_tensor(ya)[0] == 0             # the graph did not run

@@ -141,11 +141,12 @@ def test_error_message_is_capped() -> None:
 # ---------------------------------------------------------------------------- golden bytes
 # These pin the encoding byte for byte. If one of them changes, the wire format changed: bump
 # PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
-# The enums are append-only: a new member must take a value above every pinned one.
+# The enums are append-only: a new member must take a value above every pinned one; a new command
+# bumps the minor (1.1: GRAPH_RUN_LINKED).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 0)
+    assert p.PROTOCOL_VERSION == (1, 1)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -529,3 +530,43 @@ def test_split_tensor_examples() -> None:
     rows = ref((4, 3), (24, 4))  # every other row of a float32[8, 3]
     assert [(s, t.shape, t.offset) for s, t in p.split_tensor(rows, 24)] == \
         [(0, (2, 3), 0), (24, (2, 3), 48)]
+
+
+# ------------------------------------------------------------------------ GRAPH_RUN_LINKED
+
+
+def linked(receive: Any = (), send: Any = (), **fields: Any) -> Any:
+    from zmq_rpc.broker import graph as wire_graph
+    values = dict(handle=3, inputs=[ref((2,), buffer=1)], fetch=[], receive=receive, send=send,
+                  timeout_ms=1000)
+    return wire_graph.GraphRunLinked(**{**values, **fields})
+
+
+def test_golden_graph_run_linked() -> None:
+    from zmq_rpc.broker import peer
+    msg = linked(receive=(peer.Receive(b"r" * 16, ref((2,), buffer=4)),),
+                 send=(peer.Send(b"s" * 16, ref((2,), buffer=5), "tcp://h:1"),))
+    header = p.encode_request(Cmd.GRAPH_RUN_LINKED, 9, msg)
+    # [21, 9, 3, [[1, 0, [2], [4], 0]], [], [[b"r"*16, [4, ...]]], [[b"s"*16, [5, ...], ep]], 1000]
+    assert header.hex() == (
+        "981509039195010091029104009091" "92c410" + "72" * 16 + "9504009102910400"
+        + "91" "93c410" + "73" * 16 + "9505009102910400" + "a9" + b"tcp://h:1".hex() + "cd03e8")
+    assert p.decode_request([header, bytes(8)]) == (Cmd.GRAPH_RUN_LINKED, 9, msg)
+
+
+@pytest.mark.parametrize("receive, send, match", [
+    ([[b"t" * 16]], [], "array of 2"),
+    ([[b"t" * 15, wire(ref())]], [], "16 bytes"),
+    ([[b"t" * 16, wire(ref())], [b"t" * 16, wire(ref())]], [], "appears twice"),
+    ([], [[b"t" * 16, wire(ref())]], "array of 3"),
+    ([], [[b"t" * 16, wire(ref()), 5]], "string"),
+    ([], [[b"t" * 16, wire(ref()), "e"]] * 257, "at most 256"),
+    ("nope", [], "at most 256"),
+], ids=["receive-arity", "short-token", "twice", "send-arity", "endpoint", "too-many", "not-list"])
+def test_graph_run_linked_is_validated(receive: Any, send: Any, match: str) -> None:
+    header = pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], receive, send, 1000)
+    bad([header], match=match)
+
+
+def test_graph_run_linked_timeout_is_bounded() -> None:
+    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 0)], match="timeout_ms")

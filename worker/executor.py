@@ -6,6 +6,9 @@ state: handles, bounds, limits), runs them in order per session, and answers eve
 the same PAIR, an error reply included. No other thread touches anything here; other threads talk
 to it only through its sockets.
 
+A GRAPH_RUN_LINKED is queued as one silent PEER_RECV per hand-off it receives, then the run itself:
+the receives hold the queue like any PEER_RECV, and only the run replies (for all of them).
+
 Ordering: each session has a FIFO. A request runs only after every earlier request of its session
 has run; a request whose precondition does not hold yet (a buffer still being sent zero-copy, a peer
 transfer not yet arrived) waits at the head of its session's queue while other sessions go on.
@@ -23,6 +26,7 @@ from typing import Any, cast
 import zmq
 
 from ..broker import graph as g
+from ..broker import peer as wire_peer
 from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
@@ -70,6 +74,9 @@ class Request:
     req_id: int
     msg: p.Message
     payload: Sequence[Any]
+    silent: bool = False
+    """A receive a GRAPH_RUN_LINKED queued ahead of itself (same ``req_id``): it never replies;
+    the run behind it answers for both."""
 
 
 @dataclass
@@ -100,6 +107,7 @@ class Pending:
     req_id: int
     cmd: Cmd
     holds_queue: bool
+    silent: bool = False
 
 
 Reply = tuple[p.Message, list[Any]]
@@ -124,7 +132,7 @@ class Executor:
         if getattr(backend, "zero_copy", True):
             self.capabilities.append("zero-copy")
         if getattr(backend, "supports_graphs", True):
-            self.capabilities.append(f"graph-v{g.GRAPH_VERSION}")
+            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs"]
         self.handlers: dict[Cmd, Handler] = {
             Cmd.PING: lambda s, m, f: NO_REPLY,
             Cmd.GOODBYE: self._goodbye,
@@ -139,6 +147,7 @@ class Executor:
             Cmd.SYNCHRONIZE: lambda s, m, f: NO_REPLY,
             Cmd.GRAPH_REGISTER: self._graph_register,
             Cmd.GRAPH_RUN: self._graph_run,
+            Cmd.GRAPH_RUN_LINKED: self._graph_run_linked,
             Cmd.GRAPH_COMPUTE: self._graph_compute,
             Cmd.GRAPH_FREE: self._graph_free,
         }
@@ -149,6 +158,7 @@ class Executor:
             Cmd.COPY_TENSOR: lambda s, m: [m.dst.buffer],
             Cmd.GRAPH_COMPUTE: lambda s, m: [t.buffer for t in [*m.graph.tensors, *m.inputs]],
             Cmd.GRAPH_RUN: self._graph_run_writes,
+            Cmd.GRAPH_RUN_LINKED: self._graph_run_writes,
             Cmd.PEER_RECV: lambda s, m: [m.dst.buffer],
         }
         """Which buffers a command writes: it waits until their zero-copy sends are done."""
@@ -190,9 +200,20 @@ class Executor:
         if req.cmd is Cmd.PEER_FILL:      # feeds the PEER_RECV that holds the queue: not queued
             self._fill(session, req)
             return
+        idle = not session.queue
+        if req.cmd is Cmd.GRAPH_RUN_LINKED:
+            session.queue.extend(self._receives(req))
         session.queue.append(req)
-        if len(session.queue) == 1:
+        if idle:
             self.pump(session)
+
+    @staticmethod
+    def _receives(run: Request) -> list[Request]:
+        """A linked run's receives, as silent PEER_RECVs queued right ahead of it."""
+        msg = cast(g.GraphRunLinked, run.msg)
+        return [Request(Cmd.PEER_RECV, run.req_id,
+                        wire_peer.PeerRecv(token=r.token, dst=r.dst, timeout_ms=msg.timeout_ms),
+                        (), silent=True) for r in msg.receive]
 
     def pump(self, session: Session) -> bool:
         """Run the session's queue until empty or its head must wait; True if it must wait."""
@@ -218,26 +239,36 @@ class Executor:
         try:
             deferred = self.deferred_handlers.get(req.cmd)
             if deferred is not None:
-                pending = Pending(session, req.req_id, req.cmd, req.cmd is Cmd.PEER_RECV)
+                pending = Pending(session, req.req_id, req.cmd, req.cmd is Cmd.PEER_RECV,
+                                  req.silent)
                 if deferred(pending, req.msg):
                     return
                 reply, payload = NO_REPLY
             else:
                 reply, payload = self.handlers[req.cmd](session, req.msg, req.payload)
         except WireError as exc:
-            self._reply_error(session.client_id, req.req_id, exc.code, exc.message)
+            self._fail(session, req, exc.code, exc.message)
             return
         except MemoryError:
-            self._reply_error(session.client_id, req.req_id, ErrorCode.OUT_OF_MEMORY,
-                              f"{req.cmd.name}: the worker ran out of {self.backend.kind} memory")
+            self._fail(session, req, ErrorCode.OUT_OF_MEMORY,
+                       f"{req.cmd.name}: the worker ran out of {self.backend.kind} memory")
             return
         except Exception as exc:  # a bug must not take the worker down: report it
             log.exception("internal error in %s for %s", req.cmd.name, session.label)
-            self._reply_error(session.client_id, req.req_id, ErrorCode.INTERNAL,
-                              f"{req.cmd.name} failed: {type(exc).__name__}: {exc}")
+            self._fail(session, req, ErrorCode.INTERNAL,
+                       f"{req.cmd.name} failed: {type(exc).__name__}: {exc}")
             return
         self._start_sends(session)
         self.reply(session.client_id, req.req_id, reply, payload)
+
+    def _fail(self, session: Session, req: Request, code: ErrorCode, message: str) -> None:
+        """Answer ``req`` with an error. A linked run's receive that fails to start takes the
+        rest of that run out of the queue: this is the run's one reply."""
+        if req.silent:
+            while session.queue and session.queue[0].req_id == req.req_id:
+                session.queue.popleft()
+            message = f"receiving the run's input failed: {message}"
+        self._reply_error(session.client_id, req.req_id, code, message)
 
     def _start_sends(self, session: Session) -> None:
         """Start the peer sends queued right behind a finished request before replying to it:
@@ -319,9 +350,15 @@ class Executor:
         for session in self.sessions.values():
             self._fail_queue(session, code, message)
 
-    def _fail_queue(self, session: Session, code: ErrorCode, message: str) -> None:
+    def _fail_queue(self, session: Session, code: ErrorCode, message: str,
+                    own_req_id: int = -1, own_message: str = "") -> None:
+        """Answer every queued request with an error (``own_message`` for the run whose own
+        receive failed); silent receives have nobody to answer."""
         for req in session.queue:
-            self._reply_error(session.client_id, req.req_id, code, message)
+            if not req.silent:
+                mine = req.req_id == own_req_id
+                self._reply_error(session.client_id, req.req_id, code,
+                                  own_message if mine else message)
         session.queue.clear()
 
     def expire_sessions(self, now: float) -> None:
@@ -456,8 +493,6 @@ class Executor:
         return True
 
     def _peer_send(self, pending: Pending, msg: Any) -> bool:
-        if not self.peers.endpoint:
-            raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
         self.peers.start_send(pending, msg)
         return True
 
@@ -475,9 +510,12 @@ class Executor:
         if error is None and session.held_by is pending:
             session.held_by = None
             self.pump(session)   # what waited for these bytes runs first: the reply can wait
-            self.reply(session.client_id, pending.req_id, p.Empty(), [])
+            if not pending.silent:
+                self.reply(session.client_id, pending.req_id, p.Empty(), [])
             return
-        if error is None:
+        if pending.silent:
+            pass                # the linked run behind it answers (failed below, or runs)
+        elif error is None:
             self.reply(session.client_id, pending.req_id, p.Empty(), [])
         else:
             self._reply_error(session.client_id, pending.req_id, ErrorCode.TRANSFER_FAILED, error)
@@ -486,7 +524,8 @@ class Executor:
         session.held_by = None
         if error is not None:
             self._fail_queue(session, ErrorCode.TRANSFER_FAILED, "an earlier transfer this "
-                             f"request was queued behind failed: {error}")
+                             f"request was queued behind failed: {error}", pending.req_id,
+                             f"receiving the run's input failed: {error}")
         self.pump(session)
 
     # ----------------------------------------------------------------------------- graphs
@@ -535,6 +574,16 @@ class Executor:
     def _graph_run(self, session: Session, msg: g.GraphRun, payload: Sequence[Any]) -> Reply:
         return self._execute(session, self._graph(session, msg.handle), msg, payload)
 
+    def _graph_run_linked(self, session: Session, msg: g.GraphRunLinked,
+                          payload: Sequence[Any]) -> Reply:
+        """Its receives have landed (they ran ahead of it): check the sends, run, push them."""
+        graph = self._graph(session, msg.handle)
+        pushes = [self.peers.prepare_push(session, send) for send in msg.send]
+        reply = self._execute(session, graph, msg, payload)
+        for push in pushes:
+            self.peers.push(push, acknowledge=False)
+        return reply
+
     def _graph_compute(self, session: Session, msg: g.GraphCompute,
                        payload: Sequence[Any]) -> Reply:
         graph = self._compile(session, msg.graph)
@@ -544,7 +593,8 @@ class Executor:
         finally:
             self.used_memory -= graph.arena_size
 
-    def _execute(self, session: Session, graph: CompiledGraph, msg: g.GraphRun | g.GraphCompute,
+    def _execute(self, session: Session, graph: CompiledGraph,
+                 msg: g.GraphRun | g.GraphCompute | g.GraphRunLinked,
                  payload: Sequence[Any]) -> Reply:
         inputs = [self.view(session, ref) for ref in msg.inputs]
         fetch = [self.view(session, ref) for ref in msg.fetch]

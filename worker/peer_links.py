@@ -57,6 +57,16 @@ class Outgoing:
     what: str
 
 
+@dataclass(frozen=True)
+class Push:
+    """A checked send: the source view and its buffer, and the link to the peer."""
+
+    send: wire.Send
+    view: Any
+    buffer: Any
+    link: zmq.Socket[bytes]
+
+
 @dataclass
 class Stashed:
     """Chunks that arrived before their PEER_RECV reached the head of its queue."""
@@ -121,25 +131,36 @@ class PeerLinks:
 
     def start_send(self, pending: Pending, msg: wire.PeerSend) -> None:
         """Push ``msg.src`` to ``msg.endpoint`` in chunks; the reply waits for the ack."""
-        session = pending.session
-        view = self.executor.view(session, msg.src)
-        buffer = session.buffers[msg.src.buffer]
-        link = self._link(msg.endpoint)
-        pieces = split_tensor(msg.src, CHUNK_BYTES)
+        push = self.prepare_push(pending.session, wire.Send(msg.token, msg.src, msg.endpoint))
         self.outgoing[msg.token] = Outgoing(pending, msg.endpoint,
                                             time.monotonic() + msg.timeout_ms / 1000,
                                             f"transfer to {msg.endpoint}")
+        self.push(push, acknowledge=True)
+
+    def prepare_push(self, session: Session, send: wire.Send) -> Push:
+        """Check a send (source view, peer endpoint, link) before anything it follows runs."""
+        if not self.endpoint:
+            raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
+        view = self.executor.view(session, send.src)
+        return Push(send, view, session.buffers[send.src.buffer], self._link(send.endpoint))
+
+    def push(self, push: Push, acknowledge: bool) -> None:
+        """Send the tensor in chunks (zero-copy from the buffer when big); with ``acknowledge``
+        the receiver answers once it has everything, else it sends nothing back."""
+        send, buffer, backend = push.send, push.buffer, self.executor.backend
+        pieces = split_tensor(send.src, CHUNK_BYTES)
+        reply_to = self.endpoint if acknowledge else ""
         for seq, (start, sub) in enumerate(pieces):
-            data, aliased = self.executor.backend.read(
-                view if len(pieces) == 1 else self.executor.backend.view(buffer.memory, sub))
-            header = wire.encode_chunk(wire.Chunk(msg.token, seq, len(pieces), start,
-                                                  msg.src.nbytes, self.endpoint))
+            data, aliased = backend.read(
+                push.view if len(pieces) == 1 else backend.view(buffer.memory, sub))
+            header = wire.encode_chunk(wire.Chunk(send.token, seq, len(pieces), start,
+                                                  send.src.nbytes, reply_to))
             if aliased and sub.nbytes >= 64 * 1024:
-                tracker = link.send_multipart([header, data], copy=False, track=True)
+                tracker = push.link.send_multipart([header, data], copy=False, track=True)
                 if tracker is not None:
                     buffer.sending.append(tracker)
             else:
-                link.send_multipart([header, data], copy=False)
+                push.link.send_multipart([header, data], copy=False)
 
     def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
         token = os.urandom(wire.TOKEN_BYTES)
