@@ -37,6 +37,9 @@ log = logging.getLogger("zmq_rpc.worker")
 DRAIN_BATCH = 512
 """Most requests taken from the PAIR per poll wake-up before replies are flushed."""
 
+MAX_CACHED_VIEWS = 1024
+"""Most checked views a session keeps (see :attr:`Session.views`)."""
+
 TRACK_THRESHOLD = 64 * 1024
 """Replies at least this big are sent zero-copy from buffer memory, with a tracker."""
 
@@ -91,6 +94,9 @@ class Session:
     held_by: Pending | None = None
     frees: int = 0
     """Bumped whenever a buffer is freed: views resolved before then may be stale."""
+    views: dict[TensorRef, Any] = field(default_factory=dict)
+    """Checked views by reference (a pipeline names the same few every step); emptied when a
+    buffer is freed."""
     last_seen: float = field(default_factory=time.monotonic)
 
     @property
@@ -337,6 +343,7 @@ class Executor:
         freed += sum(graph.arena_size for graph in session.graphs.values())
         self.used_memory -= freed
         session.buffers.clear()
+        session.views.clear()
         session.graphs.clear()
         self.sessions.pop(session.client_id, None)
         if self.peers is not None:
@@ -400,6 +407,7 @@ class Executor:
         buf = self.buffer(session, msg.handle)
         del session.buffers[msg.handle]
         session.frees += 1
+        session.views.clear()
         self.used_memory -= buf.size
         return NO_REPLY
 
@@ -425,7 +433,17 @@ class Executor:
     # ---------------------------------------------------------------------------- tensors
 
     def view(self, session: Session, ref: TensorRef) -> Any:
-        """The backend view of ``ref`` after checking its handle and that it lies in its buffer."""
+        """The backend view of ``ref`` after checking its handle and that it lies in its buffer
+        (remembered until the session frees a buffer)."""
+        view = session.views.get(ref)
+        if view is None:
+            view = self._check_view(session, ref)
+            if len(session.views) >= MAX_CACHED_VIEWS:
+                session.views.clear()
+            session.views[ref] = view
+        return view
+
+    def _check_view(self, session: Session, ref: TensorRef) -> Any:
         buf = self.buffer(session, ref.buffer)
         check_inside(ref, buf.size)
         if ref.nbytes > self.limits.max_buffer_size:
