@@ -597,10 +597,12 @@ class Executor:
         """Its receives have landed (they ran ahead of it): check the sends, run, push them."""
         graph = self._graph(session, msg.handle)
         pushes = [self.peers.prepare_push(session, send) for send in msg.send]
-        reply = self._execute(session, graph, msg, payload)
-        for push in pushes:
-            self.peers.push(push, acknowledge=False)
-        return reply
+
+        def push_all() -> None:          # before reading the fetch: a peer waits on these
+            for push in pushes:
+                self.peers.push(push, acknowledge=False)
+
+        return self._execute(session, graph, msg, payload, then=push_all)
 
     def _graph_compute(self, session: Session, msg: g.GraphCompute,
                        payload: Sequence[Any]) -> Reply:
@@ -613,7 +615,8 @@ class Executor:
 
     def _execute(self, session: Session, graph: CompiledGraph,
                  msg: g.GraphRun | g.GraphCompute | g.GraphRunLinked,
-                 payload: Sequence[Any]) -> Reply:
+                 payload: Sequence[Any], then: Callable[[], None] | None = None) -> Reply:
+        """Write the inputs, run, call ``then`` (if any), read the fetched tensors."""
         inputs = [self.view(session, ref) for ref in msg.inputs]
         fetch = [self.view(session, ref) for ref in msg.fetch]
         externals = self._externals(session, graph)
@@ -622,6 +625,8 @@ class Executor:
         started = time.perf_counter_ns()
         graph.run(externals)
         elapsed = time.perf_counter_ns() - started
+        if then is not None:
+            then()
         frames = [self._fetched(session, ref, view) for ref, view in zip(msg.fetch, fetch)]
         return g.GraphReply(sizes=[ref.nbytes for ref in msg.fetch], compute_ns=elapsed), frames
 
