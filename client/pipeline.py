@@ -3,8 +3,10 @@
 A model is cut into stages; stage ``i`` runs on ``clients[i]`` as a registered graph that reads an
 input activation and writes an output activation. Micro-batch ``k`` goes::
 
-    run stage 0 (the batch travels in the same message) -> peer copy y0 -> x1 -> run stage 1 -> ...
-    -> run the last stage, fetching its output in the reply
+    run stage 0 (the batch travels in the same message), pushing y0 -> x1 | run stage 1 once x1
+    has landed, pushing y1 -> x2 | ... | run the last stage | fetch its output
+
+One linked run per stage (:func:`zmq_rpc.client.hand_off`): the hand-offs travel inside the runs.
 
 Everything is issued without waiting, so stage 0 computes micro-batch ``k+1`` while stage 1 computes
 ``k``. Each stage has ``depth`` input/output slots, used round robin by consecutive micro-batches:
@@ -16,7 +18,7 @@ bounded queue.
 
 Plain client-side orchestration, no thread of its own: any one thread may drive a pipeline. Stages
 may share a client (then the hop is a copy on that worker); where workers cannot reach each other,
-copies fall back to a relay through this client (correct, slower).
+hand-offs fall back to a relay through this client (correct, slower).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .client import (
     as_dtype,
 )
 from .graph import Graph
+from .peer import HandOff, hand_off
 
 __all__ = ["Pipeline", "StageBuilder"]
 
@@ -131,20 +134,24 @@ class Pipeline:
             raise BadRequest(f"micro-batch of shape {batch.shape}, the pipeline takes "
                              f"{self.shapes[0]}")
         slot = index % self.depth
-        steps = self._upload(self.stages[0][slot], batch)
-        for prev, stage in zip(self.stages, self.stages[1:]):
-            steps.append(prev[slot].y.client.copy_tensor_async(prev[slot].y, stage[slot].x))
-            steps.append(stage[slot].graph.client.run_async(stage[slot].graph))
+        hops = [hand_off(prev[slot].y, stage[slot].x)
+                for prev, stage in zip(self.stages, self.stages[1:])]
+        steps = self._upload(self.stages[0][slot], batch, hops[:1])
+        for i, stage in enumerate(self.stages[1:]):   # one linked run each: receive, run, send
+            graph = stage[slot].graph
+            steps.append(graph.client.run_async(graph, receive=[hops[i]], send=hops[i + 1:i + 2]))
         last = self.stages[-1][slot]
         steps.append(last.y.client.get_tensor_async(last.y))
         return _first_error_or_last(steps)
 
-    def _upload(self, first: _Slot, batch: np.ndarray) -> list[Future[Any]]:
-        """Run stage 0 on ``batch``: in the run message itself when it fits in one message."""
+    def _upload(self, first: _Slot, batch: np.ndarray, send: list[HandOff]
+                ) -> list[Future[Any]]:
+        """Run stage 0 on ``batch`` (in the run message itself when it fits in one message),
+        then hand its output on."""
         client = first.graph.client
         if batch.nbytes <= client.chunk_bytes:
-            return [client.run_async(first.graph, [(first.x, batch)])]
-        return [client.set_tensor_async(first.x, batch), client.run_async(first.graph)]
+            return [client.run_async(first.graph, [(first.x, batch)], send=send)]
+        return [client.set_tensor_async(first.x, batch), client.run_async(first.graph, send=send)]
 
     def run(self, batches: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Push every micro-batch through the stages; the last stage's outputs, in order.
