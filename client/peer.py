@@ -98,9 +98,13 @@ def _check_pair(src: RemoteTensor, dst: RemoteTensor) -> None:
         raise BadRequest(f"copy needs equal shapes and dtypes: {src!r} -> {dst!r}")
 
 
+TRANSFER_SHARE = 0.8
+"""The workers' deadline for a transfer, as a share of the client's timeout: their verdict
+comes first."""
+
+
 def _transfer_ms(wait: float) -> int:
-    """The workers' deadline for a transfer: their verdict comes before the client's timeout."""
-    return max(1, int(wait * 0.8 * 1000))
+    return max(1, int(wait * TRANSFER_SHARE * 1000))
 
 
 def _direct(a: Client, b: Client) -> bool:
@@ -203,7 +207,7 @@ def receive(client: Client, h: HandOff) -> Future[None]:
     if h.route == "local":
         return client.synchronize_async()
     msg = wire.PeerRecv(token=h.token, dst=h.dst.ref, timeout_ms=h.timeout_ms)
-    return client._call(Cmd.PEER_RECV, msg, timeout=h.timeout_ms / 800)
+    return client._call(Cmd.PEER_RECV, msg, timeout=h.timeout_ms / 1000 / TRANSFER_SHARE)
 
 
 def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
