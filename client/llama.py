@@ -305,13 +305,6 @@ class _StageRun:
 # -------------------------------------------------------------------------------- hand-off
 
 
-def _copy(src: RemoteTensor, dst: RemoteTensor) -> Future[None]:
-    """Move the residual stream ``src`` (one worker) into ``dst`` (the same or another worker)
-    outside any run: a copy on one worker, or a worker-to-worker copy whose receive holds the
-    destination's queue until the bytes have landed (see :mod:`zmq_rpc.client.peer`)."""
-    return src.client.copy_tensor_async(src, dst)
-
-
 def _messages(h: HandOff) -> int:
     """Requests a hand-off adds to the two linked runs: none worker to worker, a copy on one
     worker, a fetch and a relayed fill through the client."""
@@ -987,7 +980,8 @@ class LlamaModel:
         step = _StepFuture()
         if carried is None:                 # the prompt's argmax: its run has been issued
             prompt = _need(last.io["prefill"].x_next)
-            step.add_transfer(_copy(prompt, x_in), 1 if last.client is first.client else 2)
+            step.add_transfer(prompt.client.copy_tensor_async(prompt, x_in),
+                              1 if last.client is first.client else 2)
         following = hand_off(_need(last.io["decode"].x_next), x_in)
         self._issue(step, "decode", runs, receive=carried, send=following)
         return step, following
