@@ -60,37 +60,46 @@ class Routes:
     def reachable(self, source: Client, endpoint: str, wait: bool) -> bool:
         """True once a probe from ``source`` reached ``endpoint``; while it is pending, waits for
         it if ``wait`` (else answers False: relay this copy)."""
+        started = False
         with self._lock:
             known = self._reachable.get(endpoint)
             probe = self._probing.get(endpoint)
             if known is None and probe is None:
-                probe = self._probing[endpoint] = self._start_probe(source, endpoint)
+                probe = self._probing[endpoint] = self._send_probe(source, endpoint)
+                started = True
+        if started:
+            # Outside the lock: a probe that has already finished runs the callback right here.
+            assert probe is not None
+            probe.add_done_callback(lambda f: self._record(source, endpoint, f))
         if known is not None:
             return known
         assert probe is not None
         if not wait:
             return False
-        try:
-            probe.result()
-        except Exception:
-            pass
-        with self._lock:
-            return self._reachable.get(endpoint, False)
+        return _reached(probe, timeout=None)
 
-    def _start_probe(self, source: Client, endpoint: str) -> Future[Any]:
+    @staticmethod
+    def _send_probe(source: Client, endpoint: str) -> Future[Any]:
         msg = wire.PeerProbe(endpoint=endpoint, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
-        probe = source._call(Cmd.PEER_PROBE, msg, timeout=PROBE_TIMEOUT_S + 5)
-        probe.add_done_callback(lambda f: self._record(source, endpoint, f))
-        return probe
+        return source._call(Cmd.PEER_PROBE, msg, timeout=PROBE_TIMEOUT_S + 5)
 
     def _record(self, source: Client, endpoint: str, probe: Future[Any]) -> None:
-        ok = probe.exception() is None
+        ok = _reached(probe, timeout=0)
         if not ok:
             log.warning("%s cannot reach peer %s (%s): copies to it are relayed through this "
                         "client", source.endpoint, endpoint, probe.exception())
         with self._lock:
             self._reachable[endpoint] = ok
             self._probing.pop(endpoint, None)
+
+
+def _reached(probe: Future[Any], timeout: float | None) -> bool:
+    """The outcome of a finished (or, with ``timeout=None``, awaited) probe."""
+    try:
+        probe.result(timeout)
+    except Exception:
+        return False
+    return True
 
 
 def _check_pair(src: RemoteTensor, dst: RemoteTensor) -> None:

@@ -506,6 +506,33 @@ def test_opposite_copies_from_two_threads(trio: list[Client], make_client: Calla
     wait_all(results, timeout=15)               # today: TransferError after 0.8 x timeout
 
 
+@pytest.mark.parametrize("outcome", ["reached", "failed"])
+def test_probe_answered_before_its_callback_is_added(outcome: str) -> None:
+    """A probe whose reply beats add_done_callback (one CPU: the I/O thread ran first) runs the
+    callback inline; it must not re-enter the routes lock (it did: the first copy hung)."""
+    probe: Future[Any] = Future()
+    if outcome == "reached":
+        probe.set_result(None)
+    else:
+        probe.set_exception(ConnectionError("nobody there"))
+
+    class Source:
+        endpoint = "tcp://127.0.0.1:1"
+
+        def _call(self, *args: Any, **kw: Any) -> Future[Any]:
+            return probe
+
+    routes = client_peer.Routes()
+    answers: list[bool] = []
+    for wait in (True, False):                  # the second call answers from the record
+        asked = threading.Thread(target=lambda w=wait: answers.append(
+            routes.reachable(Source(), "tcp://127.0.0.1:2", w)), daemon=True)  # type: ignore
+        asked.start()
+        asked.join(timeout=2)
+        assert not asked.is_alive(), "reachable() deadlocked on its own lock"
+    assert answers == [outcome == "reached"] * 2
+
+
 @pytest.mark.parametrize("total", [64, 128], ids=["landed", "refused"])
 def test_stashed_transfer_gets_one_reply(trio: list[Client], total: int,
                                          pusher: Callable[[str], zmq.Socket[bytes]],
