@@ -213,9 +213,11 @@ class GraphRunLinked(Message):
     handle: int = _f(check_handle)
     inputs: list[TensorRef] = _f(_check_refs)
     fetch: list[TensorRef] = _f(_check_refs)
-    receive: tuple[peer.Receive, ...] = _f(peer.check_receives)
-    send: tuple[peer.Send, ...] = _f(peer.check_sends)
-    timeout_ms: int = _f(peer.check_timeout)
+    # Looked up when checking, not now: importing zmq_rpc.broker.peer first reaches this
+    # module before peer's own names exist.
+    receive: tuple[peer.Receive, ...] = _f(lambda value, name: peer.check_receives(value, name))
+    send: tuple[peer.Send, ...] = _f(lambda value, name: peer.check_sends(value, name))
+    timeout_ms: int = _f(lambda value, name: peer.check_timeout(value, name))
 
     def payload_sizes(self) -> list[int]:
         return [t.nbytes for t in self.inputs]

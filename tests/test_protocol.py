@@ -570,3 +570,30 @@ def test_graph_run_linked_is_validated(receive: Any, send: Any, match: str) -> N
 
 def test_graph_run_linked_timeout_is_bounded() -> None:
     bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 0)], match="timeout_ms")
+
+
+# ---------------------------------------------------------------------------- module imports
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
+    """The protocol modules import each other (commands register on import): whichever a
+    program imports first must work (``import zmq_rpc.broker.peer`` first used to fail)."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import zmq_rpc.broker
+    import zmq_rpc.client
+    import zmq_rpc.tools
+    import zmq_rpc.worker
+
+    names = [m.name for package in (zmq_rpc.broker, zmq_rpc.worker, zmq_rpc.client, zmq_rpc.tools)
+             for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
+             if not m.name.endswith("cupy_backend")]        # needs the optional extra
+    assert "zmq_rpc.broker.peer" in names and len(names) > 20
+    procs = {name: subprocess.Popen([sys.executable, "-c", f"import {name}"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for name in names}
+    failed = {name: proc.communicate(timeout=25)[1].decode().strip().splitlines()[-1:]
+              for name, proc in procs.items()}
+    assert {name: err for name, err in failed.items() if procs[name].returncode} == {}
