@@ -80,6 +80,9 @@ class Request:
     silent: bool = False
     """A receive a GRAPH_RUN_LINKED queued ahead of itself (same ``req_id``): it never replies;
     the run behind it answers for both."""
+    prepared: tuple[int, list[Any]] | None = None
+    """A linked run's checked sends, made while its receives waited, stamped with the
+    session's ``frees`` at that moment (stale once a buffer is freed)."""
 
 
 @dataclass
@@ -153,7 +156,7 @@ class Executor:
             Cmd.SYNCHRONIZE: lambda s, m, f: NO_REPLY,
             Cmd.GRAPH_REGISTER: self._graph_register,
             Cmd.GRAPH_RUN: self._graph_run,
-            Cmd.GRAPH_RUN_LINKED: self._graph_run_linked,
+            Cmd.GRAPH_RUN_LINKED: lambda s, m, f: self._graph_run_linked(s, m, f, None),
             Cmd.GRAPH_COMPUTE: self._graph_compute,
             Cmd.GRAPH_FREE: self._graph_free,
         }
@@ -250,6 +253,9 @@ class Executor:
                 if deferred(pending, req.msg):
                     return
                 reply, payload = NO_REPLY
+            elif req.prepared is not None:     # a linked run, its sends checked while it waited
+                reply, payload = self._graph_run_linked(session, cast(g.GraphRunLinked, req.msg),
+                                                        req.payload, req.prepared)
             else:
                 reply, payload = self.handlers[req.cmd](session, req.msg, req.payload)
         except WireError as exc:
@@ -502,13 +508,30 @@ class Executor:
         self.reply(session.client_id, req.req_id, p.Empty(), [])
 
     def _peer_recv(self, pending: Pending, msg: Any) -> bool:
-        pending.session.held_by = pending      # before: chunks stashed earlier may finish it now
+        session = pending.session
+        session.held_by = pending              # before: chunks stashed earlier may finish it now
         try:
             self.peers.start_recv(pending, msg)
         except BaseException:
-            pending.session.held_by = None
+            session.held_by = None
             raise
+        if pending.silent and session.held_by is pending and session.queue:
+            self._prepare_linked(session, session.queue[0], pending.req_id)
         return True
+
+    def _prepare_linked(self, session: Session, run: Request, req_id: int) -> None:
+        """While a linked run waits for its input, check and encode its sends, so that the run
+        starts as soon as the bytes land (a failure here is reported by the run itself)."""
+        if run.cmd is not Cmd.GRAPH_RUN_LINKED or run.req_id != req_id:
+            return
+        try:
+            pushes = self._pushes(session, cast(g.GraphRunLinked, run.msg))
+        except WireError:
+            return
+        run.prepared = (session.frees, pushes)
+
+    def _pushes(self, session: Session, msg: g.GraphRunLinked) -> list[Any]:
+        return [self.peers.prepare_push(session, send, acknowledge=False) for send in msg.send]
 
     def _peer_send(self, pending: Pending, msg: Any) -> bool:
         self.peers.start_send(pending, msg)
@@ -593,14 +616,17 @@ class Executor:
         return self._execute(session, self._graph(session, msg.handle), msg, payload)
 
     def _graph_run_linked(self, session: Session, msg: g.GraphRunLinked,
-                          payload: Sequence[Any]) -> Reply:
+                          payload: Sequence[Any], prepared: tuple[int, list[Any]] | None) -> Reply:
         """Its receives have landed (they ran ahead of it): check the sends, run, push them."""
         graph = self._graph(session, msg.handle)
-        pushes = [self.peers.prepare_push(session, send) for send in msg.send]
+        if prepared is not None and prepared[0] == session.frees:
+            pushes = prepared[1]
+        else:
+            pushes = self._pushes(session, msg)
 
         def push_all() -> None:          # before reading the fetch: a peer waits on these
             for push in pushes:
-                self.peers.push(push, acknowledge=False)
+                self.peers.push(push)
 
         return self._execute(session, graph, msg, payload, then=push_all)
 

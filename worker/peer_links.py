@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("zmq_rpc.worker.peer")
 
 CHUNK_BYTES = 4 << 20
+ZERO_COPY_BYTES = 64 * 1024
+"""Smaller chunks are copied into zmq messages: cheaper than tracking a zero-copy one."""
 STASH_TTL = 30.0
 MAX_LINKS = 64
 MAX_STASHED_TRANSFERS = 1024
@@ -41,6 +43,9 @@ class Incoming:
     view: Any
     deadline: float
     staging: np.ndarray | None
+    target: memoryview | None
+    """The destination's bytes in place (a contiguous view on a host backend): chunks land
+    with one memcpy each."""
     received: set[int] = field(default_factory=set)
     nchunks: int = -1
     nbytes: int = 0
@@ -58,12 +63,24 @@ class Outgoing:
 
 
 @dataclass(frozen=True)
-class Push:
-    """A checked send: the source view and its buffer, and the link to the peer."""
+class Piece:
+    """One chunk of a send, its header encoded ahead: ``data`` aliases the source buffer when
+    the backend can hand its bytes out in place (read after the run, for nothing), else the
+    piece's view is read when it is pushed."""
 
-    send: wire.Send
+    header: bytes
     view: Any
+    data: Any | None
+    zero_copy: bool
+
+
+@dataclass(frozen=True)
+class Push:
+    """A checked send, ready to go: its pieces, the source buffer, the link to the peer."""
+
+    pieces: tuple[Piece, ...]
     buffer: Any
+    endpoint: str
     link: zmq.Socket[bytes]
 
 
@@ -120,9 +137,12 @@ class PeerLinks:
         if msg.token in self.incoming:
             raise WireError(ErrorCode.TRANSFER_FAILED, "that transfer token is already in use")
         view = self.executor.view(pending.session, msg.dst)
-        staging = None if msg.dst.is_contiguous() else np.empty(msg.dst.nbytes, np.uint8)
-        self.incoming[msg.token] = Incoming(pending, msg.dst, view,
-                                            time.monotonic() + msg.timeout_ms / 1000, staging)
+        contiguous = msg.dst.is_contiguous()
+        staging = None if contiguous else np.empty(msg.dst.nbytes, np.uint8)
+        in_place = self.executor.backend.alias(view) if contiguous else None
+        self.incoming[msg.token] = Incoming(
+            pending, msg.dst, view, time.monotonic() + msg.timeout_ms / 1000, staging,
+            None if in_place is None else memoryview(in_place))
         stashed = self.stash.pop(msg.token, None)
         self.stash_bytes -= stashed.nbytes if stashed else 0
         for chunk, frame in stashed.messages if stashed else []:
@@ -131,36 +151,47 @@ class PeerLinks:
 
     def start_send(self, pending: Pending, msg: wire.PeerSend) -> None:
         """Push ``msg.src`` to ``msg.endpoint`` in chunks; the reply waits for the ack."""
-        push = self.prepare_push(pending.session, wire.Send(msg.token, msg.src, msg.endpoint))
+        push = self.prepare_push(pending.session, wire.Send(msg.token, msg.src, msg.endpoint),
+                                 acknowledge=True)
         self.outgoing[msg.token] = Outgoing(pending, msg.endpoint,
                                             time.monotonic() + msg.timeout_ms / 1000,
                                             f"transfer to {msg.endpoint}")
-        self.push(push, acknowledge=True)
+        self.push(push)
 
-    def prepare_push(self, session: Session, send: wire.Send) -> Push:
-        """Check a send (source view, peer endpoint, link) before anything it follows runs."""
+    def prepare_push(self, session: Session, send: wire.Send, acknowledge: bool) -> Push:
+        """Check a send (source view, peer endpoint, link) and encode its chunk headers before
+        anything it follows runs: after the run, pushing is only handing frames to zmq. With
+        ``acknowledge`` the receiver answers once it has everything, else it sends nothing."""
         if not self.endpoint:
             raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
         view = self.executor.view(session, send.src)
-        return Push(send, view, session.buffers[send.src.buffer], self._link(send.endpoint))
-
-    def push(self, push: Push, acknowledge: bool) -> None:
-        """Send the tensor in chunks (zero-copy from the buffer when big); with ``acknowledge``
-        the receiver answers once it has everything, else it sends nothing back."""
-        send, buffer, backend = push.send, push.buffer, self.executor.backend
-        pieces = split_tensor(send.src, CHUNK_BYTES)
+        buffer = session.buffers[send.src.buffer]
+        backend = self.executor.backend
+        sub_refs = split_tensor(send.src, CHUNK_BYTES)
         reply_to = self.endpoint if acknowledge else ""
-        for seq, (start, sub) in enumerate(pieces):
-            data, aliased = backend.read(
-                push.view if len(pieces) == 1 else backend.view(buffer.memory, sub))
-            header = wire.encode_chunk(wire.Chunk(send.token, seq, len(pieces), start,
+        pieces = []
+        for seq, (start, sub) in enumerate(sub_refs):
+            piece_view = view if len(sub_refs) == 1 else backend.view(buffer.memory, sub)
+            data = backend.alias(piece_view)
+            header = wire.encode_chunk(wire.Chunk(send.token, seq, len(sub_refs), start,
                                                   send.src.nbytes, reply_to))
-            if aliased and sub.nbytes >= 64 * 1024:
-                tracker = push.link.send_multipart([header, data], copy=False, track=True)
+            pieces.append(Piece(header, piece_view, data,
+                                data is not None and sub.nbytes >= ZERO_COPY_BYTES))
+        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint))
+
+    def push(self, push: Push) -> None:
+        """Send the prepared chunks (zero-copy from the buffer when big and aliased)."""
+        link = push.link if not push.link.closed else self._link(push.endpoint)
+        for piece in push.pieces:
+            data = piece.data
+            if data is None:
+                data = self.executor.backend.read(piece.view)[0]
+            if piece.zero_copy:
+                tracker = link.send_multipart([piece.header, data], copy=False, track=True)
                 if tracker is not None:
-                    buffer.sending.append(tracker)
+                    push.buffer.sending.append(tracker)
             else:
-                push.link.send_multipart([header, data], copy=False)
+                link.send_multipart([piece.header, data], copy=False)
 
     def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
         token = os.urandom(wire.TOKEN_BYTES)
@@ -267,7 +298,9 @@ class PeerLinks:
         if len(transfer.received) == transfer.nchunks and transfer.nbytes != total:
             raise WireError(ErrorCode.TRANSFER_FAILED, f"all {chunk.nchunks} chunks arrived but "
                             f"carried {transfer.nbytes} of {total} bytes")
-        if transfer.staging is not None:
+        if transfer.target is not None:
+            transfer.target[chunk.start:chunk.start + size] = frame.buffer
+        elif transfer.staging is not None:
             transfer.staging[chunk.start:chunk.start + size] = np.frombuffer(frame.buffer, np.uint8)
         else:
             self.executor.backend.write_bytes(transfer.view, chunk.start, frame.buffer)

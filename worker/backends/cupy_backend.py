@@ -85,6 +85,10 @@ class CupyBackend:
         data = np.frombuffer(payload, np.uint8)
         view.reshape(-1).view(self.cp.uint8)[start:start + data.size].set(data)
 
+    def alias(self, view: Any) -> Any | None:
+        """Device memory is never handed to zmq in place: None (see :meth:`read`)."""
+        return None
+
     def read(self, view: Any) -> tuple[Any, bool]:
         bits = self.cp.ascontiguousarray(_bits(view))
         return self.cp.asnumpy(bits).reshape(-1).view(np.uint8), False

@@ -111,9 +111,15 @@ class NumpyBackend:
 
     def read(self, view: np.ndarray) -> tuple[Any, bool]:
         """The view's bytes in C order, and whether they alias the buffer (zero-copy)."""
-        if view.flags.c_contiguous:
-            return view.reshape(-1).view(np.uint8), True
+        aliased = self.alias(view)
+        if aliased is not None:
+            return aliased, True
         return np.ascontiguousarray(view).reshape(-1).view(np.uint8), False
+
+    def alias(self, view: np.ndarray) -> Any | None:
+        """The view's bytes in place (reading them later sees later writes), or None when they
+        are not one C-ordered run."""
+        return view.reshape(-1).view(np.uint8) if view.flags.c_contiguous else None
 
     def fill(self, view: np.ndarray, byte: int) -> None:
         """Set every byte of the view's elements to ``byte``."""
