@@ -31,6 +31,7 @@ from .protocol import (
     Message,
     TensorRef,
     _f,
+    _int_in,
     check_handle,
     check_tensor,
     list_of,
@@ -205,6 +206,10 @@ class GraphReply(Message):
         return list(self.sizes)
 
 
+MAX_HOLD_REPLY_US = 1_000_000
+check_hold_reply = _int_in(0, MAX_HOLD_REPLY_US)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GraphRunLinked(Message):
     """GRAPH_RUN of graph ``handle`` after the ``receive`` hand-offs have landed (within
@@ -218,6 +223,10 @@ class GraphRunLinked(Message):
     receive: tuple[peer.Receive, ...] = _f(lambda value, name: peer.check_receives(value, name))
     send: tuple[peer.Send, ...] = _f(lambda value, name: peer.check_sends(value, name))
     timeout_ms: int = _f(lambda value, name: peer.check_timeout(value, name))
+    hold_reply_us: int = _f(check_hold_reply, since=(1, 2), default=0)
+    """The worker may hold the reply this long after pushing the sends (sooner when another
+    reply goes out): a pipelining client that does not wait on it keeps the reply's wake-ups
+    off the hand-off's path. 0: reply at once."""
 
     def payload_sizes(self) -> list[int]:
         return [t.nbytes for t in self.inputs]

@@ -20,7 +20,10 @@ Client requests (ordinary DEALER→ROUTER requests, see :mod:`zmq_rpc.broker.pro
   (unacknowledged: ``reply_to`` is empty, and the receiving worker's own request reports a transfer
   that fails or never comes) and replies with the run's GraphReply. Issue the run that sends a
   hand-off before the run that receives it, or a receive may hold its queue ahead of a send that
-  worker itself must make first (its timeout then fails it).
+  worker itself must make first (its timeout then fails it). Since 1.2, ``hold_reply_us`` (left
+  off the wire when 0) lets the worker hold a successful reply that long after the pushes (sooner
+  when another reply leaves; never when it fetched more than 64 KiB): a pipelining client keeps
+  the reply's wake-ups off the CPUs the hand-off needs next.
 
 Peer messages (A's PUSH → B's PULL, and acks B's PUSH → A's PULL), header then payload::
 

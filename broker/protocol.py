@@ -47,7 +47,7 @@ from .errors import (
     VersionMismatch,
 )
 
-PROTOCOL_VERSION = (1, 1)
+PROTOCOL_VERSION = (1, 2)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
 
 STATUS_OK = 0
@@ -248,8 +248,14 @@ def list_of(item: Callable[[Any, str], Any], max_len: int) -> Callable[[Any, str
     return check
 
 
-def _f(check: Callable[[Any, str], Any], **kw: Any) -> Any:
-    return dataclasses.field(metadata={"check": check}, **kw)
+def _f(check: Callable[[Any, str], Any], *, since: tuple[int, int] | None = None,
+       **kw: Any) -> Any:
+    """A wire field checked by ``check``. A field added by a later minor (``since``) comes last,
+    has a default, and is left off the wire while it holds that default: older peers decode the
+    message unchanged, and a message from them decodes with the default."""
+    if since is not None and "default" not in kw:
+        raise TypeError("a field added by a later minor needs a default")
+    return dataclasses.field(metadata={"check": check, "since": since}, **kw)
 
 
 # ---------------------------------------------------------------------------------- tensors
@@ -388,21 +394,38 @@ class Message:
     def from_fields(cls: type[M], fields: Sequence[Any]) -> M:
         """Build from the header's fields, checking count, types and ranges."""
         spec = _SPECS[cls]
-        if len(fields) != len(spec):
-            raise BadRequest(f"{cls.__name__} takes {len(spec)} fields, got {len(fields)}",
+        required = _REQUIRED[cls]
+        if not required <= len(fields) <= len(spec):
+            wanted = f"{required} to {len(spec)}" if required < len(spec) else f"{len(spec)}"
+            raise BadRequest(f"{cls.__name__} takes {wanted} fields, got {len(fields)}",
                              code=ErrorCode.BAD_REQUEST)
         return cls(**{name: check(v, name) for (name, check), v in zip(spec, fields)})
 
     def to_fields(self) -> list[Any]:
-        """The header's fields, in order, as msgpack-ready values."""
-        return [_tensor_to_wire(getattr(self, name)) for name, _ in _SPECS[type(self)]]
+        """The header's fields, in order, as msgpack-ready values (later-minor fields that
+        hold their default left off the end)."""
+        spec, defaults = _SPECS[type(self)], _LATER_DEFAULTS[type(self)]
+        values = [getattr(self, name) for name, _ in spec]
+        end = len(values)
+        while end > _REQUIRED[type(self)] and values[end - 1] == defaults[end - 1]:
+            end -= 1
+        return [_tensor_to_wire(v) for v in values[:end]]
 
 
 _SPECS: dict[type[Message], list[tuple[str, Callable[[Any, str], Any]]]] = {}
+_REQUIRED: dict[type[Message], int] = {}
+"""How many leading fields every version of a message carries."""
+_LATER_DEFAULTS: dict[type[Message], list[Any]] = {}
 
 
 def _register(cls: type[M]) -> type[M]:
-    _SPECS[cls] = [(f.name, f.metadata["check"]) for f in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
+    _SPECS[cls] = [(f.name, f.metadata["check"]) for f in fields]
+    later = [f.metadata.get("since") is not None for f in fields]
+    _REQUIRED[cls] = later.index(True) if True in later else len(fields)
+    if not all(later[_REQUIRED[cls]:]):
+        raise TypeError(f"{cls.__name__}: fields added by later minors must come last")
+    _LATER_DEFAULTS[cls] = [f.default if is_later else None for f, is_later in zip(fields, later)]
     return cls
 
 

@@ -411,6 +411,11 @@ class LlamaModel:
         token); False decodes one client round trip per token."""
         self.lookahead = 2
         """Chained greedy steps issued ahead of the one being waited for."""
+        self.hold_reply = 0.001
+        """Seconds each chained step's stage runs let their worker hold the reply (see
+        :meth:`Client.run`): nothing waits on those replies right away, and sent at once
+        they wake the broker and this process while the activation is in flight; 0 turns
+        it off."""
         self.stats: list[StepStat] = []
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -839,7 +844,8 @@ class LlamaModel:
         return step
 
     def _issue(self, step: _StepFuture, mode: Mode, runs: list[_StageRun],
-                receive: HandOff | None = None, send: HandOff | None = None) -> None:
+                receive: HandOff | None = None, send: HandOff | None = None,
+                hold_reply: float = 0.0) -> None:
         """Run every stage in turn, one linked run each: a stage receives the previous one's
         output and sends its own to the next (``receive``: the first stage's input from
         elsewhere; ``send``: the last stage's output to elsewhere). Nothing waits here."""
@@ -850,7 +856,8 @@ class LlamaModel:
                     _need(stage.io[mode].x_out), _need(runs[i + 1].stage.io[mode].x_in))
                 step.add_run(stage.client.run_async(
                     stage.graphs[mode], run.inputs, run.fetch,
-                    receive=[receive] if receive else [], send=[out] if out else []),
+                    receive=[receive] if receive else [], send=[out] if out else [],
+                    hold_reply=hold_reply),
                     final=stage.last)
                 if out is not None:
                     step.add_messages(_messages(out))
@@ -983,7 +990,8 @@ class LlamaModel:
             step.add_transfer(prompt.client.copy_tensor_async(prompt, x_in),
                               1 if last.client is first.client else 2)
         following = hand_off(_need(last.io["decode"].x_next), x_in)
-        self._issue(step, "decode", runs, receive=carried, send=following)
+        self._issue(step, "decode", runs, receive=carried, send=following,
+                    hold_reply=self.hold_reply)
         return step, following
 
     def _finish_chain(self, pending: deque[_StepFuture], newest: _StepFuture | None,

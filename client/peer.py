@@ -221,11 +221,16 @@ def receive(client: Client, h: HandOff) -> Future[None]:
 
 def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
                frames: list[np.ndarray], fetch: Sequence[RemoteTensor],
-               receive: Sequence[HandOff], send: Sequence[HandOff]) -> Future[RunResult]:
+               receive: Sequence[HandOff], send: Sequence[HandOff],
+               hold_reply: float = 0.0) -> Future[RunResult]:
     """One GRAPH_RUN_LINKED (or a GRAPH_RUN when every hand-off is local), then the copies or
     relays of the sends that do not go worker to worker; the future carries the run's result
-    or the first error of any part."""
+    or the first error of any part. ``hold_reply``: see :meth:`Client.run`."""
     from .client import _fetched, _gather
+
+    if not 0 <= hold_reply <= wire_graph.MAX_HOLD_REPLY_US / 1e6:
+        raise BadRequest(f"hold_reply must lie in [0, {wire_graph.MAX_HOLD_REPLY_US / 1e6}] "
+                         f"seconds, not {hold_reply}")
 
     for h in receive:
         if h.dst.client is not client:
@@ -242,8 +247,10 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
             raise BadRequest(f"the worker at {client.endpoint} does not run linked graphs "
                              f"(protocol {client.info.major}.{client.info.minor})")
         timeout_ms = max([h.timeout_ms for h in receive] or [_transfer_ms(client.timeout)])
+        hold_us = round(hold_reply * 1e6) if "held-replies" in client.info.capabilities else 0
         msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
-                                             receive=receives, send=sends, timeout_ms=timeout_ms)
+                                             receive=receives, send=sends, timeout_ms=timeout_ms,
+                                             hold_reply_us=hold_us)
         run = client._call(Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=_fetched(fetch))
     else:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)

@@ -21,6 +21,7 @@ from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.protocol import Cmd, DType
 from zmq_rpc.client import (
+    BadRequest,
     Client,
     ConnectionLost,
     Graph,
@@ -733,3 +734,50 @@ def test_linked_run_send_of_an_unknown_handle_fails_before_running(trio: list[Cl
     with pytest.raises(InvalidHandle):
         a._call(Cmd.GRAPH_RUN_LINKED, msg).result(timeout=5)
     assert a.get_tensor(ya)[0] == 0             # the graph did not run
+
+
+# ------------------------------------------------------------------------------ held replies
+
+
+def test_held_reply_waits_and_carries_the_values_of_its_run(trio: list[Client]) -> None:
+    """A linked run's reply held back (``hold_reply``) leaves when another reply does, in
+    order, with what the run fetched, even though the next request overwrote that buffer."""
+    a, b, _ = trio
+    ga, xa, ya = stage(a, 100, 1.0)
+    gb, xb, yb = stage(b, 100, 10.0)
+    a.set_tensor(xa, np.arange(100, dtype=np.float32))
+    h = client_peer.hand_off(ya, xb)
+    run = a.run_async(ga, fetch=[ya], send=[h], hold_reply=1.0)
+    overwrite = a.set_tensor_async(ya, np.zeros(100, np.float32))
+    done_first = []
+    run.add_done_callback(lambda f: done_first.append("run"))
+    overwrite.add_done_callback(lambda f: done_first.append("overwrite"))
+    (got,) = run.result(timeout=5)
+    overwrite.result(timeout=5)
+    assert done_first == ["run", "overwrite"]
+    np.testing.assert_array_equal(got, np.arange(100) + 1.0)
+    (after,) = b.run(gb, receive=[h], fetch=[yb])
+    np.testing.assert_array_equal(after, np.arange(100) + 11.0)
+
+
+def test_held_reply_leaves_by_itself_and_big_fetches_are_not_held(trio: list[Client]) -> None:
+    a, b, _ = trio
+    for n, hold in ((100, 0.3), (40_000, 1.0)):      # 160 KB fetched: replied at once
+        ga, xa, ya = stage(a, n, 1.0)
+        gb, xb, _yb = stage(b, n, 1.0)
+        h = client_peer.hand_off(ya, xb)
+        started = time.monotonic()
+        (got,) = a.run(ga, fetch=[ya], send=[h], hold_reply=hold)
+        waited = time.monotonic() - started
+        assert got.shape == (n,)
+        assert (waited >= 0.25) if n == 100 else (waited < 0.9), waited
+        b.receive(h)
+
+
+def test_hold_reply_is_bounded(trio: list[Client]) -> None:
+    a, b, _ = trio
+    ga, _, ya = stage(a, 4, 1.0)
+    h = client_peer.hand_off(ya, tensor(b, (4,)))
+    for hold in (-0.1, 1.5):
+        with pytest.raises(BadRequest, match="hold_reply"):
+            a.run_async(ga, send=[h], hold_reply=hold)

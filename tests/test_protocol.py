@@ -142,11 +142,12 @@ def test_error_message_is_capped() -> None:
 # These pin the encoding byte for byte. If one of them changes, the wire format changed: bump
 # PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
 # The enums are append-only: a new member must take a value above every pinned one; a new command
-# bumps the minor (1.1: GRAPH_RUN_LINKED).
+# bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
+# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default.
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 1)
+    assert p.PROTOCOL_VERSION == (1, 2)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -570,6 +571,37 @@ def test_graph_run_linked_is_validated(receive: Any, send: Any, match: str) -> N
 
 def test_graph_run_linked_timeout_is_bounded() -> None:
     bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 0)], match="timeout_ms")
+
+
+def test_golden_graph_run_linked_hold_reply() -> None:
+    """1.2's trailing field: on the wire only when set; a 1.1 message decodes with 0."""
+    held = linked(hold_reply_us=800)
+    header = p.encode_request(Cmd.GRAPH_RUN_LINKED, 9, held)
+    # [21, 9, 3, [[1, 0, [2], [4], 0]], [], [], [], 1000, 800]
+    assert header.hex() == "99150903919501009102910400909090" "cd03e8" "cd0320"
+    assert p.decode_request([header, bytes(8)]) == (Cmd.GRAPH_RUN_LINKED, 9, held)
+    old = p.encode_request(Cmd.GRAPH_RUN_LINKED, 9, linked())
+    assert old == b"\x98" + header[1:-3]
+    assert p.decode_request([old, bytes(8)])[2].hold_reply_us == 0
+
+
+@pytest.mark.parametrize("value", [-1, 1_000_001, 1.5, "1"])
+def test_graph_run_linked_hold_reply_is_checked(value: Any) -> None:
+    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, value)], match="hold_reply_us")
+    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, 0, 0)], match="6 to 7 fields")
+
+
+def test_fields_added_by_a_later_minor_come_last_with_a_default() -> None:
+    with pytest.raises(TypeError, match="needs a default"):
+        p._f(p.check_u32, since=(1, 9))
+
+    @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+    class Misordered(p.Message):
+        added: int = p._f(p.check_u32, since=(1, 9), default=0)
+        old: int = p._f(p.check_u32)
+
+    with pytest.raises(TypeError, match="must come last"):
+        p._register(Misordered)
 
 
 # ---------------------------------------------------------------------------- module imports

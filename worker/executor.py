@@ -41,6 +41,8 @@ MAX_CACHED_VIEWS = 1024
 """Most checked views a session keeps (see :attr:`Session.views`)."""
 
 TRACK_THRESHOLD = 64 * 1024
+MAX_HELD_BYTES = 64 * 1024
+"""A linked run's reply is held back only when what it fetched is at most this big."""
 """Replies at least this big are sent zero-copy from buffer memory, with a tracker."""
 
 
@@ -122,6 +124,16 @@ class Pending:
 Reply = tuple[p.Message, list[Any]]
 Handler = Callable[[Session, Any, Sequence[Any]], Reply]
 
+
+@dataclass(frozen=True)
+class HeldReply:
+    """A successful reply waiting until ``due`` (its payload copied out of the buffers)."""
+
+    due: float
+    client_id: bytes
+    req_id: int
+    reply: Reply
+
 NO_REPLY: Reply = (p.Empty(), [])
 
 
@@ -141,7 +153,9 @@ class Executor:
         if getattr(backend, "zero_copy", True):
             self.capabilities.append("zero-copy")
         if getattr(backend, "supports_graphs", True):
-            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs"]
+            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+        self.held: deque[HeldReply] = deque()
+        """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""
         self.handlers: dict[Cmd, Handler] = {
             Cmd.PING: lambda s, m, f: NO_REPLY,
             Cmd.GOODBYE: self._goodbye,
@@ -271,7 +285,32 @@ class Executor:
                        f"{req.cmd.name} failed: {type(exc).__name__}: {exc}")
             return
         self._start_sends(session)
+        if req.cmd is Cmd.GRAPH_RUN_LINKED and self._hold(session, req, (reply, payload)):
+            return
         self.reply(session.client_id, req.req_id, reply, payload)
+
+    def _hold(self, session: Session, req: Request, reply: Reply) -> bool:
+        """Keep a linked run's reply back as it asked, when what it fetched is small (copied
+        now: later requests may write those buffers before the reply leaves)."""
+        hold_us = cast(g.GraphRunLinked, req.msg).hold_reply_us
+        frames: list[Any] = [f.data if isinstance(f, TrackedPayload) else f for f in reply[1]]
+        if not hold_us or sum(len(f) for f in frames) > MAX_HELD_BYTES:
+            return False
+        copied: list[Any] = [bytes(f) for f in frames]
+        self.held.append(HeldReply(time.monotonic() + hold_us / 1e6, session.client_id,
+                                   req.req_id, (reply[0], copied)))
+        return True
+
+    def release_held(self, now: float | None = None) -> None:
+        """Send the held replies that are due (all of them when ``now`` is None), in order: a
+        later one waits behind an earlier one."""
+        while self.held and (now is None or self.held[0].due <= now):
+            held = self.held.popleft()
+            self._send_reply(held.client_id, held.req_id, *held.reply)
+
+    def next_release(self) -> float | None:
+        """When the oldest held reply is due (None if nothing is held)."""
+        return self.held[0].due if self.held else None
 
     def _fail(self, session: Session, req: Request, code: ErrorCode, message: str) -> None:
         """Answer ``req`` with an error. A linked run's receive that fails to start takes the
@@ -294,7 +333,14 @@ class Executor:
     # --------------------------------------------------------------------------- replies
 
     def reply(self, client_id: bytes, req_id: int, msg: p.Message, payload: list[Any]) -> None:
-        """Send a successful reply; big payloads that alias buffer memory are tracked."""
+        """Send a successful reply (after any held ones: replies leave in order)."""
+        if self.held:
+            self.release_held()
+        self._send_reply(client_id, req_id, msg, payload)
+
+    def _send_reply(self, client_id: bytes, req_id: int, msg: p.Message,
+                    payload: list[Any]) -> None:
+        """Big payloads that alias buffer memory are tracked."""
         header = p.encode_reply(req_id, msg)
         tracked = [b for b in payload if isinstance(b, TrackedPayload)]
         frames = [client_id, header, *[getattr(b, "data", b) for b in payload]]
@@ -308,6 +354,8 @@ class Executor:
 
     def _reply_error(self, client_id: bytes, req_id: int, code: ErrorCode, message: str) -> None:
         log.debug("error reply %s to %s: %s", code.name, client_id.hex()[:8], message)
+        if self.held:
+            self.release_held()
         self._send([client_id, p.encode_error(req_id, code, message)])
 
     # --------------------------------------------------------------------------- sessions

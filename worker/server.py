@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -138,6 +139,7 @@ class BackendThread(threading.Thread):
                 return
             waiting = self.executor.pump_all() if (waiting or events) else False
             now = time.monotonic()
+            self.executor.release_held(now)
             peers.expire(now)
             if now >= next_expiry:
                 self.executor.expire_sessions(now)
@@ -146,10 +148,12 @@ class BackendThread(threading.Thread):
     def _timeout_ms(self, waiting: bool) -> int:
         if waiting or (self.peers is not None and self.peers.incoming):
             return 1      # a transfer is due: short naps keep this core quick to wake
-        deadline = self.peers.next_deadline() if self.peers is not None else None
+        deadlines = [self.peers.next_deadline() if self.peers is not None else None,
+                     self.executor.next_release() if self.executor is not None else None]
+        deadline = min((d for d in deadlines if d is not None), default=None)
         if deadline is None:
             return 250
-        return max(1, min(250, int((deadline - time.monotonic()) * 1000) + 1))
+        return max(0, min(250, math.ceil((deadline - time.monotonic()) * 1000)))
 
     def _drain(self, pair: zmq.Socket[bytes]) -> None:
         assert self.executor is not None
@@ -167,6 +171,7 @@ class BackendThread(threading.Thread):
         while pair.poll(0):
             self._drain(pair)
         executor.pump_all()
+        executor.release_held()
         executor.fail_queued(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
         log.info("backend drained; %d session(s) were open", len(executor.sessions))
 
