@@ -13,7 +13,17 @@ from typing import Any
 
 import numpy as np
 
-from .client import Client, MemoryInfo, RemoteBuffer, RemoteTensor
+from .client import (
+    Client,
+    Inputs,
+    MemoryInfo,
+    RegisteredGraph,
+    RemoteBuffer,
+    RemoteTensor,
+    RunResult,
+)
+from .graph import Graph
+from .peer import HandOff
 
 
 class AsyncClient:
@@ -70,6 +80,32 @@ class AsyncClient:
 
     async def ping(self) -> None:
         await asyncio.wrap_future(self.sync.ping_async())
+
+    async def compute(self, graph: Graph, inputs: Inputs = None,
+                      fetch: Sequence[RemoteTensor] = ()) -> RunResult:
+        """Validate and run ``graph`` once (see :meth:`Client.compute`)."""
+        return await asyncio.wrap_future(self.sync.compute_async(graph, inputs, fetch))
+
+    async def register(self, graph: Graph) -> RegisteredGraph:
+        """Keep ``graph`` on the worker for :meth:`run` (see :meth:`Client.register`)."""
+        return await asyncio.wrap_future(self.sync.register_async(graph))
+
+    def run(self, graph: RegisteredGraph, inputs: Inputs = None,
+            fetch: Sequence[RemoteTensor] = (), *, receive: Sequence[HandOff] = (),
+            send: Sequence[HandOff] = (), hold_reply: float = 0.0) -> asyncio.Future[RunResult]:
+        """Rerun a registered graph, with its hand-offs (see :meth:`Client.run`); await the
+        result. Unlike the coroutines here, the run is issued when this is called, so that
+        ``a_run = a.run(g1, send=[h])`` then ``b_run = b.run(g2, receive=[h])`` issues the
+        sender first, as linked runs need (call it from the event loop's thread)."""
+        return asyncio.wrap_future(self.sync.run_async(graph, inputs, fetch, receive=receive,
+                                                       send=send, hold_reply=hold_reply))
+
+    async def receive(self, hand_off: HandOff) -> None:
+        """Land a hand-off that no run of this worker receives."""
+        await asyncio.wrap_future(self.sync.receive_async(hand_off))
+
+    async def free_graph(self, graph: RegisteredGraph) -> None:
+        await asyncio.wrap_future(graph.free_async())
 
     async def gather_set(self, pairs: Sequence[tuple[RemoteTensor, Any]]) -> None:
         """Upload several tensors, pipelined."""

@@ -8,6 +8,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from zmq_rpc.client import (
     InvalidHandle,
     OutOfBounds,
     OutOfMemory,
+    RemoteTensor,
     Timeout,
     from_bfloat16,
     to_bfloat16,
@@ -299,6 +301,47 @@ def test_async_client(worker: WorkerServer) -> None:
             assert (await c.device_memory()).total == 256 << 20
 
     asyncio.run(main())
+
+
+def test_async_client_graphs_and_linked_runs(make_worker: Callable[..., WorkerServer]) -> None:
+    """The asyncio face runs graphs too: a two-worker ring of linked runs, issued in order
+    without awaiting in between, then a one-shot compute."""
+    from zmq_rpc.client import Graph, hand_off
+
+    async def stage(c: AsyncClient, add: float) -> tuple[Any, RemoteTensor, RemoteTensor]:
+        x, y, k = [(await c.alloc_buffer(64)).tensor((16,), "float32") for _ in range(3)]
+        await c.set_tensor(k, np.full(16, add, np.float32))
+        g = Graph()
+        g.add(x, k, out=y)
+        return await c.register(g), x, y
+
+    async def main(endpoints: list[str]) -> None:
+        a, b = [await AsyncClient.connect(e) for e in endpoints]
+        try:
+            (ga, xa, ya), (gb, xb, yb) = await stage(a, 1.0), await stage(b, 10.0)
+            await a.set_tensor(xa, np.arange(16, dtype=np.float32))
+            runs, previous = [], None
+            for _ in range(20):
+                there, back = hand_off(ya, xb), hand_off(yb, xa)
+                runs.append(a.run(ga, receive=[previous] if previous else [], send=[there]))
+                runs.append(b.run(gb, receive=[there], send=[back], fetch=[yb],
+                                  hold_reply=0.001))
+                previous = back
+            results = await asyncio.wait_for(asyncio.gather(*runs), 20)
+            await a.receive(previous)
+            np.testing.assert_array_equal(results[-1][0], np.arange(16) + 11.0 * 20)
+            np.testing.assert_array_equal(await a.get_tensor(xa), np.arange(16) + 11.0 * 20)
+            g = Graph()
+            g.mul(xa, xa, out=ya)
+            (squared,) = await a.compute(g, fetch=[ya])
+            np.testing.assert_array_equal(squared, (np.arange(16) + 220.0) ** 2)
+            await a.free_graph(ga)
+        finally:
+            await a.close()
+            await b.close()
+
+    workers = [make_worker() for _ in range(2)]
+    asyncio.run(main([w.endpoint for w in workers]))
 
 
 def _peak_mib(pid: int | str = "self") -> int:
