@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -113,6 +114,25 @@ def test_table_shows_figures_ratio_and_mark() -> None:
     assert lines[0].startswith("case") and set(lines[1]) == {"-"}
     assert "2.00 [1.00-3.00]" in lines[2] and "PASS" in lines[2] and "slow 1.00" in lines[2]
     assert "FAIL" in lines[3] and "6.00x" in lines[3]
+
+
+def test_llm_rows_hold_the_issue_budgets() -> None:
+    """The LLM case states its absolute targets as rows: overhead <=1 ms, upload >=2 GB/s."""
+    from zmq_rpc.tools import bench_llm
+
+    def placement(name: str, overhead: list[float], upload: list[float]) -> Any:
+        return bench_llm.Placement(name=name, prefill32=[100.0], prefill128=[100.0],
+                                   generate=[20.0], token_seconds=[0.05], overhead=overhead,
+                                   upload_gbps=upload, load_seconds=[0.5], upload_bytes=96_000_000,
+                                   raw_upload_gbps=[2.5])
+
+    base = placement("in-process", [], [])
+    for overhead, upload, ok in (([0.8, 0.9, 1.3], [2.1, 2.2], True),
+                                 ([1.1, 1.2, 0.4], [1.9, 1.8], False)):
+        rows = {r.label: r for r in bench_llm.rows(base, [placement("2 workers", overhead, upload)])}
+        assert rows["llm overhead/token vs budget"].ratio() == pytest.approx(sorted(overhead)[1])
+        assert rows["llm overhead/token vs budget"].passed() is ok
+        assert rows["llm upload vs budget"].passed() is ok
 
 
 def test_cases_and_commands_can_be_registered(monkeypatch: pytest.MonkeyPatch) -> None:

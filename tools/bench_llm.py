@@ -123,6 +123,10 @@ def _in_process_child(quick: bool) -> None:
         server.stop()
 
 
+OVERHEAD_BUDGET_MS = 1.0
+UPLOAD_BUDGET_GBPS = 2.0
+
+
 def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
     """Rate rows per placement against in-process, and the 2-worker overhead row."""
     out = []
@@ -146,6 +150,14 @@ def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
             {"token time": [s * 1e3 for s in two.token_seconds]}, Target(0.05, False), False,
             note=f"median {statistics.median(two.overhead):.2f} ms: time per token minus the "
                  "workers' reported compute; target <=5% of the token time and <=1 ms"))
+        out.append(CaseResult(
+            "llm", "llm overhead/token vs budget", "ms", two.overhead,
+            {"1 ms budget": [OVERHEAD_BUDGET_MS]}, Target(1.0, False), False,
+            note="the same 2-worker overhead against the issue's absolute budget"))
+        out.append(CaseResult(
+            "llm", "llm upload vs budget", "GB/s", two.upload_gbps,
+            {"2 GB/s budget": [UPLOAD_BUDGET_GBPS]}, Target(1.0, True), True,
+            note="the 2-worker upload (the main job's placement) against the target"))
     return out
 
 
