@@ -707,6 +707,35 @@ def test_linked_receive_that_never_comes_fails_the_run_and_what_queued_behind(
     b.ping()                                    # the session serves again
 
 
+def test_linked_run_inputs_written_while_waiting_keep_their_order(trio: list[Client]) -> None:
+    """A waiting run writes its inputs early, except where its receive lands on them (the
+    receive comes first); a receive that then fails says the inputs were written."""
+    a, b, _ = trio
+    gb, xb, yb = stage(b, 100, 1.0)
+    scale = tensor(b, (100,))
+    g2 = Graph()
+    g2.mul(xb, scale, out=yb)
+    gm = b.register(g2)
+    ya = tensor(a, (100,))
+    a.set_tensor(ya, np.arange(100, dtype=np.float32))
+    h = client_peer.hand_off(ya, xb)
+    receiving = b.run_async(gb, {xb[:10]: np.full(10, 7, np.float32)}, receive=[h], fetch=[yb])
+    sender_graph = Graph()
+    sender_graph.add(ya, ya, out=ya)              # 2 * arange, then pushed
+    a.run(a.register(sender_graph), send=[h])
+    (got,) = receiving.result(timeout=10)
+    expected = 2.0 * np.arange(100) + 1.0
+    expected[:10] = 8.0                           # the input overwrote what was received
+    np.testing.assert_array_equal(got, expected)
+
+    orphan = client_peer.hand_off(tensor(a, (100,)), xb)
+    orphan = client_peer.HandOff(orphan.src, orphan.dst, orphan.token, orphan.route, 400)
+    run = b.run_async(gm, {scale: np.full(100, 3, np.float32)}, receive=[orphan], fetch=[yb])
+    with pytest.raises(TransferError, match="timed out.*its inputs were written"):
+        run.result(timeout=10)
+    np.testing.assert_array_equal(b.get_tensor(scale), np.full(100, 3.0))
+
+
 def test_linked_run_bad_hand_off_gets_one_error_and_the_queue_goes_on(trio: list[Client]) -> None:
     """A receive into a freed buffer fails before anything runs: one reply (the run's error),
     and the request behind it runs."""

@@ -82,9 +82,19 @@ class Request:
     silent: bool = False
     """A receive a GRAPH_RUN_LINKED queued ahead of itself (same ``req_id``): it never replies;
     the run behind it answers for both."""
-    prepared: tuple[int, list[Any]] | None = None
-    """A linked run's checked sends, made while its receives waited, stamped with the
-    session's ``frees`` at that moment (stale once a buffer is freed)."""
+    prepared: Prepared | None = None
+    """What a linked run did while its receives waited."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A linked run's work done while its last receive waited: its sends checked and encoded,
+    and maybe its inputs written; stamped with the session's ``frees`` then (a freed buffer
+    makes the pushes stale)."""
+
+    frees: int
+    pushes: list[Any]
+    inputs_written: bool
 
 
 @dataclass
@@ -572,11 +582,29 @@ class Executor:
         starts as soon as the bytes land (a failure here is reported by the run itself)."""
         if run.cmd is not Cmd.GRAPH_RUN_LINKED or run.req_id != req_id:
             return
+        msg = cast(g.GraphRunLinked, run.msg)
         try:
-            pushes = self._pushes(session, cast(g.GraphRunLinked, run.msg))
+            self._graph(session, msg.handle)
+            pushes = self._pushes(session, msg)
+            written = self._write_inputs_early(session, msg, run.payload)
         except WireError:
             return
-        run.prepared = (session.frees, pushes)
+        run.prepared = Prepared(session.frees, pushes, written)
+
+    def _write_inputs_early(self, session: Session, msg: g.GraphRunLinked,
+                            payload: Sequence[Any]) -> bool:
+        """Write a waiting linked run's inputs now, unless a receive lands on one of them (it
+        must come first) or a zero-copy send still reads their buffers."""
+        for ref in msg.inputs:
+            if any(_overlap(ref, r.dst) for r in msg.receive):
+                return False
+            buf = session.buffers.get(ref.buffer)
+            if buf is None or (buf.sending and buf.busy()):
+                return False
+        views = [self.view(session, ref) for ref in msg.inputs]
+        for view, frame in zip(views, payload):
+            self.backend.write(view, frame)
+        return True
 
     def _pushes(self, session: Session, msg: g.GraphRunLinked) -> list[Any]:
         return [self.peers.prepare_push(session, send, acknowledge=False) for send in msg.send]
@@ -612,9 +640,12 @@ class Executor:
             return
         session.held_by = None
         if error is not None:
+            run = session.queue[0].prepared if session.queue else None
+            written = " (its inputs were written while it waited)" if (
+                run is not None and run.inputs_written) else ""
             self._fail_queue(session, ErrorCode.TRANSFER_FAILED, "an earlier transfer this "
                              f"request was queued behind failed: {error}", pending.req_id,
-                             f"receiving the run's input failed: {error}")
+                             f"receiving the run's input failed: {error}{written}")
         self.pump(session)
 
     # ----------------------------------------------------------------------------- graphs
@@ -664,19 +695,18 @@ class Executor:
         return self._execute(session, self._graph(session, msg.handle), msg, payload)
 
     def _graph_run_linked(self, session: Session, msg: g.GraphRunLinked,
-                          payload: Sequence[Any], prepared: tuple[int, list[Any]] | None) -> Reply:
+                          payload: Sequence[Any], prepared: Prepared | None) -> Reply:
         """Its receives have landed (they ran ahead of it): check the sends, run, push them."""
         graph = self._graph(session, msg.handle)
-        if prepared is not None and prepared[0] == session.frees:
-            pushes = prepared[1]
-        else:
-            pushes = self._pushes(session, msg)
+        fresh = prepared is not None and prepared.frees == session.frees
+        pushes = prepared.pushes if prepared is not None and fresh else self._pushes(session, msg)
 
         def push_all() -> None:          # before reading the fetch: a peer waits on these
             for push in pushes:
                 self.peers.push(push)
 
-        return self._execute(session, graph, msg, payload, then=push_all)
+        written = prepared is not None and prepared.inputs_written
+        return self._execute(session, graph, msg, () if written else payload, then=push_all)
 
     def _graph_compute(self, session: Session, msg: g.GraphCompute,
                        payload: Sequence[Any]) -> Reply:
@@ -730,6 +760,14 @@ class TrackedPayload:
 
     data: Any
     buffer: Buffer
+
+
+def _overlap(a: TensorRef, b: TensorRef) -> bool:
+    """Whether two views of the same buffer may share a byte."""
+    if a.buffer != b.buffer:
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = a.byte_extent(), b.byte_extent()
+    return a_lo < b_hi and b_lo < a_hi
 
 
 def check_inside(ref: TensorRef, size: int) -> None:
