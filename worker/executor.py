@@ -41,9 +41,10 @@ MAX_CACHED_VIEWS = 1024
 """Most checked views a session keeps (see :attr:`Session.views`)."""
 
 TRACK_THRESHOLD = 64 * 1024
+"""Replies at least this big are sent zero-copy from buffer memory, with a tracker."""
+
 MAX_HELD_BYTES = 64 * 1024
 """A linked run's reply is held back only when what it fetched is at most this big."""
-"""Replies at least this big are sent zero-copy from buffer memory, with a tracker."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class HeldReply:
     client_id: bytes
     req_id: int
     reply: Reply
+
 
 NO_REPLY: Reply = (p.Empty(), [])
 
