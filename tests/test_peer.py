@@ -803,6 +803,22 @@ def test_held_reply_leaves_by_itself_and_big_fetches_are_not_held(trio: list[Cli
         b.receive(h)
 
 
+def test_held_reply_goes_out_when_the_worker_stops(make_worker: Callable[..., WorkerServer],
+                                                   make_client: Callable[..., Client]) -> None:
+    server = make_worker()
+    a, b = make_client(server.endpoint, timeout=10), make_client(make_worker().endpoint)
+    ga, _xa, ya = stage(a, 8, 1.0)
+    h = client_peer.hand_off(ya, tensor(b, (8,)))
+    run = a.run_async(ga, fetch=[ya], send=[h], hold_reply=1.0)
+    time.sleep(0.1)                             # the run is done, its reply held
+    assert not run.done()
+    started = time.monotonic()
+    server.stop()
+    (got,) = run.result(timeout=5)
+    assert time.monotonic() - started < 0.8     # released by the shutdown, not by its timer
+    np.testing.assert_array_equal(got, np.ones(8))
+
+
 def test_hold_reply_is_bounded(trio: list[Client]) -> None:
     a, b, _ = trio
     ga, _, ya = stage(a, 4, 1.0)
