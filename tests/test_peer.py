@@ -819,6 +819,22 @@ def test_held_reply_goes_out_when_the_worker_stops(make_worker: Callable[..., Wo
     np.testing.assert_array_equal(got, np.ones(8))
 
 
+def test_held_replies_are_capped_in_bytes(trio: list[Client],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_HELD_TOTAL a reply goes out at once, and takes the held ones with it."""
+    from zmq_rpc.worker import executor
+    monkeypatch.setattr(executor, "MAX_HELD_TOTAL", 1000)
+    a, b, _ = trio
+    ga, _xa, ya = stage(a, 100, 1.0)            # 400 bytes fetched per run
+    started = time.monotonic()
+    runs = []
+    for _ in range(3):
+        h = client_peer.hand_off(ya, tensor(b, (100,)))
+        runs.append(a.run_async(ga, fetch=[ya], send=[h], hold_reply=1.0))
+    wait_all(runs, timeout=5)
+    assert time.monotonic() - started < 0.8     # the third was not held
+
+
 def test_hold_reply_is_bounded(trio: list[Client]) -> None:
     a, b, _ = trio
     ga, _, ya = stage(a, 4, 1.0)

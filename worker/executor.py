@@ -44,7 +44,10 @@ TRACK_THRESHOLD = 64 * 1024
 """Replies at least this big are sent zero-copy from buffer memory, with a tracker."""
 
 MAX_HELD_BYTES = 64 * 1024
-"""A linked run's reply is held back only when what it fetched is at most this big."""
+"""A linked run's reply is held back only when what it fetched is at most this big..."""
+MAX_HELD_TOTAL = 16 << 20
+"""...and while every held reply together stays under this (a flood of held runs from a client
+that never waits must not pile up memory)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ class HeldReply:
     client_id: bytes
     req_id: int
     reply: Reply
+    nbytes: int
 
 
 NO_REPLY: Reply = (p.Empty(), [])
@@ -168,6 +172,7 @@ class Executor:
             self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
         self.held: deque[HeldReply] = deque()
         """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""
+        self.held_bytes = 0
         self.handlers: dict[Cmd, Handler] = {
             Cmd.PING: lambda s, m, f: NO_REPLY,
             Cmd.GOODBYE: self._goodbye,
@@ -306,11 +311,13 @@ class Executor:
         now: later requests may write those buffers before the reply leaves)."""
         hold_us = cast(g.GraphRunLinked, req.msg).hold_reply_us
         frames: list[Any] = [f.data if isinstance(f, TrackedPayload) else f for f in reply[1]]
-        if not hold_us or sum(len(f) for f in frames) > MAX_HELD_BYTES:
+        size = sum(len(f) for f in frames)
+        if not hold_us or size > MAX_HELD_BYTES or self.held_bytes + size > MAX_HELD_TOTAL:
             return False
         copied: list[Any] = [bytes(f) for f in frames]
         self.held.append(HeldReply(time.monotonic() + hold_us / 1e6, session.client_id,
-                                   req.req_id, (reply[0], copied)))
+                                   req.req_id, (reply[0], copied), size))
+        self.held_bytes += size
         return True
 
     def release_held(self, now: float | None = None) -> None:
@@ -318,6 +325,7 @@ class Executor:
         later one waits behind an earlier one."""
         while self.held and (now is None or self.held[0].due <= now):
             held = self.held.popleft()
+            self.held_bytes -= held.nbytes
             self._send_reply(held.client_id, held.req_id, *held.reply)
 
     def next_release(self) -> float | None:
@@ -589,7 +597,7 @@ class Executor:
             self._graph(session, msg.handle)
             pushes = self._pushes(session, msg)
             written = self._write_inputs_early(session, msg, run.payload)
-        except WireError:
+        except Exception:  # noqa: BLE001 - the run itself meets and reports it (the receive runs)
             return
         run.prepared = Prepared(session.frees, pushes, written)
 
