@@ -231,6 +231,9 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
     if not 0 <= hold_reply <= wire_graph.MAX_HOLD_REPLY_US / 1e6:
         raise BadRequest(f"hold_reply must lie in [0, {wire_graph.MAX_HOLD_REPLY_US / 1e6}] "
                          f"seconds, not {hold_reply}")
+    if hold_reply and hold_reply >= client.timeout / 2:
+        raise BadRequest(f"hold_reply {hold_reply} s would eat half of the client's "
+                         f"{client.timeout} s timeout")
 
     for h in receive:
         if h.dst.client is not client:

@@ -842,3 +842,6 @@ def test_hold_reply_is_bounded(trio: list[Client]) -> None:
     for hold in (-0.1, 1.5):
         with pytest.raises(BadRequest, match="hold_reply"):
             a.run_async(ga, send=[h], hold_reply=hold)
+    a.timeout = 1.0
+    with pytest.raises(BadRequest, match="half of the client's 1.0 s timeout"):
+        a.run_async(ga, send=[h], hold_reply=0.5)
