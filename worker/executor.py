@@ -187,7 +187,6 @@ class Executor:
             Cmd.SYNCHRONIZE: lambda s, m, f: NO_REPLY,
             Cmd.GRAPH_REGISTER: self._graph_register,
             Cmd.GRAPH_RUN: self._graph_run,
-            Cmd.GRAPH_RUN_LINKED: lambda s, m, f: self._graph_run_linked(s, m, f, None),
             Cmd.GRAPH_COMPUTE: self._graph_compute,
             Cmd.GRAPH_FREE: self._graph_free,
         }
@@ -284,7 +283,7 @@ class Executor:
                 if deferred(pending, req.msg):
                     return
                 reply, payload = NO_REPLY
-            elif req.prepared is not None:     # a linked run, its sends checked while it waited
+            elif req.cmd is Cmd.GRAPH_RUN_LINKED:  # with what it prepared while it waited
                 reply, payload = self._graph_run_linked(session, cast(g.GraphRunLinked, req.msg),
                                                         req.payload, req.prepared)
             else:
