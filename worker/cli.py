@@ -18,6 +18,7 @@ import threading
 from importlib.metadata import PackageNotFoundError, version
 
 from ..broker.ops import DEFAULT_MAX_WORK
+from .logs import configure_logging
 
 BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                     "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -72,8 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "repeated views counted in full, multiply-adds / 32 "
                          f"(default {DEFAULT_MAX_WORK:,})")
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
+    ap.add_argument("--metrics-port", type=int, default=None,
+                    help="serve Prometheus metrics over HTTP on this port (0: a free one; "
+                         "default: no metrics)")
+    ap.add_argument("--metrics-host", default="127.0.0.1",
+                    help="address the metrics endpoint listens on (default %(default)s)")
     ap.add_argument("--log-level", default="INFO",
-                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="INFO (default): one line per session event and start/stop")
+    ap.add_argument("--log-format", default="text", choices=["text", "json"],
+                    help="text lines, or one JSON object per line for log collectors")
     ap.add_argument("--version", action="version", version=f"zmq-rpc {package_version()}")
     return ap
 
@@ -98,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     for var in BLAS_THREAD_VARS:
         os.environ[var] = str(args.threads)
     tune_malloc()
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     from .server import WorkerConfig, WorkerServer  # after the BLAS variables are set
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                           session_timeout=args.session_timeout,
                           max_graph_work=args.max_graph_work,
                           peer_bind="" if args.peer_bind == "none" else args.peer_bind,
-                          peer_advertise=args.peer_advertise)
+                          peer_advertise=args.peer_advertise, metrics_port=args.metrics_port,
+                          metrics_host=args.metrics_host)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -118,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("zmq_rpc.worker").error("cannot start: %s", exc)
         return 1
     print(f"zmq-rpc-worker listening on {endpoint}", flush=True)
+    if server.metrics_address:
+        print(f"zmq-rpc-worker metrics on {server.metrics_address}/metrics", flush=True)
     while not stop.wait(0.5):
         pass
     server.stop()

@@ -32,6 +32,7 @@ from ..broker.errors import BadRequest
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
 from .graph_exec import CompiledGraph, compile_graph
+from .metrics import INVALID_COMMAND, NullRecorder, Recorder, WorkerSnapshot
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -105,6 +106,8 @@ class Request:
     the run behind it answers for both."""
     prepared: Prepared | None = None
     """What a linked run did while its receives waited."""
+    arrived: int = 0
+    """``perf_counter_ns()`` when the backend thread took it from the PAIR."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,9 @@ class Session:
 
     client_id: bytes
     name: str
+    sid: int = 0
+    """A number for the logs and the status (``s<sid>``): the routing id keys the session and
+    stays secret, only its first 4 bytes are ever shown."""
     buffers: dict[int, Buffer] = field(default_factory=dict)
     graphs: dict[int, CompiledGraph] = field(default_factory=dict)
     queue: deque[Request] = field(default_factory=deque)
@@ -137,7 +143,11 @@ class Session:
 
     @property
     def label(self) -> str:
-        return f"{self.name}/{self.client_id.hex()[:8]}"
+        return f"s{self.sid}"
+
+    def log_fields(self) -> dict[str, Any]:
+        """The session's identity for a log record (``extra=``): JSON logs keep them apart."""
+        return {"session": self.label, "client": self.name, "client_id": self.client_id.hex()[:8]}
 
 
 @dataclass(eq=False)
@@ -150,6 +160,9 @@ class Pending:
     cmd: Cmd
     holds_queue: bool
     silent: bool = False
+    arrived: int = 0
+    started: int = 0
+    """``perf_counter_ns()`` when its request arrived and started (for the metrics)."""
 
 
 Reply = tuple[p.Message, list[Any]]
@@ -174,13 +187,16 @@ class Executor:
     """Runs validated requests against a backend. Owned by the backend thread."""
 
     def __init__(self, backend: Any, limits: WorkerLimits, send: Callable[..., Any],
-                 server_name: str, peer_endpoint: str = "") -> None:
+                 server_name: str, peer_endpoint: str = "",
+                 metrics: Recorder | None = None) -> None:
         self.backend = backend
+        self.metrics = metrics or NullRecorder()
         self.limits = limits
         self._send = send
         self.server_name = server_name
         self.peer_endpoint = peer_endpoint
         self.sessions: dict[bytes, Session] = {}
+        self._session_ids = 0
         self.used_memory = 0
         self.capabilities: list[str] = ["views", "chunked-transfer"]
         if getattr(backend, "zero_copy", True):
@@ -234,19 +250,27 @@ class Executor:
         if len(frames) < 2:
             log.warning("dropping a message of %d frame(s) from the broker", len(frames))
             return
+        arrived = time.perf_counter_ns()
         client_id = frames[0].bytes
+        self.metrics.client_in(frames[1:])
         try:
             cmd, req_id, msg = p.decode_request([f.buffer for f in frames[1:]])
         except BadRequest as exc:
-            self._reply_error(client_id, getattr(exc, "req_id", 0), ErrorCode(exc.code or 1),
-                              exc.message)
+            self._refuse(client_id, getattr(exc, "req_id", 0), ErrorCode(exc.code or 1),
+                         exc.message)
             return
         except Exception as exc:  # a decoder bug: still a bad request, never a dead thread
             log.exception("decoding a request from %s failed", client_id.hex()[:8])
-            self._reply_error(client_id, 0, ErrorCode.BAD_REQUEST,
-                              f"malformed request ({type(exc).__name__})")
+            self._refuse(client_id, 0, ErrorCode.BAD_REQUEST,
+                         f"malformed request ({type(exc).__name__})")
             return
-        self._accept(client_id, Request(cmd, req_id, msg, frames[2:]))
+        self._accept(client_id, Request(cmd, req_id, msg, frames[2:], arrived=arrived))
+
+    def _refuse(self, client_id: bytes, req_id: int, code: ErrorCode, message: str,
+                cmd: int = INVALID_COMMAND) -> None:
+        """Answer a request that never reached a session queue with an error."""
+        self.metrics.request(cmd, code, 0, 0)
+        self._reply_error(client_id, req_id, code, message)
 
     def _accept(self, client_id: bytes, req: Request) -> None:
         if req.cmd is Cmd.HELLO:
@@ -254,8 +278,8 @@ class Executor:
             return
         session = self.sessions.get(client_id)
         if session is None:
-            self._reply_error(client_id, req.req_id, ErrorCode.NO_SESSION,
-                              "no session: send HELLO first (or the session expired)")
+            self._refuse(client_id, req.req_id, ErrorCode.NO_SESSION,
+                         "no session: send HELLO first (or the session expired)", req.cmd)
             return
         session.last_seen = time.monotonic()
         if req.cmd is Cmd.PEER_FILL:      # feeds the PEER_RECV that holds the queue: not queued
@@ -297,13 +321,22 @@ class Executor:
         return waiting
 
     def _run(self, session: Session, req: Request) -> None:
+        started = time.perf_counter_ns()
+        code = self._dispatch(session, req, started)
+        if code is not None and not req.silent:
+            self.metrics.request(req.cmd, code, started - req.arrived,
+                                 time.perf_counter_ns() - started)
+
+    def _dispatch(self, session: Session, req: Request, started: int) -> int | None:
+        """Run one request and answer it; returns its outcome code (0: ok), None when its reply
+        comes later (a deferred request, recorded when it finishes)."""
         try:
             deferred = self.deferred_handlers.get(req.cmd)
             if deferred is not None:
                 pending = Pending(session, req.req_id, req.cmd, req.cmd is Cmd.PEER_RECV,
-                                  req.silent)
+                                  req.silent, req.arrived, started)
                 if deferred(pending, req.msg):
-                    return
+                    return None
                 reply, payload = NO_REPLY
             elif req.cmd is Cmd.GRAPH_RUN_LINKED:  # with what it prepared while it waited
                 reply, payload = self._graph_run_linked(session, cast(g.GraphRunLinked, req.msg),
@@ -312,20 +345,21 @@ class Executor:
                 reply, payload = self.handlers[req.cmd](session, req.msg, req.payload)
         except WireError as exc:
             self._fail(session, req, exc.code, exc.message)
-            return
+            return exc.code
         except MemoryError:
             self._fail(session, req, ErrorCode.OUT_OF_MEMORY,
                        f"{req.cmd.name}: the worker ran out of {self.backend.kind} memory")
-            return
+            return ErrorCode.OUT_OF_MEMORY
         except Exception as exc:  # a bug must not take the worker down: report it
             log.exception("internal error in %s for %s", req.cmd.name, session.label)
             self._fail(session, req, ErrorCode.INTERNAL,
                        f"{req.cmd.name} failed: {type(exc).__name__}: {exc}")
-            return
+            return ErrorCode.INTERNAL
         self._start_sends(session)
         if req.cmd is Cmd.GRAPH_RUN_LINKED and self._hold(session, req, (reply, payload)):
-            return
+            return 0
         self.reply(session.client_id, req.req_id, reply, payload)
+        return 0
 
     def _hold(self, session: Session, req: Request, reply: Reply) -> bool:
         """Keep a linked run's reply back as it asked, when what it fetched is small (copied
@@ -385,6 +419,7 @@ class Executor:
         header = p.encode_reply(req_id, msg)
         tracked = [b for b in payload if isinstance(b, TrackedPayload)]
         frames = [client_id, header, *[getattr(b, "data", b) for b in payload]]
+        self.metrics.client_out(frames[1:])
         if not tracked:
             small = all(len(f) < zmq.COPY_THRESHOLD for f in frames[2:])
             self._send(frames, copy=small)   # copying tiny frames beats making zero-copy ones
@@ -397,26 +432,35 @@ class Executor:
         log.debug("error reply %s to %s: %s", code.name, client_id.hex()[:8], message)
         if self.held:
             self.release_held()
-        self._send([client_id, p.encode_error(req_id, code, message)])
+        header = p.encode_error(req_id, code, message)
+        self.metrics.client_out((header,))
+        self._send([client_id, header])
 
     # --------------------------------------------------------------------------- sessions
 
     def _hello(self, client_id: bytes, req: Request) -> None:
         msg = cast(p.Hello, req.msg)
         if msg.major != p.PROTOCOL_VERSION[0]:
-            self._reply_error(client_id, req.req_id, ErrorCode.VERSION_MISMATCH,
-                              f"client speaks protocol {msg.major}.{msg.minor}, worker speaks "
-                              f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}")
+            self._refuse(client_id, req.req_id, ErrorCode.VERSION_MISMATCH,
+                         f"client speaks protocol {msg.major}.{msg.minor}, worker speaks "
+                         f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}", Cmd.HELLO)
             return
         if not strong_client_id(client_id):
-            self._reply_error(client_id, req.req_id, ErrorCode.BAD_REQUEST, WEAK_ID)
+            self._refuse(client_id, req.req_id, ErrorCode.BAD_REQUEST, WEAK_ID, Cmd.HELLO)
             return
         session = self.sessions.get(client_id)
         if session is None:
-            session = self.sessions[client_id] = Session(client_id, msg.client or "client")
-            log.info("session %s opened (%d open)", session.label, len(self.sessions))
+            self._session_ids += 1
+            session = Session(client_id, msg.client or "client", self._session_ids)
+            self.sessions[client_id] = session
+            log.info("session %s opened by client %r (id %s); %d open", session.label,
+                     session.name, client_id.hex()[:8], len(self.sessions),
+                     extra={"event": "session_opened", **session.log_fields(),
+                            "open": len(self.sessions)})
         session.last_seen = time.monotonic()
+        started = time.perf_counter_ns()
         self.reply(client_id, req.req_id, self.hello_reply(), [])
+        self.metrics.request(Cmd.HELLO, 0, started - req.arrived, time.perf_counter_ns() - started)
 
     def hello_reply(self) -> p.HelloReply:
         """What this worker tells new sessions."""
@@ -450,8 +494,11 @@ class Executor:
                     self._reply_error(session.client_id, pending.req_id, ErrorCode.NO_SESSION,
                                       f"session closed ({why}) before this transfer finished")
         self._fail_queue(session, ErrorCode.NO_SESSION, f"session closed ({why})")
-        log.info("session %s closed (%s): freed %d bytes; %d session(s) open",
-                 session.label, why, freed, len(self.sessions))
+        log.info("session %s of client %r (id %s) closed (%s): freed %d bytes; %d open",
+                 session.label, session.name, session.client_id.hex()[:8], why, freed,
+                 len(self.sessions), extra={"event": "session_closed", **session.log_fields(),
+                                            "reason": why, "freed_bytes": freed,
+                                            "open": len(self.sessions)})
 
     def fail_queued(self, code: ErrorCode, message: str) -> None:
         """Answer every request still waiting in any session's queue with an error."""
@@ -462,8 +509,10 @@ class Executor:
                     own_req_id: int = -1, own_message: str = "") -> None:
         """Answer every queued request with an error (``own_message`` for the run whose own
         receive failed); silent receives have nobody to answer."""
+        now = time.perf_counter_ns()
         for req in session.queue:
             if not req.silent:
+                self.metrics.request(req.cmd, code, now - req.arrived, 0)
                 mine = req.req_id == own_req_id
                 self._reply_error(session.client_id, req.req_id, code,
                                   own_message if mine else message)
@@ -476,6 +525,19 @@ class Executor:
                 self.close_session(session, f"no message for {self.limits.session_timeout:g} s")
 
     # ---------------------------------------------------------------------------- buffers
+
+    def snapshot(self) -> WorkerSnapshot:
+        """The worker's gauges now (for the metrics and STATUS)."""
+        free, total = self.memory()
+        sessions = list(self.sessions.values())
+        return WorkerSnapshot(
+            taken=time.monotonic(), sessions=len(sessions),
+            queue_depth=sum(len(s.queue) for s in sessions), memory_used=total - free,
+            memory_limit=total, device=self.backend.device_name(), device_kind=self.backend.kind,
+            graphs=sum(len(s.graphs) for s in sessions),
+            buffers=sum(len(s.buffers) for s in sessions),
+            transfers_in_progress=len(self.peers.incoming) if self.peers is not None else 0,
+            held_replies=len(self.held))
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes the worker may still hand out."""
@@ -595,12 +657,15 @@ class Executor:
     # ------------------------------------------------------------------------ peer copy
 
     def _fill(self, session: Session, req: Request) -> None:
+        started = time.perf_counter_ns()
         try:
             self.peers.fill(session, req.msg, req.payload[0])
         except WireError as exc:
-            self._reply_error(session.client_id, req.req_id, exc.code, exc.message)
+            self._refuse(session.client_id, req.req_id, exc.code, exc.message, Cmd.PEER_FILL)
             return
         self.reply(session.client_id, req.req_id, p.Empty(), [])
+        self.metrics.request(Cmd.PEER_FILL, 0, started - req.arrived,
+                             time.perf_counter_ns() - started)
 
     def _peer_recv(self, pending: Pending, msg: Any) -> bool:
         session = pending.session
@@ -661,6 +726,10 @@ class Executor:
         session = pending.session
         if self.sessions.get(session.client_id) is not session:
             return  # the session closed meanwhile
+        if not pending.silent:
+            self.metrics.request(pending.cmd, 0 if error is None else ErrorCode.TRANSFER_FAILED,
+                                 pending.started - pending.arrived,
+                                 time.perf_counter_ns() - pending.started)
         if error is None and session.held_by is pending:
             session.held_by = None
             self.pump(session)   # what waited for these bytes runs first: the reply can wait
@@ -766,6 +835,7 @@ class Executor:
         started = time.perf_counter_ns()
         graph.run(externals)
         elapsed = time.perf_counter_ns() - started
+        self.metrics.graph_run(elapsed)
         if then is not None:
             then()
         frames = [self._fetched(session, ref, view) for ref, view in zip(msg.fetch, fetch)]

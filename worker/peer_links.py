@@ -60,6 +60,8 @@ class Outgoing:
     endpoint: str
     deadline: float
     what: str
+    transfer: bool = True
+    """A transfer (counted in the metrics), not a probe."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class Push:
     buffer: Any
     endpoint: str
     link: zmq.Socket[bytes]
+    acknowledged: bool = False
+    """The receiver answers (PEER_SEND); a linked run's pushes are counted once sent."""
 
 
 @dataclass
@@ -177,29 +181,35 @@ class PeerLinks:
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
-        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint))
+        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint), acknowledge)
 
     def push(self, push: Push) -> None:
         """Send the prepared chunks (zero-copy from the buffer when big and aliased)."""
         link = push.link if not push.link.closed else self._link(push.endpoint)
+        metrics = self.executor.metrics
         for piece in push.pieces:
             data = piece.data
             if data is None:
                 data = self.executor.backend.read(piece.view)[0]
+            metrics.peer_out((piece.header, data))
             if piece.zero_copy:
                 tracker = link.send_multipart([piece.header, data], copy=False, track=True)
                 if tracker is not None:
                     push.buffer.sending.append(tracker)
             else:
                 link.send_multipart([piece.header, data], copy=False)
+        if not push.acknowledged:
+            metrics.transfer("out", True)
 
     def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
         token = os.urandom(wire.TOKEN_BYTES)
         link = self._link(msg.endpoint)
         self.outgoing[token] = Outgoing(pending, msg.endpoint,
                                         time.monotonic() + msg.timeout_ms / 1000,
-                                        f"probe of {msg.endpoint}")
-        link.send(wire.encode_probe(wire.Probe(token, self.endpoint)))
+                                        f"probe of {msg.endpoint}", transfer=False)
+        probe = wire.encode_probe(wire.Probe(token, self.endpoint))
+        self.executor.metrics.peer_out((probe,))
+        link.send(probe)
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
         """The PUSH socket to ``endpoint``: reused, most recently used last; at most MAX_LINKS
@@ -254,6 +264,7 @@ class PeerLinks:
                 frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self.executor.metrics.peer_in(frames)
             try:
                 message = wire.decode_peer([f.buffer for f in frames[:1]] + frames[1:])
             except BadRequest as exc:
@@ -327,6 +338,7 @@ class PeerLinks:
 
     def _finish_incoming(self, token: bytes, error: str | None) -> None:
         transfer = self.incoming.pop(token)
+        self.executor.metrics.transfer("in", error is None)
         if error is None and transfer.staging is not None:
             self.executor.backend.write(transfer.view, transfer.staging)
         self.executor.finish(transfer.pending, error)   # may run the session's next requests
@@ -337,12 +349,16 @@ class PeerLinks:
         out = self.outgoing.pop(ack.token, None)
         if out is None:
             return
+        if out.transfer:
+            self.executor.metrics.transfer("out", ack.ok)
         self.executor.finish(out.pending, None if ack.ok else
                              f"{out.what} refused by the peer: {ack.message}")
 
     def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:
         try:
-            self._link(endpoint).send(wire.encode_ack(ack), zmq.NOBLOCK)
+            frame = wire.encode_ack(ack)
+            self._link(endpoint).send(frame, zmq.NOBLOCK)
+            self.executor.metrics.peer_out((frame,))
         except (WireError, zmq.ZMQError) as exc:
             log.warning("cannot acknowledge to %s: %s", endpoint, exc)
 
@@ -358,6 +374,8 @@ class PeerLinks:
         for token, out in list(self.outgoing.items()):
             if now >= out.deadline:
                 del self.outgoing[token]
+                if out.transfer:
+                    self.executor.metrics.transfer("out", False)
                 self._drop_link(out.endpoint)
                 self.executor.finish(out.pending, f"{out.what}: no acknowledgement within the "
                                                   "timeout (peer unreachable, dead or too slow)")

@@ -28,6 +28,7 @@ from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from .executor import DRAIN_BATCH, Executor, WorkerLimits
+from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
 from .peer_links import PeerLinks
 
 log = logging.getLogger("zmq_rpc.worker")
@@ -58,6 +59,10 @@ class WorkerConfig:
     peer_advertise: str = ""
     """The peer endpoint told to clients (for multi-host setups); default: what was bound."""
     name: str = field(default_factory=lambda: f"zmq-rpc-worker@{socket.gethostname()}")
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this HTTP port (0: a free one); None: no metrics."""
+    metrics_host: str = "127.0.0.1"
+    """Where the metrics endpoint listens (loopback unless told otherwise)."""
 
 
 def make_backend(device: str) -> Any:
@@ -76,8 +81,10 @@ class BackendThread(threading.Thread):
     """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Any, limits: WorkerLimits,
-                 endpoints: tuple[str, str], name: str, peer: tuple[str, str]) -> None:
+                 endpoints: tuple[str, str], name: str, peer: tuple[str, str],
+                 metrics: Recorder | None = None) -> None:
         super().__init__(name="zmq-rpc-backend", daemon=False)
+        self.metrics = metrics or NullRecorder()
         self.ctx = ctx
         self.backend = backend
         self.limits = limits
@@ -100,7 +107,7 @@ class BackendThread(threading.Thread):
             pair.bind(self.pair_endpoint)
             control.bind(self.control_endpoint)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
-                                     self.server_name)
+                                     self.server_name, metrics=self.metrics)
             self.peers = PeerLinks(self.ctx, self.peer_bind, self.peer_advertise,
                                    self.limits.max_message_size, self.executor)
             self.executor.peers = self.peers
@@ -131,6 +138,7 @@ class BackendThread(threading.Thread):
             poller.register(peers.pull, zmq.POLLIN)
         waiting = False
         next_expiry = time.monotonic() + 1.0
+        next_publish = 0.0
         while True:
             events = dict(poller.poll(self._timeout_ms(waiting)))
             if pair in events:
@@ -147,6 +155,9 @@ class BackendThread(threading.Thread):
             if now >= next_expiry:
                 self.executor.expire_sessions(now)
                 next_expiry = now + min(1.0, self.limits.session_timeout / 4)
+            if now >= next_publish and self.metrics.enabled:
+                self.metrics.publish(self.executor.snapshot())
+                next_publish = now + PUBLISH_INTERVAL
 
     def _timeout_ms(self, waiting: bool) -> int:
         if waiting or (self.peers is not None and self.peers.incoming):
@@ -195,6 +206,10 @@ class WorkerServer:
         self._backend_ctl: zmq.Socket[bytes] | None = None
         self._broker_ctl: zmq.Socket[bytes] | None = None
         self._stopped = False
+        self.metrics: Recorder = NullRecorder()
+        self.metrics_server: Any = None
+        self.metrics_address = ""
+        """``http://host:port`` of the metrics endpoint once started ("" without one)."""
 
     def limits(self, backend: Any) -> WorkerLimits:
         """The effective limits (defaults resolved against the device's memory)."""
@@ -213,12 +228,15 @@ class WorkerServer:
             log.warning("binding %s beyond loopback: zmq-rpc has no authentication yet, anyone "
                         "who can reach this port can use this worker", cfg.bind)
         backend = make_backend(cfg.device)
+        if cfg.metrics_port is not None:
+            self.metrics = Recorder()
         pair_ep = f"inproc://zmq-rpc-backend-{self._uid}"
         backend_ctl_ep = f"inproc://zmq-rpc-backend-ctl-{self._uid}"
         broker_ctl_ep = f"inproc://zmq-rpc-broker-ctl-{self._uid}"
         self._backend_thread = BackendThread(self.ctx, backend, self.limits(backend),
                                              (pair_ep, backend_ctl_ep), cfg.name,
-                                             (self._peer_bind(), cfg.peer_advertise))
+                                             (self._peer_bind(), cfg.peer_advertise),
+                                             self.metrics)
         self._backend_thread.start()
         self._wait_ready(self._backend_thread)
         self._backend_ctl = self._control(backend_ctl_ep)
@@ -231,8 +249,40 @@ class WorkerServer:
         self._broker_thread.start()
         self._wait_ready(self._broker_thread)
         self.endpoint = self._broker_thread.endpoint
+        if cfg.metrics_port is not None:
+            try:
+                self._start_metrics(backend)
+            except BaseException:
+                self.stop()
+                raise
         log.info("worker %s listening on %s (device %s)", cfg.name, self.endpoint, cfg.device)
         return self.endpoint
+
+    def _start_metrics(self, backend: Any) -> None:
+        """Serve the recorder's metrics over HTTP (prometheus_client is imported only here)."""
+        cfg = self.config
+        from ..broker.protocol import PROTOCOL_VERSION
+        from .cli import package_version
+        try:
+            from .exporter import MetricsServer
+        except ImportError as exc:
+            raise RuntimeError(f"metrics need prometheus_client ({exc}): "
+                               "pip install 'zmq-rpc[metrics]'") from None
+        host = cfg.metrics_host
+        if not is_loopback_endpoint(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"):
+            log.warning("serving metrics on %s beyond loopback: anyone who can reach port %s "
+                        "can read them", cfg.metrics_host, cfg.metrics_port)
+        info = {"name": cfg.name, "version": package_version(), "device": cfg.device,
+                "kind": backend.kind, "endpoint": self.endpoint,
+                "protocol": "{}.{}".format(*PROTOCOL_VERSION)}
+        self.metrics_server = MetricsServer(self.metrics, info)
+        try:
+            self.metrics_address = self.metrics_server.start(cfg.metrics_host,
+                                                             cfg.metrics_port or 0)
+        except OSError as exc:
+            raise RuntimeError(f"cannot serve metrics on {cfg.metrics_host}:"
+                               f"{cfg.metrics_port}: {exc}") from None
+        log.info("metrics on %s/metrics", self.metrics_address)
 
     def _peer_bind(self) -> str:
         cfg = self.config
@@ -259,6 +309,8 @@ class WorkerServer:
         if self._stopped:
             return
         self._stopped = True
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         if self._backend_ctl is not None and self._backend_thread is not None:
             self._backend_ctl.send(b"STOP")
             self._backend_thread.join()

@@ -1,0 +1,215 @@
+"""The worker's recorder (no sockets) and its Prometheus endpoint on real workers: counters by
+command and outcome, latency histograms, bytes per link, gauges, peer transfers, JSON logs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import zmq
+from conftest import WorkerProcess
+from prometheus_client.parser import text_string_to_metric_families
+from zmq_rpc.client import Client, Graph, InvalidHandle, OutOfMemory
+from zmq_rpc.worker.metrics import (
+    LATENCY_BUCKETS_S,
+    NullRecorder,
+    Recorder,
+    cumulative_buckets,
+)
+from zmq_rpc.worker.server import WorkerServer
+
+pytestmark = pytest.mark.timeout(60)
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(address: str) -> Samples:
+    """Every sample of a /metrics page, keyed by (name, sorted labels)."""
+    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def settled(address: str, check: Callable[[Samples], bool]) -> Samples:
+    """Scrape until ``check`` holds (gauges are republished every 0.1 s), at most 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        samples = scrape(address)
+        if check(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------ unit tests
+
+
+def test_histogram_buckets_are_prometheus_le_buckets() -> None:
+    rec = Recorder()
+    rec.request(8, 0, wait_ns=10_000, exec_ns=30_000)     # exactly 10 us goes in le=1e-05
+    rec.request(8, 0, wait_ns=10_001, exec_ns=20 * 10**9)  # over the last bound: +Inf
+    counts = rec.counters().queue_wait[8]
+    buckets = cumulative_buckets(counts[:-1])
+    assert buckets[0] == (repr(LATENCY_BUCKETS_S[0]), 1)
+    assert buckets[1] == (repr(LATENCY_BUCKETS_S[1]), 2)
+    assert buckets[-1] == ("+Inf", 2) and counts[-1] == 20_001
+    exec_buckets = dict(cumulative_buckets(rec.counters().execution[8][:-1]))
+    assert exec_buckets["5e-05"] == 1 and exec_buckets["10.0"] == 1 and exec_buckets["+Inf"] == 2
+
+
+def test_counters_are_copies() -> None:
+    rec = Recorder()
+    rec.request(2, 0, 1, 1)
+    rec.client_in([b"abc", memoryview(b"12345")])
+    rec.client_out([np.zeros(4, np.float32)])
+    rec.transfer("in", False)
+    copy = rec.counters()
+    rec.request(2, 0, 1, 1)
+    assert copy.requests == {(2, 0): 1} and rec.counters().requests == {(2, 0): 2}
+    assert copy.bytes["client_in"] == 8 and copy.bytes["client_out"] == 16
+    assert copy.transfers == {("in", False): 1}
+
+
+def test_null_recorder_records_nothing() -> None:
+    rec = NullRecorder()
+    rec.request(2, 0, 1, 1)
+    rec.client_in([b"abc"])
+    rec.graph_run(5)
+    rec.transfer("out", True)
+    counters = rec.counters()
+    assert not counters.requests and counters.bytes["client_in"] == 0
+    assert counters.graph_runs == 0 and not counters.transfers
+
+
+# --------------------------------------------------------------------------- real workers
+
+
+def test_metrics_are_off_by_default(worker: WorkerServer) -> None:
+    assert worker.metrics_address == "" and not worker.metrics.enabled
+
+
+def test_requests_bytes_and_gauges(make_worker: Callable[..., WorkerServer],
+                                   make_client: Callable[..., Client]) -> None:
+    w = make_worker(memory_limit=64 << 20, metrics_port=0)
+    assert w.metrics_address.startswith("http://127.0.0.1:")
+    c = make_client(w.endpoint)
+    buf = c.alloc_buffer(1 << 20)
+    x = buf.tensor((256,), "float32")
+    y = buf.tensor((256,), "float32", offset=4096)
+    for _ in range(3):
+        c.set_tensor(x, np.arange(256, dtype=np.float32))
+    assert c.get_tensor(x)[5] == 5
+    g = Graph()
+    g.silu(x, out=y)
+    handle = c.register(g)
+    for _ in range(4):
+        c.run(handle, fetch=[y])
+    gone = c.alloc_buffer(64)
+    gone.free()
+    with pytest.raises(InvalidHandle):
+        c.get_tensor(gone.tensor((16,), "float32"))
+    samples = settled(w.metrics_address,
+                      lambda s: sample(s, "zmq_rpc_graphs_registered") == 1)
+
+    def requests(command: str, outcome: str = "ok") -> float:
+        return sample(samples, "zmq_rpc_requests_total", command=command, outcome=outcome)
+
+    assert requests("HELLO") == 1 and requests("SET_TENSOR") == 3
+    assert requests("GET_TENSOR") == 1 and requests("GRAPH_RUN") == 4
+    assert requests("GRAPH_REGISTER") == 1 and requests("ALLOC_BUFFER") == 2
+    assert requests("FREE_BUFFER") == 1
+    assert requests("GET_TENSOR", "invalid_handle") == 1
+    assert sample(samples, "zmq_rpc_graph_runs_total") == 4
+    assert sample(samples, "zmq_rpc_request_execution_seconds_count", command="GRAPH_RUN") == 4
+    assert sample(samples, "zmq_rpc_request_queue_seconds_count", command="SET_TENSOR") == 3
+    assert sample(samples, "zmq_rpc_request_queue_seconds_bucket", command="SET_TENSOR",
+                  le="+Inf") == 3
+    assert sample(samples, "zmq_rpc_bytes_received_total", link="client") > 3 * 1024
+    assert sample(samples, "zmq_rpc_bytes_sent_total", link="client") > 5 * 1024
+    assert sample(samples, "zmq_rpc_sessions") == 1
+    assert sample(samples, "zmq_rpc_buffers") == 1
+    used = [v for (name, _), v in samples.items() if name == "zmq_rpc_memory_used_bytes"]
+    limit = [v for (name, _), v in samples.items() if name == "zmq_rpc_memory_limit_bytes"]
+    assert limit == [64 << 20] and used and used[0] >= 1 << 20
+    c.close()
+    samples = settled(w.metrics_address, lambda s: sample(s, "zmq_rpc_sessions") == 0)
+    assert sample(samples, "zmq_rpc_sessions") == 0 and sample(samples, "zmq_rpc_buffers") == 0
+    assert sample(samples, "zmq_rpc_requests_total", command="GOODBYE", outcome="ok") == 1
+
+
+def test_bad_requests_are_counted(make_worker: Callable[..., WorkerServer],
+                                  make_client: Callable[..., Client]) -> None:
+    w = make_worker(memory_limit=64 << 20, metrics_port=0)
+    c = make_client(w.endpoint)
+    with pytest.raises(OutOfMemory):
+        c.alloc_buffer(1 << 30)
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as raw:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(w.endpoint)
+        raw.send(b"\xc1 not msgpack")
+        assert raw.poll(10_000) and raw.recv()
+    samples = scrape(w.metrics_address)
+    failed = {dict(labels)["command"] + "/" + dict(labels)["outcome"]: v
+              for (name, labels), v in samples.items()
+              if name == "zmq_rpc_requests_total" and dict(labels)["outcome"] != "ok"}
+    assert failed == {"ALLOC_BUFFER/out_of_memory": 1, "INVALID/bad_request": 1}
+
+
+def test_peer_transfers_and_peer_bytes(make_worker: Callable[..., WorkerServer],
+                                       make_client: Callable[..., Client]) -> None:
+    a = make_worker(memory_limit=64 << 20, metrics_port=0)
+    b = make_worker(memory_limit=64 << 20, metrics_port=0)
+    ca, cb = make_client(a.endpoint), make_client(b.endpoint)
+    src = ca.alloc_buffer(1 << 20).tensor((1 << 18,), "float32")
+    dst = cb.alloc_buffer(1 << 20).tensor((1 << 18,), "float32")
+    ca.set_tensor(src, np.ones(1 << 18, np.float32))
+    for _ in range(2):
+        ca.copy_tensor(src, dst)
+    assert cb.get_tensor(dst).sum() == 1 << 18
+    sa, sb = scrape(a.metrics_address), scrape(b.metrics_address)
+    assert sample(sa, "zmq_rpc_peer_transfers_total", direction="out", outcome="ok") == 2
+    assert sample(sb, "zmq_rpc_peer_transfers_total", direction="in", outcome="ok") == 2
+    assert sample(sa, "zmq_rpc_bytes_sent_total", link="peer") >= 2 << 20
+    assert sample(sb, "zmq_rpc_bytes_received_total", link="peer") >= 2 << 20
+    assert sample(sb, "zmq_rpc_bytes_sent_total", link="peer") > 0      # the acknowledgements
+    assert sample(sa, "zmq_rpc_requests_total", command="PEER_SEND", outcome="ok") == 2
+    assert sample(sb, "zmq_rpc_requests_total", command="PEER_RECV", outcome="ok") == 2
+
+
+def test_cli_serves_metrics_and_logs_session_events_as_json(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    proc = spawn_worker("--metrics-port", "0", "--log-level", "INFO", "--log-format", "json")
+    assert proc.proc.stdout is not None and proc.proc.stderr is not None
+    line = proc.proc.stdout.readline()
+    assert "metrics on http://127.0.0.1:" in line, line
+    address = line.split(" on ", 1)[1].strip().removesuffix("/metrics")
+    with Client(proc.endpoint, name="metrics-test") as c:
+        c.alloc_buffer(4096)
+        c.synchronize()
+        samples = settled(address, lambda s: sample(s, "zmq_rpc_sessions") == 1)
+        assert sample(samples, "zmq_rpc_sessions") == 1
+        assert sample(samples, "zmq_rpc_requests_total", command="ALLOC_BUFFER",
+                      outcome="ok") == 1
+        assert any(name == "zmq_rpc_process_resident_memory_bytes" for name, _ in samples)
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.proc.wait(15) == 0
+    records = [json.loads(row) for row in proc.proc.stderr.read().splitlines() if row.strip()]
+    events = [r for r in records if "event" in r]
+    assert [r["event"] for r in events] == ["session_opened", "session_closed"], records
+    opened, closed = events
+    assert opened["client"] == closed["client"] == "metrics-test"
+    assert opened["session"] == closed["session"] == "s1"
+    assert len(opened["client_id"]) == 8 and closed["reason"] == "said goodbye"
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    with pytest.raises(urllib.error.URLError):
+        scrape(address)                 # the endpoint went with the worker
