@@ -324,12 +324,14 @@ def _gettid() -> int:
     return int(ctypes.CDLL(None).syscall(186)) if not hasattr(os, "gettid") else os.gettid()
 
 
-def worker_argv(lab: NetLab, host: str, *extra: str) -> list[str]:
-    """A ``zmq-rpc-worker`` on ``host``'s lab address (free ports for clients and peers, one
-    BLAS thread); the lab is a private network, so a worker that wants keys or ``--insecure``
-    to listen beyond loopback gets ``--insecure`` unless ``extra`` names keys."""
+def worker_argv(lab: NetLab, host: str, *extra: str, bind: str | None = None) -> list[str]:
+    """A ``zmq-rpc-worker`` for ``host`` bound to ``bind`` (default: the host's lab address;
+    free ports for clients and peers), one BLAS thread. The lab is a private network, so a
+    worker that wants keys or ``--insecure`` to listen beyond loopback gets ``--insecure``
+    unless ``extra`` names keys."""
     argv = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind",
-            f"tcp://{lab.address(host)}:*", "--threads", "1", "--log-level", "WARNING", *extra]
+            bind or f"tcp://{lab.address(host)}:*", "--threads", "1", "--log-level", "WARNING",
+            *extra]
     if "--curve-secret-key" not in extra and _worker_option("--insecure"):
         argv.append("--insecure")
     return argv
