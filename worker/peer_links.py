@@ -177,7 +177,7 @@ class PeerLinks:
         for seq, (start, sub) in enumerate(sub_refs):
             piece_view = view if len(sub_refs) == 1 else backend.view(buffer.memory, sub)
             data = backend.alias(piece_view)
-            header = wire.encode_chunk(wire.Chunk(send.token, seq, len(sub_refs), start,
+            header = wire.encode_peer(wire.Chunk(send.token, seq, len(sub_refs), start,
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
@@ -207,7 +207,7 @@ class PeerLinks:
         self.outgoing[token] = Outgoing(pending, msg.endpoint,
                                         time.monotonic() + msg.timeout_ms / 1000,
                                         f"probe of {msg.endpoint}", transfer=False)
-        probe = wire.encode_probe(wire.Probe(token, self.endpoint))
+        probe = wire.encode_peer(wire.Probe(token, self.endpoint))
         self.executor.metrics.peer_out((probe,))
         link.send(probe)
 
@@ -356,7 +356,7 @@ class PeerLinks:
 
     def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:
         try:
-            frame = wire.encode_ack(ack)
+            frame = wire.encode_peer(ack)
             self._link(endpoint).send(frame, zmq.NOBLOCK)
             self.executor.metrics.peer_out((frame,))
         except (WireError, zmq.ZMQError) as exc:

@@ -20,16 +20,20 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
+from .backends.base import Backend
 from .executor import DRAIN_BATCH, Executor, WorkerLimits
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
 from .peer_links import PeerLinks
+
+if TYPE_CHECKING:
+    from .exporter import MetricsServer
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -65,7 +69,7 @@ class WorkerConfig:
     """Where the metrics endpoint listens (loopback unless told otherwise)."""
 
 
-def make_backend(device: str) -> Any:
+def make_backend(device: str) -> Backend:
     """The compute backend for ``--device`` (cupy is imported only when asked for)."""
     if device == "cpu":
         from .backends.numpy_backend import NumpyBackend
@@ -80,7 +84,7 @@ def make_backend(device: str) -> Any:
 class BackendThread(threading.Thread):
     """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Any, limits: WorkerLimits,
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, limits: WorkerLimits,
                  endpoints: tuple[str, str], name: str, peer: tuple[str, str],
                  metrics: Recorder | None = None) -> None:
         super().__init__(name="zmq-rpc-backend", daemon=False)
@@ -207,11 +211,11 @@ class WorkerServer:
         self._broker_ctl: zmq.Socket[bytes] | None = None
         self._stopped = False
         self.metrics: Recorder = NullRecorder()
-        self.metrics_server: Any = None
+        self.metrics_server: MetricsServer | None = None
         self.metrics_address = ""
         """``http://host:port`` of the metrics endpoint once started ("" without one)."""
 
-    def limits(self, backend: Any) -> WorkerLimits:
+    def limits(self, backend: Backend) -> WorkerLimits:
         """The effective limits (defaults resolved against the device's memory)."""
         cfg = self.config
         memory = cfg.memory_limit or int(backend.total_memory() * 0.8) or (8 << 30)
@@ -258,7 +262,7 @@ class WorkerServer:
         log.info("worker %s listening on %s (device %s)", cfg.name, self.endpoint, cfg.device)
         return self.endpoint
 
-    def _start_metrics(self, backend: Any) -> None:
+    def _start_metrics(self, backend: Backend) -> None:
         """Serve the recorder's metrics over HTTP (prometheus_client is imported only here)."""
         cfg = self.config
         from ..broker.protocol import PROTOCOL_VERSION
