@@ -96,12 +96,13 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "PROTOCOL_VERSION", "REPLIES", "REQUESTS", "STATUS_OK",
     "AllocBuffer", "BufferOp", "ClearBuffer", "Cmd", "CopyTensor", "DType", "Device",
     "DeviceMemoryReply", "Empty", "ErrorCode", "GetTensor", "GetTensorReply", "Hello", "HelloReply",
-    "MemsetTensor", "Message", "SetTensor", "TensorRef", "WireError",
+    "MemsetTensor", "Message", "SessionInfo", "SetTensor", "StatusReply", "TensorRef",
+    "WireError",
     "check_tensor", "contiguous_strides", "decode_reply", "decode_request", "encode_error",
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 2)
+PROTOCOL_VERSION = (1, 3)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
 
 
@@ -129,6 +130,8 @@ class Cmd(enum.IntEnum):
     PEER_PROBE = 19
     PEER_FILL = 20
     GRAPH_RUN_LINKED = 21
+    STATUS = 22
+    """1.3: what the worker is doing (sessions, memory, queue, uptime); capability ``status``."""
 
 
 
@@ -297,6 +300,69 @@ class CopyTensor(Message):
     dst: TensorRef = _f(check_tensor)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionInfo:
+    """One session as STATUS reports it (``client_id``: the first 4 bytes of its routing id, hex;
+    the whole id keys the session and is never shown)."""
+
+    sid: int
+    client: str
+    client_id: str
+    memory: int
+    buffers: int
+    graphs: int
+    queued: int
+    idle_ms: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.sid, self.client, self.client_id, self.memory, self.buffers, self.graphs,
+                self.queued, self.idle_ms]
+
+
+MAX_STATUS_SESSIONS = 256
+"""Most sessions one STATUS reply lists (the counts cover them all)."""
+
+
+def _check_sessions(value: Any, field: str) -> tuple[SessionInfo, ...]:
+    rows = list_of(list_of(check_any, 8), MAX_STATUS_SESSIONS)(value, field)
+    sessions = []
+    for i, row in enumerate(rows):
+        name = f"{field}[{i}]"
+        if len(row) != 8:
+            raise _bad(name, "a session is [sid, client, client_id, memory, buffers, graphs, "
+                             "queued, idle_ms]")
+        sessions.append(SessionInfo(
+            sid=check_u63(row[0], name), client=check_str(row[1], name),
+            client_id=check_str(row[2], name),
+            **{key: check_u63(v, name) for key, v in zip(
+                ("memory", "buffers", "graphs", "queued", "idle_ms"), row[3:])}))
+    return tuple(sessions)
+
+
+@wire_message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatusReply(Message):
+    """STATUS (1.3): the worker's state now. Counts cover every session but the asker's."""
+
+    server: str = _f(check_str)
+    version: str = _f(check_str)
+    """The worker's zmq-rpc package version."""
+    uptime_ms: int = _f(check_u63)
+    devices: tuple[Device, ...] = _f(_check_devices)
+    memory_used: int = _f(check_u63)
+    memory_limit: int = _f(check_u63)
+    sessions: int = _f(check_u63)
+    queue_depth: int = _f(check_u63)
+    """Requests waiting in session queues."""
+    buffers: int = _f(check_u63)
+    graphs: int = _f(check_u63)
+    transfers_in_progress: int = _f(check_u63)
+    capabilities: tuple[str, ...] = _f(lambda v, f: tuple(list_of(check_str, 256)(v, f)))
+    peer_endpoint: str = _f(check_str)
+    session_list: tuple[SessionInfo, ...] = _f(_check_sessions)
+    """At most :data:`MAX_STATUS_SESSIONS`, the most recently active first."""
+
+
 REQUESTS: dict[Cmd, type[Message]] = {
     Cmd.HELLO: Hello,
     Cmd.PING: Empty,
@@ -319,6 +385,7 @@ REQUESTS: dict[Cmd, type[Message]] = {
     Cmd.PEER_PROBE: PeerProbe,
     Cmd.PEER_FILL: PeerFill,
     Cmd.GRAPH_RUN_LINKED: GraphRunLinked,
+    Cmd.STATUS: Empty,
 }
 """The request class of every command (graph and peer messages live beside their encodings in
 :mod:`.graph` and :mod:`.peer`; this table is the one place that says which command takes which)."""
@@ -331,6 +398,7 @@ REPLIES: dict[Cmd, type[Message]] = {
     Cmd.GRAPH_RUN: GraphReply,
     Cmd.GRAPH_COMPUTE: GraphReply,
     Cmd.GRAPH_RUN_LINKED: GraphReply,
+    Cmd.STATUS: StatusReply,
 }
 """The reply class of every command."""
 

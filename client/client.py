@@ -407,6 +407,20 @@ class Client:
         return self._call(Cmd.DEVICE_MEMORY, p.Empty(),
                           on_reply=lambda r, f: MemoryInfo(r.free, r.total))  # type: ignore[attr-defined]
 
+    def status(self) -> p.StatusReply:
+        """What the worker is doing: sessions (other than this one), memory, queue depth,
+        uptime, version, capabilities (protocol 1.3; an older worker raises BadRequest)."""
+        return self.status_async().result()
+
+    def status_async(self) -> Future[p.StatusReply]:
+        if "status" not in self.info.capabilities:
+            future: Future[p.StatusReply] = Future()
+            future.set_exception(BadRequest(
+                f"{self.endpoint} speaks protocol {self.info.major}.{self.info.minor}: STATUS "
+                "needs 1.3 (capability 'status')"))
+            return future
+        return self._call(Cmd.STATUS, p.Empty(), on_reply=lambda reply, frames: reply)
+
     def synchronize(self) -> None:
         """Return once every request issued before it to this worker has run."""
         self.synchronize_async().result()

@@ -144,10 +144,11 @@ def test_error_message_is_capped() -> None:
 # The enums are append-only: a new member must take a value above every pinned one; a new command
 # bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
 # (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default.
+# 1.3: STATUS (22).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 2)
+    assert p.PROTOCOL_VERSION == (1, 3)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -681,3 +682,30 @@ def test_the_broker_modules_import_without_cycles() -> None:
     assert imports["wire"] <= {"errors"}
     for leafward in ("ops", "graph", "peer", "quant"):
         assert "protocol" not in imports.get(leafward, set()), leafward
+
+
+def test_golden_status() -> None:
+    """1.3's STATUS: an empty request; the reply's fields in order."""
+    assert p.encode_request(Cmd.STATUS, 4, p.Empty()).hex() == "921604"
+    reply = p.StatusReply(
+        server="w", version="0.1.0", uptime_ms=1500,
+        devices=(p.Device(name="cpu", kind="cpu", total_memory=100, free_memory=60),),
+        memory_used=40, memory_limit=100, sessions=1, queue_depth=2, buffers=3, graphs=1,
+        transfers_in_progress=0, capabilities=("status",), peer_endpoint="tcp://p:1",
+        session_list=(p.SessionInfo(sid=7, client="c", client_id="0a0b0c0d", memory=40,
+                                    buffers=3, graphs=1, queued=2, idle_ms=5),))
+    header = p.encode_reply(4, reply)
+    # [0, 4, "w", "0.1.0", 1500, [["cpu", "cpu", 100, 60]], 40, 100, 1, 2, 3, 1, 0,
+    #  ["status"], "tcp://p:1", [[7, "c", "0a0b0c0d", 40, 3, 1, 2, 5]]]
+    assert header.hex() == ("dc0010" "0004" "a177" "a5302e312e30" "cd05dc"
+                            "9194a3637075a36370756" "43c" "2864010203010091a6737461747573"
+                            "a97463703a2f2f703a31" "919807a163a8306130623063306428" "03010205")
+    assert p.decode_reply(Cmd.STATUS, p.unpack_header(header)) == reply
+
+
+@pytest.mark.parametrize("sessions", [[[1, "c", "x", 0, 0, 0, 0]], [[1, 2, "x", 0, 0, 0, 0, 0]],
+                                      [[-1, "c", "x", 0, 0, 0, 0, 0]], [[0] * 8] * 257])
+def test_status_reply_sessions_are_checked(sessions: list[Any]) -> None:
+    fields = ["w", "v", 0, [], 0, 0, 0, 0, 0, 0, 0, [], "", sessions]
+    with pytest.raises(BadRequest):
+        p.StatusReply.from_fields(fields)

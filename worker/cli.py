@@ -47,7 +47,10 @@ def package_version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The worker's command line."""
-    ap = argparse.ArgumentParser(prog="zmq-rpc-worker", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="zmq-rpc-worker", description=__doc__.splitlines()[0],
+                                 epilog="zmq-rpc-worker status tcp://HOST:PORT[,...] [--json] "
+                                        "[--sessions] [--watch [SECONDS]] asks running workers "
+                                        "what they are doing.")
     ap.add_argument("--bind", default="tcp://127.0.0.1:50052",
                     help="endpoint to listen on for clients (default %(default)s; "
                          "port * picks a free one)")
@@ -102,7 +105,11 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 512 << 20)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``zmq-rpc-worker``."""
+    """Entry point of ``zmq-rpc-worker`` (``zmq-rpc-worker status ...`` asks running ones)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"]:
+        from ..tools.status import main as status_main
+        return status_main(argv[1:])
     args = build_parser().parse_args(argv)
     for var in BLAS_THREAD_VARS:
         os.environ[var] = str(args.threads)

@@ -32,6 +32,7 @@ from ..broker.errors import BadRequest
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
 from .backends.base import Backend
+from .cli import package_version
 from .graph_exec import CompiledGraph, compile_graph
 from .memory import MemoryBudget
 from .metrics import INVALID_COMMAND, NullRecorder, Recorder, WorkerSnapshot
@@ -200,7 +201,9 @@ class Executor:
         self.sessions: dict[bytes, Session] = {}
         self._session_ids = 0
         self.budget = MemoryBudget(limits.memory_limit)
-        self.capabilities: list[str] = ["views", "chunked-transfer"]
+        self.started = time.monotonic()
+        self.version = package_version()
+        self.capabilities: list[str] = ["views", "chunked-transfer", "status"]
         if backend.zero_copy:
             self.capabilities.append("zero-copy")
         if backend.supports_graphs:
@@ -224,6 +227,7 @@ class Executor:
             Cmd.GRAPH_RUN: self._graph_run,
             Cmd.GRAPH_COMPUTE: self._graph_compute,
             Cmd.GRAPH_FREE: self._graph_free,
+            Cmd.STATUS: self._status,
         }
         self.writes: dict[Cmd, Callable[[Session, Any], Iterable[int]]] = {
             Cmd.CLEAR_BUFFER: lambda s, m: [m.handle],
@@ -540,6 +544,34 @@ class Executor:
             buffers=sum(len(s.buffers) for s in sessions),
             transfers_in_progress=len(self.peers.incoming) if self.peers is not None else 0,
             held_replies=len(self.held))
+
+    def _status(self, asker: Session, msg: p.Empty, payload: Sequence[Any]) -> Reply:
+        others = [s for s in self.sessions.values() if s is not asker]
+        snap = self.snapshot()
+        now = time.monotonic()
+        recent = sorted(others, key=lambda s: s.last_seen, reverse=True)[:p.MAX_STATUS_SESSIONS]
+        free, total = self.memory()
+        device = p.Device(name=snap.device, kind=snap.device_kind, total_memory=total,
+                          free_memory=free)
+        return p.StatusReply(
+            server=self.server_name, version=self.version,
+            uptime_ms=int((now - self.started) * 1000), devices=(device,),
+            memory_used=snap.memory_used, memory_limit=snap.memory_limit, sessions=len(others),
+            queue_depth=sum(len(s.queue) for s in others), buffers=snap.buffers
+            - len(asker.buffers), graphs=snap.graphs - len(asker.graphs),
+            transfers_in_progress=snap.transfers_in_progress,
+            capabilities=tuple(self.capabilities), peer_endpoint=self.peer_endpoint,
+            session_list=tuple(self._session_info(s, now) for s in recent)), []
+
+    @staticmethod
+    def _session_info(session: Session, now: float) -> p.SessionInfo:
+        memory = sum(b.size for b in session.buffers.values())
+        memory += sum(graph.memory_charge for graph in session.graphs.values())
+        return p.SessionInfo(sid=session.sid, client=session.name[:p.MAX_STRING],
+                             client_id=session.client_id.hex()[:8], memory=memory,
+                             buffers=len(session.buffers), graphs=len(session.graphs),
+                             queued=len(session.queue),
+                             idle_ms=int(max(now - session.last_seen, 0) * 1000))
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes the worker may still hand out."""
