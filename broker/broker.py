@@ -13,6 +13,8 @@ Socket options chosen here:
   high-water mark; clients bound what they keep in flight (count and bytes) instead.
 - MAXMSGSIZE refuses oversized messages at the socket: libzmq drops that peer's connection.
 - HEARTBEAT_IVL/TIMEOUT/TTL close connections to frozen or vanished clients.
+- With a key pair the ROUTER is a CURVE server in the ZAP domain ``zmq-rpc-client``: a connection
+  whose key the ZAP handler (:mod:`zmq_rpc.broker.zap`) refuses never delivers a message.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import zmq
+
+from .keys import KeyPair
+from .zap import CLIENT_DOMAIN
 
 log = logging.getLogger("zmq_rpc.broker")
 
@@ -38,6 +43,8 @@ class BrokerConfig:
     max_message_size: int
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
+    curve: KeyPair | None = None
+    """The worker's key pair: clients must speak CURVE and pass the ZAP handler."""
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:
@@ -51,6 +58,14 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def make_curve_server(sock: zmq.Socket[bytes], keys: KeyPair, domain: str) -> None:
+    """Make ``sock`` (before it binds) a CURVE server whose clients the ZAP handler checks."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
 
 
 class BrokerThread(threading.Thread):
@@ -90,6 +105,8 @@ class BrokerThread(threading.Thread):
         router.setsockopt(zmq.HEARTBEAT_IVL, cfg.heartbeat_ivl_ms)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, cfg.heartbeat_timeout_ms)
         router.setsockopt(zmq.HEARTBEAT_TTL, cfg.heartbeat_timeout_ms)
+        if cfg.curve is not None:
+            make_curve_server(router, cfg.curve, CLIENT_DOMAIN)
         router.bind(cfg.bind)
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         pair = self.ctx.socket(zmq.PAIR)
