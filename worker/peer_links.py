@@ -167,8 +167,8 @@ class PeerLinks:
         self.outgoing: dict[bytes, Outgoing] = {}
         self.stash: dict[bytes, Stashed] = {}
         self.stash_bytes = 0
-        self.stashed_by: dict[str, int] = {}
-        """Stashed transfers per sender (announced ones not counted)."""
+        self.stashed_by: dict[str, dict[bytes, None]] = {}
+        """Each sender's unannounced stashed tokens, oldest first."""
         self.announced: dict[bytes, Session] = {}
         """Tokens of receives queued in a session and not started yet."""
         self._dropped = 0
@@ -200,7 +200,7 @@ class PeerLinks:
             self.announced[token] = session
             entry = self.stash.get(token)
             if entry is not None and not entry.announced:
-                self._count(entry.sender, -1)
+                self._forget(entry.sender, token)
                 entry.announced = True
 
     def start_recv(self, pending: Pending, msg: wire.PeerRecv) -> None:
@@ -336,14 +336,16 @@ class PeerLinks:
             try:
                 message = wire.decode_peer([f.buffer for f in frames[:1]] + frames[1:])
             except BadRequest as exc:
-                log.warning("dropping a bad peer message from %s: %s", _sender(frames[0]),
+                log.warning("dropping a bad peer message from %s: %s",
+                            _sender(frames[0], self.security.keys is not None),
                             printable(str(exc)))
                 continue
             self._dispatch(message, frames)
 
     def _dispatch(self, message: wire.Chunk | wire.Ack | wire.Probe, frames: list[Any]) -> None:
         if isinstance(message, wire.Chunk):
-            self._on_chunk(message, frames[1], _sender(frames[0]))
+            self._on_chunk(message, frames[1],
+                           _sender(frames[0], self.security.keys is not None))
         elif isinstance(message, wire.Ack):
             self._on_ack(message)
         else:
@@ -409,7 +411,7 @@ class PeerLinks:
                 return
             entry = Stashed(sender=sender, announced=announced)
             if not announced:
-                self._count(sender, 1)
+                self.stashed_by.setdefault(sender, {})[chunk.token] = None
         entry.messages.append((chunk, frame))
         entry.nbytes += len(frame)
         entry.expires = time.monotonic() + STASH_TTL
@@ -419,29 +421,29 @@ class PeerLinks:
     def _make_room(self, sender: str) -> bool:
         """Room for one more unannounced transfer from ``sender``: evicts its own oldest when
         it has its share, else the heaviest sender's oldest when the stash is full."""
-        victim = sender if self.stashed_by.get(sender, 0) >= MAX_STASHED_PER_SENDER else None
+        mine = self.stashed_by.get(sender, {})
+        victim = sender if len(mine) >= MAX_STASHED_PER_SENDER else None
         if victim is None and len(self.stash) >= MAX_STASHED_TRANSFERS:
-            victim = max(self.stashed_by, key=lambda s: self.stashed_by[s], default=None)
+            victim = max(self.stashed_by, key=lambda s: len(self.stashed_by[s]), default=None)
         if victim is None:
             return len(self.stash) < MAX_STASHED_TRANSFERS
-        token = next(t for t, e in self.stash.items() if e.sender == victim and not e.announced)
-        self._unstash(token)
+        self._unstash(next(iter(self.stashed_by[victim])))
         self._drop(victim, "its oldest early transfer evicted")
         return True
 
-    def _count(self, sender: str, delta: int) -> None:
-        left = self.stashed_by.get(sender, 0) + delta
-        if left > 0:
-            self.stashed_by[sender] = left
-        else:
-            self.stashed_by.pop(sender, None)
+    def _forget(self, sender: str, token: bytes) -> None:
+        tokens = self.stashed_by.get(sender)
+        if tokens is not None:
+            tokens.pop(token, None)
+            if not tokens:
+                del self.stashed_by[sender]
 
     def _unstash(self, token: bytes) -> Stashed | None:
         entry = self.stash.pop(token, None)
         if entry is not None:
             self.stash_bytes -= entry.nbytes
             if not entry.announced:
-                self._count(entry.sender, -1)
+                self._forget(entry.sender, token)
         return entry
 
     def _drop(self, sender: str, why: str) -> None:
@@ -510,13 +512,9 @@ class PeerLinks:
 
 
 
-def _sender(frame: Any) -> str:
+def _sender(frame: Any, curve: bool) -> str:
     """Who pushed a peer message: its CURVE key (the ZAP handler's User-Id), else its address."""
-    for prop in ("User-Id", "Peer-Address"):
-        try:
-            value = frame.get(prop)
-        except (zmq.ZMQError, AttributeError, TypeError):
-            continue
-        if value:
-            return str(value)
-    return "local"
+    try:
+        return str(frame.get("User-Id" if curve else "Peer-Address")) or "local"
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return "local"
