@@ -585,6 +585,9 @@ def load_case_modules() -> None:
     """Import :data:`CASE_MODULES` so that their cases and commands register themselves."""
     for module in CASE_MODULES:
         importlib.import_module(module)
+    if "load" not in COMMANDS:
+        register_command("load", lambda argv: importlib.import_module(
+            "zmq_rpc.tools.loadtest").main(list(argv)))
     if "generate" not in COMMANDS:   # imported on use: it needs the model extras (gguf, tokenizers)
         register_command("generate", lambda argv: importlib.import_module(
             "zmq_rpc.tools.generate").main(list(argv)))
