@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
+from ..broker.broker import BACKEND_HWM, BrokerConfig, BrokerThread, is_loopback_endpoint
 from ..broker.keys import KeyPair
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
@@ -136,8 +136,8 @@ class BackendThread(threading.Thread):
         control = self.ctx.socket(zmq.PAIR)
         try:
             self.backend.attach()                   # a GPU is current per thread: this one
-            pair.setsockopt(zmq.SNDHWM, 0)
-            pair.setsockopt(zmq.RCVHWM, 0)
+            pair.setsockopt(zmq.SNDHWM, 0)                # replies: never block the backend
+            pair.setsockopt(zmq.RCVHWM, BACKEND_HWM)      # requests: see broker.py
             pair.bind(self.pair_endpoint)
             control.bind(self.control_endpoint)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
