@@ -340,7 +340,7 @@ def test_peer_port_refuses_unauthenticated_pushers(
             push.setsockopt(zmq.CURVE_PUBLICKEY, pair.public)
             push.setsockopt(zmq.CURVE_SECRETKEY, pair.secret)
             push.connect(peer_address)
-            push.send(wire.encode_probe(wire.Probe(os.urandom(16),
+            push.send(wire.encode_peer(wire.Probe(os.urandom(16),
                                                    acks.getsockopt_string(zmq.LAST_ENDPOINT))),
                       zmq.NOBLOCK)
         time.sleep(0.5)
@@ -374,7 +374,7 @@ def test_made_up_chunks_do_not_deny_peer_copies(make_worker: Callable[..., Worke
     attacker = raw_socket(zmq.PUSH)
     attacker.connect(b_peer)
     for _ in range(1100):
-        attacker.send_multipart([wire.encode_chunk(wire.Chunk(os.urandom(16), 0, 1, 0, 16,
+        attacker.send_multipart([wire.encode_peer(wire.Chunk(os.urandom(16), 0, 1, 0, 16,
                                                               "tcp://127.0.0.1:9")), bytes(16)])
     time.sleep(0.5)
     a, b = make_client(a_srv.endpoint), make_client(b_srv.endpoint)   # default client settings
@@ -419,7 +419,7 @@ def test_attacker_strings_in_worker_logs_are_escaped(
         dealer.recv_multipart()
         push = raw_socket(zmq.PUSH)
         push.connect(peer_ep)
-        push.send(wire.encode_probe(wire.Probe(os.urandom(16), "tcp://\x00bad\nline:1")))
+        push.send(wire.encode_peer(wire.Probe(os.urandom(16), "tcp://\x00bad\nline:1")))
         push.send(b"\x00garbage\n")
         time.sleep(0.5)
     text = "\n".join(r.getMessage() for r in caplog.records)

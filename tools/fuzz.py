@@ -286,17 +286,18 @@ def peer_message(rng: random.Random, reply_to: str) -> Frames:
     """A mutated peer-port message: chunk, ack or probe."""
     token = rng.randbytes(16) if rng.random() < 0.9 else rng.randbytes(rng.choice((0, 15, 17)))
     kind = rng.randrange(3)
+    head = [wire.PEER_VERSION if rng.random() < 0.95 else rng.choice(INTS[:8]), kind + 1]
     if kind == 0:
         size = rng.choice((0, 1, 16, 4096))
-        header = [1, token, rng.choice(INTS[:10]), rng.choice(INTS[:10]), rng.choice(INTS),
+        fields = [token, rng.choice(INTS[:10]), rng.choice(INTS[:10]), rng.choice(INTS),
                   rng.choice((size, *INTS)), rng.choice((reply_to, "", "tcp://\x00x:1"))]
-        frames = [msgpack.packb(header, use_bin_type=True), rng.randbytes(size)]
+        frames = [msgpack.packb(head + fields, use_bin_type=True), rng.randbytes(size)]
     elif kind == 1:
-        frames = [msgpack.packb([2, token, rng.random() < 0.5, "x" * rng.choice((0, 10, 5000))],
-                                use_bin_type=True)]
+        frames = [msgpack.packb(head + [token, rng.random() < 0.5,
+                                        "x" * rng.choice((0, 10, 5000))], use_bin_type=True)]
     else:
-        frames = [msgpack.packb([3, token, rng.choice((reply_to, "tcp://127.0.0.1:9", "nope"))],
-                                use_bin_type=True)]
+        frames = [msgpack.packb(head + [token, rng.choice((reply_to, "tcp://127.0.0.1:9",
+                                                           "nope"))], use_bin_type=True)]
     if rng.random() < 0.3:
         frames = Mutator(rng, [Seed(0, (), ())]).bytes_(Seed(0, (), ()), frames)
     if rng.random() < 0.05:

@@ -20,7 +20,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 
@@ -29,6 +28,7 @@ from ..broker.keys import KeyPair
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
+from .backends.base import Backend
 from .executor import DRAIN_BATCH, Executor, WorkerLimits
 from .peer_links import PeerLinks, PeerSecurity
 
@@ -98,7 +98,7 @@ def check_security(cfg: WorkerConfig, peer_bind: str) -> None:
                     "workers", ep)
 
 
-def make_backend(device: str) -> Any:
+def make_backend(device: str) -> Backend:
     """The compute backend for ``--device`` (cupy is imported only when asked for)."""
     if device == "cpu":
         from .backends.numpy_backend import NumpyBackend
@@ -113,7 +113,7 @@ def make_backend(device: str) -> Any:
 class BackendThread(threading.Thread):
     """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Any, limits: WorkerLimits,
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, limits: WorkerLimits,
                  endpoints: tuple[str, str], name: str, peer: tuple[str, str],
                  curve: KeyPair | None = None, worker_keys: str | None = None) -> None:
         super().__init__(name="zmq-rpc-backend", daemon=False)
@@ -239,7 +239,7 @@ class WorkerServer:
         self._zap: ZapThread | None = None
         self._stopped = False
 
-    def limits(self, backend: Any) -> WorkerLimits:
+    def limits(self, backend: Backend) -> WorkerLimits:
         """The effective limits (defaults resolved against the device's memory)."""
         cfg = self.config
         memory = cfg.memory_limit or int(backend.total_memory() * 0.8) or (8 << 30)
