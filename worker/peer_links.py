@@ -43,10 +43,12 @@ ZERO_COPY_BYTES = 64 * 1024
 """Smaller chunks are copied into zmq messages: cheaper than tracking a zero-copy one."""
 STASH_TTL = 30.0
 MAX_LINKS = 64
-MAX_STASHED_TRANSFERS = 1024
-MAX_STASHED_PER_SENDER = 64
-"""Early transfers one sender may have stashed (a pipeline needs a few; 1,100 made-up ones from
-one address once denied every legitimate copy)."""
+MAX_STASHED_TRANSFERS = 4096
+MAX_STASHED_PER_SENDER = 1024
+"""Early transfers one sender may have stashed before any session announced them (a client with
+512 copies in flight can have that many chunks arrive ahead of their receives when the
+destination's request queue is backed up; 1,100 made-up ones from one address once denied every
+legitimate copy: now they only push out that sender's oldest)."""
 
 
 @dataclass
