@@ -31,6 +31,7 @@ from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
+from ..broker.wire import printable
 from .backends.base import Backend
 from .cli import package_version
 from .graph_exec import CompiledGraph, compile_graph
@@ -295,6 +296,8 @@ class Executor:
         if req.cmd is Cmd.GRAPH_RUN_LINKED:
             session.queue.extend(self._receives(req))
         session.queue.append(req)
+        if self.peers is not None and req.cmd in (Cmd.PEER_RECV, Cmd.GRAPH_RUN_LINKED):
+            self.peers.announce(session, req.msg)   # its early chunks are kept, whoever floods
         if idle:
             self.pump(session)
 
@@ -457,7 +460,8 @@ class Executor:
         session = self.sessions.get(client_id)
         if session is None:
             self._session_ids += 1
-            session = Session(client_id, msg.client or "client", self._session_ids)
+            session = Session(client_id, printable(msg.client, 64) or "client",
+                              self._session_ids)
             self.sessions[client_id] = session
             log.info("session %s opened by client %r (id %s); %d open", session.label,
                      session.name, client_id.hex()[:8], len(self.sessions),
