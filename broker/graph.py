@@ -33,6 +33,7 @@ from .wire import (
     check_tensor,
     describe,
     list_of,
+    timing_field,
     wire_message,
 )
 
@@ -203,6 +204,7 @@ class GraphReply(Message):
     sizes: list[int] = _f(list_of(check_handle, MAX_IO))
     compute_ns: int = _f(check_handle)
     """How long the worker spent running the graph's nodes."""
+    timing: tuple[int, ...] = timing_field()
 
     def payload_sizes(self) -> list[int]:
         return list(self.sizes)

@@ -88,13 +88,14 @@ from .wire import (
     describe,
     list_of,
     split_tensor,
+    timing_field,
     wire_message,
 )
 
 __all__ = [  # the protocol's vocabulary; wire's names are re-exported so callers need one import
     "DTYPE_NAMES", "MAX_DIM", "MAX_HANDLE", "MAX_HEADER_BYTES", "MAX_RANK", "MAX_STRING",
     "PROTOCOL_VERSION", "REPLIES", "REQUESTS", "STATUS_OK",
-    "AllocBuffer", "BufferOp", "ClearBuffer", "Cmd", "CopyTensor", "DType", "Device",
+    "Ack", "AllocBuffer", "BufferOp", "ClearBuffer", "Cmd", "CopyTensor", "DType", "Device",
     "DeviceMemoryReply", "Empty", "ErrorCode", "GetTensor", "GetTensorReply", "Hello", "HelloReply",
     "MemsetTensor", "Message", "SessionInfo", "SetTensor", "StatusReply", "TensorRef",
     "WireError",
@@ -102,7 +103,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 3)
+PROTOCOL_VERSION = (1, 4)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
 
 
@@ -166,6 +167,20 @@ def _code_name(code: int) -> str:
         return f"error {code}"
 
 
+def _check_bool(value: Any, field: str) -> bool:
+    if type(value) is not bool:
+        raise _bad(field, f"expected true or false, got {describe(value)}")
+    return value
+
+
+@wire_message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ack(Message):
+    """The reply of a command that returns nothing (1.4: it may carry ``timing``)."""
+
+    timing: tuple[int, ...] = timing_field()
+
+
 @wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hello(Message):
@@ -174,6 +189,9 @@ class Hello(Message):
     major: int = _f(check_u32)
     minor: int = _f(check_u32)
     client: str = _f(check_str)
+    timing: bool = _f(_check_bool, since=(1, 4), default=False)
+    """1.4: put the worker's share of each request's time in its reply (``timing``). A client
+    asks in a second HELLO once the first has shown a worker of 1.4 or later."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,6 +234,7 @@ class HelloReply(Message):
     session_timeout_ms: int = _f(check_u63)
     capabilities: tuple[str, ...] = _f(lambda v, f: tuple(list_of(check_str, 256)(v, f)))
     peer_endpoint: str = _f(check_str)
+    timing: tuple[int, ...] = timing_field()
 
 
 @wire_message
@@ -251,6 +270,7 @@ class DeviceMemoryReply(Message):
 
     free: int = _f(check_u63)
     total: int = _f(check_u63)
+    timing: tuple[int, ...] = timing_field()
 
 
 @wire_message
@@ -278,6 +298,7 @@ class GetTensorReply(Message):
     """Reply to GET_TENSOR: one payload frame."""
 
     payload_frames: ClassVar[int] = 1
+    timing: tuple[int, ...] = timing_field()
 
 
 @wire_message
@@ -361,6 +382,7 @@ class StatusReply(Message):
     peer_endpoint: str = _f(check_str)
     session_list: tuple[SessionInfo, ...] = _f(_check_sessions)
     """At most :data:`MAX_STATUS_SESSIONS`, the most recently active first."""
+    timing: tuple[int, ...] = timing_field()
 
 
 REQUESTS: dict[Cmd, type[Message]] = {
@@ -391,7 +413,7 @@ REQUESTS: dict[Cmd, type[Message]] = {
 :mod:`.graph` and :mod:`.peer`; this table is the one place that says which command takes which)."""
 
 REPLIES: dict[Cmd, type[Message]] = {
-    **{cmd: Empty for cmd in Cmd},
+    **{cmd: Ack for cmd in Cmd},
     Cmd.HELLO: HelloReply,
     Cmd.DEVICE_MEMORY: DeviceMemoryReply,
     Cmd.GET_TENSOR: GetTensorReply,

@@ -200,6 +200,20 @@ def _f(check: Callable[[Any, str], Any], *, since: tuple[int, int] | None = None
     return dataclasses.field(metadata={"check": check, "since": since}, **kw)
 
 
+def _check_timing(value: Any, field: str) -> tuple[int, ...]:
+    timing = tuple(list_of(_int_in(0, MAX_HANDLE), 2)(value, field))
+    if len(timing) != 2:
+        raise _bad(field, "timing is [queued_ns, run_ns]")
+    return timing
+
+
+def timing_field() -> Any:
+    """A reply's ``timing`` (1.4): ``(queued_ns, run_ns)``, the worker's share of the request
+    (waiting in its session's queue, then running until the reply left). Sent only to sessions
+    that asked in HELLO; ``()`` otherwise, and then never on the wire."""
+    return _f(_check_timing, since=(1, 4), default=())
+
+
 # ---------------------------------------------------------------------------------- tensors
 
 

@@ -34,12 +34,13 @@ from .client import (
     from_bfloat16,
     to_bfloat16,
 )
+from .engine import RequestTiming
 from .graph import Graph, GraphTensor
 from .peer import HandOff, hand_off
 
 __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
-    "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
+    "RegisteredGraph", "RequestTiming", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
     "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
     "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
     "TransferError", "TransportError", "VersionMismatch", "AuthenticationFailed",

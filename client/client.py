@@ -31,7 +31,7 @@ from ..broker.errors import (
 )
 from ..broker.keys import KeyPair
 from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
-from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions
+from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions, RequestTiming
 from .graph import Graph
 from .peer import HandOff, Routes, copy_between, run_linked
 from .peer import receive as receive_hand_off
@@ -240,6 +240,10 @@ class Client:
     file, or ``$ZMQ_RPC_CURVE_SECRET_KEY``) and the worker's public key: in the endpoint
     (``tcp://h:p#curve=KEY``), as ``server_key`` (text or ``.key`` file) or
     ``$ZMQ_RPC_SERVER_KEY``. A refused key fails at once with ``AuthenticationFailed``.
+
+    ``trace=True`` records where each request's time went (:meth:`timings`): queued on the
+    client, on the wire, queued on the worker, running there, and back; the worker reports its
+    part in each reply (protocol 1.4; an older worker's requests are not traced).
     """
 
     def __init__(self, endpoint: str, *, timeout: float = 60.0, connect_timeout: float = 10.0,
@@ -248,7 +252,7 @@ class Client:
                  peer_copy: bool = True,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
                  curve_key: str | os.PathLike[str] | KeyPair | None = None,
-                 server_key: str | bytes | None = None) -> None:
+                 server_key: str | bytes | None = None, trace: bool = False) -> None:
         address, curve = resolve_curve(endpoint, curve_key, server_key)
         self.endpoint = address
         self.peer_copy = peer_copy
@@ -257,7 +261,7 @@ class Client:
         self.timeout = timeout
         self._engine = Engine(address, EngineOptions(
             timeout=timeout, window=window, window_bytes=window_bytes, heartbeat=heartbeat,
-            curve=curve), ctx)
+            curve=curve, trace=trace), ctx)
         self._handles = itertools.count(1)
         self._handle_lock = threading.Lock()
         try:
@@ -280,7 +284,24 @@ class Client:
         if info.major != major:
             raise VersionMismatch(f"worker speaks protocol {info.major}.{info.minor}, "
                                   f"this client {major}.{minor}")
+        if self._engine.options.trace:
+            self._ask_for_timing(info, timeout)
         return info
+
+    def _ask_for_timing(self, info: p.HelloReply, timeout: float) -> None:
+        """A second HELLO asking for the worker's timing in replies (a worker older than 1.4
+        would refuse the field, so it is sent only once the first HELLO showed the capability)."""
+        if "timing" not in info.capabilities:
+            log.warning("%s speaks protocol %d.%d: its replies carry no timing (trace needs "
+                        "1.4)", self.endpoint, info.major, info.minor)
+            return
+        major, minor = p.PROTOCOL_VERSION
+        hello = p.Hello(major=major, minor=minor, client=self.name, timing=True)
+        self._engine.submit(Cmd.HELLO, hello, timeout=timeout).result()
+
+    def timings(self) -> list[RequestTiming]:
+        """Where each traced request's time went since the last call (``trace=True``)."""
+        return self._engine.drain_timings()
 
     # ------------------------------------------------------------------------- lifecycle
 

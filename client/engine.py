@@ -44,6 +44,34 @@ until its backend thread copies it out, so a client that shares a worker with ma
 a smaller ``window_bytes``."""
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where one request's time went, in seconds: the client's clock for its own parts, the
+    worker's report (protocol 1.4, ``EngineOptions.trace``) for its share. ``wire`` is the round
+    trip minus the worker's share: both directions, the broker hop and the reply's decoding."""
+
+    cmd: str
+    client_queue: float
+    """Submitted until the I/O thread sent it (the window, other requests ahead of it)."""
+    wire: float
+    worker_queue: float
+    """Waiting on the worker behind its session's earlier requests or an incoming transfer."""
+    worker_run: float
+    """Running on the worker until its reply left."""
+    back: float
+    """Reply received until the future had its result (landing the payload, callbacks)."""
+    compute: float = 0.0
+    """Seconds inside graphs, as the worker reported (runs only)."""
+
+    @property
+    def total(self) -> float:
+        return self.client_queue + self.wire + self.worker_queue + self.worker_run + self.back
+
+
+MAX_TIMINGS = 100_000
+"""Timings kept until read (:meth:`Engine.drain_timings`); older ones are dropped."""
+
+
 @dataclass
 class Call:
     """One request on its way: its frames, its future and its deadline."""
@@ -56,6 +84,8 @@ class Call:
     on_reply: OnReply | None
     nbytes: int = 0
     sent: bool = False
+    submitted_ns: int = 0
+    sent_ns: int = 0
 
 
 @dataclass
@@ -70,6 +100,8 @@ class EngineOptions:
     zmq_heartbeat_timeout_ms: int = 5000
     identity: bytes = field(default_factory=lambda: b"z" + os.urandom(15))
     """The routing id workers key this client's session by: random, never starting with 0x00."""
+    trace: bool = False
+    """Record a :class:`RequestTiming` per request whose reply carries the worker's timing."""
     curve: CurveClient | None = None
     """Speak CURVE with this key pair to a worker with this public key (None: plain ZMTP)."""
 
@@ -92,6 +124,8 @@ class Engine:
         self._close_lock = threading.Lock()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self.timings: deque[RequestTiming] = deque(maxlen=MAX_TIMINGS)
+        """Appended by the I/O thread (``trace``); read with :meth:`drain_timings`."""
         self._thread = threading.Thread(target=self._run, name="zmq-rpc-client-io", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -118,7 +152,7 @@ class Engine:
         wait = self.options.timeout if timeout is None else timeout
         nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
         self._inbox.put(Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply,
-                             nbytes))
+                             nbytes, submitted_ns=time.perf_counter_ns()))
         if self._io_sleeping:
             os.eventfd_write(self._wake_fd, 1)
         return future
@@ -135,6 +169,13 @@ class Engine:
         os.close(self._wake_fd)
         if self._own_ctx:
             self.ctx.term()
+
+    def drain_timings(self) -> list[RequestTiming]:
+        """The timings recorded since the last call, oldest first (any thread)."""
+        out = []
+        while self.timings:
+            out.append(self.timings.popleft())
+        return out
 
     @property
     def closed(self) -> bool:
@@ -252,6 +293,7 @@ class _IoLoop:
             self.backlog.popleft()
             if call.future.done():
                 continue
+            call.sent_ns = time.perf_counter_ns()
             self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
             call.frames = []
             call.sent = True
@@ -279,6 +321,7 @@ class _IoLoop:
         self.in_flight_bytes -= call.nbytes
         if call.future.done():
             return
+        received = time.perf_counter_ns()
         try:
             result = p.decode_reply(call.cmd, header)
             if isinstance(result, RpcError):
@@ -287,8 +330,19 @@ class _IoLoop:
                 _check_reply_payload(call.cmd, result, frames)
                 value = call.on_reply(result, frames[1:]) if call.on_reply else result
                 call.future.set_result(value)
+                if getattr(result, "timing", ()):
+                    self._record(call, result, received)
         except BaseException as exc:
             call.future.set_exception(exc)
+
+    def _record(self, call: Call, reply: p.Message, received: int) -> None:
+        queued_ns, run_ns = reply.timing  # type: ignore[attr-defined]
+        round_trip = received - call.sent_ns
+        self.engine.timings.append(RequestTiming(
+            call.cmd.name, (call.sent_ns - call.submitted_ns) / 1e9,
+            max(round_trip - queued_ns - run_ns, 0) / 1e9, queued_ns / 1e9, run_ns / 1e9,
+            (time.perf_counter_ns() - received) / 1e9,
+            getattr(reply, "compute_ns", 0) / 1e9))
 
     def _compact_deadlines(self) -> None:
         """Drop heap entries of answered calls (they otherwise stay until their deadline)."""

@@ -117,7 +117,7 @@ REPLY_EXAMPLES: dict[Cmd, p.Message] = {
 
 @pytest.mark.parametrize("cmd", BASE_COMMANDS, ids=lambda c: c.name)
 def test_reply_round_trip(cmd: Cmd) -> None:
-    msg = REPLY_EXAMPLES.get(cmd, p.Empty())
+    msg = REPLY_EXAMPLES.get(cmd, p.Ack())
     assert isinstance(msg, p.REPLIES[cmd])
     header = p.unpack_header(p.encode_reply(77, msg))
     assert header[:2] == [p.STATUS_OK, 77]
@@ -144,11 +144,11 @@ def test_error_message_is_capped() -> None:
 # The enums are append-only: a new member must take a value above every pinned one; a new command
 # bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
 # (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default.
-# 1.3: STATUS (22).
+# 1.3: STATUS (22). 1.4: HELLO's timing and every reply's timing (the Ack reply class).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 3)
+    assert p.PROTOCOL_VERSION == (1, 4)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -709,3 +709,30 @@ def test_status_reply_sessions_are_checked(sessions: list[Any]) -> None:
     fields = ["w", "v", 0, [], 0, 0, 0, 0, 0, 0, 0, [], "", sessions]
     with pytest.raises(BadRequest):
         p.StatusReply.from_fields(fields)
+
+
+def test_golden_timing() -> None:
+    """1.4: HELLO asks with a trailing true; replies carry [queued_ns, run_ns] last, only when
+    set: an Ack without it is the old empty reply, byte for byte."""
+    asked = p.encode_request(Cmd.HELLO, 1, p.Hello(major=1, minor=4, client="golden", timing=True))
+    assert asked.hex() == "9601010104a6676f6c64656e" "c3"
+    plain = p.encode_request(Cmd.HELLO, 1, p.Hello(major=1, minor=4, client="golden"))
+    assert asked[1:-1] == plain[1:] and p.decode_request([plain])[2].timing is False
+    assert p.encode_reply(5, p.Ack()).hex() == "920005"
+    timed = p.encode_reply(5, p.Ack(timing=(1000, 70000)))
+    assert timed.hex() == "930005" "92cd03e8ce00011170"
+    assert p.decode_reply(Cmd.PING, p.unpack_header(timed)) == p.Ack(timing=(1000, 70000))
+    from zmq_rpc.broker.graph import GraphReply
+    run = p.encode_reply(6, GraphReply(sizes=[4], compute_ns=9, timing=(1, 2)))
+    assert run.hex() == "950006" "9104" "09" "920102"
+    assert p.decode_reply(Cmd.GRAPH_RUN, p.unpack_header(run)).timing == (1, 2)
+
+
+@pytest.mark.parametrize("timing", [[1], [1, 2, 3], [-1, 0], [0.5, 1], "ab"])
+def test_reply_timing_is_checked(timing: Any) -> None:
+    with pytest.raises(BadRequest, match="timing"):
+        p.decode_reply(Cmd.PING, [0, 1, timing])
+
+
+def test_hello_timing_must_be_a_bool() -> None:
+    bad([pack(Cmd.HELLO, 1, 1, 4, "c", 1)], match="timing")

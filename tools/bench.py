@@ -553,6 +553,8 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
                          "2.5gbit; tc units); alone, runs that case only (needs root, iproute2)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
     ap.add_argument("--json", metavar="FILE", help="write every sample to FILE")
+    ap.add_argument("--report", metavar="DIR",
+                    help="write DIR/bench.json, PNG plots and DIR/README.md (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     return ap
@@ -571,9 +573,14 @@ def run_command(argv: Sequence[str]) -> int:
     seconds = time.perf_counter() - start
     print(format_table(results))
     print(f"\n{len(results)} row(s) in {seconds:.1f} s", *errors, sep="\n")
+    meta = run_meta(args, endpoints, seconds) | {"errors": errors}
     if args.json:
-        meta = run_meta(args, endpoints, seconds) | {"errors": errors}
         write_json(args.json, results, meta)
+    if args.report:
+        from .report import write_report
+        doc = {"meta": meta, "results": [result_json(r) for r in results]}
+        for path in write_report(args.report, doc):
+            print(f"wrote {path}")
     missed = any(r.passed() is False for r in results)
     return 1 if errors or (args.check and missed) else 0
 
@@ -599,6 +606,9 @@ def load_case_modules() -> None:
     if "generate" not in COMMANDS:   # imported on use: it needs the model extras (gguf, tokenizers)
         register_command("generate", lambda argv: importlib.import_module(
             "zmq_rpc.tools.generate").main(list(argv)))
+    if "report" not in COMMANDS:
+        register_command("report", lambda argv: importlib.import_module(
+            "zmq_rpc.tools.report").report_command(list(argv)))
     if "status" not in COMMANDS:
         register_command("status", lambda argv: importlib.import_module(
             "zmq_rpc.tools.status").main(list(argv)))

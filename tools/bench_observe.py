@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from ..client import Client
 from . import baselines as bl
@@ -96,3 +96,45 @@ def case_metrics(ctx: BenchContext) -> list[CaseResult]:
                    {"off": rate["off"]}, Target(0.95, higher_is_better=True),
                    higher_is_better=True, note=note),
     ]
+
+
+SPLIT_PARTS = ("compute", "worker work", "hand-offs")
+
+
+@register_case("token_split", "where a decoded SmolLM2 token's time goes on 2 traced workers "
+                              "(compute, worker work, hand-offs; client messaging)",
+               default=False)
+def case_token_split(ctx: BenchContext) -> list[CaseResult]:
+    """Rows in ms per token (mean of each generation's steps; one sample per generation), each
+    against the token's whole time: the parts' shares of it."""
+    from ..client.gguf_model import default_model_path, load_gguf
+    from ..client.llama import LlamaModel
+    from .bench_llm import PROMPT_TOKENS
+    from .timing import token_split
+
+    parts: dict[str, list[float]] = {name: [] for name in (*SPLIT_PARTS, "token", "wire")}
+    with ExitStack() as stack:
+        clients = [stack.enter_context(Client(c.endpoint, trace=True))
+                   for c in ctx.workers(2)]
+        with LlamaModel.load(load_gguf(default_model_path()), clients) as model:
+            for _ in range(ctx.reps(5, 2)):
+                model.stats.clear()
+                for client in clients:
+                    client.timings()
+                model.generate(PROMPT_TOKENS[:32], ctx.reps(33, 9), stop_ids=())
+                decode = [s.seconds for s in model.stats if s.mode == "decode"]
+                split = token_split([c.timings() for c in clients], decode)
+                if split is None:
+                    raise RuntimeError("the traces do not cover every decode step")
+                for name, value in zip((*SPLIT_PARTS, "token", "wire"),
+                                       (split.compute, split.worker_work, split.hand_offs,
+                                        split.token, split.wire)):
+                    parts[name].append(value * 1e3)
+    rows = [CaseResult("llm", f"llm token split {name}", "ms", parts[name],
+                       {"token": parts["token"]}, None, higher_is_better=False,
+                       note="mean per token over one generation's steps; ratio = share")
+            for name in SPLIT_PARTS]
+    rows.append(CaseResult("llm", "llm token split client wire/request", "ms", parts["wire"],
+                           {"token": parts["token"]}, None, higher_is_better=False,
+                           note="median per request, both ways; overlaps the chain"))
+    return rows

@@ -28,6 +28,7 @@ from ..client.gguf_model import default_model_path, load_gguf
 from ..client.llama import LlamaModel, StepStat
 from ..client.tokenizer import load_tokenizer
 from .bench import local_workers, sigterm_exits
+from .timing import token_split
 
 MEMORY_BANDWIDTH = 14e9
 """Bytes/s a CPU streams from memory: the floor is weight bytes read per token over this."""
@@ -56,6 +57,9 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     ap.add_argument("--prefill-chunk", type=int, default=32,
                     help="tokens per prefill graph run (default %(default)s)")
     ap.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
+    ap.add_argument("--trace", action="store_true",
+                    help="trace every request and split a token's time into compute, worker "
+                         "work, hand-offs and client messaging")
     return ap
 
 
@@ -89,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> None:
     with sigterm_exits(), ExitStack() as stack:
         endpoints = stack.enter_context(_endpoints(args))
-        clients = [stack.enter_context(Client(e, timeout=args.timeout)) for e in endpoints]
+        clients = [stack.enter_context(Client(e, timeout=args.timeout, trace=args.trace))
+                   for e in endpoints]
         model = _load(args, clients)
         stack.callback(model.close)
         print(f"model: {model}", file=sys.stderr)
@@ -156,6 +161,10 @@ def _summary(model: LlamaModel, args: argparse.Namespace) -> str:
             f"workers (as they report it) + {overhead * 1e3:.2f} ms overhead "
             f"({overhead / per_token:.1%}); {statistics.median(s.messages for s in decode):g} "
             f"messages per token, no client round trip between tokens when greedy")
+    split = token_split([s.client.timings() for s in model.stages],
+                        [s.seconds for s in decode]) if args.trace else None
+    if split is not None:
+        lines.append(split.line())
     lines.append(_floor(model))
     return "\n".join(lines)
 

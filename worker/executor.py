@@ -16,6 +16,7 @@ transfer not yet arrived) waits at the head of its session's queue while other s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -144,6 +145,8 @@ class Session:
     """Checked views by reference (a pipeline names the same few every step); emptied when a
     buffer is freed."""
     last_seen: float = field(default_factory=time.monotonic)
+    timing: bool = False
+    """The client asked for the worker's share of each request's time in its replies (1.4)."""
 
     @property
     def label(self) -> str:
@@ -204,7 +207,7 @@ class Executor:
         self.budget = MemoryBudget(limits.memory_limit)
         self.started = time.monotonic()
         self.version = package_version()
-        self.capabilities: list[str] = ["views", "chunked-transfer", "status"]
+        self.capabilities: list[str] = ["views", "chunked-transfer", "status", "timing"]
         if backend.zero_copy:
             self.capabilities.append("zero-copy")
         if backend.supports_graphs:
@@ -365,6 +368,8 @@ class Executor:
                        f"{req.cmd.name} failed: {type(exc).__name__}: {exc}")
             return ErrorCode.INTERNAL
         self._start_sends(session)
+        if session.timing:
+            reply = timed(reply, req.arrived, started)
         if req.cmd is Cmd.GRAPH_RUN_LINKED and self._hold(session, req, (reply, payload)):
             return 0
         self.reply(session.client_id, req.req_id, reply, payload)
@@ -468,8 +473,11 @@ class Executor:
                      extra={"event": "session_opened", **session.log_fields(),
                             "open": len(self.sessions)})
         session.last_seen = time.monotonic()
+        session.timing = session.timing or msg.timing
         started = time.perf_counter_ns()
-        self.reply(client_id, req.req_id, self.hello_reply(), [])
+        hello: p.Message = self.hello_reply()
+        self.reply(client_id, req.req_id,
+                   timed(hello, req.arrived, started) if session.timing else hello, [])
         self.metrics.request(Cmd.HELLO, 0, started - req.arrived, time.perf_counter_ns() - started)
 
     def hello_reply(self) -> p.HelloReply:
@@ -696,7 +704,8 @@ class Executor:
         except WireError as exc:
             self._refuse(session.client_id, req.req_id, exc.code, exc.message, Cmd.PEER_FILL)
             return
-        self.reply(session.client_id, req.req_id, p.Empty(), [])
+        done: p.Message = timed(p.Empty(), req.arrived, started) if session.timing else p.Empty()
+        self.reply(session.client_id, req.req_id, done, [])
         self.metrics.request(Cmd.PEER_FILL, 0, started - req.arrived,
                              time.perf_counter_ns() - started)
 
@@ -763,16 +772,19 @@ class Executor:
             self.metrics.request(pending.cmd, 0 if error is None else ErrorCode.TRANSFER_FAILED,
                                  pending.started - pending.arrived,
                                  time.perf_counter_ns() - pending.started)
+        done: p.Message = p.Empty()
+        if session.timing:
+            done = timed(done, pending.arrived, pending.started)
         if error is None and session.held_by is pending:
             session.held_by = None
             self.pump(session)   # what waited for these bytes runs first: the reply can wait
             if not pending.silent:
-                self.reply(session.client_id, pending.req_id, p.Empty(), [])
+                self.reply(session.client_id, pending.req_id, done, [])
             return
         if pending.silent:
             pass                # the linked run behind it answers (failed below, or runs)
         elif error is None:
-            self.reply(session.client_id, pending.req_id, p.Empty(), [])
+            self.reply(session.client_id, pending.req_id, done, [])
         else:
             self._reply_error(session.client_id, pending.req_id, ErrorCode.TRANSFER_FAILED, error)
         if session.held_by is not pending:
@@ -879,6 +891,14 @@ class Executor:
         del session.graphs[msg.handle]
         self.budget.release(graph.memory_charge)
         return NO_REPLY
+
+
+def timed(reply: p.Message, arrived: int, started: int) -> p.Message:
+    """``reply`` carrying the worker's share of its request: (queued, running until now) ns."""
+    timing = (max(started - arrived, 0), max(time.perf_counter_ns() - started, 0))
+    if type(reply) is p.Empty:
+        return p.Ack(timing=timing)
+    return dataclasses.replace(reply, timing=timing)  # type: ignore[type-var]
 
 
 @dataclass(frozen=True)
