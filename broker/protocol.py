@@ -48,8 +48,11 @@ from .errors import (
 )
 from .wire import describe
 
-PROTOCOL_VERSION = (1, 2)
-"""(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
+PROTOCOL_VERSION = (1, 3)
+"""(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
+
+1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
+``scale`` op's optional bias ``b`` (``scale-bias``: x * s + b, how graphs add scalars)."""
 
 STATUS_OK = 0
 MAX_HEADER_BYTES = 8 << 20

@@ -186,7 +186,8 @@ class Executor:
         if getattr(backend, "zero_copy", True):
             self.capabilities.append("zero-copy")
         if getattr(backend, "supports_graphs", True):
-            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
+                                  "scale-bias"]
         self.held: deque[HeldReply] = deque()
         """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""
         self.held_bytes = 0
