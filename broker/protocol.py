@@ -104,7 +104,11 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
 ]
 
 PROTOCOL_VERSION = (1, 4)
-"""(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
+"""(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
+
+1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
+``scale`` op's optional bias ``b`` (``scale-bias``: x * s + b, how graphs add scalars); 1.4 STATUS (``status``) and the
+worker's share of each request's time in its reply, for sessions that ask (``timing``)."""
 
 
 class Cmd(enum.IntEnum):
@@ -132,7 +136,7 @@ class Cmd(enum.IntEnum):
     PEER_FILL = 20
     GRAPH_RUN_LINKED = 21
     STATUS = 22
-    """1.3: what the worker is doing (sessions, memory, queue, uptime); capability ``status``."""
+    """1.4: what the worker is doing (sessions, memory, queue, uptime); capability ``status``."""
 
 
 
@@ -363,7 +367,7 @@ def _check_sessions(value: Any, field: str) -> tuple[SessionInfo, ...]:
 @wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatusReply(Message):
-    """STATUS (1.3): the worker's state now. Counts cover every session but the asker's."""
+    """STATUS (1.4): the worker's state now. Counts cover every session but the asker's."""
 
     server: str = _f(check_str)
     version: str = _f(check_str)

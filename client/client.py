@@ -449,7 +449,7 @@ class Client:
 
     def status(self) -> p.StatusReply:
         """What the worker is doing: sessions (other than this one), memory, queue depth,
-        uptime, version, capabilities (protocol 1.3; an older worker raises BadRequest)."""
+        uptime, version, capabilities (protocol 1.4; an older worker raises BadRequest)."""
         return self.status_async().result()
 
     def status_async(self) -> Future[p.StatusReply]:
@@ -457,7 +457,7 @@ class Client:
             future: Future[p.StatusReply] = Future()
             future.set_exception(BadRequest(
                 f"{self.endpoint} speaks protocol {self.info.major}.{self.info.minor}: STATUS "
-                "needs 1.3 (capability 'status')"))
+                "needs 1.4 (capability 'status')"))
             return future
         return self._call(Cmd.STATUS, p.Empty(), on_reply=lambda reply, frames: reply)
 

@@ -143,8 +143,10 @@ def test_error_message_is_capped() -> None:
 # PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
 # The enums are append-only: a new member must take a value above every pinned one; a new command
 # bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
-# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default.
-# 1.3: STATUS (22). 1.4: HELLO's timing and every reply's timing (the Ack reply class).
+# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default,
+# and so does an optional op param (1.3: scale's bias b, sent only when it is not 0; see
+# test_graph.py's golden bytes).
+# 1.4: STATUS (22); HELLO's timing and every reply's timing (the Ack reply class).
 
 
 def test_protocol_version_is_pinned() -> None:
@@ -685,7 +687,7 @@ def test_the_broker_modules_import_without_cycles() -> None:
 
 
 def test_golden_status() -> None:
-    """1.3's STATUS: an empty request; the reply's fields in order."""
+    """1.4's STATUS: an empty request; the reply's fields in order."""
     assert p.encode_request(Cmd.STATUS, 4, p.Empty()).hex() == "921604"
     reply = p.StatusReply(
         server="w", version="0.1.0", uptime_ms=1500,

@@ -68,7 +68,7 @@ def _series_by_size(rows: list[Row], case: str) -> dict[str, list[tuple[int, lis
     return {k: sorted(v) for k, v in series.items()}
 
 
-def _line(ax: Any, points: list[tuple[float, list[float]]], label: str, **style: Any) -> None:
+def _line(ax: Any, points: Sequence[tuple[float, list[float]]], label: str, **style: Any) -> None:
     """Median line with a min-max band."""
     xs = [x for x, _ in points]
     meds = [median(s) for _, s in points]

@@ -211,7 +211,8 @@ class Executor:
         if backend.zero_copy:
             self.capabilities.append("zero-copy")
         if backend.supports_graphs:
-            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
+                                  "scale-bias"]
         self.held: deque[HeldReply] = deque()
         """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""
         self.held_bytes = 0
@@ -898,7 +899,7 @@ def timed(reply: p.Message, arrived: int, started: int) -> p.Message:
     timing = (max(started - arrived, 0), max(time.perf_counter_ns() - started, 0))
     if type(reply) is p.Empty:
         return p.Ack(timing=timing)
-    return dataclasses.replace(reply, timing=timing)  # type: ignore[type-var]
+    return dataclasses.replace(reply, timing=timing)  # type: ignore[call-arg]
 
 
 @dataclass(frozen=True)
