@@ -69,6 +69,45 @@ def _scraping(address: str) -> Iterator[list[int]]:
         thread.join(15)
 
 
+def backend_cpu(rounds: int, count: int) -> dict[str, list[float]]:
+    """CPU µs the backend thread spends per tiny request (a PING through
+    :meth:`Executor.handle_frames`, the reply sent nowhere), with and without a recorder, in
+    alternating rounds: the hot-path cost itself, without the machine's scheduling noise."""
+    import os
+    import time
+
+    import zmq
+
+    from ..broker import protocol as p
+    from ..worker.backends.numpy_backend import NumpyBackend
+    from ..worker.executor import Executor, WorkerLimits
+    from ..worker.metrics import NullRecorder, Recorder
+
+    def executor(recorder: Recorder) -> tuple[Executor, bytes]:
+        ex = Executor(NumpyBackend(), WorkerLimits(1 << 26, 1 << 26, 64 << 20, 60.0),
+                      lambda *a, **k: None, "bench", metrics=recorder)
+        client_id = b"z" + os.urandom(15)
+        hello = p.Hello(major=p.PROTOCOL_VERSION[0], minor=p.PROTOCOL_VERSION[1], client="b")
+        ex.handle_frames([zmq.Frame(client_id),
+                          zmq.Frame(p.encode_request(p.Cmd.HELLO, 1, hello))])
+        return ex, client_id
+
+    ping = p.encode_request(p.Cmd.PING, 2, p.Empty())
+
+    def run(ex: Executor, client_id: bytes) -> float:
+        start = time.thread_time()
+        for _ in range(count):
+            ex.handle_frames([zmq.Frame(client_id), zmq.Frame(ping)])
+        return (time.thread_time() - start) / count * 1e6
+
+    both = {"on": executor(Recorder()), "off": executor(NullRecorder())}
+    samples: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(rounds):
+        for name, (ex, client_id) in both.items():
+            samples[name].append(run(ex, client_id))
+    return samples
+
+
 @register_case("metrics", "round trip and pipelined rate with --metrics-port (scraped every "
                           "second) vs without, alternating", default=False)
 def case_metrics(ctx: BenchContext) -> list[CaseResult]:
@@ -87,7 +126,11 @@ def case_metrics(ctx: BenchContext) -> list[CaseResult]:
                 "off": lambda: count / elapsed(lambda: _ours_pipelined(off, count)) / 1e3},
                 reps, bar)
         note = f"{scrapes[0]} scrapes during the case"
+    cpu = backend_cpu(ctx.reps(9, 3), ctx.reps(20_000, 2_000))
     return [
+        CaseResult("metrics", "backend CPU/ping, metrics on vs off", "µs", cpu["on"],
+                   {"off": cpu["off"]}, None, higher_is_better=False,
+                   note="thread CPU time of Executor.handle_frames(PING) in this process"),
         CaseResult("metrics", "rtt, metrics on vs off", "µs", rtt["on"], {"off": rtt["off"]},
                    Target(1.05, higher_is_better=False), higher_is_better=False, note=note),
         CaseResult("metrics", "rtt p99, metrics on vs off", "µs", rtt["on"], {"off": rtt["off"]},

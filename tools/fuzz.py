@@ -84,6 +84,8 @@ def record_corpus(endpoint: str) -> list[Seed]:
     tensor = p.TensorRef(buffer=1, dtype=p.DType.UINT8, shape=(64,), strides=(1,), offset=0)
     for cmd, msg, payload in (
             (Cmd.HELLO, p.Hello(major=major, minor=minor, client="fuzz"), ()),
+            (Cmd.HELLO, p.Hello(major=major, minor=minor, client="fuzz", timing=True), ()),
+            (Cmd.STATUS, p.Empty(), ()),
             (Cmd.GOODBYE, p.Empty(), ()),
             (Cmd.PEER_RECV, wire.PeerRecv(token=b"t" * 16, dst=tensor, timeout_ms=300), ()),
             (Cmd.PEER_FILL, wire.PeerFill(token=b"t" * 16, seq=0, nchunks=1, start=0, total=64,

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 LATENCY_BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3,
                      25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0)
 """Upper bounds of the latency histograms' buckets, in seconds (+Inf is implied)."""
@@ -71,10 +73,19 @@ class Counters:
 
 
 def _nbytes(frame: Any) -> int:
-    if type(frame) is bytes:
+    kind = type(frame)
+    if kind is bytes or kind is zmq.Frame:     # a Frame's len is its size, and cheap
         return len(frame)
-    nbytes = getattr(frame, "nbytes", None)
+    nbytes = getattr(frame, "nbytes", None)    # arrays and memoryviews
     return nbytes if nbytes is not None else len(frame)
+
+
+def _total(frames: Sequence[Any]) -> int:
+    total = 0
+    for frame in frames:          # a loop, not sum(genexpr): this runs once per message
+        kind = type(frame)
+        total += len(frame) if kind is bytes or kind is zmq.Frame else _nbytes(frame)
+    return total
 
 
 class Recorder:
@@ -98,9 +109,17 @@ class Recorder:
     def request(self, cmd: int, code: int, wait_ns: int, exec_ns: int) -> None:
         """A request was answered (``code`` 0: ok) after waiting and running this long."""
         key = (cmd, code)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        _observe(self.queue_wait, cmd, wait_ns)
-        _observe(self.execution, cmd, exec_ns)
+        requests = self.requests
+        requests[key] = requests.get(key, 0) + 1
+        waits = self.queue_wait.get(cmd)
+        if waits is None:
+            waits = self.queue_wait[cmd] = [0] * (len(_BOUNDS_NS) + 2)
+            self.execution[cmd] = [0] * (len(_BOUNDS_NS) + 2)
+        runs = self.execution[cmd]
+        waits[bisect_left(_BOUNDS_NS, wait_ns)] += 1
+        waits[-1] += wait_ns
+        runs[bisect_left(_BOUNDS_NS, exec_ns)] += 1
+        runs[-1] += exec_ns
 
     def graph_run(self, compute_ns: int) -> None:
         """A graph ran (any of the three run commands); ``compute_ns`` inside the graph."""
@@ -109,19 +128,19 @@ class Recorder:
 
     def client_in(self, frames: Sequence[Any]) -> None:
         """A request's frames arrived from a client."""
-        self.bytes["client_in"] += sum(_nbytes(f) for f in frames)
+        self.bytes["client_in"] += _total(frames)
 
     def client_out(self, frames: Sequence[Any]) -> None:
-        """A reply's frames went to a client (the routing id frame included)."""
-        self.bytes["client_out"] += sum(_nbytes(f) for f in frames)
+        """A reply's frames went to a client."""
+        self.bytes["client_out"] += _total(frames)
 
     def peer_in(self, frames: Sequence[Any]) -> None:
         """A message's frames arrived on the peer PULL socket."""
-        self.bytes["peer_in"] += sum(_nbytes(f) for f in frames)
+        self.bytes["peer_in"] += _total(frames)
 
     def peer_out(self, frames: Sequence[Any]) -> None:
         """A message's frames went to a peer (chunks, acknowledgements, probes)."""
-        self.bytes["peer_out"] += sum(_nbytes(f) for f in frames)
+        self.bytes["peer_out"] += _total(frames)
 
     def transfer(self, direction: str, ok: bool) -> None:
         """A peer transfer finished (``in``: landed here, ``out``: pushed from here)."""
@@ -142,14 +161,6 @@ class Recorder:
             execution={k: list(v) for k, v in dict(self.execution).items()},
             bytes=dict(self.bytes), transfers=dict(self.transfers),
             graph_runs=self.graph_runs, compute_ns=self.compute_ns)
-
-
-def _observe(table: dict[int, list[int]], cmd: int, value_ns: int) -> None:
-    counts = table.get(cmd)
-    if counts is None:
-        counts = table[cmd] = [0] * (len(_BOUNDS_NS) + 2)
-    counts[bisect_left(_BOUNDS_NS, value_ns)] += 1
-    counts[-1] += value_ns
 
 
 class NullRecorder(Recorder):
