@@ -239,11 +239,11 @@ def test_unknown_command(cmd: int) -> None:
 
 
 @pytest.mark.parametrize("header", [
-    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", "extra"),
+    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", True, "x"),
     pack(Cmd.ALLOC_BUFFER, 1, 3), pack(Cmd.GET_TENSOR, 1), pack(Cmd.COPY_TENSOR, 1, wire(ref())),
 ])
 def test_wrong_field_count(header: bytes) -> None:
-    exc = bad([header], match=r"takes \d+ fields, got \d+")
+    exc = bad([header], match=r"takes \d+( to \d+)? fields, got \d+")
     assert exc.req_id == 1  # type: ignore[attr-defined]
 
 

@@ -56,16 +56,19 @@ def size_of(label: str) -> int | None:
 
 
 def _series_by_size(rows: list[Row], case: str) -> dict[str, list[tuple[int, list[float]]]]:
-    """case rows by size: {"ours": [(size, samples)], "<baseline>": [...]} in size order."""
-    series: dict[str, list[tuple[int, list[float]]]] = {}
+    """case rows by size: {"ours": [(size, samples)], "ours (out=)": ..., "<baseline>": [...]}
+    in size order (a variant of ours is what its label adds to the case's name; baselines
+    shared by several variants of a size are taken once)."""
+    series: dict[str, dict[int, list[float]]] = {}
     for row in rows:
         size = size_of(row["label"])
         if row["case"] != case or size is None:
             continue
-        series.setdefault("ours", []).append((size, row["ours"]))
+        variant = row["label"].rsplit(" ", 1)[0].removeprefix(case).strip()
+        series.setdefault(f"ours {variant}".strip(), {})[size] = row["ours"]
         for name, samples in row["baselines"].items():
-            series.setdefault(name, []).append((size, samples))
-    return {k: sorted(v) for k, v in series.items()}
+            series.setdefault(name, {}).setdefault(size, samples)
+    return {k: sorted(v.items()) for k, v in series.items()}
 
 
 def _line(ax: Any, points: Sequence[tuple[float, list[float]]], label: str, **style: Any) -> None:
@@ -103,8 +106,10 @@ def _throughput(figure: Any, rows: list[Row]) -> bool:
     for ax, case in zip(axes, cases):
         series = _series_by_size(rows, case)
         for name, points in series.items():
-            _line(ax, points, "zmq-rpc" if name == "ours" else name,
-                  linewidth=2.5 if name == "ours" else 1.2)
+            ours = name.startswith("ours")
+            _line(ax, points, name.replace("ours", "zmq-rpc") if ours else name,
+                  linewidth=2.5 if ours else 1.2, linestyle="-" if name == "ours" or not ours
+                  else "--")
         _size_axis(ax, sorted({s for pts in series.values() for s, _ in pts}))
         ax.set_yscale("log")
         _plain(ax.yaxis)
@@ -149,7 +154,8 @@ def _peer(figure: Any, rows: list[Row]) -> bool:
         return False
     ax = figure(1, 1)[0]
     for name, points in series.items():
-        _line(ax, points, "worker to worker" if name == "ours" else f"{name} via the client")
+        _line(ax, points, "worker to worker" if name.startswith("ours")
+              else f"{name} via the client")
     _size_axis(ax, sorted({s for pts in series.values() for s, _ in pts}))
     ax.set_yscale("log")
     _plain(ax.yaxis)
@@ -225,9 +231,12 @@ def _time_split(figure: Any, rows: list[Row]) -> bool:
     meds = [median(r["ours"]) for r in parts]
     errs = [[m - spread(r["ours"])[0] for m, r in zip(meds, parts)],
             [spread(r["ours"])[1] - m for m, r in zip(meds, parts)]]
-    ax.bar(names, meds, yerr=errs, capsize=4, color="tab:blue")
-    ax.set(title="decode, 2 workers: time per token by part", ylabel="ms per token",
-           xlabel="part (bars: median; whiskers: min-max over runs)")
+    colors = ["tab:grey" if "request" in n else "tab:blue" for n in names]
+    names = [n.replace("client wire/request", "client wire\n(per request,\noverlaps the chain)")
+             for n in names]
+    ax.bar(names, meds, yerr=errs, capsize=4, color=colors)
+    ax.set(title="decode, 2 workers: mean ms per token by part (grey: per request)",
+           ylabel="ms", xlabel="part (bars: median over generations; whiskers: min-max)")
     ax.grid(True, axis="y", alpha=0.3)
     return True
 
