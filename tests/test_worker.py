@@ -152,7 +152,8 @@ def test_setup_cfg_lists_every_package_folder() -> None:
     mapping = dict(line.split(" = ") for line in
                    cfg["options"]["package_dir"].strip().splitlines())
     folders = {p.parent for p in ROOT.glob("*/**/__init__.py")
-               if not any(part in {"tests", "build", ".git"} for part in p.parts)}
+               if not any(part in {"tests", "build"} or part.startswith(".")
+                          for part in p.relative_to(ROOT).parts)}
     for folder in folders:
         rel = folder.relative_to(ROOT).as_posix()
         top = rel.split("/")[0]
