@@ -74,7 +74,8 @@ class BrokerThread(threading.Thread):
             pass
         except BaseException as exc:  # reported to whoever waits on ready
             self.error = exc
-            log.exception("broker thread failed")
+            if self.ready.is_set():   # a failure to open is the starter's to report
+                log.exception("broker thread failed")
         finally:
             self.ready.set()
             for sock in sockets:
@@ -90,7 +91,12 @@ class BrokerThread(threading.Thread):
         router.setsockopt(zmq.HEARTBEAT_IVL, cfg.heartbeat_ivl_ms)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, cfg.heartbeat_timeout_ms)
         router.setsockopt(zmq.HEARTBEAT_TTL, cfg.heartbeat_timeout_ms)
-        router.bind(cfg.bind)
+        try:
+            router.bind(cfg.bind)
+        except zmq.ZMQError as exc:
+            hint = (" (another process listens there: choose another port, or port * for a "
+                    "free one)" if exc.errno == zmq.EADDRINUSE else "")
+            raise OSError(f"cannot bind {cfg.bind}: {zmq.strerror(exc.errno)}{hint}") from None
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         pair = self.ctx.socket(zmq.PAIR)
         sockets.append(pair)
