@@ -7,6 +7,11 @@ samples, that servers stop cleanly, and how results are summarized, never how fa
 from __future__ import annotations
 
 import json
+import re
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,10 @@ import pytest
 import zmq
 from zmq_rpc.tools import baselines as bl
 from zmq_rpc.tools import bench
+
+BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
+"""The console script the install put beside this interpreter."""
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 @pytest.mark.timeout(180)
@@ -169,3 +178,44 @@ def test_unknown_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 def test_format_size() -> None:
     assert [bench.format_size(n) for n in (4096, 1 << 20, 256 << 20, 1000)] == \
         ["4KiB", "1MiB", "256MiB", "1000B"]
+
+
+def _help(*args: str) -> str:
+    out = subprocess.run([BENCH, *args, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_help_names_only_commands_that_exist_and_so_does_the_readme() -> None:
+    text = _help()
+    assert "``" not in text and ":class:" not in text
+    named = set(re.findall(r"zmq-rpc-bench ([a-z][\w-]*)", text))
+    named |= set(re.findall(r"^zmq-rpc-bench ([a-z][\w-]*)", README.read_text(), re.M))
+    assert named == {"generate"}, named          # no "run" that neither usage nor README shows
+    bench.load_case_modules()
+    assert set(bench.COMMANDS) == named
+    for command in named:
+        assert f"usage: zmq-rpc-bench {command}" in _help(command)
+
+
+@pytest.mark.timeout(120)
+def test_generate_help_shows_its_defaults() -> None:
+    text = " ".join(_help("generate").split())
+    assert "``" not in text
+    assert "tokens to generate at most (default 64)" in text
+    assert "(default 60.0)" in text.split("--timeout TIMEOUT")[-1]
+
+
+@pytest.mark.timeout(120)
+def test_generate_gives_up_connecting_after_its_timeout() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:    # accepts, never speaks zmq
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        out = subprocess.run([BENCH, "generate", "--prompt", "hi", "--timeout", "1",
+                              "--workers", f"tcp://127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - start
+    assert out.returncode == 1
+    assert f"cannot reach a zmq-rpc worker at tcp://127.0.0.1:{port}" in out.stderr
+    assert elapsed < 8, f"{elapsed:.1f} s: the connection wait ignored --timeout 1 (was 10 s)"

@@ -35,27 +35,34 @@ MEMORY_BANDWIDTH = 14e9
 
 def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParser:
     """The command line of ``generate``."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog, description=(
+        "Load a llama GGUF across workers, stream an answer to the prompt, print its costs."))
     ap.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
     ap.add_argument("--workers", type=_csv, default=None,
                     help="comma-separated worker endpoints, one pipeline stage each "
                          "(default: start --local-workers local workers)")
     ap.add_argument("--local-workers", type=int, default=2,
                     help="workers to start when --workers is not given (default %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="tokens to generate at most (default %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling mass (default %(default)s: no cut)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="sampling seed (default: a fresh one each run)")
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--weights", choices=["f32", "quantized"], default="f32",
                     help="f32: dequantize once on the workers (default, faster); quantized: "
                          "keep Q4_1/Q8_0 blocks and dequantize inside every matmul")
-    ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32")
+    ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+                    help="KV cache element type (default %(default)s)")
     ap.add_argument("--n-ctx", type=int, default=512, help="context length (default %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=32,
                     help="tokens per prefill graph run (default %(default)s)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds to wait for each request, and for each worker to answer the "
+                         "first connection (default %(default)s)")
     return ap
 
 
@@ -89,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> None:
     with sigterm_exits(), ExitStack() as stack:
         endpoints = stack.enter_context(_endpoints(args))
-        clients = [stack.enter_context(Client(e, timeout=args.timeout)) for e in endpoints]
+        clients = [stack.enter_context(Client(e, timeout=args.timeout,
+                                                           connect_timeout=args.timeout)) for e in endpoints]
         model = _load(args, clients)
         stack.callback(model.close)
         print(f"model: {model}", file=sys.stderr)
