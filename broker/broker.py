@@ -96,7 +96,7 @@ class BrokerThread(threading.Thread):
         except zmq.ZMQError as exc:
             hint = (" (another process listens there: choose another port, or port * for a "
                     "free one)" if exc.errno == zmq.EADDRINUSE else "")
-            raise OSError(f"cannot bind {cfg.bind}: {zmq.strerror(exc.errno)}{hint}") from None
+            raise OSError(f"cannot bind {cfg.bind}: {zmq.strerror(exc.errno or 0)}{hint}") from None
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         pair = self.ctx.socket(zmq.PAIR)
         sockets.append(pair)

@@ -27,7 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..broker import protocol as p
-from ..broker.errors import ClientClosed, ConnectionLost, RpcError, Timeout
+from ..broker.errors import BadRequest, ClientClosed, ConnectionLost, RpcError, Timeout
 from ..broker.protocol import Cmd
 
 log = logging.getLogger("zmq_rpc.client")
@@ -357,5 +357,5 @@ class _IoLoop:
 def _check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:
     expected = p.payload_count(reply)
     if len(frames) - 1 != expected:
-        raise p.BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "
+        raise BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "
                            f"expected {expected}")

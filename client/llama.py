@@ -186,7 +186,8 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     kept = np.zeros_like(probs)
     keep = order[before < top_p]
     kept[keep] = probs[keep]
-    return kept / kept.sum()
+    kept /= kept.sum()
+    return kept
 
 
 # ---------------------------------------------------------------------------- buffer layout
@@ -923,8 +924,10 @@ class LlamaModel:
         stops = {self.config.eos_id} if stop_ids is None else set(stop_ids)
         greedy, rng = temperature <= 0, np.random.default_rng(seed)
         fetch = "token" if greedy else "logits"
-        pick = (lambda r: int(r[0].reshape(-1)[0])) if greedy else (
-            lambda r: sample_token(r[0].reshape(-1), temperature, top_k, top_p, rng))
+        def pick(r: list[np.ndarray]) -> int:
+            if greedy:
+                return int(r[0].reshape(-1)[0])
+            return sample_token(r[0].reshape(-1), temperature, top_k, top_p, rng)
         out = [pick(self._prefill(prompt_ids, fetch))]
         if greedy and self.chain_greedy:
             self._decode_chained(out, max_new_tokens, stops, stream)

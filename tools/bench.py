@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import zmq
-from tqdm import tqdm  # type: ignore[import-untyped]
+from tqdm import tqdm
 
 from ..client import Client
 from ..worker.cli import parse_size

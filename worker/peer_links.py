@@ -371,11 +371,9 @@ class PeerLinks:
     def fail_session(self, session: Session) -> list[Pending]:
         """Forget the transfers of a closing session; returns their requests (the executor
         answers them: a client that said GOODBYE still gets a reply to each)."""
-        dropped: list[Pending] = []
-        for table in (self.incoming, self.outgoing):
-            for token, transfer in list(table.items()):
-                if transfer.pending.session is session:
-                    dropped.append(transfer.pending)
-                    del table[token]
+        dropped = [self.incoming.pop(token).pending for token, transfer
+                   in list(self.incoming.items()) if transfer.pending.session is session]
+        dropped += [self.outgoing.pop(token).pending for token, transfer
+                    in list(self.outgoing.items()) if transfer.pending.session is session]
         return dropped
 
