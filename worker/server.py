@@ -20,13 +20,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 
 from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
+from .backends.base import Backend
 from .executor import DRAIN_BATCH, Executor, WorkerLimits
 from .peer_links import PeerLinks
 
@@ -60,7 +60,7 @@ class WorkerConfig:
     name: str = field(default_factory=lambda: f"zmq-rpc-worker@{socket.gethostname()}")
 
 
-def make_backend(device: str) -> Any:
+def make_backend(device: str) -> Backend:
     """The compute backend for ``--device`` (cupy is imported only when asked for)."""
     if device == "cpu":
         from .backends.numpy_backend import NumpyBackend
@@ -89,7 +89,7 @@ def check_memory_limit(limit: int, total: int, device: str) -> None:
 class BackendThread(threading.Thread):
     """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Any, limits: WorkerLimits,
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, limits: WorkerLimits,
                  endpoints: tuple[str, str], name: str, peer: tuple[str, str]) -> None:
         super().__init__(name="zmq-rpc-backend", daemon=False)
         self.ctx = ctx
@@ -210,7 +210,7 @@ class WorkerServer:
         self._broker_ctl: zmq.Socket[bytes] | None = None
         self._stopped = False
 
-    def limits(self, backend: Any) -> WorkerLimits:
+    def limits(self, backend: Backend) -> WorkerLimits:
         """The effective limits (defaults resolved against the device's memory)."""
         cfg = self.config
         check_memory_limit(cfg.memory_limit, backend.total_memory(), cfg.device)
