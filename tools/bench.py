@@ -116,7 +116,8 @@ CASES: dict[str, Case] = {}
 """Every registered case, in registration order (the default run order)."""
 
 CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.bench_peer",
-                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_links")
+                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_links",
+                                 "zmq_rpc.tools.bench_security")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)
@@ -459,11 +460,14 @@ def worker_argv(bind: str = "tcp://127.0.0.1:*") -> list[str]:
 
 
 @contextmanager
-def local_workers(count: int) -> Iterator[list[str]]:
-    """Start ``count`` worker subprocesses (in parallel); SIGTERM and wait for them on exit."""
+def local_workers(count: int, *, own_session: bool = False) -> Iterator[list[str]]:
+    """Start ``count`` worker subprocesses (in parallel); SIGTERM and wait for them on exit.
+
+    ``own_session``: each in its own session, out of reach of a terminal's Ctrl-C (see
+    :class:`~zmq_rpc.tools.baselines.ServerProcess`)."""
     procs: list[bl.ServerProcess] = []
     try:
-        procs.extend(bl.ServerProcess(worker_argv()) for _ in range(count))
+        procs.extend(bl.ServerProcess(worker_argv(), own_session) for _ in range(count))
         yield [proc.wait_ready() for proc in procs]
     finally:
         codes = [proc.stop() for proc in procs]
@@ -599,6 +603,9 @@ def load_case_modules() -> None:
     """Import :data:`CASE_MODULES` so that their cases and commands register themselves."""
     for module in CASE_MODULES:
         importlib.import_module(module)
+    if "load" not in COMMANDS:
+        register_command("load", lambda argv: importlib.import_module(
+            "zmq_rpc.tools.loadtest").main(list(argv)))
     if "generate" not in COMMANDS:   # imported on use: it needs the model extras (gguf, tokenizers)
         register_command("generate", lambda argv: importlib.import_module(
             "zmq_rpc.tools.generate").main(list(argv)))

@@ -31,6 +31,7 @@ from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
+from ..broker.wire import printable
 from .backends.base import Backend
 from .graph_exec import CompiledGraph, compile_graph
 from .memory import MemoryBudget
@@ -188,7 +189,8 @@ class Executor:
         if backend.zero_copy:
             self.capabilities.append("zero-copy")
         if backend.supports_graphs:
-            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
+                                  "scale-bias"]
         self.held: deque[HeldReply] = deque()
         """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""
         self.held_bytes = 0
@@ -267,6 +269,8 @@ class Executor:
         if req.cmd is Cmd.GRAPH_RUN_LINKED:
             session.queue.extend(self._receives(req))
         session.queue.append(req)
+        if self.peers is not None and req.cmd in (Cmd.PEER_RECV, Cmd.GRAPH_RUN_LINKED):
+            self.peers.announce(session, req.msg)   # its early chunks are kept, whoever floods
         if idle:
             self.pump(session)
 
@@ -415,7 +419,8 @@ class Executor:
             return
         session = self.sessions.get(client_id)
         if session is None:
-            session = self.sessions[client_id] = Session(client_id, msg.client or "client")
+            session = self.sessions[client_id] = Session(client_id,
+                                                         printable(msg.client, 64) or "client")
             log.info("session %s opened (%d open)", session.label, len(self.sessions))
         session.last_seen = time.monotonic()
         self.reply(client_id, req.req_id, self.hello_reply(), [])
