@@ -40,7 +40,7 @@ import zmq
 from tqdm import tqdm
 
 from ..client import Client
-from ..worker.cli import parse_size
+from ..worker.cli import endpoint, parse_size
 from . import baselines as bl
 
 # ------------------------------------------------------------------------------- records
@@ -527,6 +527,11 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def endpoint_list(text: str) -> list[str]:
+    """``--workers``: comma-separated ``tcp://HOST:PORT`` / ``ipc://PATH``, each checked."""
+    return [endpoint(part, wildcard_port=False) for part in _csv(text)]
+
+
 def _case_list(text: str) -> list[str]:
     names = _csv(text)
     unknown = [n for n in names if n not in CASES]
@@ -551,7 +556,7 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
                                                 for name in COMMANDS)])
     ap = argparse.ArgumentParser(prog=prog, usage=usage, description=DESCRIPTION,
                                  epilog=f"cases: {cases}. Commands: see {commands}.")
-    ap.add_argument("--workers", type=_csv, default=[],
+    ap.add_argument("--workers", type=endpoint_list, default=[],
                     help="comma-separated endpoints of running workers (default: start two)")
     ap.add_argument("--cases", type=_case_list,
                     default=[c.name for c in CASES.values() if c.default],

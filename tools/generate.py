@@ -37,7 +37,7 @@ from ..client import Client, RpcError
 from ..client.gguf_model import LlamaGGUF, default_model_path, load_gguf
 from ..client.llama import LlamaModel, StepStat
 from ..client.tokenizer import Tokenizer, load_tokenizer
-from .bench import local_workers
+from .bench import endpoint_list, local_workers
 
 WIDTH = 100
 """Columns the summary fits in."""
@@ -49,7 +49,7 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     ap = argparse.ArgumentParser(prog=prog, description=(
         "Load a llama GGUF across workers, stream an answer to the prompt, print its costs."))
     ap.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
-    ap.add_argument("--workers", type=_csv, default=None,
+    ap.add_argument("--workers", type=endpoint_list, default=None,
                     help="comma-separated worker endpoints, one pipeline stage each "
                          "(default: start --local-workers local workers)")
     ap.add_argument("--local-workers", type=int, default=2,
@@ -75,10 +75,6 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
                     help="seconds to wait for each request, and for each worker to answer the "
                          "first connection (default %(default)s)")
     return ap
-
-
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 class _Clock:
