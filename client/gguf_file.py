@@ -150,7 +150,7 @@ def read_gguf(path: str | Path, default_alignment: int = 32) -> GGUFFile:
         data = np.memmap(path, np.uint8, mode="r")
     except ValueError as exc:                # an empty file cannot be mapped
         raise GGUFFormatError(f"cannot map the file: {exc}") from None
-    cursor = _Cursor(data.data)              # parsed through the buffer, not numpy indexing
+    cursor = _Cursor(memoryview(data.data))  # parsed through the buffer, not numpy indexing
     version, n_tensors, n_kv = _header(cursor)
     metadata = {}
     for _ in range(n_kv):

@@ -144,6 +144,22 @@ def test_llm_rows_hold_the_issue_budgets() -> None:
         assert rows["llm upload vs budget"].passed() is ok
 
 
+@pytest.mark.timeout(60)
+def test_first_byte_times_a_program_and_stops_it_with_sigint(tmp_path: Path) -> None:
+    """What the ``generate first output`` row measures: exec to the first byte, then Ctrl-C."""
+    import sys
+
+    from zmq_rpc.tools import bench_llm
+
+    marker = tmp_path / "stopped"
+    script = ("import sys, time\ntry:\n    sys.stderr.write('x'); sys.stderr.flush()\n"
+              f"    time.sleep(60)\nexcept KeyboardInterrupt:\n    open({str(marker)!r}, 'w')")
+    seconds = bench_llm._first_byte([sys.executable, "-c", script])
+    assert 0 < seconds < 60 and marker.exists()
+    with pytest.raises(RuntimeError, match="wrote nothing"):
+        bench_llm._first_byte([sys.executable, "-c", "pass"])
+
+
 def test_cases_and_commands_can_be_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "CASES", dict(bench.CASES))
     monkeypatch.setattr(bench, "COMMANDS", dict(bench.COMMANDS))

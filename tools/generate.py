@@ -31,13 +31,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..client import Client, RpcError
-from ..client.gguf_model import LlamaGGUF, default_model_path, load_gguf
-from ..client.llama import LlamaModel, StepStat
-from ..client.tokenizer import Tokenizer, load_tokenizer
 from .bench import endpoint_list, local_workers
+
+if TYPE_CHECKING:   # imported when used: the first status line does not wait for them
+    from ..client.gguf_model import LlamaGGUF
+    from ..client.llama import LlamaModel, StepStat
+    from ..client.tokenizer import Tokenizer
 
 WIDTH = 100
 """Columns the summary fits in."""
@@ -188,6 +190,7 @@ def _run(args: argparse.Namespace, answer: _Answer) -> None:
         model = _load(args, gguf, clients, clock)
         stack.callback(model.close)
         _status("loading the tokenizer")
+        from ..client.tokenizer import load_tokenizer
         tok = load_tokenizer(gguf)
         clock.lap("tokenizer")
         for stage in model.stages:
@@ -209,6 +212,8 @@ def _endpoints(args: argparse.Namespace, clock: _Clock) -> Iterator[list[str]]:
 
 
 def _open_model(args: argparse.Namespace, clock: _Clock) -> LlamaGGUF:
+    from ..client.gguf_model import default_model_path, load_gguf
+
     path = Path(args.model or default_model_path())
     _status(f"opening {path.name}")
     gguf = load_gguf(path)
@@ -220,6 +225,8 @@ def _open_model(args: argparse.Namespace, clock: _Clock) -> LlamaGGUF:
 
 def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
           clock: _Clock) -> LlamaModel:
+    from ..client.llama import LlamaModel
+
     bar: Any = None
 
     def progress(done: int, total: int) -> None:
