@@ -4,6 +4,10 @@ Owned by the backend thread, like every other piece of tensor state: it binds th
 opens one PUSH socket per destination peer on first use (and reuses it), writes arriving chunks
 straight into their destination views, sends acknowledgements, and fails transfers at their
 deadline. Nothing here blocks: the backend loop polls the PULL socket and calls :meth:`expire`.
+
+Built before the executor and handed nothing of it: each transfer comes with what it needs (the
+destination view, or a :class:`Source`), an ``owner`` (its session, compared by identity only) and
+a ``done`` callable told the outcome once (None on success, else why it failed).
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zmq
@@ -20,9 +25,7 @@ import zmq
 from ..broker import peer as wire
 from ..broker.errors import BadRequest
 from ..broker.protocol import ErrorCode, TensorRef, WireError, split_tensor
-
-if TYPE_CHECKING:
-    from .executor import Executor, Pending, Session
+from .backends.base import Backend, Memory, View
 
 log = logging.getLogger("zmq_rpc.worker.peer")
 
@@ -33,14 +36,28 @@ STASH_TTL = 30.0
 MAX_LINKS = 64
 MAX_STASHED_TRANSFERS = 1024
 
+Done = Callable[[str | None], None]
+"""Told once how a transfer ended: None when it succeeded, else what went wrong."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a send reads from: the checked view, its buffer's memory, and where the trackers
+    of zero-copy chunks go (the buffer is not written until they are done)."""
+
+    view: View
+    memory: Memory
+    track: Callable[[zmq.MessageTracker], None]
+
 
 @dataclass
 class Incoming:
-    """A PEER_RECV at the head of its session's queue, collecting chunks into ``dst``."""
+    """A receive at the head of its session's queue, collecting chunks into ``dst``."""
 
-    pending: Pending
+    owner: object
+    done: Done
     ref: TensorRef
-    view: Any
+    view: View
     deadline: float
     staging: np.ndarray | None
     target: memoryview | None
@@ -56,7 +73,8 @@ class Incoming:
 class Outgoing:
     """A PEER_SEND or PEER_PROBE waiting for the peer's acknowledgement."""
 
-    pending: Pending
+    owner: object
+    done: Done
     endpoint: str
     deadline: float
     what: str
@@ -69,17 +87,17 @@ class Piece:
     piece's view is read when it is pushed."""
 
     header: bytes
-    view: Any
+    view: View
     data: Any | None
     zero_copy: bool
 
 
 @dataclass(frozen=True)
 class Push:
-    """A checked send, ready to go: its pieces, the source buffer, the link to the peer."""
+    """A checked send, ready to go: its pieces, where trackers go, the link to the peer."""
 
     pieces: tuple[Piece, ...]
-    buffer: Any
+    track: Callable[[zmq.MessageTracker], None]
     endpoint: str
     link: zmq.Socket[bytes]
 
@@ -96,10 +114,11 @@ class Stashed:
 class PeerLinks:
     """The backend thread's peer sockets and the transfers in progress."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], bind: str, advertise: str,
-                 max_message_size: int, executor: Executor) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, *, bind: str = "",
+                 advertise: str = "", max_message_size: int = 64 << 20,
+                 stash_limit: int = 64 << 20) -> None:
         self.ctx = ctx
-        self.executor = executor
+        self.backend = backend
         self.pull: zmq.Socket[bytes] | None = None
         self.endpoint = ""
         if bind:      # without one, transfers still arrive relayed by clients (PEER_FILL)
@@ -114,7 +133,7 @@ class PeerLinks:
         self.stash: dict[bytes, Stashed] = {}
         self.stash_bytes = 0
         self._dropped = 0
-        self.stash_limit = max(executor.limits.memory_limit // 4, 64 << 20)
+        self.stash_limit = stash_limit
 
     def close(self) -> None:
         if self.pull is not None:
@@ -132,52 +151,51 @@ class PeerLinks:
 
     # ------------------------------------------------------------- requests (from executor)
 
-    def start_recv(self, pending: Pending, msg: wire.PeerRecv) -> None:
-        """Begin receiving into ``msg.dst`` (chunks stashed earlier may finish it at once)."""
-        if msg.token in self.incoming:
+    def start_recv(self, token: bytes, dst: TensorRef, view: View, timeout_ms: int,
+                   owner: object, done: Done) -> None:
+        """Begin receiving transfer ``token`` into ``view`` (the checked view of ``dst``);
+        chunks stashed earlier may finish it, and call ``done``, before this returns."""
+        if token in self.incoming:
             raise WireError(ErrorCode.TRANSFER_FAILED, "that transfer token is already in use")
-        view = self.executor.view(pending.session, msg.dst)
-        contiguous = msg.dst.is_contiguous()
-        staging = None if contiguous else np.empty(msg.dst.nbytes, np.uint8)
-        in_place = self.executor.backend.alias(view) if contiguous else None
-        self.incoming[msg.token] = Incoming(
-            pending, msg.dst, view, time.monotonic() + msg.timeout_ms / 1000, staging,
+        contiguous = dst.is_contiguous()
+        staging = None if contiguous else np.empty(dst.nbytes, np.uint8)
+        in_place = self.backend.alias(view) if contiguous else None
+        self.incoming[token] = Incoming(
+            owner, done, dst, view, time.monotonic() + timeout_ms / 1000, staging,
             None if in_place is None else memoryview(in_place))
-        stashed = self.stash.pop(msg.token, None)
+        stashed = self.stash.pop(token, None)
         self.stash_bytes -= stashed.nbytes if stashed else 0
         for chunk, frame in stashed.messages if stashed else []:
-            if msg.token in self.incoming:
+            if token in self.incoming:
                 self._on_chunk(chunk, frame)
 
-    def start_send(self, pending: Pending, msg: wire.PeerSend) -> None:
-        """Push ``msg.src`` to ``msg.endpoint`` in chunks; the reply waits for the ack."""
-        push = self.prepare_push(pending.session, wire.Send(msg.token, msg.src, msg.endpoint),
-                                 acknowledge=True)
-        self.outgoing[msg.token] = Outgoing(pending, msg.endpoint,
-                                            time.monotonic() + msg.timeout_ms / 1000,
-                                            f"transfer to {msg.endpoint}")
+    def start_send(self, send: wire.Send, source: Source, timeout_ms: int, owner: object,
+                   done: Done) -> None:
+        """Push ``source`` to ``send.endpoint`` in chunks; ``done`` hears the peer's ack."""
+        push = self.prepare_push(send, source, acknowledge=True)
+        self.outgoing[send.token] = Outgoing(owner, done, send.endpoint,
+                                             time.monotonic() + timeout_ms / 1000,
+                                             f"transfer to {send.endpoint}")
         self.push(push)
 
-    def prepare_push(self, session: Session, send: wire.Send, acknowledge: bool) -> Push:
-        """Check a send (source view, peer endpoint, link) and encode its chunk headers before
-        anything it follows runs: after the run, pushing is only handing frames to zmq. With
+    def prepare_push(self, send: wire.Send, source: Source, acknowledge: bool) -> Push:
+        """Check a send (peer endpoint, link) and encode its chunk headers before anything it
+        follows runs: after the run, pushing is only handing frames to zmq. With
         ``acknowledge`` the receiver answers once it has everything, else it sends nothing."""
         if not self.endpoint:
             raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
-        view = self.executor.view(session, send.src)
-        buffer = session.buffers[send.src.buffer]
-        backend = self.executor.backend
         sub_refs = split_tensor(send.src, CHUNK_BYTES)
         reply_to = self.endpoint if acknowledge else ""
         pieces = []
         for seq, (start, sub) in enumerate(sub_refs):
-            piece_view = view if len(sub_refs) == 1 else backend.view(buffer.memory, sub)
-            data = backend.alias(piece_view)
+            piece_view = (source.view if len(sub_refs) == 1
+                          else self.backend.view(source.memory, sub))
+            data = self.backend.alias(piece_view)
             header = wire.encode_chunk(wire.Chunk(send.token, seq, len(sub_refs), start,
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
-        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint))
+        return Push(tuple(pieces), source.track, send.endpoint, self._link(send.endpoint))
 
     def push(self, push: Push) -> None:
         """Send the prepared chunks (zero-copy from the buffer when big and aliased)."""
@@ -185,20 +203,23 @@ class PeerLinks:
         for piece in push.pieces:
             data = piece.data
             if data is None:
-                data = self.executor.backend.read(piece.view)[0]
+                data = self.backend.read(piece.view)[0]
             if piece.zero_copy:
                 tracker = link.send_multipart([piece.header, data], copy=False, track=True)
                 if tracker is not None:
-                    push.buffer.sending.append(tracker)
+                    push.track(tracker)
             else:
                 link.send_multipart([piece.header, data], copy=False)
 
-    def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
+    def start_probe(self, endpoint: str, timeout_ms: int, owner: object, done: Done) -> None:
+        """Ask the peer at ``endpoint`` to answer; ``done`` hears whether it did in time."""
+        if not self.endpoint:
+            raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
         token = os.urandom(wire.TOKEN_BYTES)
-        link = self._link(msg.endpoint)
-        self.outgoing[token] = Outgoing(pending, msg.endpoint,
-                                        time.monotonic() + msg.timeout_ms / 1000,
-                                        f"probe of {msg.endpoint}")
+        link = self._link(endpoint)
+        self.outgoing[token] = Outgoing(owner, done, endpoint,
+                                        time.monotonic() + timeout_ms / 1000,
+                                        f"probe of {endpoint}")
         link.send(wire.encode_probe(wire.Probe(token, self.endpoint)))
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
@@ -234,10 +255,10 @@ class PeerLinks:
 
     # ----------------------------------------------------------- peer messages (PULL side)
 
-    def fill(self, session: Session, msg: wire.PeerFill, frame: zmq.Frame) -> None:
+    def fill(self, owner: object, msg: wire.PeerFill, frame: zmq.Frame) -> None:
         """A chunk relayed by the client (no ack: the client's reply is the acknowledgement)."""
         transfer = self.incoming.get(msg.token)
-        if transfer is not None and transfer.pending.session is not session:
+        if transfer is not None and transfer.owner is not owner:
             raise WireError(ErrorCode.INVALID_HANDLE, "that transfer belongs to another session")
         if msg.error:
             if transfer is not None:
@@ -303,7 +324,7 @@ class PeerLinks:
         elif transfer.staging is not None:
             transfer.staging[chunk.start:chunk.start + size] = np.frombuffer(frame.buffer, np.uint8)
         else:
-            self.executor.backend.write_bytes(transfer.view, chunk.start, frame.buffer)
+            self.backend.write_bytes(transfer.view, chunk.start, frame.buffer)
 
     def _stash(self, chunk: wire.Chunk, frame: zmq.Frame) -> None:
         """Keep a chunk whose PEER_RECV has not reached its queue's head yet (bounded in bytes
@@ -328,8 +349,8 @@ class PeerLinks:
     def _finish_incoming(self, token: bytes, error: str | None) -> None:
         transfer = self.incoming.pop(token)
         if error is None and transfer.staging is not None:
-            self.executor.backend.write(transfer.view, transfer.staging)
-        self.executor.finish(transfer.pending, error)   # may run the session's next requests
+            self.backend.write(transfer.view, transfer.staging)
+        transfer.done(error)                  # may run the session's next requests
         if transfer.reply_to:
             self._send_ack(transfer.reply_to, wire.Ack(token, error is None, error or "ok"))
 
@@ -337,8 +358,7 @@ class PeerLinks:
         out = self.outgoing.pop(ack.token, None)
         if out is None:
             return
-        self.executor.finish(out.pending, None if ack.ok else
-                             f"{out.what} refused by the peer: {ack.message}")
+        out.done(None if ack.ok else f"{out.what} refused by the peer: {ack.message}")
 
     def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:
         try:
@@ -359,8 +379,8 @@ class PeerLinks:
             if now >= out.deadline:
                 del self.outgoing[token]
                 self._drop_link(out.endpoint)
-                self.executor.finish(out.pending, f"{out.what}: no acknowledgement within the "
-                                                  "timeout (peer unreachable, dead or too slow)")
+                out.done(f"{out.what}: no acknowledgement within the timeout (peer unreachable, "
+                         "dead or too slow)")
         while self.stash:
             token, entry = next(iter(self.stash.items()))
             if now < entry.expires:
@@ -368,14 +388,11 @@ class PeerLinks:
             del self.stash[token]
             self.stash_bytes -= entry.nbytes
 
-    def fail_session(self, session: Session) -> list[Pending]:
-        """Forget the transfers of a closing session; returns their requests (the executor
-        answers them: a client that said GOODBYE still gets a reply to each)."""
-        dropped: list[Pending] = []
-        for table in (self.incoming, self.outgoing):
-            for token, transfer in list(table.items()):
-                if transfer.pending.session is session:
-                    dropped.append(transfer.pending)
-                    del table[token]
-        return dropped
+    def forget(self, owner: object) -> None:
+        """Drop the transfers of a closing session (``done`` is not called: the executor
+        answers their requests itself)."""
+        for token in [t for t, into in self.incoming.items() if into.owner is owner]:
+            del self.incoming[token]
+        for token in [t for t, out in self.outgoing.items() if out.owner is owner]:
+            del self.outgoing[token]
 
