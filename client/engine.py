@@ -355,7 +355,7 @@ class _IoLoop:
 
 
 def _check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:
-    expected = p.payload_count(reply)
+    expected = reply.payload_count()
     if len(frames) - 1 != expected:
         raise p.BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "
                            f"expected {expected}")

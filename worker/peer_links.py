@@ -191,7 +191,7 @@ class PeerLinks:
             piece_view = (source.view if len(sub_refs) == 1
                           else self.backend.view(source.memory, sub))
             data = self.backend.alias(piece_view)
-            header = wire.encode_chunk(wire.Chunk(send.token, seq, len(sub_refs), start,
+            header = wire.encode_peer(wire.Chunk(send.token, seq, len(sub_refs), start,
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
@@ -220,7 +220,7 @@ class PeerLinks:
         self.outgoing[token] = Outgoing(owner, done, endpoint,
                                         time.monotonic() + timeout_ms / 1000,
                                         f"probe of {endpoint}")
-        link.send(wire.encode_probe(wire.Probe(token, self.endpoint)))
+        link.send(wire.encode_peer(wire.Probe(token, self.endpoint)))
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
         """The PUSH socket to ``endpoint``: reused, most recently used last; at most MAX_LINKS
@@ -362,7 +362,7 @@ class PeerLinks:
 
     def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:
         try:
-            self._link(endpoint).send(wire.encode_ack(ack), zmq.NOBLOCK)
+            self._link(endpoint).send(wire.encode_peer(ack), zmq.NOBLOCK)
         except (WireError, zmq.ZMQError) as exc:
             log.warning("cannot acknowledge to %s: %s", endpoint, exc)
 
