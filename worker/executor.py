@@ -28,6 +28,7 @@ from ..broker import graph as g
 from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, ErrorCode, WireError
+from ..broker.wire import printable
 from .backends.base import Backend
 from .buffers import BufferCommands
 from .graphs import GraphCommands
@@ -140,6 +141,8 @@ class Executor:
             return
         idle = not session.queue
         session.queue.append(req)
+        if req.route.queued is not None:
+            req.route.queued(session, req.msg)
         if idle:
             self.pump(session)
 
@@ -254,7 +257,7 @@ class Executor:
         if not strong_client_id(session.client_id):
             raise WireError(ErrorCode.BAD_REQUEST, WEAK_ID)
         if self.sessions.get(session.client_id) is not session:
-            session.name = msg.client or "client"
+            session.name = printable(msg.client, 64) or "client"
             self.sessions[session.client_id] = session
             log.info("session %s opened (%d open)", session.label, len(self.sessions))
         return self.hello_reply(), []

@@ -110,8 +110,9 @@ class LinkedRuns:
 
     def routes(self) -> dict[Cmd, Route]:
         """This module's part of the executor's dispatch table."""
-        return {Cmd.GRAPH_RUN_LINKED: Route(self.step, writes=GraphCommands.run_writes,
-                                            entry=LinkedRun)}
+        return {Cmd.GRAPH_RUN_LINKED: Route(
+            self.step, writes=GraphCommands.run_writes, entry=LinkedRun,
+            queued=lambda s, m: self.transfers.announce(s, [r.token for r in m.receive]))}
 
     def step(self, session: Session, msg: g.GraphRunLinked, req: Request) -> Outcome:
         """Start the next receive (the run stays at the head of its queue), or run."""

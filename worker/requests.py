@@ -94,6 +94,8 @@ class Route:
     eager: bool = False
     """Started right behind the request ahead of it, before that one's reply leaves (a peer
     send: another worker waits on its bytes, the client does not wait on the reply)."""
+    queued: Callable[[Session, Any], None] | None = None
+    """Called when a request joins its session's queue (a receive announces its tokens)."""
     entry: Callable[[Cmd, int, p.Message, Sequence[Any], Route], Request] = Request
     """What a request of this command is while it waits (a linked run has its own states)."""
 

@@ -31,7 +31,8 @@ class PeerCommands:
     def routes(self) -> dict[Cmd, Route]:
         """This module's part of the executor's dispatch table."""
         return {
-            Cmd.PEER_RECV: Route(self.recv, writes=lambda s, m: [m.dst.buffer]),
+            Cmd.PEER_RECV: Route(self.recv, writes=lambda s, m: [m.dst.buffer],
+                                 queued=lambda s, m: self.announce(s, [m.token])),
             Cmd.PEER_SEND: Route(self.send, eager=True),
             Cmd.PEER_PROBE: Route(self.probe),
             Cmd.PEER_FILL: Route(self.fill, admission=Admission.AT_ONCE),
@@ -54,8 +55,12 @@ class PeerCommands:
         return Later.ANSWERED_LATER
 
     def fill(self, session: Session, msg: wire.PeerFill, req: Request) -> Reply:
-        self.peers.fill(session, msg, req.payload[0])
+        self.peers.fill(session, f"client {session.label}", msg, req.payload[0])
         return NO_REPLY
+
+    def announce(self, session: Session, tokens: list[bytes]) -> None:
+        """Receives queued in ``session``: their early chunks are kept, whoever floods."""
+        self.peers.announce(session, tokens)
 
     def receive(self, session: Session, req: Request, token: bytes, dst: TensorRef,
                 timeout_ms: int) -> None:
