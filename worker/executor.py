@@ -100,7 +100,8 @@ class Executor:
         if self.backend.zero_copy:
             capabilities.append("zero-copy")
         if self.backend.supports_graphs:
-            capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+            capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
+                             "scale-bias"]
         if self.peers.endpoint:
             capabilities.append("peer-copy")
         return capabilities
