@@ -32,6 +32,7 @@ from ..broker.keys import KeyFileError, KeyPair, join_endpoint, split_endpoint
 from ..broker.protocol import ErrorCode, TensorRef, WireError, split_tensor
 from ..broker.wire import printable
 from ..broker.zap import PEER_DOMAIN, KeySet
+from .quotas import Charged
 
 if TYPE_CHECKING:
     from .executor import Executor, Pending, Session
@@ -128,6 +129,8 @@ class Push:
     buffer: Any
     endpoint: str
     link: zmq.Socket[bytes]
+    session: Any = None
+    """Whose memory a materialized piece is counted in while it is being sent."""
 
 
 @dataclass
@@ -252,13 +255,17 @@ class PeerLinks:
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
-        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint))
+        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint), session)
 
     def push(self, push: Push) -> None:
         """Send the prepared chunks (zero-copy from the buffer when big and aliased)."""
         link = push.link if not push.link.closed else self._link(push.endpoint)
         for piece in push.pieces:
             data = piece.data
+            if data is None and push.session is not None and \
+                    piece.view.nbytes >= ZERO_COPY_BYTES:
+                self._push_charged(push, piece, link)
+                continue
             if data is None:
                 data = self.executor.backend.read(piece.view)[0]
             if piece.zero_copy:
@@ -267,6 +274,20 @@ class PeerLinks:
                     push.buffer.sending.append(tracker)
             else:
                 link.send_multipart([piece.header, data], copy=False)
+
+    def _push_charged(self, push: Push, piece: Piece, link: zmq.Socket[bytes]) -> None:
+        """A piece that must be materialized (strided, zero-stride) is counted in its
+        session's memory until libzmq has sent it (a dead peer cannot pile up copies)."""
+        executor = self.executor
+        nbytes = piece.view.nbytes
+        data = executor.allocate(push.session, nbytes, "peer send",
+                                 lambda: executor.backend.read(piece.view)[0])
+        tracker = link.send_multipart([piece.header, data], copy=False, track=True)
+        executor.inflight.add(tracker, Charged(data, nbytes, push.session.usage, push.endpoint))
+
+    def drop_link(self, endpoint: str) -> None:
+        """Close a link and drop what is queued on it (its session closed)."""
+        self._drop_link(endpoint)
 
     def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
         token = os.urandom(wire.TOKEN_BYTES)
