@@ -101,8 +101,11 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 2)
-"""(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
+PROTOCOL_VERSION = (1, 3)
+"""(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
+
+1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
+``scale`` op's optional bias ``b`` (``scale-bias``: x * s + b, how graphs add scalars)."""
 
 
 class Cmd(enum.IntEnum):

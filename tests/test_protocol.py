@@ -143,11 +143,13 @@ def test_error_message_is_capped() -> None:
 # PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
 # The enums are append-only: a new member must take a value above every pinned one; a new command
 # bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
-# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default.
+# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default,
+# and so does an optional op param (1.3: scale's bias b, sent only when it is not 0; see
+# test_graph.py's golden bytes).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 2)
+    assert p.PROTOCOL_VERSION == (1, 3)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
