@@ -251,9 +251,12 @@ def test_peer_send_to_a_dead_port_is_counted_and_dropped_at_goodbye(
     """Issue 13: PEER_SEND of a zero-stride view to a port nobody listens on queued 1 GiB on
     the PUSH link, and GOODBYE never dropped it."""
     worker = make_worker(memory_limit=64 * MiB, max_buffer_size=64 * MiB)
+    peer = make_worker(memory_limit=64 * MiB)
+    dead = peer._backend_thread.peers.endpoint                # type: ignore[union-attr]
     raw = Raw(raw_socket, worker.endpoint)
     raw.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=64))
-    dead = "tcp://127.0.0.1:9"                                # nothing listens on port 9
+    assert raw.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=dead, timeout_ms=5000))[0] == 0
+    peer.stop()                                               # verified, then dead
     raw.send(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=zero_stride(1, 40 * MiB),
                                           endpoint=dead, timeout_ms=60_000))
     other = make_client(worker.endpoint)

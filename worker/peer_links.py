@@ -107,6 +107,7 @@ class Outgoing:
     endpoint: str
     deadline: float
     what: str
+    probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,8 @@ class PeerLinks:
             if keys is not None and split_endpoint(self.endpoint)[1] is None:
                 self.endpoint = join_endpoint(self.endpoint, keys.public)
         self.links: dict[str, zmq.Socket[bytes]] = {}
+        self.verified: set[str] = set()
+        """Peer endpoints that answered our probe: the only ones pushed to without CURVE."""
         self.incoming: dict[bytes, Incoming] = {}
         self.outgoing: dict[bytes, Outgoing] = {}
         self.stash: dict[bytes, Stashed] = {}
@@ -255,6 +258,7 @@ class PeerLinks:
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
+        self._check_verified(send.endpoint)
         return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint), session)
 
     def push(self, push: Push) -> None:
@@ -275,6 +279,17 @@ class PeerLinks:
             else:
                 link.send_multipart([piece.header, data], copy=False)
 
+    def _check_verified(self, endpoint: str) -> None:
+        """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
+        handshake: the answer carries a random token only that endpoint received), so a client
+        cannot make a worker send tensors to a port that is not a zmq-rpc worker. With CURVE
+        the handshake with a known worker key is the check (:class:`PeerSecurity`)."""
+        if self.security.keys is None and endpoint not in self.verified:
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"{printable(endpoint, 100)} has not answered a peer probe from this "
+                            "worker (PEER_PROBE it first; is it a zmq-rpc worker?): this "
+                            "worker does not push there")
+
     def _push_charged(self, push: Push, piece: Piece, link: zmq.Socket[bytes]) -> None:
         """A piece that must be materialized (strided, zero-stride) is counted in its
         session's memory until libzmq has sent it (a dead peer cannot pile up copies)."""
@@ -294,7 +309,7 @@ class PeerLinks:
         link = self._link(msg.endpoint)
         self.outgoing[token] = Outgoing(pending, msg.endpoint,
                                         time.monotonic() + msg.timeout_ms / 1000,
-                                        f"probe of {msg.endpoint}")
+                                        f"probe of {msg.endpoint}", probe=True)
         link.send(wire.encode_peer(wire.Probe(token, self.endpoint)))
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
@@ -487,6 +502,8 @@ class PeerLinks:
         out = self.outgoing.pop(ack.token, None)
         if out is None:
             return
+        if ack.ok and out.probe:
+            self.verified.add(out.endpoint)
         self.executor.finish(out.pending, None if ack.ok else
                              f"{out.what} refused by the peer: {ack.message}")
 
