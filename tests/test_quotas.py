@@ -36,7 +36,7 @@ ep, seconds = sys.argv[1], float(sys.argv[2])
 ctx = zmq.Context()
 d = ctx.socket(zmq.DEALER)
 d.setsockopt(zmq.ROUTING_ID, b"F" + os.urandom(15))
-d.setsockopt(zmq.SNDHWM, 0)
+d.setsockopt(zmq.SNDHWM, 1000)      # 64 MiB queued here at most; then it blocks: backpressure
 d.connect(ep)
 major, minor = p.PROTOCOL_VERSION
 d.send(p.encode_request(Cmd.HELLO, 1, p.Hello(major=major, minor=minor, client="flood")))
