@@ -80,12 +80,17 @@ def backend_cpu(rounds: int, count: int) -> dict[str, list[float]]:
 
     from ..broker import protocol as p
     from ..worker.backends.numpy_backend import NumpyBackend
-    from ..worker.executor import Executor, WorkerLimits
+    from ..worker.executor import Executor
     from ..worker.metrics import NullRecorder, Recorder
+    from ..worker.peer_links import PeerLinks
+    from ..worker.session import WorkerLimits
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
     def executor(recorder: Recorder) -> tuple[Executor, bytes]:
-        ex = Executor(NumpyBackend(), WorkerLimits(1 << 26, 1 << 26, 64 << 20, 60.0),
-                      lambda *a, **k: None, "bench", metrics=recorder)
+        backend = NumpyBackend()
+        ex = Executor(backend, WorkerLimits(1 << 26, 1 << 26, 64 << 20, 60.0),
+                      lambda *a, **k: None, "bench", PeerLinks(ctx, backend), metrics=recorder)
         client_id = b"z" + os.urandom(15)
         hello = p.Hello(major=p.PROTOCOL_VERSION[0], minor=p.PROTOCOL_VERSION[1], client="b")
         ex.handle_frames([zmq.Frame(client_id),
@@ -105,6 +110,7 @@ def backend_cpu(rounds: int, count: int) -> dict[str, list[float]]:
     for _ in range(rounds):
         for name, (ex, client_id) in both.items():
             samples[name].append(run(ex, client_id))
+    ctx.term()
     return samples
 
 

@@ -30,9 +30,10 @@ from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .backends.base import Backend
-from .executor import DRAIN_BATCH, Executor, WorkerLimits
+from .executor import DRAIN_BATCH, Executor
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
 from .peer_links import PeerLinks, PeerSecurity
+from .session import WorkerLimits
 
 if TYPE_CHECKING:
     from .exporter import MetricsServer
@@ -42,6 +43,9 @@ log = logging.getLogger("zmq_rpc.worker")
 _ids = itertools.count()
 
 DEFAULT_BIND = "tcp://127.0.0.1:50052"
+SHUTDOWN_DRAIN_S = 2.0
+"""At shutdown, requests already sent keep being answered until none arrives for 20 ms, at most
+this long; later ones get SHUTTING_DOWN or find the worker gone."""
 
 
 @dataclass
@@ -58,6 +62,8 @@ class WorkerConfig:
     session_timeout: float = 30.0
     max_graph_work: int = DEFAULT_MAX_WORK
     """Element-ops one graph run may ask for."""
+    session_memory: int = 0
+    """Bytes one session may hold; 0 means the memory limit (see worker/quotas.py)."""
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
     peer_bind: str | None = None
@@ -165,15 +171,14 @@ class BackendThread(threading.Thread):
             pair.setsockopt(zmq.RCVHWM, BACKEND_HWM)      # requests: see broker.py
             pair.bind(self.pair_endpoint)
             control.bind(self.control_endpoint)
+            self.peers = PeerLinks(self.ctx, self.backend, bind=self.peer_bind,
+                                   advertise=self.peer_advertise,
+                                   max_message_size=self.limits.max_message_size,
+                                   stash_limit=max(self.limits.memory_limit // 4, 64 << 20),
+                                   security=self.peer_security)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
-                                     self.server_name, metrics=self.metrics)
-            self.peers = PeerLinks(self.ctx, self.peer_bind, self.peer_advertise,
-                                   self.limits.max_message_size, self.executor,
-                                   self.peer_security)
-            self.executor.peers = self.peers
-            self.executor.peer_endpoint = self.peers.endpoint
-            if self.peers.endpoint:
-                self.executor.capabilities.append("peer-copy")
+                                     self.server_name, self.peers, metrics=self.metrics)
+            self.peers.metrics = self.metrics
             self.pair = pair
             self.ready.set()
             self._loop(pair, control)
@@ -209,6 +214,7 @@ class BackendThread(threading.Thread):
                 self._shutdown(pair, control.recv())
                 return
             waiting = self.executor.pump_all() if (waiting or events) else False
+            self.executor.reap()
             now = time.monotonic()
             self.executor.release_held(now)
             peers.expire(now)
@@ -245,8 +251,9 @@ class BackendThread(threading.Thread):
         """Answer what is already queued, fail what still waits (the server then joins us)."""
         assert self.executor is not None
         executor = self.executor
-        while pair.poll(0):
-            self._drain(pair)
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        while time.monotonic() < deadline and pair.poll(20):   # the PAIR is bounded: what
+            self._drain(pair)                # clients sent before the signal is still coming in
         executor.pump_all()
         executor.release_held()
         executor.fail_queued(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
@@ -281,7 +288,8 @@ class WorkerServer:
                             max_buffer_size=min(cfg.max_buffer_size or memory, memory),
                             max_message_size=cfg.max_message_size,
                             session_timeout=cfg.session_timeout,
-                            max_graph_work=cfg.max_graph_work)
+                            max_graph_work=cfg.max_graph_work,
+                            session_memory=min(cfg.session_memory or memory, memory))
 
     def start(self) -> str:
         """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""
