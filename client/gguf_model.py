@@ -56,14 +56,22 @@ _QTYPES: Final[Mapping[GGMLQuantizationType, str]] = MappingProxyType(
     {
         GGMLQuantizationType.F32: "f32",
         GGMLQuantizationType.F16: "f16",
+        GGMLQuantizationType.BF16: "bf16",
         GGMLQuantizationType.Q8_0: "q8_0",
+        GGMLQuantizationType.Q4_0: "q4_0",
         GGMLQuantizationType.Q4_1: "q4_1",
+        GGMLQuantizationType.Q5_0: "q5_0",
+        GGMLQuantizationType.Q5_1: "q5_1",
+        GGMLQuantizationType.Q4_K: "q4_k",
+        GGMLQuantizationType.Q5_K: "q5_k",
+        GGMLQuantizationType.Q6_K: "q6_k",
     }
 )
-_FLOAT_DTYPES: Final[Mapping[str, type[np.floating[Any]]]] = MappingProxyType(
+_FLOAT_DTYPES: Final[Mapping[str, type[np.generic]]] = MappingProxyType(
     {
         "f32": np.float32,
         "f16": np.float16,
+        "bf16": np.uint16,  # raw bfloat16 bits, the wire's storage for "bfloat16"
     }
 )
 
@@ -276,10 +284,12 @@ class GGUFTensor:
 
     Attributes:
         name: GGUF tensor name, e.g. ``blk.0.attn_q.weight``.
-        qtype: ``"f32"``, ``"f16"``, ``"q8_0"`` or ``"q4_1"``.
+        qtype: ``"f32"``, ``"f16"``, ``"bf16"``, or a block type: ``"q8_0"``, ``"q4_0"``,
+            ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"`` (each tensor's
+            own type; ``general.file_type`` is not trusted).
         shape: logical shape in numpy order (GGUF's dims reversed).
         data: read-only view of the mapped file: a ``float32``/``float16`` array of ``shape``
-            for float types, else ``uint8`` of shape ``(rows, row_bytes)``.
+            for float types (``uint16`` bits for bf16), else ``uint8`` of shape ``(rows, row_bytes)``.
         offset: absolute byte offset of the data in the file.
         nbytes: size of the data in bytes.
     """

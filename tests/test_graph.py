@@ -47,6 +47,7 @@ from zmq_rpc.client import (
     from_bfloat16,
     to_bfloat16,
 )
+from zmq_rpc.worker import kernels
 from zmq_rpc.worker.graph_exec import CompiledGraph, compile_graph
 from zmq_rpc.worker.server import WorkerServer
 
@@ -296,6 +297,11 @@ OP_CASES: list[OpCase] = [
            lambda x, w: x.astype(np.float64) @ quant.dequantize(w, "q4_1").T, atol=1e-4),
     OpCase("dequantize-q8_0", ((_Q8, "uint8"),), lambda g, q: g.dequantize(q, qtype="q8_0"),
            lambda q: quant.dequantize(q, "q8_0"), atol=0),
+    OpCase("pack-q4_1", ((_Q41, "uint8"),), lambda g, w: g.pack(w, qtype="q4_1"),
+           lambda w: kernels.pack(w, "q4_1"), atol=0),
+    OpCase("mul_mat_packed-q4_1", (_f(_normal(2, 64)), (kernels.pack(_Q41, "q4_1"), "uint8")),
+           lambda g, x, w: g.mul_mat_packed(x, w, qtype="q4_1"),
+           lambda x, w: x.astype(np.float64) @ quant.dequantize(_Q41, "q4_1").T, atol=1e-4),
     OpCase("rms_norm", (_f(_X),), lambda g, a: g.rms_norm(a, eps=1e-5),
            lambda a: rms64(a, 1e-5)),
     OpCase("layer_norm", (_f(_X), _f(_ROW), _f(_normal(4))),

@@ -116,7 +116,7 @@ CASES: dict[str, Case] = {}
 """Every registered case, in registration order (the default run order)."""
 
 CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.bench_peer",
-                                 "zmq_rpc.tools.bench_llm")
+                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_kernels")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)

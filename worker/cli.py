@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(NAT, multi-host)")
     ap.add_argument("--session-timeout", type=float, default=30.0,
                     help="seconds of silence after which a client's session is freed")
-    ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads per product: BLAS, and the quantized kernels split rows (default 1)")
     ap.add_argument("--log-level", default="INFO",
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     ap.add_argument("--version", action="version", version=f"zmq-rpc {package_version()}")
@@ -89,12 +90,18 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 512 << 20)
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zmq-rpc-worker``."""
     args = build_parser().parse_args(argv)
+    if args.threads < 1:
+        print("zmq-rpc-worker: --threads must be >= 1", file=sys.stderr)
+        return 2
     for var in BLAS_THREAD_VARS:
         os.environ[var] = str(args.threads)
     tune_malloc()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import kernels
     from .server import WorkerConfig, WorkerServer  # after the BLAS variables are set
+
+    kernels.set_threads(args.threads)
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,

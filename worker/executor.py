@@ -30,6 +30,7 @@ from ..broker import peer as wire_peer
 from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
+from . import kernels
 from .graph_exec import CompiledGraph, compile_graph
 
 log = logging.getLogger("zmq_rpc.worker")
@@ -170,6 +171,8 @@ class Executor:
             self.capabilities.append("zero-copy")
         if getattr(backend, "supports_graphs", True):
             self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+            if kernels.available():
+                self.capabilities.append("packed-kernels")
         self.held: deque[HeldReply] = deque()
         """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""
         self.held_bytes = 0

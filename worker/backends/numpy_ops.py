@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from ...broker import quant
 from ...broker.ops import OPS, OpError, OpKind, TensorMeta, view_span
+from .. import kernels
 
 __all__ = [
     "OpRuntimeError",
@@ -276,6 +277,23 @@ def _dequantize(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, o
     quant.dequantize(xs[0], p["qtype"], out=out)
 
 
+def _pack(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Repack a GGUF weight into the kernels' layout (numpy), then make sure its kernels are compiled:
+    a model's load pays the compile (or the on-disk cache load), never its first token."""
+    kernels.pack(xs[0], p["qtype"], out=out)
+    if kernels.available():
+        kernels.warm(p["qtype"])
+
+
+def _mul_mat_packed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """out = x @ W.T for a packed W, with the numba kernels (``worker/kernels``)."""
+    x = as_float32(xs[0], ms[0].dtype).reshape(-1, ms[0].shape[-1])
+    try:
+        kernels.matmul(x, xs[1], p["qtype"], out.reshape(x.shape[0], -1))
+    except kernels.KernelUnavailable as exc:
+        raise OpRuntimeError(str(exc)) from None
+
+
 def _check_index(idx: np.ndarray, n: int, what: str) -> None:
     """Reject index values outside [0, n) before they are used (no negative wraparound)."""
     if idx.size == 0:
@@ -416,7 +434,7 @@ _COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
     **{name: _binary(fn) for name, fn in (
         ("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.divide))},
     "scale": _scale, "relu": _relu, "sigmoid": _sigmoid, "silu": _silu, "gelu": _gelu,
-    "matmul": _matmul, "mul_mat_q": _mul_mat_q, "dequantize": _dequantize, "get_rows": _get_rows,
+    "matmul": _matmul, "mul_mat_q": _mul_mat_q, "pack": _pack, "mul_mat_packed": _mul_mat_packed, "dequantize": _dequantize, "get_rows": _get_rows,
     "rms_norm": _rms_norm, "layer_norm": _layer_norm, "soft_max": _soft_max, "rope": _rope,
     "diag_mask_inf": _diag_mask_inf, "cont": _cont, "concat": _concat,
     "sum": _sum, "mean": _mean, "argmax": _argmax,

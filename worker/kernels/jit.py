@@ -1,0 +1,715 @@
+"""numba kernels over packed weights (layout in :mod:`.layout`): matrix-vector products and dequantization.
+
+Owns the compiled loops. Only the worker's backend thread calls them (they may fan out to numba's
+own thread pool, ``nthr`` threads splitting the rows). Importing this module needs numba; nothing is
+compiled until a kernel is first called, and compiled code is cached on disk (``cache=True``, in
+``__pycache__`` beside this file or under ``NUMBA_CACHE_DIR``), so only the first worker start on a
+machine pays the compile (a few seconds per type).
+
+For each qtype ``t``:
+
+- ``mv_t(w, x, y, nthr)``: ``y = W @ x`` for one float32 vector ``x`` (K,) into ``y`` (R,);
+- ``dq_t(w, k, r0, r1, out, nthr)``: ``out[:, i] = W[r0 + i, :]``, i.e. rows ``r0..r1`` dequantized into
+  a float32 ``out`` of shape (K, r1 - r0): a transposed tile, written with unit stride, that a BLAS
+  ``x @ out`` consumes directly (the prefill path).
+
+How the loops are built (the prototype measured 2-5x between layouts): for each sub-block of 32 weights
+and each byte position ``j``, the innermost loop runs over a tile of :data:`TILE` rows, reading
+``p[16s + j, r]`` with unit stride and accumulating ``q * x[j]`` into one float32 per row; the scales are
+applied once per sub-block (``y += d * acc + m * sum(x)``). LLVM vectorizes that row loop (8 or 16 rows
+per instruction). Integer operands stay 8/32-bit (``np.uint8`` constants) so the vectors stay wide.
+fastmath (matrix-vector only) allows reassociation and contraction but not "no NaN/no inf": infinities
+and NaNs in weights or inputs propagate as they do in numpy. The dequantizers use strict float
+semantics and gguf's order of operations, so they match ``gguf.quants.dequantize`` bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = ["DQ", "MV", "TILE"]
+
+FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+TILE = 512
+"""Rows per accumulator tile (2 KiB of float32: stays in L1 with the bytes it meets)."""
+
+_U15 = np.uint8(15)
+_U4 = np.uint8(4)
+_F32 = np.float32
+
+
+def _jit(fn: Any) -> Any:
+    return njit(fastmath=FASTMATH, cache=True, nogil=True)(fn)
+
+
+def _jit_exact(fn: Any) -> Any:
+    return njit(cache=True, nogil=True)(fn)
+
+
+def _jit_parallel(fn: Any) -> Any:
+    return njit(fastmath=FASTMATH, cache=True, nogil=True, parallel=True)(fn)
+
+
+def _jit_parallel_exact(fn: Any) -> Any:
+    return njit(cache=True, nogil=True, parallel=True)(fn)
+
+
+# ------------------------------------------------------------------------------------ sections
+
+
+@njit(inline="always")
+def _sec(flat: Any, off: int, n0: int, r: int, dtype: Any, size: int) -> Any:
+    """Section ``(n0, r)`` of ``dtype`` (``size`` bytes each) at byte ``off`` of the flat packed bytes."""
+    return flat[off:off + n0 * r * size].view(dtype).reshape((n0, r))
+
+
+@njit(inline="always")
+def _split(lo: int, hi: int, t: int, n: int) -> tuple[int, int]:
+    """Part ``t`` of ``n`` of the rows ``lo..hi``, boundaries on multiples of 16 rows."""
+    span = hi - lo
+    a = lo + (span * t // n) // 16 * 16 if t else lo
+    b = lo + (span * (t + 1) // n) // 16 * 16 if t + 1 < n else hi
+    return a, b
+
+
+@njit(inline="always")
+def _xsums(x: Any, width: int) -> Any:
+    """Sums of ``x`` over consecutive groups of ``width``."""
+    n = x.shape[0] // width
+    out = np.empty(n, np.float32)
+    for s in range(n):
+        acc = _F32(0)
+        for j in range(width):
+            acc += x[s * width + j]
+        out[s] = acc
+    return out
+
+
+# ---------------------------------------------------------------------- inner sums over a sub-block
+
+
+@njit(inline="always")
+def _sum4(p: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
+    """acc[r - t0] = sum_j q[32s + j] x[32s + j] for 4-bit codes."""
+    for r in range(t1 - t0):
+        acc[r] = 0
+    for j in range(16):
+        x0, x1 = x[32 * s + j], x[32 * s + j + 16]
+        row = p[16 * s + j]
+        for r in range(t0, t1):
+            v = row[r]
+            acc[r - t0] += _F32(v & _U15) * x0 + _F32(v >> _U4) * x1
+
+
+@njit(inline="always")
+def _sum5(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
+    """As :func:`_sum4` with the 5th bit of each code in ``h[s]``."""
+    for r in range(t1 - t0):
+        acc[r] = 0
+    hs = h[s]
+    for j in range(16):
+        x0, x1 = x[32 * s + j], x[32 * s + j + 16]
+        row = p[16 * s + j]
+        lo_shift, hi_shift = np.uint32(j), np.uint32(j + 16)
+        for r in range(t0, t1):
+            v = np.int32(row[r])
+            hb = hs[r]
+            lo = (v & 15) | np.int32(((hb >> lo_shift) & np.uint32(1)) << np.uint32(4))
+            hi = (v >> 4) | np.int32(((hb >> hi_shift) & np.uint32(1)) << np.uint32(4))
+            acc[r - t0] += _F32(lo) * x0 + _F32(hi) * x1
+
+
+@njit(inline="always")
+def _sum6(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc_a: Any, acc_b: Any) -> None:
+    """q6_k: weights 32s + j (j < 16) into acc_a, 32s + 16 + j into acc_b (their scales differ)."""
+    for r in range(t1 - t0):
+        acc_a[r] = 0
+        acc_b[r] = 0
+    ha, hb = h[2 * s], h[2 * s + 1]
+    for j in range(16):
+        x0, x1 = x[32 * s + j], x[32 * s + j + 16]
+        row = p[16 * s + j]
+        shift = np.uint32(2 * j)
+        for r in range(t0, t1):
+            v = np.int32(row[r])
+            lo = (v & 15) | np.int32(((ha[r] >> shift) & np.uint32(3)) << np.uint32(4))
+            hi = (v >> 4) | np.int32(((hb[r] >> shift) & np.uint32(3)) << np.uint32(4))
+            acc_a[r - t0] += _F32(lo) * x0
+            acc_b[r - t0] += _F32(hi) * x1
+
+
+# ------------------------------------------------------------------------ matrix-vector, per type
+
+
+@njit(inline="always")
+def _clear(y: Any, r0: int, r1: int) -> None:
+    for r in range(r0, r1):
+        y[r] = 0
+
+
+@_jit
+def _mv_q4_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, ns = w.shape[0], x.shape[0] // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    p = _sec(flat, 4 * ns * R, 16 * ns, R, np.uint8, 1)
+    xs = _xsums(x, 32)
+    acc = np.empty(TILE, np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for s in range(ns):
+            _sum4(p, s, x, t0, t1, acc)
+            off, ds = _F32(8) * xs[s], d[s]
+            for r in range(t0, t1):
+                y[r] += ds[r] * (acc[r - t0] - off)
+
+
+@_jit
+def _mv_q4_1(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, ns = w.shape[0], x.shape[0] // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
+    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
+    xs = _xsums(x, 32)
+    acc = np.empty(TILE, np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for s in range(ns):
+            _sum4(p, s, x, t0, t1, acc)
+            xsum, ds, ms = xs[s], d[s], m[s]
+            for r in range(t0, t1):
+                y[r] += ds[r] * acc[r - t0] + ms[r] * xsum
+
+
+@_jit
+def _mv_q5_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, ns = w.shape[0], x.shape[0] // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    h = _sec(flat, 4 * ns * R, ns, R, np.uint32, 4)
+    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
+    xs = _xsums(x, 32)
+    acc = np.empty(TILE, np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for s in range(ns):
+            _sum5(p, h, s, x, t0, t1, acc)
+            off, ds = _F32(16) * xs[s], d[s]
+            for r in range(t0, t1):
+                y[r] += ds[r] * (acc[r - t0] - off)
+
+
+@_jit
+def _mv_q5_1(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, ns = w.shape[0], x.shape[0] // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
+    h = _sec(flat, 8 * ns * R, ns, R, np.uint32, 4)
+    p = _sec(flat, 12 * ns * R, 16 * ns, R, np.uint8, 1)
+    xs = _xsums(x, 32)
+    acc = np.empty(TILE, np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for s in range(ns):
+            _sum5(p, h, s, x, t0, t1, acc)
+            xsum, ds, ms = xs[s], d[s], m[s]
+            for r in range(t0, t1):
+                y[r] += ds[r] * acc[r - t0] + ms[r] * xsum
+
+
+@_jit
+def _mv_q8_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, ns = w.shape[0], x.shape[0] // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    q = _sec(flat, 4 * ns * R, 32 * ns, R, np.int8, 1)
+    acc = np.empty(TILE, np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for s in range(ns):
+            for r in range(t1 - t0):
+                acc[r] = 0
+            for j in range(32):
+                xj, row = x[32 * s + j], q[32 * s + j]
+                for r in range(t0, t1):
+                    acc[r - t0] += _F32(row[r]) * xj
+            ds = d[s]
+            for r in range(t0, t1):
+                y[r] += ds[r] * acc[r - t0]
+
+
+@njit(inline="always")
+def _k_combine(y: Any, acc: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, xsum: float,
+               t0: int, t1: int) -> None:
+    b = s // 8
+    db, mb, scs, mns = d[b], dmin[b], sc[s], mn[s]
+    for r in range(t0, t1):
+        y[r] += db[r] * _F32(scs[r]) * acc[r - t0] - mb[r] * _F32(mns[r]) * xsum
+
+
+@_jit
+def _mv_q4_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, ns = w.shape[0], x.shape[0] // 32
+    nb = ns // 8
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, nb, R, np.float32, 4)
+    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
+    sc = _sec(flat, 8 * nb * R, ns, R, np.uint8, 1)
+    mn = _sec(flat, 8 * nb * R + ns * R, ns, R, np.uint8, 1)
+    p = _sec(flat, 8 * nb * R + 2 * ns * R, 16 * ns, R, np.uint8, 1)
+    xs = _xsums(x, 32)
+    acc = np.empty(TILE, np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for s in range(ns):
+            _sum4(p, s, x, t0, t1, acc)
+            _k_combine(y, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
+
+
+@_jit
+def _mv_q5_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, ns = w.shape[0], x.shape[0] // 32
+    nb = ns // 8
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, nb, R, np.float32, 4)
+    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
+    h = _sec(flat, 8 * nb * R, ns, R, np.uint32, 4)
+    sc = _sec(flat, 8 * nb * R + 4 * ns * R, ns, R, np.uint8, 1)
+    mn = _sec(flat, 8 * nb * R + 5 * ns * R, ns, R, np.uint8, 1)
+    p = _sec(flat, 8 * nb * R + 6 * ns * R, 16 * ns, R, np.uint8, 1)
+    xs = _xsums(x, 32)
+    acc = np.empty(TILE, np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for s in range(ns):
+            _sum5(p, h, s, x, t0, t1, acc)
+            _k_combine(y, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
+
+
+@_jit
+def _mv_q6_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, ns = w.shape[0], x.shape[0] // 32
+    nb = ns // 8
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, nb, R, np.float32, 4)
+    h = _sec(flat, 4 * nb * R, 2 * ns, R, np.uint32, 4)
+    sc = _sec(flat, 4 * nb * R + 8 * ns * R, 2 * ns, R, np.int8, 1)
+    p = _sec(flat, 4 * nb * R + 10 * ns * R, 16 * ns, R, np.uint8, 1)
+    xs = _xsums(x, 16)
+    acc_a = np.empty(TILE, np.float32)
+    acc_b = np.empty(TILE, np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for s in range(ns):
+            _sum6(p, h, s, x, t0, t1, acc_a, acc_b)
+            db, sa, sb = d[s // 8], sc[2 * s], sc[2 * s + 1]
+            oa, ob = _F32(32) * xs[2 * s], _F32(32) * xs[2 * s + 1]
+            for r in range(t0, t1):
+                y[r] += db[r] * (_F32(sa[r]) * (acc_a[r - t0] - oa) + _F32(sb[r]) * (acc_b[r - t0] - ob))
+
+
+@njit(inline="always")
+def _f16_bits(v: Any) -> Any:
+    """float16 bits -> float32 bits of the value / 2**112 (exact; times 2**112 gives the value)."""
+    u = np.uint32(v)
+    mag = (u & np.uint32(0x7FFF)) << np.uint32(13)
+    if mag >= np.uint32(0x7C00 << 13):  # inf / NaN: all-ones exponent
+        mag |= np.uint32(0x7F800000)
+    return mag | ((u & np.uint32(0x8000)) << np.uint32(16))
+
+
+_F16_SCALE = _F32(2.0**112)
+
+
+@_jit
+def _mv_f16(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, K = w.shape[0], x.shape[0]
+    t = _sec(w.reshape(-1), 0, K, R, np.uint16, 2)
+    bits = np.empty(TILE, np.uint32)
+    vals = bits.view(np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for k in range(K):
+            row, xk = t[k], x[k]
+            for r in range(t0, t1):
+                bits[r - t0] = _f16_bits(row[r])
+            for r in range(t0, t1):
+                y[r] += (vals[r - t0] * _F16_SCALE) * xk
+
+
+@_jit
+def _mv_bf16(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    R, K = w.shape[0], x.shape[0]
+    t = _sec(w.reshape(-1), 0, K, R, np.uint16, 2)
+    bits = np.empty(TILE, np.uint32)
+    vals = bits.view(np.float32)
+    _clear(y, r0, r1)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        for k in range(K):
+            row, xk = t[k], x[k]
+            for r in range(t0, t1):
+                bits[r - t0] = np.uint32(row[r]) << np.uint32(16)
+            for r in range(t0, t1):
+                y[r] += vals[r - t0] * xk
+
+
+# --------------------------------------------------------------------- dequantization, per type
+# out[k, r - c0] for rows r0..r1: the (K, n) float32 tile a BLAS product reads as W[c0:].T. No fastmath:
+# the operations run in gguf's order, so the values are bit-identical to gguf.quants.dequantize.
+
+
+@njit(inline="always")
+def _dq4(p: Any, s: int, j: int, r0: int, r1: int, a: Any, b: Any, c0: int) -> None:
+    row = p[16 * s + j]
+    for r in range(r0, r1):
+        v = row[r]
+        a[r - c0] = _F32(v & _U15)
+        b[r - c0] = _F32(v >> _U4)
+
+
+@njit(inline="always")
+def _dq5(p: Any, hs: Any, s: int, j: int, r0: int, r1: int, a: Any, b: Any, c0: int) -> None:
+    row = p[16 * s + j]
+    lo_shift, hi_shift = np.uint32(j), np.uint32(j + 16)
+    for r in range(r0, r1):
+        v = np.int32(row[r])
+        a[r - c0] = _F32((v & 15) | np.int32(((hs[r] >> lo_shift) & np.uint32(1)) << np.uint32(4)))
+        b[r - c0] = _F32((v >> 4) | np.int32(((hs[r] >> hi_shift) & np.uint32(1)) << np.uint32(4)))
+
+
+@_jit_exact
+def _dq_q4_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R, ns = w.shape[0], k // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    p = _sec(flat, 4 * ns * R, 16 * ns, R, np.uint8, 1)
+    for s in range(ns):
+        ds = d[s]
+        for j in range(16):
+            a, b = out[32 * s + j], out[32 * s + j + 16]
+            _dq4(p, s, j, r0, r1, a, b, c0)
+            for r in range(r0, r1):
+                a[r - c0] = ds[r] * (a[r - c0] - 8)
+                b[r - c0] = ds[r] * (b[r - c0] - 8)
+
+
+@_jit_exact
+def _dq_q4_1(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R, ns = w.shape[0], k // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
+    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
+    for s in range(ns):
+        ds, ms = d[s], m[s]
+        for j in range(16):
+            a, b = out[32 * s + j], out[32 * s + j + 16]
+            _dq4(p, s, j, r0, r1, a, b, c0)
+            for r in range(r0, r1):
+                a[r - c0] = ds[r] * a[r - c0] + ms[r]
+                b[r - c0] = ds[r] * b[r - c0] + ms[r]
+
+
+@_jit_exact
+def _dq_q5_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R, ns = w.shape[0], k // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    h = _sec(flat, 4 * ns * R, ns, R, np.uint32, 4)
+    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
+    for s in range(ns):
+        ds = d[s]
+        for j in range(16):
+            a, b = out[32 * s + j], out[32 * s + j + 16]
+            _dq5(p, h[s], s, j, r0, r1, a, b, c0)
+            for r in range(r0, r1):
+                a[r - c0] = ds[r] * (a[r - c0] - 16)
+                b[r - c0] = ds[r] * (b[r - c0] - 16)
+
+
+@_jit_exact
+def _dq_q5_1(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R, ns = w.shape[0], k // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
+    h = _sec(flat, 8 * ns * R, ns, R, np.uint32, 4)
+    p = _sec(flat, 12 * ns * R, 16 * ns, R, np.uint8, 1)
+    for s in range(ns):
+        ds, ms = d[s], m[s]
+        for j in range(16):
+            a, b = out[32 * s + j], out[32 * s + j + 16]
+            _dq5(p, h[s], s, j, r0, r1, a, b, c0)
+            for r in range(r0, r1):
+                a[r - c0] = ds[r] * a[r - c0] + ms[r]
+                b[r - c0] = ds[r] * b[r - c0] + ms[r]
+
+
+@_jit_exact
+def _dq_q8_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R, ns = w.shape[0], k // 32
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, ns, R, np.float32, 4)
+    q = _sec(flat, 4 * ns * R, 32 * ns, R, np.int8, 1)
+    for s in range(ns):
+        ds = d[s]
+        for j in range(32):
+            row, o = q[32 * s + j], out[32 * s + j]
+            for r in range(r0, r1):
+                o[r - c0] = ds[r] * _F32(row[r])
+
+
+@njit(inline="always")
+def _dq_k(out: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, r0: int, r1: int, c0: int) -> None:
+    db, mb, scs, mns = d[s // 8], dmin[s // 8], sc[s], mn[s]
+    for j in range(32):
+        o = out[32 * s + j]
+        for r in range(r0, r1):
+            o[r - c0] = db[r] * _F32(scs[r]) * o[r - c0] - mb[r] * _F32(mns[r])
+
+
+@_jit_exact
+def _dq_q4_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R, ns = w.shape[0], k // 32
+    nb = ns // 8
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, nb, R, np.float32, 4)
+    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
+    sc = _sec(flat, 8 * nb * R, ns, R, np.uint8, 1)
+    mn = _sec(flat, 8 * nb * R + ns * R, ns, R, np.uint8, 1)
+    p = _sec(flat, 8 * nb * R + 2 * ns * R, 16 * ns, R, np.uint8, 1)
+    for s in range(ns):
+        for j in range(16):
+            _dq4(p, s, j, r0, r1, out[32 * s + j], out[32 * s + j + 16], c0)
+        _dq_k(out, d, dmin, sc, mn, s, r0, r1, c0)
+
+
+@_jit_exact
+def _dq_q5_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R, ns = w.shape[0], k // 32
+    nb = ns // 8
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, nb, R, np.float32, 4)
+    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
+    h = _sec(flat, 8 * nb * R, ns, R, np.uint32, 4)
+    sc = _sec(flat, 8 * nb * R + 4 * ns * R, ns, R, np.uint8, 1)
+    mn = _sec(flat, 8 * nb * R + 5 * ns * R, ns, R, np.uint8, 1)
+    p = _sec(flat, 8 * nb * R + 6 * ns * R, 16 * ns, R, np.uint8, 1)
+    for s in range(ns):
+        for j in range(16):
+            _dq5(p, h[s], s, j, r0, r1, out[32 * s + j], out[32 * s + j + 16], c0)
+        _dq_k(out, d, dmin, sc, mn, s, r0, r1, c0)
+
+
+@_jit_exact
+def _dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R, ns = w.shape[0], k // 32
+    nb = ns // 8
+    flat = w.reshape(-1)
+    d = _sec(flat, 0, nb, R, np.float32, 4)
+    h = _sec(flat, 4 * nb * R, 2 * ns, R, np.uint32, 4)
+    sc = _sec(flat, 4 * nb * R + 8 * ns * R, 2 * ns, R, np.int8, 1)
+    p = _sec(flat, 4 * nb * R + 10 * ns * R, 16 * ns, R, np.uint8, 1)
+    for s in range(ns):
+        db, sa, sb, ha, hb = d[s // 8], sc[2 * s], sc[2 * s + 1], h[2 * s], h[2 * s + 1]
+        for j in range(16):
+            row, a, b = p[16 * s + j], out[32 * s + j], out[32 * s + j + 16]
+            shift = np.uint32(2 * j)
+            for r in range(r0, r1):
+                v = np.int32(row[r])
+                lo = (v & 15) | np.int32(((ha[r] >> shift) & np.uint32(3)) << np.uint32(4))
+                hi = (v >> 4) | np.int32(((hb[r] >> shift) & np.uint32(3)) << np.uint32(4))
+                a[r - c0] = db[r] * _F32(sa[r]) * _F32(lo - 32)
+                b[r - c0] = db[r] * _F32(sb[r]) * _F32(hi - 32)
+
+
+@_jit_exact
+def _dq_f16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R = w.shape[0]
+    t = _sec(w.reshape(-1), 0, k, R, np.uint16, 2)
+    bits = np.empty(r1 - r0, np.uint32)
+    vals = bits.view(np.float32)
+    for kk in range(k):
+        row, o = t[kk], out[kk]
+        for r in range(r0, r1):
+            bits[r - r0] = _f16_bits(row[r])
+        for r in range(r0, r1):
+            o[r - c0] = vals[r - r0] * _F16_SCALE
+
+
+@_jit_exact
+def _dq_bf16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    R = w.shape[0]
+    t = _sec(w.reshape(-1), 0, k, R, np.uint16, 2)
+    bits = np.empty(r1 - r0, np.uint32)
+    vals = bits.view(np.float32)
+    for kk in range(k):
+        row, o = t[kk], out[kk]
+        for r in range(r0, r1):
+            bits[r - r0] = np.uint32(row[r]) << np.uint32(16)
+        for r in range(r0, r1):
+            o[r - c0] = vals[r - r0]
+
+
+# ------------------------------------------------------------------ entry points: rows split in threads
+
+
+@_jit_parallel
+def mv_f16(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_f16(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_f16(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_f16(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_bf16(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_bf16(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_bf16(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_bf16(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_q8_0(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_q8_0(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_q8_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_q8_0(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_q4_0(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_q4_0(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_q4_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_q4_0(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_q4_1(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_q4_1(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_q4_1(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_q4_1(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_q5_0(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_q5_0(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_q5_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_q5_0(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_q5_1(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_q5_1(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_q5_1(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_q5_1(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_q4_k(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_q4_k(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_q4_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_q4_k(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_q5_k(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_q5_k(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_q5_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_q5_k(w, k, a, b, out, r0)
+
+
+@_jit_parallel
+def mv_q6_k(w: Any, x: Any, y: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(0, y.shape[0], i, nthr)
+        _mv_q6_k(w, x, y, a, b)
+
+
+@_jit_parallel_exact
+def dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
+    for i in prange(nthr):
+        a, b = _split(r0, r1, i, nthr)
+        _dq_q6_k(w, k, a, b, out, r0)
+
+
+MV: dict[str, Any] = {"f16": mv_f16, "bf16": mv_bf16, "q8_0": mv_q8_0, "q4_0": mv_q4_0, "q4_1": mv_q4_1, "q5_0": mv_q5_0, "q5_1": mv_q5_1, "q4_k": mv_q4_k, "q5_k": mv_q5_k, "q6_k": mv_q6_k}
+"""qtype -> ``mv(w, x, y, nthr)``."""
+DQ: dict[str, Any] = {"f16": dq_f16, "bf16": dq_bf16, "q8_0": dq_q8_0, "q4_0": dq_q4_0, "q4_1": dq_q4_1, "q5_0": dq_q5_0, "q5_1": dq_q5_1, "q4_k": dq_q4_k, "q5_k": dq_q5_k, "q6_k": dq_q6_k}
+"""qtype -> ``dq(w, k, r0, r1, out, nthr)``."""
