@@ -67,7 +67,8 @@ class EngineOptions:
     heartbeat: float = 2.0
     zmq_heartbeat_ms: int = 1000
     zmq_heartbeat_timeout_ms: int = 5000
-    identity: bytes = field(default_factory=lambda: os.urandom(16))
+    identity: bytes = field(default_factory=lambda: b"z" + os.urandom(15))
+    """The routing id workers key this client's session by: random, never starting with 0x00."""
 
 
 class Engine:
