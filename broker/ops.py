@@ -483,26 +483,43 @@ def _pack(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     w, qtype = ins[0], str(p["qtype"])
     _need_rank(w, 2, 2, "weight (rows, row)")
     _, gguf_bytes, packed_bytes = PACKED_BLOCKS[qtype]
-    want = {"f16": "float16", "bf16": "bfloat16"}.get(qtype, "uint8")
-    _need_dtype(w, frozenset({want}), f"{qtype} weight")
+    want = {"f16": {"float16", "uint16"}, "bf16": {"bfloat16", "uint16"}}.get(qtype, {"uint8"})
+    _need_dtype(w, frozenset(want), f"{qtype} weight")
     row = w.shape[1] * DTYPE_SIZES[w.dtype]
     if row == 0 or row % gguf_bytes:
         raise OpError(f"weight rows of {row} bytes are not whole {qtype} blocks of {gguf_bytes} bytes")
     return TensorMeta((w.shape[0], row // gguf_bytes * packed_bytes), "uint8")
 
 
+def _packed_width(wp: TensorMeta, qtype: str, what: str) -> int:
+    """Inputs per row of a packed weight (uint8, 2-D, contiguous: its bytes are not row-major)."""
+    _need_dtype(wp, frozenset({"uint8"}), what)
+    _need_rank(wp, 2, 2, f"{what} (rows, packed row bytes)")
+    _need_contiguous(wp, what)
+    per_block, _, packed_bytes = PACKED_BLOCKS[qtype]
+    if wp.shape[1] == 0 or wp.shape[1] % packed_bytes:
+        raise OpError(f"{what} rows of {wp.shape[1]} bytes are not whole packed {qtype} blocks "
+                      f"of {packed_bytes} bytes")
+    return wp.shape[1] // packed_bytes * per_block
+
+
+def _unpack(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """Packed weight -> float32 (rows, K)."""
+    return TensorMeta((ins[0].shape[0], _packed_width(ins[0], str(p["qtype"]), "input 0")), "float32")
+
+
+def _get_rows_packed(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    table, idx = ins
+    _need_rank(idx, 0, MAX_RANK - 1, "idx")
+    _need_dtype(idx, INDEX_DTYPES, "idx")
+    return TensorMeta(idx.shape + (_packed_width(table, str(p["qtype"]), "table"),), "float32")
+
+
 def _mul_mat_packed(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     x, wp = ins
     _need_dtype(x, FLOAT_DTYPES, "x")
     _need_rank(x, 1, MAX_RANK, "x")
-    _need_dtype(wp, frozenset({"uint8"}), "wp")
-    _need_rank(wp, 2, 2, "wp (out, packed row bytes)")
-    _need_contiguous(wp, "wp")
-    per_block, _, packed_bytes = PACKED_BLOCKS[str(p["qtype"])]
-    if wp.shape[1] == 0 or wp.shape[1] % packed_bytes:
-        raise OpError(f"wp rows of {wp.shape[1]} bytes are not whole packed {p['qtype']} blocks "
-                      f"of {packed_bytes} bytes")
-    width = wp.shape[1] // packed_bytes * per_block
+    width = _packed_width(wp, str(p["qtype"]), "wp")
     if width != x.shape[-1]:
         raise OpError(f"x last dim {x.shape[-1]} != wp input width {width} (wp shape {wp.shape})")
     return TensorMeta(x.shape[:-1] + wp.shape[:1], "float32")
@@ -642,6 +659,8 @@ _SPECS = [
     _spec("mul_mat_q", _COMPUTE, (2, 2), _mul_mat_q, {"qtype": (_QTYPE, REQUIRED)}),
     _spec("pack", _COMPUTE, (1, 1), _pack, {"qtype": (_PACKED_QTYPE, REQUIRED)}),
     _spec("mul_mat_packed", _COMPUTE, (2, 2), _mul_mat_packed, {"qtype": (_PACKED_QTYPE, REQUIRED)}),
+    _spec("unpack", _COMPUTE, (1, 1), _unpack, {"qtype": (_PACKED_QTYPE, REQUIRED)}),
+    _spec("get_rows_packed", _COMPUTE, (2, 2), _get_rows_packed, {"qtype": (_PACKED_QTYPE, REQUIRED)}),
     _spec("reshape", _VIEW, (1, 1), _reshape, {"shape": (_int_list(-1, MAX_DIM - 1), REQUIRED)}),
     _spec("view", _VIEW, (1, 1), _view, {
         "shape": (_int_list(0, MAX_DIM - 1), REQUIRED),
@@ -708,7 +727,7 @@ def node_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
     spec = OPS[op]
     if spec.kind is OpKind.VIEW:
         return 0
-    if op == "get_rows":
+    if op in ("get_rows", "get_rows_packed"):
         return out.numel + inputs[1].numel
     if op == "set_rows":
         return 2 * inputs[1].numel + inputs[2].numel

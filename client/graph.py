@@ -207,6 +207,14 @@ class Graph:
         worker's ``packed-kernels`` capability)."""
         return self.op("mul_mat_packed", x, wp, qtype=qtype, out=out)
 
+    def unpack(self, wp: Any, *, qtype: str, out: Any = None) -> GraphTensor:
+        """A packed weight (:meth:`pack`) as float32 rows."""
+        return self.op("unpack", wp, qtype=qtype, out=out)
+
+    def get_rows_packed(self, table: Any, idx: Any, *, qtype: str, out: Any = None) -> GraphTensor:
+        """Rows ``idx`` of a packed table (:meth:`pack`), dequantized to float32."""
+        return self.op("get_rows_packed", table, idx, qtype=qtype, out=out)
+
     def dequantize(self, q: Any, *, qtype: str, out: Any = None) -> GraphTensor:
         return self.op("dequantize", q, qtype=qtype, out=out)
 

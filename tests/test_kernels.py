@@ -19,6 +19,7 @@ pytest.importorskip("numba")
 
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 from zmq_rpc.worker import kernels  # noqa: E402
+from zmq_rpc.worker.backends import numpy_ops  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)  # the first call of each qtype compiles its kernels (~10 s)
 
@@ -110,6 +111,16 @@ def test_pack_then_dequantize_is_bit_identical_to_gguf(qtype: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", kernels.QTYPES)
+def test_compiled_repack_writes_the_numpy_layout_byte_for_byte(qtype: str) -> None:
+    rng = np.random.default_rng(13)
+    for k in row_lengths(qtype):
+        for rows in (1, 3, 70):   # 70: past one 64-row repack tile
+            data = random_weight(rng, qtype, rows, k)
+            np.testing.assert_array_equal(kernels.pack(data, qtype), kernels.pack(data, qtype, jit=False),
+                                          err_msg=f"{qtype} rows={rows} k={k}")
+
+
+@pytest.mark.parametrize("qtype", kernels.QTYPES)
 def test_matvec_matches_float_product_of_gguf_weights(qtype: str) -> None:
     rng = np.random.default_rng(7)
     for k in row_lengths(qtype):
@@ -175,6 +186,33 @@ def test_pack_refuses_ragged_rows() -> None:
 def test_set_threads_refuses_zero() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         kernels.set_threads(0)
+
+
+# ----------------------------------------------------------------------------------- ops, kernels
+
+
+def run_op(op: str, inputs: list[np.ndarray], metas: list[TensorMeta], params: dict[str, object]) -> np.ndarray:
+    meta, normalized = infer(op, metas, params)
+    out = np.full(meta.shape, np.nan, np.float32) if meta.dtype == "float32" else np.zeros(meta.shape, np.uint8)
+    numpy_ops.run_compute(op, inputs, metas, normalized, out)
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["q6_k", "bf16", "q5_1"])
+def test_pack_unpack_get_rows_ops_match_gguf(qtype: str) -> None:
+    rng = np.random.default_rng(17)
+    k = row_lengths(qtype)[1]
+    data = random_weight(rng, qtype, 21, k)
+    dtype = {"f16": "float16", "bf16": "bfloat16"}.get(qtype, "uint8")
+    packed = run_op("pack", [data], [TensorMeta(data.shape, dtype)], {"qtype": qtype})
+    wmeta = TensorMeta(packed.shape, "uint8")
+    ref = oracle(qtype, data)
+    np.testing.assert_array_equal(run_op("unpack", [packed], [wmeta], {"qtype": qtype}), ref)
+    idx = np.array([[20, 0], [3, 3]], np.int32)
+    rows = run_op("get_rows_packed", [packed, idx], [wmeta, TensorMeta(idx.shape, "int32")], {"qtype": qtype})
+    np.testing.assert_array_equal(rows, ref[idx])
+    with pytest.raises(numpy_ops.OpRuntimeError, match=r"index 21 is out of range \[0, 21\)"):
+        run_op("get_rows_packed", [packed, idx + 1], [wmeta, TensorMeta(idx.shape, "int32")], {"qtype": qtype})
 
 
 # -------------------------------------------------------------------------------------- op rules

@@ -37,6 +37,7 @@ __all__ = [
     "pack",
     "packed_row_bytes",
     "set_threads",
+    "take_rows",
     "threads",
     "warm",
 ]
@@ -115,9 +116,24 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
         np.matmul(x, tile[:, :r1 - r0], out=out[:, r0:r1])
 
 
-def dequantize(w: np.ndarray, qtype: str, k: int, r0: int = 0, r1: int | None = None) -> np.ndarray:
-    """Rows ``r0..r1`` of packed ``w`` as float32 (n, K) (tests and tools; the kernels never need it)."""
-    r1 = w.shape[0] if r1 is None else r1
-    tile = np.empty((k, r1 - r0), np.float32)
-    _jit().DQ[qtype](w, k, r0, r1, tile, threads())
-    return tile.T.copy()
+def dequantize(w: np.ndarray, qtype: str, k: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Packed ``w`` as float32 rows (R, K), into ``out`` if given (tile by tile)."""
+    rows = w.shape[0]
+    result = np.empty((rows, k), np.float32) if out is None else out
+    step = min(rows, max(16, TILE_BYTES // (4 * k) // 16 * 16))
+    tile = np.empty((k, step), np.float32)
+    dq = _jit().DQ[qtype]
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        dq(w, k, r0, r1, tile, threads())
+        result[r0:r1] = tile[:, :r1 - r0].T
+    return result
+
+
+def take_rows(w: np.ndarray, qtype: str, idx: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = W[idx[i]]`` for packed ``w`` (indices already checked), float32 (len(idx), K)."""
+    dq = _jit().DQ[qtype]
+    column = np.empty((out.shape[1], 1), np.float32)
+    for i, r in enumerate(idx.tolist()):
+        dq(w, out.shape[1], r, r + 1, column, 1)
+        out[i] = column[:, 0]

@@ -38,6 +38,7 @@ which keeps every type within 1.1x its GGUF size except q4_1 (1.2x) and q5_1 (1.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Final
 
@@ -215,24 +216,28 @@ def _sections(qtype: str, codes: np.ndarray, f: dict[str, np.ndarray]) -> list[n
     return scales + high + sub + [_pairs(codes)]
 
 
-def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None) -> U8:
+def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None, *, jit: bool = True) -> U8:
     """Repack one weight into the layout above: ``(R, P)`` uint8, returned (``out`` if given).
 
     ``data`` is the GGUF form: uint8 blocks ``(R, nb * block_bytes)`` for block types, or the
     ``(R, K)`` weights for f16 (float16) and bf16 (uint16 bits). Raises ValueError on a bad shape.
+    With numba (and ``jit``) a compiled loop does it (~1 GB/s); else numpy (~0.1 GB/s), same bytes.
     """
     if data.ndim != 2:
         raise ValueError(f"pack needs a 2-D weight, got shape {data.shape}")
-    rows = data.shape[0]
+    rows, per_block = data.shape[0], PACKED[qtype][0]
+    k = data.shape[1] if per_block == 1 else data.shape[1] // PACKED[qtype][1] * per_block
+    if per_block > 1 and gguf_row_bytes(qtype, k) != data.shape[1]:
+        raise ValueError(f"{qtype} rows of {data.shape[1]} bytes are not whole blocks")
+    result = np.empty((rows, packed_row_bytes(qtype, k)), np.uint8) if out is None else out
+    if jit and importlib.util.find_spec("numba") is not None:
+        from . import jit as compiled
+        compiled.pack(np.ascontiguousarray(data), qtype, result)
+        return result
     if qtype in ("f16", "bf16"):
-        k = data.shape[1]
         parts = [np.ascontiguousarray(data).view(np.uint16).T]
     else:
-        k = data.shape[1] // PACKED[qtype][1] * PACKED[qtype][0]
-        if gguf_row_bytes(qtype, k) != data.shape[1]:
-            raise ValueError(f"{qtype} rows of {data.shape[1]} bytes are not whole blocks")
         parts = _sections(qtype, *unpack_codes(data.view(np.uint8), qtype))
-    result = np.empty((rows, packed_row_bytes(qtype, k)), np.uint8) if out is None else out
     flat, offset = result.reshape(-1), 0
     for part in parts:
         n = part.size * part.itemsize
