@@ -30,6 +30,7 @@ from typing import Any, Final, Literal
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import quants as gguf_quants
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
@@ -41,6 +42,7 @@ __all__ = [
     "LlamaGGUF",
     "RopeMode",
     "default_model_path",
+    "dequantize_rows",
     "load_gguf",
 ]
 
@@ -310,6 +312,12 @@ class GGUFTensor:
     def block_size(self) -> int:
         """Elements per quantization block (1 for float types)."""
         return _block_geometry(self.qtype)[0]
+
+
+def dequantize_rows(rows: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 values of uint8 block rows of ``qtype`` (gguf's numpy dequantizer)."""
+    ggml_type = next(k for k, v in _QTYPES.items() if v == qtype)
+    return np.asarray(gguf_quants.dequantize(rows, ggml_type), np.float32).reshape(rows.shape[0], -1)
 
 
 def _block_geometry(qtype: str) -> tuple[int, int]:

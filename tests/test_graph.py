@@ -346,7 +346,14 @@ def test_op_table_covers_every_op() -> None:
     assert covered == set(OPS)
 
 
-@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: c.name)
+def _with_compile_time(case: OpCase) -> Any:
+    """The packed kernels compile (numba) on first use in this process: a minute on a busy CI box."""
+    if case.name.split("-")[0] in ("pack", "mul_mat_packed", "unpack", "get_rows_packed"):
+        return pytest.param(case, marks=pytest.mark.timeout(300))
+    return case
+
+
+@pytest.mark.parametrize("case", [_with_compile_time(c) for c in OP_CASES], ids=lambda c: c.name)
 def test_every_op_through_a_worker(client: Client, case: OpCase) -> None:
     remote = [put(client, array, dtype) for array, dtype in case.inputs]
     g = Graph()

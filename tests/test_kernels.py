@@ -20,6 +20,7 @@ pytest.importorskip("numba")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 from zmq_rpc.worker import kernels  # noqa: E402
 from zmq_rpc.worker.backends import numpy_ops  # noqa: E402
+from zmq_rpc.worker.kernels import jit  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)  # the first call of each qtype compiles its kernels (~10 s)
 
@@ -123,14 +124,15 @@ def test_compiled_repack_writes_the_numpy_layout_byte_for_byte(qtype: str) -> No
 @pytest.mark.parametrize("qtype", kernels.QTYPES)
 def test_matvec_matches_float_product_of_gguf_weights(qtype: str) -> None:
     rng = np.random.default_rng(7)
-    for k in row_lengths(qtype):
-        for rows in (1, 17, 531):     # 531: more than one accumulator tile, not a multiple of 16
-            data = random_weight(rng, qtype, rows, k)
-            w = oracle(qtype, data)
-            x = rng.standard_normal((1, k)).astype(np.float32)
-            out = np.full((1, rows), np.nan, np.float32)
-            kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
-            close_product(out, x, w)
+    sizes = [(rows, k) for k in row_lengths(qtype) for rows in (1, 17)]
+    sizes.append((jit.TILE + 19, row_lengths(qtype)[0]))   # past one accumulator tile, ragged
+    for rows, k in sizes:
+        data = random_weight(rng, qtype, rows, k)
+        w = oracle(qtype, data)
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        out = np.full((1, rows), np.nan, np.float32)
+        kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
+        close_product(out, x, w)
 
 
 @pytest.mark.parametrize("qtype", kernels.QTYPES)

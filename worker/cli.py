@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from .server import WorkerConfig, WorkerServer  # after the BLAS variables are set
 
     kernels.set_threads(args.threads)
+    kernels.warm_in_background()
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,

@@ -1,6 +1,7 @@
 """Quantized matmul kernels for the CPU worker: packed weights (:mod:`.layout`) times float32 activations.
 
-Owned by the worker's backend thread (module state: the thread count and the set of warmed qtypes).
+Owned by the worker's backend thread (module state: the thread count and the set of warmed qtypes),
+but for :func:`warm_in_background`'s ``kernel-warmup`` thread, which only compiles.
 :func:`matmul` picks the path by the number of activation rows:
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
@@ -16,6 +17,8 @@ packing is plain numpy and works without it, the products raise :class:`KernelUn
 from __future__ import annotations
 
 import importlib.util
+import logging
+import threading
 import time
 from types import ModuleType
 from typing import Final
@@ -40,6 +43,7 @@ __all__ = [
     "take_rows",
     "threads",
     "warm",
+    "warm_in_background",
 ]
 
 MATVEC_ROWS: Final = 2
@@ -47,6 +51,7 @@ MATVEC_ROWS: Final = 2
 TILE_BYTES: Final = 1 << 20
 """float32 bytes of dequantized weights per prefill tile."""
 
+log = logging.getLogger(__name__)
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
 
@@ -80,17 +85,41 @@ def threads() -> int:
 
 
 def warm(qtype: str) -> float:
-    """Compile (or load from the on-disk cache) the kernels of ``qtype``; seconds it took, 0 if done before."""
-    if qtype in _warm:
+    """Compile (or load from the on-disk cache) the kernels of ``qtype`` for the current thread
+    count, and the repack; seconds it took, 0 if done before."""
+    key = f"{qtype}/{threads() > 1}"
+    if key in _warm:
         return 0.0
     start = time.perf_counter()
-    per_block = PACKED[qtype][0]
+    per_block, gguf_bytes, _ = PACKED[qtype]
     k = 256 if per_block == 256 else 32
-    w = np.zeros((16, packed_row_bytes(qtype, k)), np.uint8)
+    src = np.zeros((16, k), np.uint16) if per_block == 1 else np.zeros((16, k // per_block * gguf_bytes), np.uint8)
+    w = pack(src, qtype)
     matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
     matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
-    _warm[qtype] = time.perf_counter() - start
-    return _warm[qtype]
+    _warm[key] = time.perf_counter() - start
+    return _warm[key]
+
+
+def warm_in_background() -> threading.Thread | None:
+    """Compile or load every qtype's kernels in a daemon thread (``kernel-warmup``), so that a
+    worker's first model load rarely waits for numba. It touches no backend state; numba's
+    compiler lock makes a kernel the backend thread needs meanwhile wait for its compile.
+    None when numba is absent."""
+    if not available():
+        return None
+    thread = threading.Thread(target=_warm_all, name="kernel-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
+def _warm_all() -> None:
+    for qtype in QTYPES:
+        try:
+            warm(qtype)
+        except Exception:  # a broken numba install: the ops report it when used
+            log.exception("warming the %s kernels failed", qtype)
+            return
 
 
 def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
@@ -101,19 +130,28 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
     jit = _jit()
     n = threads()
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.shape[0] <= MATVEC_ROWS:
-        mv = jit.MV[qtype]
-        for t in range(x.shape[0]):
-            mv(w, x[t], out[t], n)
-        return
     rows, k = w.shape[0], x.shape[1]
+    if x.shape[0] <= MATVEC_ROWS:
+        for t in range(x.shape[0]):
+            if n == 1:
+                jit.MV_ROWS[qtype](w, x[t], out[t], 0, rows)
+            else:
+                jit.MV[qtype](w, x[t], out[t], n)
+        return
     step = min(rows, max(16, TILE_BYTES // (4 * k) // 16 * 16))
     tile = np.empty((k, step), np.float32)
-    dq = jit.DQ[qtype]
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
-        dq(w, k, r0, r1, tile, n)
+        _dequantize_tile(jit, w, qtype, k, r0, r1, tile, n)
         np.matmul(x, tile[:, :r1 - r0], out=out[:, r0:r1])
+
+
+def _dequantize_tile(jit: ModuleType, w: np.ndarray, qtype: str, k: int, r0: int, r1: int,
+                     tile: np.ndarray, n: int) -> None:
+    if n == 1:
+        jit.DQ_ROWS[qtype](w, k, r0, r1, tile, r0)
+    else:
+        jit.DQ[qtype](w, k, r0, r1, tile, n)
 
 
 def dequantize(w: np.ndarray, qtype: str, k: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -122,18 +160,18 @@ def dequantize(w: np.ndarray, qtype: str, k: int, out: np.ndarray | None = None)
     result = np.empty((rows, k), np.float32) if out is None else out
     step = min(rows, max(16, TILE_BYTES // (4 * k) // 16 * 16))
     tile = np.empty((k, step), np.float32)
-    dq = _jit().DQ[qtype]
+    jit = _jit()
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
-        dq(w, k, r0, r1, tile, threads())
+        _dequantize_tile(jit, w, qtype, k, r0, r1, tile, threads())
         result[r0:r1] = tile[:, :r1 - r0].T
     return result
 
 
 def take_rows(w: np.ndarray, qtype: str, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[i] = W[idx[i]]`` for packed ``w`` (indices already checked), float32 (len(idx), K)."""
-    dq = _jit().DQ[qtype]
+    dq = _jit().DQ_ROWS[qtype]
     column = np.empty((out.shape[1], 1), np.float32)
     for i, r in enumerate(idx.tolist()):
-        dq(w, out.shape[1], r, r + 1, column, 1)
+        dq(w, out.shape[1], r, r + 1, column, r)
         out[i] = column[:, 0]

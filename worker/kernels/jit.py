@@ -13,6 +13,10 @@ For each qtype ``t``:
   a float32 ``out`` of shape (K, r1 - r0): a transposed tile, written with unit stride, that a BLAS
   ``x @ out`` consumes directly (the prefill path).
 
+Those two split the rows over ``nthr`` threads (numba ``prange``, ``parallel=True``); their
+single-thread bodies (:data:`MV_ROWS`, :data:`DQ_ROWS`) are what one thread calls directly, so a
+one-thread worker never compiles (~2x the time) nor launches the parallel versions.
+
 How the loops are built (the prototype measured 2-5x between layouts): for each sub-block of 32 weights
 and each byte position ``j``, the innermost loop runs over a tile of :data:`TILE` rows, reading
 ``p[16s + j, r]`` with unit stride and accumulating ``q * x[j]`` into one float32 per row; the scales are
@@ -30,11 +34,12 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["DQ", "MV", "TILE"]
+__all__ = ["DQ", "DQ_ROWS", "MV", "MV_ROWS", "TILE", "pack"]
 
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
-TILE = 512
-"""Rows per accumulator tile (2 KiB of float32: stays in L1 with the bytes it meets)."""
+TILE = 4096
+"""Rows per accumulator tile (16 KiB of float32, in L1): one tile for every layer matrix of a small llama,
+several for a vocabulary head (a 512-row tile measured up to ~2x slower on layer matrices)."""
 
 _U15 = np.uint8(15)
 _U4 = np.uint8(4)
@@ -89,65 +94,65 @@ def _xsums(x: Any, width: int) -> Any:
 
 
 # ---------------------------------------------------------------------- inner sums over a sub-block
+# Every loop below runs from 0 over views sliced to the tile (``p[i][t0:t1]``): LLVM vectorizes
+# those; the same loops written as ``acc[r - t0]`` over ``range(t0, t1)`` stayed scalar (measured:
+# 1 vector FMA in the asm instead of 5, 3x slower).
 
 
 @njit(inline="always")
 def _sum4(p: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
-    """acc[r - t0] = sum_j q[32s + j] x[32s + j] for 4-bit codes."""
-    for r in range(t1 - t0):
-        acc[r] = 0
+    """acc[i] = sum_j q[32s + j] x[32s + j] for 4-bit codes, rows t0 + i."""
+    n = t1 - t0
+    for i in range(n):
+        acc[i] = 0
     for j in range(16):
         x0, x1 = x[32 * s + j], x[32 * s + j + 16]
-        row = p[16 * s + j]
-        for r in range(t0, t1):
-            v = row[r]
-            acc[r - t0] += _F32(v & _U15) * x0 + _F32(v >> _U4) * x1
+        row = p[16 * s + j][t0:t1]
+        for i in range(n):
+            v = row[i]
+            acc[i] += _F32(v & _U15) * x0 + _F32(v >> _U4) * x1
 
 
 @njit(inline="always")
 def _sum5(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
     """As :func:`_sum4` with the 5th bit of each code in ``h[s]``."""
-    for r in range(t1 - t0):
-        acc[r] = 0
-    hs = h[s]
+    n = t1 - t0
+    for i in range(n):
+        acc[i] = 0
+    hs = h[s][t0:t1]
     for j in range(16):
         x0, x1 = x[32 * s + j], x[32 * s + j + 16]
-        row = p[16 * s + j]
+        row = p[16 * s + j][t0:t1]
         lo_shift, hi_shift = np.uint32(j), np.uint32(j + 16)
-        for r in range(t0, t1):
-            v = np.int32(row[r])
-            hb = hs[r]
+        for i in range(n):
+            v = np.int32(row[i])
+            hb = hs[i]
             lo = (v & 15) | np.int32(((hb >> lo_shift) & np.uint32(1)) << np.uint32(4))
             hi = (v >> 4) | np.int32(((hb >> hi_shift) & np.uint32(1)) << np.uint32(4))
-            acc[r - t0] += _F32(lo) * x0 + _F32(hi) * x1
+            acc[i] += _F32(lo) * x0 + _F32(hi) * x1
 
 
 @njit(inline="always")
 def _sum6(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc_a: Any, acc_b: Any) -> None:
     """q6_k: weights 32s + j (j < 16) into acc_a, 32s + 16 + j into acc_b (their scales differ)."""
-    for r in range(t1 - t0):
-        acc_a[r] = 0
-        acc_b[r] = 0
-    ha, hb = h[2 * s], h[2 * s + 1]
+    n = t1 - t0
+    for i in range(n):
+        acc_a[i] = 0
+        acc_b[i] = 0
+    ha, hb = h[2 * s][t0:t1], h[2 * s + 1][t0:t1]
     for j in range(16):
         x0, x1 = x[32 * s + j], x[32 * s + j + 16]
-        row = p[16 * s + j]
+        row = p[16 * s + j][t0:t1]
         shift = np.uint32(2 * j)
-        for r in range(t0, t1):
-            v = np.int32(row[r])
-            lo = (v & 15) | np.int32(((ha[r] >> shift) & np.uint32(3)) << np.uint32(4))
-            hi = (v >> 4) | np.int32(((hb[r] >> shift) & np.uint32(3)) << np.uint32(4))
-            acc_a[r - t0] += _F32(lo) * x0
-            acc_b[r - t0] += _F32(hi) * x1
+        for i in range(n):
+            v = np.int32(row[i])
+            lo = (v & 15) | np.int32(((ha[i] >> shift) & np.uint32(3)) << np.uint32(4))
+            hi = (v >> 4) | np.int32(((hb[i] >> shift) & np.uint32(3)) << np.uint32(4))
+            acc_a[i] += _F32(lo) * x0
+            acc_b[i] += _F32(hi) * x1
 
 
 # ------------------------------------------------------------------------ matrix-vector, per type
-
-
-@njit(inline="always")
-def _clear(y: Any, r0: int, r1: int) -> None:
-    for r in range(r0, r1):
-        y[r] = 0
 
 
 @_jit
@@ -158,14 +163,15 @@ def _mv_q4_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     p = _sec(flat, 4 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
     acc = np.empty(TILE, np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        yt = y[t0:t1]
+        yt[:] = 0
         for s in range(ns):
             _sum4(p, s, x, t0, t1, acc)
-            off, ds = _F32(8) * xs[s], d[s]
-            for r in range(t0, t1):
-                y[r] += ds[r] * (acc[r - t0] - off)
+            off, ds = _F32(8) * xs[s], d[s][t0:t1]
+            for i in range(t1 - t0):
+                yt[i] += ds[i] * (acc[i] - off)
 
 
 @_jit
@@ -177,14 +183,15 @@ def _mv_q4_1(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
     acc = np.empty(TILE, np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        yt = y[t0:t1]
+        yt[:] = 0
         for s in range(ns):
             _sum4(p, s, x, t0, t1, acc)
-            xsum, ds, ms = xs[s], d[s], m[s]
-            for r in range(t0, t1):
-                y[r] += ds[r] * acc[r - t0] + ms[r] * xsum
+            xsum, ds, ms = xs[s], d[s][t0:t1], m[s][t0:t1]
+            for i in range(t1 - t0):
+                yt[i] += ds[i] * acc[i] + ms[i] * xsum
 
 
 @_jit
@@ -196,14 +203,15 @@ def _mv_q5_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
     acc = np.empty(TILE, np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        yt = y[t0:t1]
+        yt[:] = 0
         for s in range(ns):
             _sum5(p, h, s, x, t0, t1, acc)
-            off, ds = _F32(16) * xs[s], d[s]
-            for r in range(t0, t1):
-                y[r] += ds[r] * (acc[r - t0] - off)
+            off, ds = _F32(16) * xs[s], d[s][t0:t1]
+            for i in range(t1 - t0):
+                yt[i] += ds[i] * (acc[i] - off)
 
 
 @_jit
@@ -216,14 +224,15 @@ def _mv_q5_1(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     p = _sec(flat, 12 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
     acc = np.empty(TILE, np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        yt = y[t0:t1]
+        yt[:] = 0
         for s in range(ns):
             _sum5(p, h, s, x, t0, t1, acc)
-            xsum, ds, ms = xs[s], d[s], m[s]
-            for r in range(t0, t1):
-                y[r] += ds[r] * acc[r - t0] + ms[r] * xsum
+            xsum, ds, ms = xs[s], d[s][t0:t1], m[s][t0:t1]
+            for i in range(t1 - t0):
+                yt[i] += ds[i] * acc[i] + ms[i] * xsum
 
 
 @_jit
@@ -233,28 +242,30 @@ def _mv_q8_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     d = _sec(flat, 0, ns, R, np.float32, 4)
     q = _sec(flat, 4 * ns * R, 32 * ns, R, np.int8, 1)
     acc = np.empty(TILE, np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        n = t1 - t0
+        yt = y[t0:t1]
+        yt[:] = 0
         for s in range(ns):
-            for r in range(t1 - t0):
-                acc[r] = 0
+            for i in range(n):
+                acc[i] = 0
             for j in range(32):
-                xj, row = x[32 * s + j], q[32 * s + j]
-                for r in range(t0, t1):
-                    acc[r - t0] += _F32(row[r]) * xj
-            ds = d[s]
-            for r in range(t0, t1):
-                y[r] += ds[r] * acc[r - t0]
+                xj, row = x[32 * s + j], q[32 * s + j][t0:t1]
+                for i in range(n):
+                    acc[i] += _F32(row[i]) * xj
+            ds = d[s][t0:t1]
+            for i in range(n):
+                yt[i] += ds[i] * acc[i]
 
 
 @njit(inline="always")
-def _k_combine(y: Any, acc: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, xsum: float,
+def _k_combine(yt: Any, acc: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, xsum: float,
                t0: int, t1: int) -> None:
     b = s // 8
-    db, mb, scs, mns = d[b], dmin[b], sc[s], mn[s]
-    for r in range(t0, t1):
-        y[r] += db[r] * _F32(scs[r]) * acc[r - t0] - mb[r] * _F32(mns[r]) * xsum
+    db, mb, scs, mns = d[b][t0:t1], dmin[b][t0:t1], sc[s][t0:t1], mn[s][t0:t1]
+    for i in range(t1 - t0):
+        yt[i] += db[i] * _F32(scs[i]) * acc[i] - mb[i] * _F32(mns[i]) * xsum
 
 
 @_jit
@@ -269,12 +280,13 @@ def _mv_q4_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     p = _sec(flat, 8 * nb * R + 2 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
     acc = np.empty(TILE, np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        yt = y[t0:t1]
+        yt[:] = 0
         for s in range(ns):
             _sum4(p, s, x, t0, t1, acc)
-            _k_combine(y, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
+            _k_combine(yt, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
 
 
 @_jit
@@ -290,12 +302,13 @@ def _mv_q5_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     p = _sec(flat, 8 * nb * R + 6 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
     acc = np.empty(TILE, np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        yt = y[t0:t1]
+        yt[:] = 0
         for s in range(ns):
             _sum5(p, h, s, x, t0, t1, acc)
-            _k_combine(y, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
+            _k_combine(yt, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
 
 
 @_jit
@@ -310,15 +323,16 @@ def _mv_q6_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     xs = _xsums(x, 16)
     acc_a = np.empty(TILE, np.float32)
     acc_b = np.empty(TILE, np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        yt = y[t0:t1]
+        yt[:] = 0
         for s in range(ns):
             _sum6(p, h, s, x, t0, t1, acc_a, acc_b)
-            db, sa, sb = d[s // 8], sc[2 * s], sc[2 * s + 1]
+            db, sa, sb = d[s // 8][t0:t1], sc[2 * s][t0:t1], sc[2 * s + 1][t0:t1]
             oa, ob = _F32(32) * xs[2 * s], _F32(32) * xs[2 * s + 1]
-            for r in range(t0, t1):
-                y[r] += db[r] * (_F32(sa[r]) * (acc_a[r - t0] - oa) + _F32(sb[r]) * (acc_b[r - t0] - ob))
+            for i in range(t1 - t0):
+                yt[i] += db[i] * (_F32(sa[i]) * (acc_a[i] - oa) + _F32(sb[i]) * (acc_b[i] - ob))
 
 
 @njit(inline="always")
@@ -340,15 +354,17 @@ def _mv_f16(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     t = _sec(w.reshape(-1), 0, K, R, np.uint16, 2)
     bits = np.empty(TILE, np.uint32)
     vals = bits.view(np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        n = t1 - t0
+        yt = y[t0:t1]
+        yt[:] = 0
         for k in range(K):
-            row, xk = t[k], x[k]
-            for r in range(t0, t1):
-                bits[r - t0] = _f16_bits(row[r])
-            for r in range(t0, t1):
-                y[r] += (vals[r - t0] * _F16_SCALE) * xk
+            row, xk = t[k][t0:t1], x[k]
+            for i in range(n):
+                bits[i] = _f16_bits(row[i])
+            for i in range(n):
+                yt[i] += (vals[i] * _F16_SCALE) * xk
 
 
 @_jit
@@ -357,39 +373,62 @@ def _mv_bf16(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     t = _sec(w.reshape(-1), 0, K, R, np.uint16, 2)
     bits = np.empty(TILE, np.uint32)
     vals = bits.view(np.float32)
-    _clear(y, r0, r1)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
+        n = t1 - t0
+        yt = y[t0:t1]
+        yt[:] = 0
         for k in range(K):
-            row, xk = t[k], x[k]
-            for r in range(t0, t1):
-                bits[r - t0] = np.uint32(row[r]) << np.uint32(16)
-            for r in range(t0, t1):
-                y[r] += vals[r - t0] * xk
+            row, xk = t[k][t0:t1], x[k]
+            for i in range(n):
+                bits[i] = np.uint32(row[i]) << np.uint32(16)
+            for i in range(n):
+                yt[i] += vals[i] * xk
 
 
 # --------------------------------------------------------------------- dequantization, per type
 # out[k, r - c0] for rows r0..r1: the (K, n) float32 tile a BLAS product reads as W[c0:].T. No fastmath:
 # the operations run in gguf's order, so the values are bit-identical to gguf.quants.dequantize.
+# Loops run from 0 over views, as above.
 
 
 @njit(inline="always")
-def _dq4(p: Any, s: int, j: int, r0: int, r1: int, a: Any, b: Any, c0: int) -> None:
-    row = p[16 * s + j]
-    for r in range(r0, r1):
-        v = row[r]
-        a[r - c0] = _F32(v & _U15)
-        b[r - c0] = _F32(v >> _U4)
+def _dq4(p: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    row = p[16 * s + j][r0:r1]
+    a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
+    for i in range(r1 - r0):
+        v = row[i]
+        a[i] = _F32(v & _U15)
+        b[i] = _F32(v >> _U4)
 
 
 @njit(inline="always")
-def _dq5(p: Any, hs: Any, s: int, j: int, r0: int, r1: int, a: Any, b: Any, c0: int) -> None:
-    row = p[16 * s + j]
+def _dq5(p: Any, h: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    row, hs = p[16 * s + j][r0:r1], h[s][r0:r1]
+    a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
     lo_shift, hi_shift = np.uint32(j), np.uint32(j + 16)
-    for r in range(r0, r1):
-        v = np.int32(row[r])
-        a[r - c0] = _F32((v & 15) | np.int32(((hs[r] >> lo_shift) & np.uint32(1)) << np.uint32(4)))
-        b[r - c0] = _F32((v >> 4) | np.int32(((hs[r] >> hi_shift) & np.uint32(1)) << np.uint32(4)))
+    for i in range(r1 - r0):
+        v = np.int32(row[i])
+        a[i] = _F32((v & 15) | np.int32(((hs[i] >> lo_shift) & np.uint32(1)) << np.uint32(4)))
+        b[i] = _F32((v >> 4) | np.int32(((hs[i] >> hi_shift) & np.uint32(1)) << np.uint32(4)))
+
+
+@njit(inline="always")
+def _dq_offset(out: Any, s: int, r0: int, r1: int, c0: int, ds: Any, off: float) -> None:
+    """The 32 rows of sub-block ``s``: ``d * (q - off)``, gguf's order."""
+    for j in range(32):
+        o = out[32 * s + j][r0 - c0:r1 - c0]
+        for i in range(r1 - r0):
+            o[i] = ds[i] * (o[i] - off)
+
+
+@njit(inline="always")
+def _dq_min(out: Any, s: int, r0: int, r1: int, c0: int, ds: Any, ms: Any) -> None:
+    """The 32 rows of sub-block ``s``: ``d * q + m``, gguf's order."""
+    for j in range(32):
+        o = out[32 * s + j][r0 - c0:r1 - c0]
+        for i in range(r1 - r0):
+            o[i] = ds[i] * o[i] + ms[i]
 
 
 @_jit_exact
@@ -399,13 +438,9 @@ def _dq_q4_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     d = _sec(flat, 0, ns, R, np.float32, 4)
     p = _sec(flat, 4 * ns * R, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
-        ds = d[s]
         for j in range(16):
-            a, b = out[32 * s + j], out[32 * s + j + 16]
-            _dq4(p, s, j, r0, r1, a, b, c0)
-            for r in range(r0, r1):
-                a[r - c0] = ds[r] * (a[r - c0] - 8)
-                b[r - c0] = ds[r] * (b[r - c0] - 8)
+            _dq4(p, s, j, r0, r1, out, c0)
+        _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(8))
 
 
 @_jit_exact
@@ -416,13 +451,9 @@ def _dq_q4_1(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
     p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
-        ds, ms = d[s], m[s]
         for j in range(16):
-            a, b = out[32 * s + j], out[32 * s + j + 16]
-            _dq4(p, s, j, r0, r1, a, b, c0)
-            for r in range(r0, r1):
-                a[r - c0] = ds[r] * a[r - c0] + ms[r]
-                b[r - c0] = ds[r] * b[r - c0] + ms[r]
+            _dq4(p, s, j, r0, r1, out, c0)
+        _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
 
 
 @_jit_exact
@@ -433,13 +464,9 @@ def _dq_q5_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     h = _sec(flat, 4 * ns * R, ns, R, np.uint32, 4)
     p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
-        ds = d[s]
         for j in range(16):
-            a, b = out[32 * s + j], out[32 * s + j + 16]
-            _dq5(p, h[s], s, j, r0, r1, a, b, c0)
-            for r in range(r0, r1):
-                a[r - c0] = ds[r] * (a[r - c0] - 16)
-                b[r - c0] = ds[r] * (b[r - c0] - 16)
+            _dq5(p, h, s, j, r0, r1, out, c0)
+        _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(16))
 
 
 @_jit_exact
@@ -451,13 +478,9 @@ def _dq_q5_1(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     h = _sec(flat, 8 * ns * R, ns, R, np.uint32, 4)
     p = _sec(flat, 12 * ns * R, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
-        ds, ms = d[s], m[s]
         for j in range(16):
-            a, b = out[32 * s + j], out[32 * s + j + 16]
-            _dq5(p, h[s], s, j, r0, r1, a, b, c0)
-            for r in range(r0, r1):
-                a[r - c0] = ds[r] * a[r - c0] + ms[r]
-                b[r - c0] = ds[r] * b[r - c0] + ms[r]
+            _dq5(p, h, s, j, r0, r1, out, c0)
+        _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
 
 
 @_jit_exact
@@ -467,20 +490,20 @@ def _dq_q8_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     d = _sec(flat, 0, ns, R, np.float32, 4)
     q = _sec(flat, 4 * ns * R, 32 * ns, R, np.int8, 1)
     for s in range(ns):
-        ds = d[s]
+        ds = d[s][r0:r1]
         for j in range(32):
-            row, o = q[32 * s + j], out[32 * s + j]
-            for r in range(r0, r1):
-                o[r - c0] = ds[r] * _F32(row[r])
+            row, o = q[32 * s + j][r0:r1], out[32 * s + j][r0 - c0:r1 - c0]
+            for i in range(r1 - r0):
+                o[i] = _F32(row[i]) * ds[i]
 
 
 @njit(inline="always")
 def _dq_k(out: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, r0: int, r1: int, c0: int) -> None:
-    db, mb, scs, mns = d[s // 8], dmin[s // 8], sc[s], mn[s]
+    db, mb, scs, mns = d[s // 8][r0:r1], dmin[s // 8][r0:r1], sc[s][r0:r1], mn[s][r0:r1]
     for j in range(32):
-        o = out[32 * s + j]
-        for r in range(r0, r1):
-            o[r - c0] = db[r] * _F32(scs[r]) * o[r - c0] - mb[r] * _F32(mns[r])
+        o = out[32 * s + j][r0 - c0:r1 - c0]
+        for i in range(r1 - r0):
+            o[i] = db[i] * _F32(scs[i]) * o[i] - mb[i] * _F32(mns[i])
 
 
 @_jit_exact
@@ -495,7 +518,7 @@ def _dq_q4_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     p = _sec(flat, 8 * nb * R + 2 * ns * R, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
         for j in range(16):
-            _dq4(p, s, j, r0, r1, out[32 * s + j], out[32 * s + j + 16], c0)
+            _dq4(p, s, j, r0, r1, out, c0)
         _dq_k(out, d, dmin, sc, mn, s, r0, r1, c0)
 
 
@@ -512,7 +535,7 @@ def _dq_q5_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     p = _sec(flat, 8 * nb * R + 6 * ns * R, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
         for j in range(16):
-            _dq5(p, h[s], s, j, r0, r1, out[32 * s + j], out[32 * s + j + 16], c0)
+            _dq5(p, h, s, j, r0, r1, out, c0)
         _dq_k(out, d, dmin, sc, mn, s, r0, r1, c0)
 
 
@@ -525,17 +548,20 @@ def _dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     h = _sec(flat, 4 * nb * R, 2 * ns, R, np.uint32, 4)
     sc = _sec(flat, 4 * nb * R + 8 * ns * R, 2 * ns, R, np.int8, 1)
     p = _sec(flat, 4 * nb * R + 10 * ns * R, 16 * ns, R, np.uint8, 1)
+    n = r1 - r0
     for s in range(ns):
-        db, sa, sb, ha, hb = d[s // 8], sc[2 * s], sc[2 * s + 1], h[2 * s], h[2 * s + 1]
+        db, sa, sb = d[s // 8][r0:r1], sc[2 * s][r0:r1], sc[2 * s + 1][r0:r1]
+        ha, hb = h[2 * s][r0:r1], h[2 * s + 1][r0:r1]
         for j in range(16):
-            row, a, b = p[16 * s + j], out[32 * s + j], out[32 * s + j + 16]
+            row = p[16 * s + j][r0:r1]
+            a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
             shift = np.uint32(2 * j)
-            for r in range(r0, r1):
-                v = np.int32(row[r])
-                lo = (v & 15) | np.int32(((ha[r] >> shift) & np.uint32(3)) << np.uint32(4))
-                hi = (v >> 4) | np.int32(((hb[r] >> shift) & np.uint32(3)) << np.uint32(4))
-                a[r - c0] = db[r] * _F32(sa[r]) * _F32(lo - 32)
-                b[r - c0] = db[r] * _F32(sb[r]) * _F32(hi - 32)
+            for i in range(n):
+                v = np.int32(row[i])
+                lo = (v & 15) | np.int32(((ha[i] >> shift) & np.uint32(3)) << np.uint32(4))
+                hi = (v >> 4) | np.int32(((hb[i] >> shift) & np.uint32(3)) << np.uint32(4))
+                a[i] = db[i] * _F32(sa[i]) * _F32(lo - 32)
+                b[i] = db[i] * _F32(sb[i]) * _F32(hi - 32)
 
 
 @_jit_exact
@@ -545,11 +571,11 @@ def _dq_f16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     bits = np.empty(r1 - r0, np.uint32)
     vals = bits.view(np.float32)
     for kk in range(k):
-        row, o = t[kk], out[kk]
-        for r in range(r0, r1):
-            bits[r - r0] = _f16_bits(row[r])
-        for r in range(r0, r1):
-            o[r - c0] = vals[r - r0] * _F16_SCALE
+        row, o = t[kk][r0:r1], out[kk][r0 - c0:r1 - c0]
+        for i in range(r1 - r0):
+            bits[i] = _f16_bits(row[i])
+        for i in range(r1 - r0):
+            o[i] = vals[i] * _F16_SCALE
 
 
 @_jit_exact
@@ -559,11 +585,11 @@ def _dq_bf16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     bits = np.empty(r1 - r0, np.uint32)
     vals = bits.view(np.float32)
     for kk in range(k):
-        row, o = t[kk], out[kk]
-        for r in range(r0, r1):
-            bits[r - r0] = np.uint32(row[r]) << np.uint32(16)
-        for r in range(r0, r1):
-            o[r - c0] = vals[r - r0]
+        row, o = t[kk][r0:r1], out[kk][r0 - c0:r1 - c0]
+        for i in range(r1 - r0):
+            bits[i] = np.uint32(row[i]) << np.uint32(16)
+        for i in range(r1 - r0):
+            o[i] = vals[i]
 
 
 # ------------------------------------------------------------------ entry points: rows split in threads
@@ -709,6 +735,10 @@ def dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
         _dq_q6_k(w, k, a, b, out, r0)
 
 
+MV_ROWS: dict[str, Any] = {"f16": _mv_f16, "bf16": _mv_bf16, "q8_0": _mv_q8_0, "q4_0": _mv_q4_0, "q4_1": _mv_q4_1, "q5_0": _mv_q5_0, "q5_1": _mv_q5_1, "q4_k": _mv_q4_k, "q5_k": _mv_q5_k, "q6_k": _mv_q6_k}
+"""qtype -> ``mv(w, x, y, r0, r1)``: rows r0..r1 only, in the calling thread (no parallel launch)."""
+DQ_ROWS: dict[str, Any] = {"f16": _dq_f16, "bf16": _dq_bf16, "q8_0": _dq_q8_0, "q4_0": _dq_q4_0, "q4_1": _dq_q4_1, "q5_0": _dq_q5_0, "q5_1": _dq_q5_1, "q4_k": _dq_q4_k, "q5_k": _dq_q5_k, "q6_k": _dq_q6_k}
+"""qtype -> ``dq(w, k, r0, r1, out, c0)``: rows r0..r1 into columns ``r - c0``, in the calling thread."""
 MV: dict[str, Any] = {"f16": mv_f16, "bf16": mv_bf16, "q8_0": mv_q8_0, "q4_0": mv_q4_0, "q4_1": mv_q4_1, "q5_0": mv_q5_0, "q5_1": mv_q5_1, "q4_k": mv_q4_k, "q5_k": mv_q5_k, "q6_k": mv_q6_k}
 """qtype -> ``mv(w, x, y, nthr)``."""
 DQ: dict[str, Any] = {"f16": dq_f16, "bf16": dq_bf16, "q8_0": dq_q8_0, "q4_0": dq_q4_0, "q4_1": dq_q4_1, "q5_0": dq_q5_0, "q5_1": dq_q5_1, "q4_k": dq_q4_k, "q5_k": dq_q5_k, "q6_k": dq_q6_k}
