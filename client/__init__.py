@@ -6,6 +6,7 @@ Public API: :class:`Client` (blocking methods and ``_async`` twins returning
 """
 
 from ..broker.errors import (
+    AuthenticationFailed,
     BadRequest,
     ClientClosed,
     ConnectionLost,
@@ -41,5 +42,5 @@ __all__ = [
     "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
     "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
     "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
-    "TransferError", "TransportError", "VersionMismatch",
+    "TransferError", "TransportError", "VersionMismatch", "AuthenticationFailed",
 ]
