@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("zmq_rpc.worker").error("cannot start: %s", exc)
         return 1
     kernels.set_threads(args.threads)
-    kernels.warm_in_background()
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,

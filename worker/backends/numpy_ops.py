@@ -282,9 +282,12 @@ def _dequantize(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, o
 
 
 def _pack(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
-    """Repack a GGUF weight into the kernels' layout (compiled with numba when it imports, else numpy).
-    The products' kernels compile on first use, or earlier in a worker's ``kernel-warmup`` thread."""
+    """Repack a GGUF weight into the kernels' layout (compiled with numba when it imports, else numpy),
+    then make sure the products' kernels for its type are compiled: a model's load pays the compile
+    (once per machine: numba caches it on disk; seconds per type), never its first token."""
     kernels.pack(xs[0], p["qtype"], out=out)
+    if kernels.available():
+        kernels.warm(p["qtype"])
 
 
 def _mul_mat_packed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:

@@ -1,7 +1,6 @@
 """Quantized matmul kernels for the CPU worker: packed weights (:mod:`.layout`) times float32 activations.
 
-Owned by the worker's backend thread (module state: the thread count and the set of warmed qtypes),
-but for :func:`warm_in_background`'s ``kernel-warmup`` thread, which only compiles.
+Owned by the worker's backend thread (module state: the thread count and the set of warmed qtypes).
 :func:`matmul` picks the path by the number of activation rows:
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
@@ -17,8 +16,6 @@ packing is plain numpy and works without it, the products raise :class:`KernelUn
 from __future__ import annotations
 
 import importlib.util
-import logging
-import threading
 import time
 from types import ModuleType
 from typing import Final
@@ -43,7 +40,6 @@ __all__ = [
     "take_rows",
     "threads",
     "warm",
-    "warm_in_background",
 ]
 
 MATVEC_ROWS: Final = 2
@@ -51,7 +47,6 @@ MATVEC_ROWS: Final = 2
 TILE_BYTES: Final = 1 << 20
 """float32 bytes of dequantized weights per prefill tile."""
 
-log = logging.getLogger(__name__)
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
 
@@ -99,27 +94,6 @@ def warm(qtype: str) -> float:
     matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
     _warm[key] = time.perf_counter() - start
     return _warm[key]
-
-
-def warm_in_background() -> threading.Thread | None:
-    """Compile or load every qtype's kernels in a daemon thread (``kernel-warmup``), so that a
-    worker's first model load rarely waits for numba. It touches no backend state; numba's
-    compiler lock makes a kernel the backend thread needs meanwhile wait for its compile.
-    None when numba is absent."""
-    if not available():
-        return None
-    thread = threading.Thread(target=_warm_all, name="kernel-warmup", daemon=True)
-    thread.start()
-    return thread
-
-
-def _warm_all() -> None:
-    for qtype in QTYPES:
-        try:
-            warm(qtype)
-        except Exception:  # a broken numba install: the ops report it when used
-            log.exception("warming the %s kernels failed", qtype)
-            return
 
 
 def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
