@@ -99,8 +99,9 @@ class NumpyBackend(Backend):
         dtype = STORAGE_DTYPES[ref.dtype]
         if ref.numel == 0:
             return np.empty(ref.shape, dtype)
-        return np.ndarray(ref.shape, dtype, buffer=buffer.data, offset=ref.offset,
-                          strides=ref.strides)
+        view: np.ndarray = np.ndarray(ref.shape, dtype, buffer=buffer.data, offset=ref.offset,
+                                      strides=ref.strides)
+        return view
 
     def write(self, view: np.ndarray, payload: Any) -> None:
         """Copy a C-ordered payload (any buffer object) into ``view``: the one copy on receive."""
