@@ -184,15 +184,17 @@ def _pairs(codes: np.ndarray) -> np.ndarray:
     """(R, K) codes -> (K/2, R): byte j of sub-block s = low 4 bits of 32s+j | of 32s+j+16 << 4."""
     rows = codes.shape[0]
     c = (codes.astype(np.uint8) & 0x0F).reshape(rows, -1, 2, 16)
-    p = c[:, :, 0, :] | (c[:, :, 1, :] << 4)
-    return p.reshape(rows, -1).T
+    p: np.ndarray = c[:, :, 0, :] | (c[:, :, 1, :] << 4)
+    pairs: np.ndarray = p.reshape(rows, -1).T
+    return pairs
 
 
 def _high1(codes: np.ndarray) -> npt.NDArray[np.uint32]:
     """(R, K) 5-bit codes -> u32 (K/32, R): bit j = 5th bit of weight 32s+j."""
     rows = codes.shape[0]
     bits = ((codes.astype(np.uint8) >> 4) & 1).reshape(rows, -1, 32)
-    return np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0].T
+    words: npt.NDArray[np.uint32] = np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0].T
+    return words
 
 
 def _high2(codes: np.ndarray) -> npt.NDArray[np.uint32]:
@@ -200,7 +202,8 @@ def _high2(codes: np.ndarray) -> npt.NDArray[np.uint32]:
     rows = codes.shape[0]
     hi = (codes.astype(np.uint8) >> 4).reshape(rows, -1, 16)
     bits = np.stack([hi & 1, hi >> 1], axis=-1).reshape(rows, -1, 32)
-    return np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0].T
+    words: npt.NDArray[np.uint32] = np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0].T
+    return words
 
 
 def _sections(qtype: str, codes: np.ndarray, f: dict[str, np.ndarray]) -> list[np.ndarray]:
