@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=0,
                     help="memory the worker may hand out, e.g. 512MiB or 4GiB; more than 0 and at "
                          "most the device's memory (default: 80%% of the device's memory)")
+    ap.add_argument("--session-mem", type=_positive_size(1), default=0,
+                    help="memory one client session may hold: buffers, graph arenas, replies "
+                         "and peer sends being materialized (default: --mem)")
     ap.add_argument("--max-buffer", type=_positive_size(1), default=0,
                     help="largest single buffer (default: --mem)")
     ap.add_argument("--max-message", type=_positive_size(64 << 10), default=64 << 20,
@@ -210,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,
                           session_timeout=args.session_timeout,
                           max_graph_work=args.max_graph_work,
+                          session_memory=args.session_mem,
                           peer_bind="" if args.peer_bind == "none" else args.peer_bind,
                           peer_advertise=args.peer_advertise or "", curve=curve,
                           authorized_keys=args.authorized_keys, worker_keys=args.worker_keys,

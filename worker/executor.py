@@ -36,6 +36,7 @@ from . import kernels
 from .backends.base import Backend
 from .graph_exec import CompiledGraph, compile_graph
 from .memory import MemoryBudget
+from .quotas import Charged, InFlight, Quotas, Usage, check
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -79,6 +80,13 @@ class WorkerLimits:
     session_timeout: float
     max_graph_work: int = DEFAULT_MAX_WORK
     """Element-ops one graph run may ask for (see :func:`~zmq_rpc.broker.ops.node_work`)."""
+    session_memory: int = 0
+    """Bytes one session may hold (0: the memory limit); see :mod:`~zmq_rpc.worker.quotas`."""
+
+
+PRESSURE_SILENCE = 6.0
+"""When memory is short, sessions silent this long (3 heartbeats of zmq-rpc's client) are closed
+to make room, instead of holding their memory for the whole session timeout."""
 
 
 @dataclass
@@ -109,6 +117,8 @@ class Request:
     the run behind it answers for both."""
     prepared: Prepared | None = None
     """What a linked run did while its receives waited."""
+    nbytes: int = 0
+    """Payload bytes, counted against the session's queued-bytes quota while it waits."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +148,7 @@ class Session:
     """Checked views by reference (a pipeline names the same few every step); emptied when a
     buffer is freed."""
     last_seen: float = field(default_factory=time.monotonic)
+    usage: Usage = field(default_factory=Usage)
 
     @property
     def label(self) -> str:
@@ -186,6 +197,8 @@ class Executor:
         self.peer_endpoint = peer_endpoint
         self.sessions: dict[bytes, Session] = {}
         self.budget = MemoryBudget(limits.memory_limit)
+        self.quotas = Quotas(memory=limits.session_memory or limits.memory_limit)
+        self.inflight = InFlight()
         self.capabilities: list[str] = ["views", "chunked-transfer"]
         if backend.zero_copy:
             self.capabilities.append("zero-copy")
@@ -269,13 +282,33 @@ class Executor:
             self._fill(session, req)
             return
         idle = not session.queue
+        if not idle and not self._may_queue(session, req):
+            return
         if req.cmd is Cmd.GRAPH_RUN_LINKED:
             session.queue.extend(self._receives(req))
         session.queue.append(req)
+        session.usage.queued_bytes += req.nbytes
         if self.peers is not None and req.cmd in (Cmd.PEER_RECV, Cmd.GRAPH_RUN_LINKED):
             self.peers.announce(session, req.msg)   # its early chunks are kept, whoever floods
         if idle:
             self.pump(session)
+
+    def _may_queue(self, session: Session, req: Request) -> bool:
+        """Whether ``req`` fits the session's queue quotas (else it is answered at once)."""
+        req.nbytes = sum(len(f) for f in req.payload)
+        try:
+            check("queued requests", len(session.queue), 1, self.quotas.queued)
+            check("queued payload bytes", session.usage.queued_bytes, req.nbytes,
+                  self.quotas.queued_bytes)
+        except WireError as exc:
+            self._reply_error(session.client_id, req.req_id, exc.code, exc.message)
+            return False
+        return True
+
+    def _pop(self, session: Session) -> Request:
+        req = session.queue.popleft()
+        session.usage.queued_bytes -= req.nbytes
+        return req
 
     @staticmethod
     def _receives(run: Request) -> list[Request]:
@@ -291,7 +324,7 @@ class Executor:
             req = session.queue[0]
             if not all(ready(session, req) for ready in self.preconditions):
                 return True
-            session.queue.popleft()
+            self._pop(session)
             self._run(session, req)
             if session.client_id not in self.sessions:
                 return False
@@ -340,6 +373,8 @@ class Executor:
         """Keep a linked run's reply back as it asked, when what it fetched is small (copied
         now: later requests may write those buffers before the reply leaves)."""
         hold_us = cast(g.GraphRunLinked, req.msg).hold_reply_us
+        if any(isinstance(f, Charged) for f in reply[1]):
+            return False                  # materialized: sent now, counted until sent
         frames: list[Any] = [f.data if isinstance(f, TrackedPayload) else f for f in reply[1]]
         size = sum(len(f) for f in frames)
         if not hold_us or size > MAX_HELD_BYTES or self.held_bytes + size > MAX_HELD_TOTAL:
@@ -367,7 +402,7 @@ class Executor:
         rest of that run out of the queue: this is the run's one reply."""
         if req.silent:
             while session.queue and session.queue[0].req_id == req.req_id:
-                session.queue.popleft()
+                self._pop(session)
             message = f"receiving the run's input failed: {message}"
         self._reply_error(session.client_id, req.req_id, code, message)
 
@@ -378,7 +413,7 @@ class Executor:
         while (session.queue and session.held_by is None
                and session.queue[0].cmd is Cmd.PEER_SEND
                and all(ready(session, session.queue[0]) for ready in self.preconditions)):
-            self._run(session, session.queue.popleft())
+            self._run(session, self._pop(session))
 
     # --------------------------------------------------------------------------- replies
 
@@ -390,9 +425,10 @@ class Executor:
 
     def _send_reply(self, client_id: bytes, req_id: int, msg: p.Message,
                     payload: list[Any]) -> None:
-        """Big payloads that alias buffer memory are tracked."""
+        """Big payloads that alias buffer memory are tracked, and so are big copies (their
+        bytes stay counted in memory until sent)."""
         header = p.encode_reply(req_id, msg)
-        tracked = [b for b in payload if isinstance(b, TrackedPayload)]
+        tracked = [b for b in payload if isinstance(b, (TrackedPayload, Charged))]
         frames = [client_id, header, *[getattr(b, "data", b) for b in payload]]
         if not tracked:
             small = all(len(f) < zmq.COPY_THRESHOLD for f in frames[2:])
@@ -400,7 +436,10 @@ class Executor:
             return
         tracker = self._send(frames, copy=False, track=True)
         for item in tracked:
-            item.buffer.sending.append(tracker)
+            if isinstance(item, Charged):
+                self.inflight.add(tracker, item)
+            else:
+                item.buffer.sending.append(tracker)
 
     def _reply_error(self, client_id: bytes, req_id: int, code: ErrorCode, message: str) -> None:
         log.debug("error reply %s to %s: %s", code.name, client_id.hex()[:8], message)
@@ -449,7 +488,10 @@ class Executor:
         """Free everything the session owns."""
         freed = sum(b.size for b in session.buffers.values())
         freed += sum(graph.memory_charge for graph in session.graphs.values())
-        self.budget.release(freed)
+        self.uncharge(session, freed)       # materialized sends stay counted until sent
+        if self.peers is not None:
+            for endpoint in self.inflight.links_of(session.usage):
+                self.peers.drop_link(endpoint)        # what it queued there is dropped
         session.buffers.clear()
         session.views.clear()
         session.graphs.clear()
@@ -478,6 +520,7 @@ class Executor:
                 self._reply_error(session.client_id, req.req_id, code,
                                   own_message if mine else message)
         session.queue.clear()
+        session.usage.queued_bytes = 0
 
     def expire_sessions(self, now: float) -> None:
         """Close sessions silent for longer than the session timeout."""
@@ -497,9 +540,56 @@ class Executor:
         if msg.size > self.limits.max_buffer_size:
             raise WireError(ErrorCode.OUT_OF_MEMORY, f"buffer of {msg.size} bytes is over the "
                             f"maximum buffer size {self.limits.max_buffer_size}")
-        memory = self.budget.allocate(msg.size, "buffer", lambda: self.backend.alloc(msg.size))
+        check("buffers", len(session.buffers), 1, self.quotas.buffers)
+        memory = self.allocate(session, msg.size, "buffer", lambda: self.backend.alloc(msg.size))
         session.buffers[msg.handle] = Buffer(msg.handle, msg.size, memory)
         return NO_REPLY
+
+    # -------------------------------------------------------------------- memory, quotas
+
+    def charge(self, session: Session, size: int, what: str) -> None:
+        """Count ``size`` bytes against the session's quota and ``--mem`` (closing silent
+        sessions first when memory is short), or OUT_OF_MEMORY."""
+        if self.quotas.memory < self.budget.limit:      # else --mem says it (below)
+            check(f"memory ({what})", session.usage.memory, size, self.quotas.memory)
+        try:
+            self.budget.reserve(size, what)
+        except WireError:
+            if not self.reclaim(session):
+                raise
+            self.budget.reserve(size, what)
+        session.usage.memory += size
+
+    def uncharge(self, session: Session, size: int) -> None:
+        session.usage.memory -= size
+        self.budget.release(size)
+
+    def allocate(self, session: Session, size: int, what: str, alloc: Callable[[], Any]) -> Any:
+        """``charge``, then ``alloc()``; the charge is given back if it fails."""
+        self.charge(session, size, what)
+        try:
+            return alloc()
+        except BaseException:
+            self.uncharge(session, size)
+            raise
+
+    def reap(self) -> None:
+        """Give back the bytes of materialized replies and pushes that libzmq has sent."""
+        if self.inflight.items:
+            self.budget.release(self.inflight.reap())
+
+    def reclaim(self, keep: Session) -> bool:
+        """Memory is short: forget what was sent, close sessions silent for PRESSURE_SILENCE
+        (their client is gone: zmq-rpc's client pings every 2 s). True if anything was freed."""
+        before = self.budget.used
+        self.reap()
+        now = time.monotonic()
+        for other in list(self.sessions.values()):
+            if other is not keep and other.usage.memory and \
+                    now - other.last_seen > PRESSURE_SILENCE:
+                self.close_session(other, f"memory is short and it was silent for "
+                                          f"{now - other.last_seen:.0f} s")
+        return self.budget.used < before
 
     def buffer(self, session: Session, handle: int) -> Buffer:
         """The session's buffer ``handle``, or an INVALID_HANDLE error."""
@@ -514,7 +604,9 @@ class Executor:
         del session.buffers[msg.handle]
         session.frees += 1
         session.views.clear()
-        self.budget.release(buf.size)
+        for graph in session.graphs.values():   # their views of it must not keep it mapped
+            graph.views = None
+        self.uncharge(session, buf.size)
         return NO_REPLY
 
     def _clear(self, session: Session, msg: p.ClearBuffer, payload: Sequence[Any]) -> Reply:
@@ -696,10 +788,14 @@ class Executor:
                         payload: Sequence[Any]) -> Reply:
         if msg.handle in session.graphs:
             raise WireError(ErrorCode.INVALID_HANDLE, f"graph handle {msg.handle} is in use")
+        check("registered graphs", len(session.graphs), 1, self.quotas.graphs)
+        nodes = len(msg.graph.nodes)
+        check("graph nodes", session.usage.graph_nodes, nodes, self.quotas.graph_nodes)
         graph = self._compile(session, msg.graph)
-        self.budget.allocate(graph.memory_charge, "graph scratch arena",
-                             lambda: graph.ensure_arena(self.backend))
+        self.allocate(session, graph.memory_charge, "graph scratch arena",
+                      lambda: graph.ensure_arena(self.backend))
         session.graphs[msg.handle] = graph
+        session.usage.graph_nodes += nodes
         return NO_REPLY
 
     def _compile(self, session: Session, spec: g.GraphSpec) -> CompiledGraph:
@@ -742,8 +838,11 @@ class Executor:
     def _graph_compute(self, session: Session, msg: g.GraphCompute,
                        payload: Sequence[Any]) -> Reply:
         graph = self._compile(session, msg.graph)
-        with self.budget.borrowed(graph.memory_charge, "graph scratch arena"):
+        self.charge(session, graph.memory_charge, "graph scratch arena")
+        try:
             return self._execute(session, graph, msg, payload)
+        finally:
+            self.uncharge(session, graph.memory_charge)
 
     def _execute(self, session: Session, graph: CompiledGraph,
                  msg: g.GraphRun | g.GraphCompute | g.GraphRunLinked,
@@ -760,7 +859,7 @@ class Executor:
         elapsed = time.perf_counter_ns() - started
         if then is not None:
             then()
-        frames = [self._fetched(session, ref, view) for ref, view in zip(msg.fetch, fetch)]
+        frames = self._fetch_all(session, msg.fetch, fetch)
         return g.GraphReply(sizes=[ref.nbytes for ref in msg.fetch], compute_ns=elapsed), frames
 
     def _externals(self, session: Session, graph: CompiledGraph) -> list[Any]:
@@ -771,15 +870,38 @@ class Executor:
         return graph.views
 
     def _fetched(self, session: Session, ref: TensorRef, view: Any) -> Any:
-        data, aliased = self.backend.read(view)
-        if aliased and ref.nbytes >= TRACK_THRESHOLD:
-            return TrackedPayload(data, session.buffers[ref.buffer])
-        return data
+        """A reply frame: the buffer's bytes in place (tracked when big), else a copy; a big
+        copy (a strided or zero-stride view) is counted in memory until it is sent."""
+        data = self.backend.alias(view)
+        if data is not None:
+            if ref.nbytes >= TRACK_THRESHOLD:
+                return TrackedPayload(data, session.buffers[ref.buffer])
+            return data
+        if ref.nbytes < TRACK_THRESHOLD:
+            return self.backend.read(view)[0]
+        data = self.allocate(session, ref.nbytes, "reply",
+                             lambda: self.backend.read(view)[0])
+        return Charged(data, ref.nbytes, session.usage)
+
+    def _fetch_all(self, session: Session, refs: Sequence[TensorRef],
+                   views: Sequence[Any]) -> list[Any]:
+        """Every fetched frame, or none: a fetch that does not fit gives back the others."""
+        frames: list[Any] = []
+        try:
+            for ref, view in zip(refs, views):
+                frames.append(self._fetched(session, ref, view))
+        except BaseException:
+            for frame in frames:
+                if isinstance(frame, Charged):
+                    self.uncharge(session, frame.nbytes)
+            raise
+        return frames
 
     def _graph_free(self, session: Session, msg: p.BufferOp, payload: Sequence[Any]) -> Reply:
         graph = self._graph(session, msg.handle)
         del session.graphs[msg.handle]
-        self.budget.release(graph.memory_charge)
+        self.uncharge(session, graph.memory_charge)
+        session.usage.graph_nodes -= len(graph.spec.nodes)
         return NO_REPLY
 
 

@@ -32,6 +32,7 @@ from ..broker.keys import KeyFileError, KeyPair, join_endpoint, split_endpoint
 from ..broker.protocol import ErrorCode, TensorRef, WireError, split_tensor
 from ..broker.wire import printable
 from ..broker.zap import PEER_DOMAIN, KeySet
+from .quotas import Charged
 
 if TYPE_CHECKING:
     from .executor import Executor, Pending, Session
@@ -106,6 +107,7 @@ class Outgoing:
     endpoint: str
     deadline: float
     what: str
+    probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,8 @@ class Push:
     buffer: Any
     endpoint: str
     link: zmq.Socket[bytes]
+    session: Any = None
+    """Whose memory a materialized piece is counted in while it is being sent."""
 
 
 @dataclass
@@ -165,6 +169,8 @@ class PeerLinks:
             if keys is not None and split_endpoint(self.endpoint)[1] is None:
                 self.endpoint = join_endpoint(self.endpoint, keys.public)
         self.links: dict[str, zmq.Socket[bytes]] = {}
+        self.verified: set[str] = set()
+        """Peer endpoints that answered our probe: the only ones pushed to without CURVE."""
         self.incoming: dict[bytes, Incoming] = {}
         self.outgoing: dict[bytes, Outgoing] = {}
         self.stash: dict[bytes, Stashed] = {}
@@ -252,13 +258,18 @@ class PeerLinks:
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
-        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint))
+        self._check_verified(send.endpoint)
+        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint), session)
 
     def push(self, push: Push) -> None:
         """Send the prepared chunks (zero-copy from the buffer when big and aliased)."""
         link = push.link if not push.link.closed else self._link(push.endpoint)
         for piece in push.pieces:
             data = piece.data
+            if data is None and push.session is not None and \
+                    piece.view.nbytes >= ZERO_COPY_BYTES:
+                self._push_charged(push, piece, link)
+                continue
             if data is None:
                 data = self.executor.backend.read(piece.view)[0]
             if piece.zero_copy:
@@ -268,12 +279,37 @@ class PeerLinks:
             else:
                 link.send_multipart([piece.header, data], copy=False)
 
+    def _check_verified(self, endpoint: str) -> None:
+        """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
+        handshake: the answer carries a random token only that endpoint received), so a client
+        cannot make a worker send tensors to a port that is not a zmq-rpc worker. With CURVE
+        the handshake with a known worker key is the check (:class:`PeerSecurity`)."""
+        if self.security.keys is None and endpoint not in self.verified:
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"{printable(endpoint, 100)} has not answered a peer probe from this "
+                            "worker (PEER_PROBE it first; is it a zmq-rpc worker?): this "
+                            "worker does not push there")
+
+    def _push_charged(self, push: Push, piece: Piece, link: zmq.Socket[bytes]) -> None:
+        """A piece that must be materialized (strided, zero-stride) is counted in its
+        session's memory until libzmq has sent it (a dead peer cannot pile up copies)."""
+        executor = self.executor
+        nbytes = piece.view.nbytes
+        data = executor.allocate(push.session, nbytes, "peer send",
+                                 lambda: executor.backend.read(piece.view)[0])
+        tracker = link.send_multipart([piece.header, data], copy=False, track=True)
+        executor.inflight.add(tracker, Charged(data, nbytes, push.session.usage, push.endpoint))
+
+    def drop_link(self, endpoint: str) -> None:
+        """Close a link and drop what is queued on it (its session closed)."""
+        self._drop_link(endpoint)
+
     def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
         token = os.urandom(wire.TOKEN_BYTES)
         link = self._link(msg.endpoint)
         self.outgoing[token] = Outgoing(pending, msg.endpoint,
                                         time.monotonic() + msg.timeout_ms / 1000,
-                                        f"probe of {msg.endpoint}")
+                                        f"probe of {msg.endpoint}", probe=True)
         link.send(wire.encode_peer(wire.Probe(token, self.endpoint)))
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
@@ -466,6 +502,8 @@ class PeerLinks:
         out = self.outgoing.pop(ack.token, None)
         if out is None:
             return
+        if ack.ok and out.probe:
+            self.verified.add(out.endpoint)
         self.executor.finish(out.pending, None if ack.ok else
                              f"{out.what} refused by the peer: {ack.message}")
 

@@ -37,6 +37,9 @@ log = logging.getLogger("zmq_rpc.worker")
 _ids = itertools.count()
 
 DEFAULT_BIND = "tcp://127.0.0.1:50052"
+SHUTDOWN_DRAIN_S = 2.0
+"""At shutdown, requests already sent keep being answered until none arrives for 20 ms, at most
+this long; later ones get SHUTTING_DOWN or find the worker gone."""
 
 
 @dataclass
@@ -53,6 +56,8 @@ class WorkerConfig:
     session_timeout: float = 30.0
     max_graph_work: int = DEFAULT_MAX_WORK
     """Element-ops one graph run may ask for."""
+    session_memory: int = 0
+    """Bytes one session may hold; 0 means the memory limit (see worker/quotas.py)."""
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
     peer_bind: str | None = None
@@ -197,6 +202,7 @@ class BackendThread(threading.Thread):
                 self._shutdown(pair, control.recv())
                 return
             waiting = self.executor.pump_all() if (waiting or events) else False
+            self.executor.reap()
             now = time.monotonic()
             self.executor.release_held(now)
             peers.expire(now)
@@ -230,8 +236,9 @@ class BackendThread(threading.Thread):
         """Answer what is already queued, fail what still waits (the server then joins us)."""
         assert self.executor is not None
         executor = self.executor
-        while pair.poll(0):
-            self._drain(pair)
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        while time.monotonic() < deadline and pair.poll(20):   # the PAIR is bounded: what
+            self._drain(pair)                # clients sent before the signal is still coming in
         executor.pump_all()
         executor.release_held()
         executor.fail_queued(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
@@ -262,7 +269,8 @@ class WorkerServer:
                             max_buffer_size=min(cfg.max_buffer_size or memory, memory),
                             max_message_size=cfg.max_message_size,
                             session_timeout=cfg.session_timeout,
-                            max_graph_work=cfg.max_graph_work)
+                            max_graph_work=cfg.max_graph_work,
+                            session_memory=min(cfg.session_memory or memory, memory))
 
     def start(self) -> str:
         """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""
