@@ -29,8 +29,9 @@ from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .backends.base import Backend
-from .executor import DRAIN_BATCH, Executor, WorkerLimits
+from .executor import DRAIN_BATCH, Executor
 from .peer_links import PeerLinks, PeerSecurity
+from .session import WorkerLimits
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -159,15 +160,13 @@ class BackendThread(threading.Thread):
             pair.setsockopt(zmq.RCVHWM, BACKEND_HWM)      # requests: see broker.py
             pair.bind(self.pair_endpoint)
             control.bind(self.control_endpoint)
+            self.peers = PeerLinks(self.ctx, self.backend, bind=self.peer_bind,
+                                   advertise=self.peer_advertise,
+                                   max_message_size=self.limits.max_message_size,
+                                   stash_limit=max(self.limits.memory_limit // 4, 64 << 20),
+                                   security=self.peer_security)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
-                                     self.server_name)
-            self.peers = PeerLinks(self.ctx, self.peer_bind, self.peer_advertise,
-                                   self.limits.max_message_size, self.executor,
-                                   self.peer_security)
-            self.executor.peers = self.peers
-            self.executor.peer_endpoint = self.peers.endpoint
-            if self.peers.endpoint:
-                self.executor.capabilities.append("peer-copy")
+                                     self.server_name, self.peers)
             self.pair = pair
             self.ready.set()
             self._loop(pair, control)
