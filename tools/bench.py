@@ -627,7 +627,7 @@ def load_case_modules() -> None:
             "zmq_rpc.tools.report").report_command(list(argv)))
     if "status" not in COMMANDS:
         register_command("status", lambda argv: importlib.import_module(
-            "zmq_rpc.tools.status").main(list(argv)))
+            "zmq_rpc.tools.status").main(list(argv), prog="zmq-rpc-bench status"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

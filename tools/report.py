@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -315,11 +314,15 @@ def summary(doc: dict[str, Any], drawn: list[tuple[str, str]], missing: list[str
 
 def report_command(argv: Sequence[str]) -> int:
     """``zmq-rpc-bench report FILE DIR``: a report from a saved ``--json`` file."""
-    if len(argv) != 2:
-        print("usage: zmq-rpc-bench report BENCH_JSON DIR", file=sys.stderr)
-        return 2
-    with open(argv[0], encoding="utf-8") as fh:
+    import argparse
+    ap = argparse.ArgumentParser(prog="zmq-rpc-bench report",
+                                 description="Draw the bench report (PNG plots and a Markdown "
+                                             "summary) from a saved --json file.")
+    ap.add_argument("bench_json", help="a file written by zmq-rpc-bench --json")
+    ap.add_argument("directory", help="where to write bench.json, the PNGs and README.md")
+    args = ap.parse_args(list(argv))
+    with open(args.bench_json, encoding="utf-8") as fh:
         doc = json.load(fh)
-    for path in write_report(argv[1], doc):
+    for path in write_report(args.directory, doc):
         print(path)
     return 0

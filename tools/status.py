@@ -171,9 +171,9 @@ def build_parser(prog: str = "zmq-rpc-worker status") -> argparse.ArgumentParser
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "zmq-rpc-worker status") -> int:
     """Entry point; exit code 1 if some worker did not answer (in the last refresh)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
     poller = Poller(endpoints, args.timeout)
     stop: list[bool] = []
