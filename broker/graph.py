@@ -37,6 +37,7 @@ from .protocol import (
     list_of,
     register_command,
 )
+from .wire import describe
 
 GRAPH_VERSION = 1
 MAX_NODES = 1 << 16
@@ -79,7 +80,7 @@ def check_graph(value: Any, field: str = "graph") -> GraphSpec:
         raise _bad("expected [version, tensors, nodes]")
     version, tensors, nodes = value
     if version != GRAPH_VERSION:
-        raise _bad(f"encoding version {version!r}, this side speaks {GRAPH_VERSION}")
+        raise _bad(f"encoding version {describe(version)}, this side speaks {GRAPH_VERSION}")
     if type(tensors) is not list or len(tensors) > MAX_TENSORS:
         raise _bad(f"at most {MAX_TENSORS} external tensors")
     if type(nodes) is not list or not 0 < len(nodes) <= MAX_NODES:
@@ -94,7 +95,7 @@ def _check_node(value: Any, index: int, n_tensors: int) -> Node:
         raise _bad(f"node {index}: expected [op, srcs, params, dst]")
     op, srcs, params, dst = value
     if type(op) is not str or op not in OPS:
-        raise _bad(f"node {index}: unknown op {str(op)[:40]!r}")
+        raise _bad(f"node {index}: unknown op {describe(op, 40)}")
     if type(srcs) is not list or len(srcs) > 64 or any(type(s) is not int for s in srcs):
         raise _bad(f"node {index}: srcs must be a list of integers")
     for src in srcs:
@@ -105,7 +106,7 @@ def _check_node(value: Any, index: int, n_tensors: int) -> Node:
             any(type(k) is not str for k in params):
         raise _bad(f"node {index}: params must be a map of names to values")
     if type(dst) is not int or not -1 <= dst < n_tensors:
-        raise _bad(f"node {index}: dst {dst!r} is not -1 or an external tensor index")
+        raise _bad(f"node {index}: dst {describe(dst)} is not -1 or an external tensor index")
     return Node(op, tuple(srcs), params, dst)
 
 

@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
+from .wire import describe
+
 __all__ = [
+    "DEFAULT_MAX_WORK",
     "DTYPE_SIZES",
     "FLOAT_DTYPES",
     "INDEX_DTYPES",
@@ -40,6 +43,7 @@ __all__ = [
     "TensorMeta",
     "c_strides",
     "infer",
+    "node_work",
     "view_span",
 ]
 
@@ -125,8 +129,7 @@ class OpSpec:
 
 
 def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return describe(value)
 
 
 def _check_shape(shape: object, what: str) -> None:
@@ -639,3 +642,35 @@ def _infer(spec: OpSpec, inputs: Sequence[TensorMeta], params: object) -> tuple[
     out = spec.rule(inputs, normalized)
     _check_shape(out.shape, "output")
     return out, normalized
+
+
+# -------------------------------------------------------------------------------------------- work
+
+DEFAULT_MAX_WORK: Final = 1 << 35
+"""Element-ops (:func:`~zmq_rpc.broker.ops.node_work`) one graph run may ask for by default:
+~3.4e10, i.e. 10-40 s of numpy on one core in the worst case (elementwise work over repeated
+views); SmolLM2's 128-token prefill on one worker asks ~1e9. ``--max-graph-work`` sets it."""
+
+MAC_WEIGHT: Final = 32
+"""Multiply-adds of a product that cost as much as one element-op of an elementwise kernel (BLAS
+runs ~25-50 of them in the time numpy's loops read and write one element, on this kind of CPU)."""
+
+
+def node_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
+    """Element-ops one node asks for: every element it reads or writes (a view's logical elements,
+    however few bytes back them), plus its multiply-adds / :data:`MAC_WEIGHT`. Views move no data.
+
+    A worker bounds the sum over a graph before running it, so a tiny request (a zero-stride view
+    naming 2**39 elements, a 65,536-node chain of big adds) cannot hold its backend thread for
+    minutes."""
+    spec = OPS[op]
+    if spec.kind is OpKind.VIEW:
+        return 0
+    if op == "get_rows":
+        return out.numel + inputs[1].numel
+    if op == "set_rows":
+        return 2 * inputs[1].numel + inputs[2].numel
+    work = out.numel + sum(m.numel for m in inputs)
+    if op in ("matmul", "mul_mat_q"):
+        work += out.numel * inputs[0].shape[-1] // MAC_WEIGHT
+    return work

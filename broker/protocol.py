@@ -47,6 +47,7 @@ from .errors import (
     TransferError,
     VersionMismatch,
 )
+from .wire import describe
 
 PROTOCOL_VERSION = (1, 2)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
@@ -325,7 +326,7 @@ def check_tensor(value: Any, field: str) -> TensorRef:
         raise _bad(field, "a tensor is [buffer, dtype, shape, strides, offset]")
     buffer, dtype, shape, strides, offset = value
     if type(dtype) is not int or dtype not in _DTYPE_VALUES:
-        raise _bad(field, f"unknown dtype code {dtype!r}")
+        raise _bad(field, f"unknown dtype code {describe(dtype)}")
     dims = _check_dims(shape, f"{field}.shape")
     steps = _check_strides(strides, f"{field}.strides")
     if len(dims) != len(steps):
@@ -658,7 +659,7 @@ def decode_request(frames: Sequence[Any]) -> tuple[Cmd, int, Message]:
     req_id = header[1]
     cmd = _COMMANDS.get(header[0])
     if cmd is None:
-        raise _with_id(BadRequest(f"unknown command {header[0]}",
+        raise _with_id(BadRequest(f"unknown command {describe(header[0])}",
                                   code=ErrorCode.UNKNOWN_COMMAND), req_id)
     try:
         msg = REQUESTS[cmd].from_fields(header[2:])

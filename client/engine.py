@@ -133,7 +133,8 @@ class EngineOptions:
     zmq_heartbeat_ms: int = 500
     zmq_heartbeat_timeout_ms: int = 5000
     """libzmq's ZMTP heartbeat: a worker silent this long after a heartbeat is declared lost."""
-    identity: bytes = field(default_factory=lambda: os.urandom(16))
+    identity: bytes = field(default_factory=lambda: b"z" + os.urandom(15))
+    """The routing id workers key this client's session by: random, never starting with 0x00."""
 
 
 class Engine:

@@ -7,6 +7,8 @@ input activation and writes an output activation. Micro-batch ``k`` goes::
     has landed, pushing y1 -> x2 | ... | run the last stage | fetch its output
 
 One linked run per stage (:func:`zmq_rpc.client.hand_off`): the hand-offs travel inside the runs.
+:func:`run_chain` issues such a chain of runs; :class:`Pipeline` and
+:class:`~zmq_rpc.client.llama.LlamaModel` both step through their stages with it.
 
 Everything is issued without waiting, so stage 0 computes micro-batch ``k+1`` while stage 1 computes
 ``k``. Each stage has ``depth`` input/output slots, used round robin by consecutive micro-batches:
@@ -39,12 +41,13 @@ from .client import (
     RegisteredGraph,
     RemoteBuffer,
     RemoteTensor,
+    RunResult,
     as_dtype,
 )
 from .graph import Graph
 from .peer import HandOff, hand_off
 
-__all__ = ["Pipeline", "StageBuilder"]
+__all__ = ["Chain", "LinkedRun", "Pipeline", "StageBuilder", "run_chain"]
 
 Shape = tuple[int, ...]
 
@@ -133,25 +136,19 @@ class Pipeline:
         if tuple(batch.shape) != self.shapes[0]:
             raise BadRequest(f"micro-batch of shape {batch.shape}, the pipeline takes "
                              f"{self.shapes[0]}")
-        slot = index % self.depth
-        hops = [hand_off(prev[slot].y, stage[slot].x)
-                for prev, stage in zip(self.stages, self.stages[1:])]
-        steps = self._upload(self.stages[0][slot], batch, hops[:1])
-        for i, stage in enumerate(self.stages[1:]):   # one linked run each: receive, run, send
-            graph = stage[slot].graph
-            steps.append(graph.client.run_async(graph, receive=[hops[i]], send=hops[i + 1:i + 2]))
-        last = self.stages[-1][slot]
+        slots = [stage[index % self.depth] for stage in self.stages]
+        runs = [LinkedRun(s.graph, x=s.x, y=s.y) for s in slots]
+        first = slots[0]
+        client = first.graph.client
+        steps: list[Future[Any]] = []
+        if batch.nbytes <= client.chunk_bytes:      # the batch travels in stage 0's run message
+            runs[0] = LinkedRun(first.graph, [(first.x, batch)], x=first.x, y=first.y)
+        else:
+            steps.append(client.set_tensor_async(first.x, batch))
+        steps += run_chain(runs).runs
+        last = slots[-1]
         steps.append(last.y.client.get_tensor_async(last.y))
         return _first_error_or_last(steps)
-
-    def _upload(self, first: _Slot, batch: np.ndarray, send: list[HandOff]
-                ) -> list[Future[Any]]:
-        """Run stage 0 on ``batch`` (in the run message itself when it fits in one message),
-        then hand its output on."""
-        client = first.graph.client
-        if batch.nbytes <= client.chunk_bytes:
-            return [client.run_async(first.graph, [(first.x, batch)], send=send)]
-        return [client.set_tensor_async(first.x, batch), client.run_async(first.graph, send=send)]
 
     def run(self, batches: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Push every micro-batch through the stages; the last stage's outputs, in order.
@@ -186,6 +183,60 @@ class Pipeline:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+@dataclass(frozen=True, slots=True)
+class LinkedRun:
+    """One stage's part of a chained step: its graph, the inputs sent inside its run message, the
+    tensors fetched back, and its hand-off ends (``x``: where the previous stage's output lands;
+    ``y``: its own output, handed to the next stage)."""
+
+    graph: RegisteredGraph
+    inputs: Sequence[tuple[RemoteTensor, np.ndarray]] = ()
+    fetch: Sequence[RemoteTensor] = ()
+    x: RemoteTensor | None = None
+    y: RemoteTensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """What :func:`run_chain` issued: each stage's run, and the hand-offs the runs send."""
+
+    runs: list[Future[RunResult]]
+    sent: list[HandOff]
+
+    @property
+    def messages(self) -> int:
+        """Requests issued: one per run, plus per hand-off none worker to worker, a copy on one
+        worker, or a fetch and a relayed fill through the client."""
+        return len(self.runs) + sum(_HAND_OFF_MESSAGES[h.route] for h in self.sent)
+
+
+_HAND_OFF_MESSAGES = {"direct": 0, "local": 1, "relay": 2}
+
+
+def run_chain(runs: Sequence[LinkedRun], *, receive: HandOff | None = None,
+              send: HandOff | None = None, hold_reply: float = 0.0) -> Chain:
+    """Issue one linked run per stage, in order, without waiting: stage ``i`` receives stage
+    ``i - 1``'s ``y`` into its ``x`` and sends its own ``y`` on (``receive``: the first stage's
+    input from elsewhere; ``send``: the last stage's output to elsewhere). The workers' queues
+    order it all; ``hold_reply`` is passed to every run (see :meth:`Client.run`)."""
+    futures: list[Future[RunResult]] = []
+    sent: list[HandOff] = []
+    for i, run in enumerate(runs):
+        out = send if i == len(runs) - 1 else _hop(run, runs[i + 1])
+        futures.append(run.graph.client.run_async(
+            run.graph, list(run.inputs), list(run.fetch), receive=[receive] if receive else [],
+            send=[out] if out else [], hold_reply=hold_reply))
+        sent += [out] if out else []
+        receive = out
+    return Chain(futures, sent)
+
+
+def _hop(run: LinkedRun, following: LinkedRun) -> HandOff:
+    if run.y is None or following.x is None:
+        raise BadRequest("a chained stage needs an output y and its successor an input x")
+    return hand_off(run.y, following.x)
 
 def _boundary_shapes(shape: Sequence[int] | Sequence[Sequence[int]], stages: int) -> list[Shape]:
     """One shape for every boundary, or the ``stages + 1`` shapes given."""

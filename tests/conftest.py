@@ -84,6 +84,8 @@ def raw_socket(zmq_ctx: zmq.Context[zmq.Socket[bytes]]
 
     def make(kind: int) -> zmq.Socket[bytes]:
         sock = zmq_ctx.socket(kind)
+        if kind == zmq.DEALER:    # workers key sessions by an unguessable client-chosen id
+            sock.setsockopt(zmq.ROUTING_ID, os.urandom(16).replace(b"\0", b"\1"))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, 10_000)
         sockets.append(sock)

@@ -720,3 +720,158 @@ def test_broadcast_view_cannot_blow_up_the_worker(make_worker: Callable[..., Wor
     huge = tensor((64 << 20,), (0,), dtype=U8)  # 64 MiB of one byte, from a 1 MiB worker
     header, frames = wire.call(Cmd.GET_TENSOR, p.GetTensor(tensor=huge))
     assert header[0] != OK, f"the worker sent {len(frames[0])} bytes for a 64-byte buffer"
+
+
+# ------------------------------------------------------------ fuzz findings (issue 13), regressions
+
+
+def nested(depth: int) -> Any:
+    value: Any = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def raw_graph(tensors: list[TensorRef], nodes: list[list[Any]]) -> list[Any]:
+    return [1, [t.to_wire() for t in tensors], nodes]
+
+
+def compute_fields(graph: Any, fetch: list[TensorRef] = ()) -> list[Any]:  # type: ignore[assignment]
+    return [graph, [], [t.to_wire() for t in fetch]]
+
+
+def test_deeply_nested_values_get_bad_request_without_hello(
+        worker: WorkerServer, connect: Callable[..., Wire], assert_serves: Any) -> None:
+    """A 990-deep list where a dtype goes used to make ``repr`` raise RecursionError in the
+    decoder and end the backend thread: nobody was answered again."""
+    wire = connect(worker.endpoint, hello=False)
+    bomb = nested(990)
+    header, _ = wire.call(Cmd.GET_TENSOR, fields=[[1, bomb, [4], [4], 0]])
+    assert header[0] == ErrorCode.BAD_REQUEST and "a list of 1 items" in header[2], header
+    for cmd in (Cmd.HELLO, Cmd.ALLOC_BUFFER, Cmd.GRAPH_COMPUTE, Cmd.PEER_SEND, 99):
+        for at in range(3):
+            fields: list[Any] = [1, 2, 3]
+            fields[at] = bomb
+            header, _ = wire.call(cmd, fields=fields)
+            assert header[0] != OK and len(header[2]) < 400, header
+    assert_serves(worker.endpoint)
+
+
+@pytest.mark.parametrize("where", ["version", "op", "dst", "params", "srcs"])
+def test_deeply_nested_graph_values_are_graph_invalid(wire: Wire, worker: WorkerServer,
+                                                      assert_serves: Any, where: str) -> None:
+    bomb = nested(990)
+    node: list[Any] = ["neg", [-1], {}, -1]
+    graph = raw_graph([tensor((4,))], [node])
+    if where == "version":
+        graph[0] = bomb
+    else:
+        node[["op", "srcs", "params", "dst"].index(where)] = (
+            {"x": bomb} if where == "params" else bomb)
+    header, _ = wire.call(Cmd.GRAPH_COMPUTE, fields=compute_fields(graph))
+    assert header[0] in (ErrorCode.GRAPH_INVALID, ErrorCode.BAD_REQUEST), header
+    assert_serves(worker.endpoint)
+
+
+def test_zero_stride_view_naming_2_39_elements_is_refused_before_running(
+        wire: Wire, worker: WorkerServer, assert_serves: Any) -> None:
+    """A view of a 4-byte input with strides 0 passes every bounds check yet names 2**39
+    elements; summing it held the backend thread for minutes."""
+    nodes = [["view", [-1], {"shape": [1 << 20, 1 << 19], "strides": [0, 0]}, -1],
+             ["sum", [0], {"axis": [0, 1]}, -1]]
+    started = time.monotonic()
+    header, _ = wire.call(Cmd.GRAPH_COMPUTE, fields=compute_fields(
+        raw_graph([tensor((1,))], nodes)))
+    assert_error((header, []), ErrorCode.GRAPH_INVALID, "element-ops", "--max-graph-work")
+    assert time.monotonic() - started < 5
+    assert_serves(worker.endpoint)
+
+
+def test_argmax_over_a_repeated_view_is_charged_to_memory(
+        make_worker: Callable[..., WorkerServer], connect: Callable[..., Wire],
+        assert_serves: Any) -> None:
+    """numpy copies a strided input before argmax: 2**30 repeated floats would be 4 GiB outside
+    ``--mem``. The worst-case temporary is charged with the arena, so it does not fit."""
+    server = make_worker(memory_limit=64 << 20)
+    wire = connect(server.endpoint)
+    wire.alloc(1, 64)
+    nodes = [["view", [-1], {"shape": [1 << 15, 1 << 15], "strides": [0, 4]}, -1],
+             ["argmax", [0], {}, -1]]
+    graph = raw_graph([tensor((1 << 15,), (0,))], nodes)
+    header, _ = wire.call(Cmd.GRAPH_COMPUTE, fields=compute_fields(graph))
+    assert header[0] in (ErrorCode.OUT_OF_MEMORY, ErrorCode.GRAPH_INVALID), header
+    assert_serves(server.endpoint)
+
+
+def test_a_long_chain_of_views_plans_in_linear_time(wire: Wire, worker: WorkerServer,
+                                                    assert_serves: Any) -> None:
+    """Each node used to walk its view chain back to the root: 60,000 transposes took minutes
+    (O(N**2)). The test's timeout is the bound."""
+    n = 60_000
+    nodes: list[list[Any]] = [["transpose", [-1 if i == 0 else i - 1], {}, -1] for i in range(n)]
+    nodes.append(["neg", [n - 1], {}, 1])
+    graph = raw_graph([tensor((2, 8)), tensor((8, 2), offset=0, buffer=1)], nodes)
+    header, _ = wire.call(Cmd.GRAPH_COMPUTE, fields=compute_fields(graph), )
+    assert header[0] in (OK, ErrorCode.GRAPH_INVALID), header
+    assert_serves(worker.endpoint)
+
+
+def test_get_rows_index_through_a_thousand_views(wire: Wire) -> None:
+    """Index values are checked through their views before the run: this recursed once per
+    view (RecursionError, INTERNAL) and now walks the chain."""
+    wire.alloc(2, 256)
+    table = tensor((4, 4), buffer=2)
+    idx = tensor((2,), dtype=DType.INT32, buffer=1)
+    wire.set(table, np.arange(16, dtype=np.float32).tobytes())
+    wire.set(idx, np.array([3, 1], np.int32).tobytes())
+    nodes: list[list[Any]] = [["reshape", [-2 if i == 0 else i - 1], {"shape": [2]}, -1]
+                              for i in range(1000)]
+    nodes.append(["get_rows", [-1, 999], {}, -1])
+    out = tensor((2, 4), buffer=2, offset=128)
+    graph = raw_graph([table, idx], nodes)
+    header, frames = wire.call(Cmd.GRAPH_COMPUTE, fields=[graph, [], [out.to_wire()]])
+    assert header[0] == OK, header
+    nodes[-1] = ["get_rows", [-1, 999], {}, -1]
+    wire.set(idx, np.array([3, 9], np.int32).tobytes())
+    header, _ = wire.call(Cmd.GRAPH_COMPUTE, fields=compute_fields(graph))
+    assert_error((header, []), ErrorCode.GRAPH_FAILED, "index 9 is out of range")
+
+
+def test_a_send_awaiting_its_acknowledgement_is_answered_at_goodbye(
+        worker: WorkerServer, wire: Wire, raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
+    """A PEER_SEND whose receiver never acknowledges was left unanswered when its session said
+    GOODBYE (only queued requests were failed)."""
+    silent = raw_socket(zmq.PULL)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    send_id = wire.send(Cmd.PEER_SEND, fields=[b"t" * 16, tensor((4,)).to_wire(),
+                                                f"tcp://127.0.0.1:{port}", 60_000])
+    assert silent.poll(5000), "the worker never pushed"
+    bye_id = wire.send(Cmd.GOODBYE)
+    replies = {}
+    for _ in range(2):
+        header, _ = wire.recv()
+        replies[header[1]] = header
+    assert replies[bye_id][0] == OK
+    assert replies[send_id][0] == ErrorCode.NO_SESSION, replies[send_id]
+    assert "before this transfer finished" in replies[send_id][2]
+
+
+@pytest.mark.parametrize("routing_id", [None, b"\x00victim-id-0123456789", b"short-id"])
+def test_sessions_need_an_unguessable_client_chosen_id(
+        worker: WorkerServer, zmq_ctx: zmq.Context[zmq.Socket[bytes]],
+        assert_serves: Any, routing_id: bytes | None) -> None:
+    """Sessions are keyed by routing id. A client that set none got libzmq's 0x00 + a counter,
+    the same sequence in every worker process: after it left, another connection naming that
+    id read its buffers without HELLO. Such ids (and short ones) now get no session at all."""
+    sock = zmq_ctx.socket(zmq.DEALER)
+    try:
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        sock.connect(worker.endpoint)
+        wire = Wire(sock)
+        assert_error(wire.hello(), ErrorCode.BAD_REQUEST, "ZMQ_ROUTING_ID", "16 random bytes")
+        assert_error(wire.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=64)),
+                     ErrorCode.NO_SESSION)
+    finally:
+        sock.close(linger=0)
+    assert_serves(worker.endpoint)

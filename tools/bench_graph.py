@@ -68,7 +68,7 @@ class LocalExecutor:
     """A worker's Executor in this process: requests are encoded and decoded as on the wire and
     run inline by ``handle_frames``; replies land in :attr:`replies`. One session."""
 
-    CLIENT_ID = b"bench-local"
+    CLIENT_ID = b"bench-local-0000!"
 
     def __init__(self, memory_limit: int = 4 << 30) -> None:
         from ..worker.backends.numpy_backend import NumpyBackend

@@ -17,6 +17,8 @@ import sys
 import threading
 from importlib.metadata import PackageNotFoundError, version
 
+from ..broker.ops import DEFAULT_MAX_WORK
+
 BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                     "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
@@ -65,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(NAT, multi-host)")
     ap.add_argument("--session-timeout", type=float, default=30.0,
                     help="seconds of silence after which a client's session is freed")
+    ap.add_argument("--max-graph-work", type=int, default=DEFAULT_MAX_WORK,
+                    help="element-ops one graph run may ask for: every element read or written, "
+                         "repeated views counted in full, multiply-adds / 32 "
+                         f"(default {DEFAULT_MAX_WORK:,})")
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
     ap.add_argument("--log-level", default="INFO",
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -99,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,
                           session_timeout=args.session_timeout,
+                          max_graph_work=args.max_graph_work,
                           peer_bind="" if args.peer_bind == "none" else args.peer_bind,
                           peer_advertise=args.peer_advertise)
     stop = threading.Event()

@@ -29,6 +29,7 @@ from ..broker import graph as g
 from ..broker import peer as wire_peer
 from ..broker import protocol as p
 from ..broker.errors import BadRequest
+from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
 from .graph_exec import CompiledGraph, compile_graph
 
@@ -50,6 +51,20 @@ MAX_HELD_TOTAL = 16 << 20
 that never waits must not pile up memory)."""
 
 
+MIN_CLIENT_ID = 16
+WEAK_ID = (f"HELLO refused: this connection has no client-chosen routing id of at least "
+           f"{MIN_CLIENT_ID} bytes. Sessions are keyed by it, so it must be unguessable: set "
+           f"ZMQ_ROUTING_ID to {MIN_CLIENT_ID} random bytes (not starting with 0x00) before "
+           "connecting (zmq_rpc.client does).")
+
+
+def strong_client_id(client_id: bytes) -> bool:
+    """Whether a routing id can key a session: client-chosen, random-length enough to be
+    unguessable. libzmq names a peer that chose none ``0x00`` + a counter that any other
+    connection can name after it leaves; such a peer gets no session."""
+    return len(client_id) >= MIN_CLIENT_ID and client_id[0] != 0
+
+
 @dataclass(frozen=True)
 class WorkerLimits:
     """What the worker may hand out, and how long a silent session lives."""
@@ -58,6 +73,8 @@ class WorkerLimits:
     max_buffer_size: int
     max_message_size: int
     session_timeout: float
+    max_graph_work: int = DEFAULT_MAX_WORK
+    """Element-ops one graph run may ask for (see :func:`~zmq_rpc.broker.ops.node_work`)."""
 
 
 @dataclass
@@ -224,6 +241,11 @@ class Executor:
             self._reply_error(client_id, getattr(exc, "req_id", 0), ErrorCode(exc.code or 1),
                               exc.message)
             return
+        except Exception as exc:  # a decoder bug: still a bad request, never a dead thread
+            log.exception("decoding a request from %s failed", client_id.hex()[:8])
+            self._reply_error(client_id, 0, ErrorCode.BAD_REQUEST,
+                              f"malformed request ({type(exc).__name__})")
+            return
         self._accept(client_id, Request(cmd, req_id, msg, frames[2:]))
 
     def _accept(self, client_id: bytes, req: Request) -> None:
@@ -386,6 +408,9 @@ class Executor:
                               f"client speaks protocol {msg.major}.{msg.minor}, worker speaks "
                               f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}")
             return
+        if not strong_client_id(client_id):
+            self._reply_error(client_id, req.req_id, ErrorCode.BAD_REQUEST, WEAK_ID)
+            return
         session = self.sessions.get(client_id)
         if session is None:
             session = self.sessions[client_id] = Session(client_id, msg.client or "client")
@@ -413,14 +438,17 @@ class Executor:
     def close_session(self, session: Session, why: str) -> None:
         """Free everything the session owns."""
         freed = sum(b.size for b in session.buffers.values())
-        freed += sum(graph.arena_size for graph in session.graphs.values())
+        freed += sum(graph.memory_charge for graph in session.graphs.values())
         self.used_memory -= freed
         session.buffers.clear()
         session.views.clear()
         session.graphs.clear()
         self.sessions.pop(session.client_id, None)
         if self.peers is not None:
-            self.peers.fail_session(session)
+            for pending in self.peers.fail_session(session):
+                if not pending.silent:     # a linked run's receive: the run answers, below
+                    self._reply_error(session.client_id, pending.req_id, ErrorCode.NO_SESSION,
+                                      f"session closed ({why}) before this transfer finished")
         self._fail_queue(session, ErrorCode.NO_SESSION, f"session closed ({why})")
         log.info("session %s closed (%s): freed %d bytes; %d session(s) open",
                  session.label, why, freed, len(self.sessions))
@@ -664,11 +692,11 @@ class Executor:
         if msg.handle in session.graphs:
             raise WireError(ErrorCode.INVALID_HANDLE, f"graph handle {msg.handle} is in use")
         graph = self._compile(session, msg.graph)
-        self._reserve(graph.arena_size, "graph scratch arena")
+        self._reserve(graph.memory_charge, "graph scratch arena")
         try:
             graph.ensure_arena()
         except BaseException:
-            self.used_memory -= graph.arena_size
+            self.used_memory -= graph.memory_charge
             raise
         session.graphs[msg.handle] = graph
         return NO_REPLY
@@ -679,7 +707,7 @@ class Executor:
                             f"the {self.backend.name} backend does not run graphs yet")
         for ref in spec.tensors:
             self.view(session, ref)          # handles exist, views inside their buffers
-        return compile_graph(spec)
+        return compile_graph(spec, self.limits.max_graph_work)
 
     def _reserve(self, size: int, what: str) -> None:
         free, total = self.memory()
@@ -720,11 +748,11 @@ class Executor:
     def _graph_compute(self, session: Session, msg: g.GraphCompute,
                        payload: Sequence[Any]) -> Reply:
         graph = self._compile(session, msg.graph)
-        self._reserve(graph.arena_size, "graph scratch arena")
+        self._reserve(graph.memory_charge, "graph scratch arena")
         try:
             return self._execute(session, graph, msg, payload)
         finally:
-            self.used_memory -= graph.arena_size
+            self.used_memory -= graph.memory_charge
 
     def _execute(self, session: Session, graph: CompiledGraph,
                  msg: g.GraphRun | g.GraphCompute | g.GraphRunLinked,
@@ -759,7 +787,7 @@ class Executor:
     def _graph_free(self, session: Session, msg: p.BufferOp, payload: Sequence[Any]) -> Reply:
         graph = self._graph(session, msg.handle)
         del session.graphs[msg.handle]
-        self.used_memory -= graph.arena_size
+        self.used_memory -= graph.memory_charge
         return NO_REPLY
 
 

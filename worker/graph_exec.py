@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..broker.graph import GraphSpec, infer_graph, tensor_meta
-from ..broker.ops import OPS, OpKind, TensorMeta
+from ..broker.ops import DEFAULT_MAX_WORK, DTYPE_SIZES, OPS, OpKind, TensorMeta, node_work
 from ..broker.protocol import ErrorCode, WireError
 from .backends import numpy_ops as K
 
@@ -47,6 +47,8 @@ class CompiledGraph:
     steps: list[Step]
     arena_size: int
     written_buffers: frozenset[int]
+    temp_size: int = 0
+    """Worst-case bytes of numpy temporaries for strided inputs (see :func:`_temp_size`)."""
     arena: np.ndarray | None = None
     views: list[Any] | None = None
     """The external tensors' views, cached by the executor (see ``views_valid_at``)."""
@@ -54,6 +56,11 @@ class CompiledGraph:
     runs: int = 0
     arena_allocations: int = 0
     index_checks: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def memory_charge(self) -> int:
+        """What the graph holds against the worker's memory limit: arena + temporaries."""
+        return self.arena_size + self.temp_size
 
     def ensure_arena(self) -> None:
         """Allocate the arena on first use; later runs reuse it."""
@@ -109,12 +116,16 @@ class CompiledGraph:
 
 
     def _through_views(self, src: int, externals: Sequence[np.ndarray]) -> np.ndarray:
-        """The array ``src`` names when it is an external tensor or a view chain over one."""
-        if src < 0:
-            return externals[-1 - src]
-        step = self.steps[src]
-        base = self._through_views(step.srcs[0], externals)
-        return K.run_view(step.op, base, step.in_metas[0], step.params)
+        """The array ``src`` names when it is an external tensor or a view chain over one
+        (walked iteratively: a chain of any length never recurses)."""
+        chain: list[Step] = []
+        while src >= 0:
+            chain.append(self.steps[src])
+            src = self.steps[src].srcs[0]
+        array = externals[-1 - src]
+        for step in reversed(chain):
+            array = K.run_view(step.op, array, step.in_metas[0], step.params)
+        return array
 
 
 def _failed(index: int, step: Step, exc: Exception, written: list[int]) -> WireError:
@@ -124,8 +135,8 @@ def _failed(index: int, step: Step, exc: Exception, written: list[int]) -> WireE
                      f"node {index} ({step.op}) failed: {exc}{note}")
 
 
-def compile_graph(spec: GraphSpec) -> CompiledGraph:
-    """Infer shapes (GRAPH_INVALID on any rule broken) and plan the scratch arena."""
+def compile_graph(spec: GraphSpec, max_work: int = DEFAULT_MAX_WORK) -> CompiledGraph:
+    """Infer shapes (GRAPH_INVALID on any rule broken), bound the work, plan the scratch arena."""
     try:
         metas, params = infer_graph(spec)
     except Exception as exc:
@@ -134,11 +145,39 @@ def compile_graph(spec: GraphSpec) -> CompiledGraph:
     steps = [Step(n.op, OPS[n.op].kind, n.srcs, params[i], metas[i],
                   [metas[s] if s >= 0 else external[-1 - s] for s in n.srcs], n.dst)
              for i, n in enumerate(spec.nodes)]
+    _check_work(steps, max_work)
     _mark_direct(spec, steps)
-    arena_size = _plan_arena(steps)
-    graph = CompiledGraph(spec, steps, arena_size, _written_buffers(spec, steps))
+    roots = _roots(steps)
+    graph = CompiledGraph(spec, steps, _plan_arena(steps, roots),
+                          _written_buffers(spec, steps, roots), temp_size=_temp_size(steps))
     graph.index_checks = _index_checks(steps)
     return graph
+
+
+def _check_work(steps: list[Step], max_work: int) -> None:
+    """Refuse a graph whose nodes together ask for more than ``max_work`` element-ops."""
+    total = 0
+    for index, step in enumerate(steps):
+        total += node_work(step.op, step.in_metas, step.meta)
+        if total > max_work:
+            raise WireError(ErrorCode.GRAPH_INVALID,
+                            f"graph: nodes 0..{index} already ask for {total:,} element-ops, over "
+                            f"this worker's limit of {max_work:,} per run (zmq-rpc-worker "
+                            "--max-graph-work; repeated views count every element they name)")
+
+
+def _temp_size(steps: list[Step]) -> int:
+    """Bytes numpy may allocate behind one node's back: kernels copy strided inputs (a
+    zero-stride view of 4 bytes can name 4 GiB) into contiguous temporaries. The largest such
+    node is charged to the session's memory with the arena."""
+    peak = 0
+    for step in steps:
+        if step.kind is not OpKind.COMPUTE:
+            continue
+        temp = sum(meta.numel * max(DTYPE_SIZES[meta.dtype], 4)
+                   for meta in step.in_metas if not meta.contiguous)
+        peak = max(peak, temp)
+    return peak
 
 
 def _mark_direct(spec: GraphSpec, steps: list[Step]) -> None:
@@ -176,24 +215,28 @@ def _overlapping(spec: GraphSpec, indices: set[int]) -> set[int]:
     return crowded
 
 
-def _root(steps: list[Step], src: int) -> int:
-    """Where the value ``src`` names is stored: follows views to their input and in-place ops
-    to their destination; returns a COMPUTE node's index, or an external src (< 0)."""
-    while src >= 0 and steps[src].kind is not OpKind.COMPUTE:
-        step = steps[src]
+def _roots(steps: list[Step]) -> list[int]:
+    """Where each node's value is stored, in one forward pass: a COMPUTE node's own index, or an
+    external src (< 0). Views lead to their input, in-place ops to their destination (linear in
+    the node count: a chain of N views costs N steps, not N**2)."""
+    roots: list[int] = []
+    for index, step in enumerate(steps):
+        if step.kind is OpKind.COMPUTE:
+            roots.append(index)
+            continue
         src = step.srcs[0] if step.kind is OpKind.VIEW else step.srcs[OPS[step.op].dst_input or 0]
-    return src
+        roots.append(src if src < 0 else roots[src])
+    return roots
 
 
-def _owner(steps: list[Step], index: int) -> int:
-    """The node whose scratch storage a result lives in; -1 for external storage."""
-    root = _root(steps, index)
-    return root if root >= 0 and not steps[root].direct else -1
+def _owners(steps: list[Step], roots: list[int]) -> list[int]:
+    """The node whose scratch storage each result lives in; -1 for external storage."""
+    return [root if root >= 0 and not steps[root].direct else -1 for root in roots]
 
 
-def _plan_arena(steps: list[Step]) -> int:
+def _plan_arena(steps: list[Step], roots: list[int]) -> int:
     """Give each scratch result an arena offset, reusing space after its last reader."""
-    owners = [_owner(steps, i) for i in range(len(steps))]
+    owners = _owners(steps, roots)
     last_use = {i: i for i, o in enumerate(owners) if o == i}
     for i, step in enumerate(steps):
         for src in step.srcs:
@@ -250,12 +293,12 @@ def _aligned(size: int) -> int:
     return max(ARENA_ALIGN, -(-size // ARENA_ALIGN) * ARENA_ALIGN)
 
 
-def _written_buffers(spec: GraphSpec, steps: list[Step]) -> frozenset[int]:
+def _written_buffers(spec: GraphSpec, steps: list[Step], roots: list[int]) -> frozenset[int]:
     """Buffer handles the graph writes: dst tensors and in-place targets (through views)."""
     handles = {spec.tensors[s.dst].buffer for s in steps if s.dst >= 0}
-    for step in steps:
+    for index, step in enumerate(steps):
         if step.kind is OpKind.INPLACE:
-            root = _root(steps, step.srcs[OPS[step.op].dst_input or 0])
+            root = roots[index]
             if root < 0:
                 handles.add(spec.tensors[-1 - root].buffer)
     return frozenset(handles)
@@ -263,18 +306,20 @@ def _written_buffers(spec: GraphSpec, steps: list[Step]) -> frozenset[int]:
 
 def _index_checks(steps: list[Step]) -> list[tuple[int, int, int]]:
     """(node, external src, rows) for get_rows/set_rows whose indices come from external tensors."""
+    view_of_external = _views_of_external(steps)
     checks = []
     for i, step in enumerate(steps):
         position = {"get_rows": 1, "set_rows": 2}.get(step.op)
-        if position is not None and _view_of_external(steps, step.srcs[position]):
-            checks.append((i, step.srcs[position], step.in_metas[0].shape[0]))
+        src = step.srcs[position] if position is not None else 0
+        if position is not None and (src < 0 or view_of_external[src]):
+            checks.append((i, src, step.in_metas[0].shape[0]))
     return checks
 
 
-def _view_of_external(steps: list[Step], src: int) -> bool:
-    """Whether ``src`` is an external tensor, or views all the way down to one."""
-    while src >= 0:
-        if steps[src].kind is not OpKind.VIEW:
-            return False
-        src = steps[src].srcs[0]
-    return True
+def _views_of_external(steps: list[Step]) -> list[bool]:
+    """For each node, whether it is views all the way down to an external tensor (one pass)."""
+    out: list[bool] = []
+    for step in steps:
+        src = step.srcs[0] if step.srcs else 0
+        out.append(step.kind is OpKind.VIEW and (src < 0 or out[src]))
+    return out

@@ -368,12 +368,14 @@ class PeerLinks:
             del self.stash[token]
             self.stash_bytes -= entry.nbytes
 
-    def fail_session(self, session: Session) -> None:
-        """Forget the transfers of a closed session (no replies: the session is gone)."""
-        for token, incoming in list(self.incoming.items()):
-            if incoming.pending.session is session:
-                del self.incoming[token]
-        for token, outgoing in list(self.outgoing.items()):
-            if outgoing.pending.session is session:
-                del self.outgoing[token]
+    def fail_session(self, session: Session) -> list[Pending]:
+        """Forget the transfers of a closing session; returns their requests (the executor
+        answers them: a client that said GOODBYE still gets a reply to each)."""
+        dropped: list[Pending] = []
+        for table in (self.incoming, self.outgoing):
+            for token, transfer in list(table.items()):
+                if transfer.pending.session is session:
+                    dropped.append(transfer.pending)
+                    del table[token]
+        return dropped
 

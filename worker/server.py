@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
+from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from .executor import DRAIN_BATCH, Executor, WorkerLimits
 from .peer_links import PeerLinks
@@ -48,6 +49,8 @@ class WorkerConfig:
     """Largest single buffer; 0 means the memory limit."""
     max_message_size: int = 64 << 20
     session_timeout: float = 30.0
+    max_graph_work: int = DEFAULT_MAX_WORK
+    """Element-ops one graph run may ask for."""
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
     peer_bind: str | None = None
@@ -162,7 +165,10 @@ class BackendThread(threading.Thread):
                 frames = pair.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.executor.handle_frames(frames)
+            try:
+                self.executor.handle_frames(frames)
+            except Exception:   # whatever a message does, this thread keeps serving the others
+                log.exception("unexpected error handling a message; the worker goes on")
 
     def _shutdown(self, pair: zmq.Socket[bytes], command: bytes) -> None:
         """Answer what is already queued, fail what still waits (the server then joins us)."""
@@ -197,7 +203,8 @@ class WorkerServer:
         return WorkerLimits(memory_limit=memory,
                             max_buffer_size=min(cfg.max_buffer_size or memory, memory),
                             max_message_size=cfg.max_message_size,
-                            session_timeout=cfg.session_timeout)
+                            session_timeout=cfg.session_timeout,
+                            max_graph_work=cfg.max_graph_work)
 
     def start(self) -> str:
         """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""

@@ -1,0 +1,163 @@
+"""Building a llama's forward graphs: per stage one registered graph per mode.
+
+``decode`` runs 1 token, ``prefill`` and ``full`` a fixed chunk of T tokens. Each stage's graph
+reads its step inputs (embeddings or the previous stage's activations, positions, the additive
+attention mask) from a small per-mode buffer (:class:`~.plan.ModeIO`), so the graphs keep fixed
+shapes across steps: attention always reads the whole cache (``n_ctx`` rows) and the mask hides the
+rows past each query's position. The last stage ends with the final norm and the LM head; in
+``decode`` and ``prefill`` also the argmax and its embedding (``x_next``) for chained decoding.
+
+Graph building is plain data; :meth:`StageGraphs.register` issues the registrations from the
+caller's thread and waits for them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Literal
+
+from ..client import RegisteredGraph, RemoteTensor
+from ..gguf_model import LlamaConfig
+from ..graph import Graph, GraphTensor
+from .load import Layout
+from .plan import ModeIO, Stage, need
+from .weights import LayerWeights
+
+__all__ = ["Mode", "StageGraphs"]
+
+Mode = Literal["decode", "prefill", "full"]
+
+
+class StageGraphs:
+    """The forward graphs of a model's stages, for a context of ``n_ctx`` tokens."""
+
+    def __init__(self, config: LlamaConfig, n_ctx: int, prefill_chunk: int) -> None:
+        self.config = config
+        self.n_ctx = n_ctx
+        self.prefill_chunk = prefill_chunk
+
+    def chunk(self, mode: str) -> int:
+        """Tokens one step of ``mode`` runs (chunks are padded to it)."""
+        return 1 if mode == "decode" else self.prefill_chunk
+
+    def register(self, stages: Sequence[Stage], modes: Sequence[Mode]) -> None:
+        """Build and register every stage's graph for each of ``modes`` (pipelined)."""
+        futures: dict[tuple[Stage, Mode], Future[RegisteredGraph]] = {}
+        for stage in stages:
+            for mode in modes:
+                io = stage.io[mode] = self._make_io(stage, mode)
+                futures[stage, mode] = stage.client.register_async(self.build(stage, mode, io))
+        for (stage, mode), future in futures.items():
+            stage.graphs[mode] = future.result()
+
+    def _make_io(self, stage: Stage, mode: str) -> ModeIO:
+        """One small buffer holding this stage's step tensors for ``mode``."""
+        T, d, vocab = self.chunk(mode), self.config.d_model, self.config.vocab_size
+        wanted: dict[str, tuple[tuple[int, ...], str]] = {
+            "pos": ((T,), "int32"), "mask": ((T, self.n_ctx), "float32"),
+            "x_in": ((T, d), "float32")}
+        if not stage.last:
+            wanted["x_out"] = ((T, d), "float32")
+        else:
+            wanted["logits"] = ((T if mode == "full" else 1, vocab), "float32")
+            if mode != "full":
+                wanted["token"] = ((1,), "int32")
+                wanted["x_next"] = ((1, d), "float32")
+            if mode == "prefill":
+                wanted["last_idx"] = ((1,), "int32")
+        layout = Layout()
+        for name, (shape, dtype) in wanted.items():
+            layout.add(name, shape, dtype)
+        buffer = stage.client.alloc_buffer_nowait(layout.size)
+        stage.buffers.append(buffer)
+        return ModeIO(**layout.bind(buffer))
+
+    def build(self, stage: Stage, mode: str, io: ModeIO) -> Graph:
+        """The graph of ``stage`` for ``mode``, reading and writing ``io``'s tensors."""
+        g = Graph()
+        x: GraphTensor = g.input(need(io.x_in))
+        n = len(stage.weights)
+        for k, (layer, kv) in enumerate(zip(stage.weights, stage.kv)):
+            x = self._block(g, x, layer, kv, io, self.chunk(mode),
+                            out=io.x_out if k == n - 1 else None)
+        if stage.last:
+            self._head(g, x, stage, mode, io)
+        return g
+
+    def _block(self, g: Graph, x: GraphTensor, w: LayerWeights,
+               kv: tuple[RemoteTensor, RemoteTensor], io: ModeIO, T: int,
+               out: RemoteTensor | None) -> GraphTensor:
+        """One transformer layer: x + attention(norm(x)), then + ffn(norm(.))."""
+        eps = self.config.norm_eps
+        h = g.mul(g.rms_norm(x, eps=eps), w.attn_norm)
+        x = g.add(x, self._attention(g, h, w, kv, io, T))
+        h = g.mul(g.rms_norm(x, eps=eps), w.ffn_norm)
+        return g.add(x, self._ffn(g, h, w), out=out)
+
+    def _attention(self, g: Graph, h: GraphTensor, w: LayerWeights,
+                   kv: tuple[RemoteTensor, RemoteTensor], io: ModeIO, T: int) -> GraphTensor:
+        cfg, n_ctx = self.config, self.n_ctx
+        n_h, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = w.linear["qkv"].apply(g, h)                       # (T, (n_h + 2 n_kv) hd)
+        row = qkv.shape[1] * 4
+        q = g.view(qkv, (T, n_h, hd), (row, hd * 4, 4))
+        k = g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), n_h * hd * 4)
+        v = g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), (n_h + n_kv) * hd * 4)
+        q = g.rope(q, io.pos, n_dims=cfg.rope_dims, mode=cfg.rope_mode, freq_base=cfg.rope_base)
+        k = g.rope(k, io.pos, n_dims=cfg.rope_dims, mode=cfg.rope_mode, freq_base=cfg.rope_base)
+        k_cache, v_cache = kv
+        g.set_rows(k_cache, k, io.pos)
+        g.set_rows(v_cache, v, io.pos)
+        scores = g.matmul(self._by_kv_head(g, q, T), _heads_first(k_cache[:n_ctx]),
+                          transpose_b=True)                     # (n_kv, G T, n_ctx)
+        probs = g.soft_max(g.reshape(scores, (n_kv, cfg.gqa_group, T, n_ctx)), io.mask,
+                           scale=1.0 / math.sqrt(hd))
+        att = g.matmul(g.reshape(probs, (n_kv, cfg.gqa_group * T, n_ctx)),
+                       _heads_first(v_cache[:n_ctx]))          # (n_kv, G T, hd)
+        return w.linear["wo"].apply(g, self._by_token(g, att, T))
+
+    def _by_kv_head(self, g: Graph, q: GraphTensor, T: int) -> GraphTensor:
+        """(T, n_heads, hd) -> (n_kv, G*T, hd): query head h reads KV head h // G."""
+        n_kv, group, hd = self.config.n_kv_heads, self.config.gqa_group, self.config.head_dim
+        if T == 1:
+            return g.reshape(q, (n_kv, group, hd))
+        grouped = g.permute(g.reshape(q, (T, n_kv, group, hd)), (1, 2, 0, 3))
+        return g.reshape(g.cont(grouped), (n_kv, group * T, hd))
+
+    def _by_token(self, g: Graph, att: GraphTensor, T: int) -> GraphTensor:
+        """(n_kv, G*T, hd) -> (T, n_heads * hd)."""
+        n_kv, group, hd = self.config.n_kv_heads, self.config.gqa_group, self.config.head_dim
+        if T == 1:
+            return g.reshape(att, (1, n_kv * group * hd))
+        tokens_first = g.permute(g.reshape(att, (n_kv, group, T, hd)), (2, 0, 1, 3))
+        return g.reshape(g.cont(tokens_first), (T, n_kv * group * hd))
+
+    def _ffn(self, g: Graph, h: GraphTensor, w: LayerWeights) -> GraphTensor:
+        d_ff = self.config.d_ff
+        gate_up = w.linear["gate_up"].apply(g, h)               # (T, 2 d_ff)
+        T, row = gate_up.shape[0], gate_up.shape[1] * 4
+        gate = g.view(gate_up, (T, d_ff), (row, 4))
+        up = g.view(gate_up, (T, d_ff), (row, 4), d_ff * 4)
+        return w.linear["down"].apply(g, g.mul(g.silu(gate), up))
+
+    def _head(self, g: Graph, x: GraphTensor, stage: Stage, mode: str, io: ModeIO) -> None:
+        """Final norm, LM head into ``io.logits``; then, but for "full", the argmax into
+        ``io.token`` and its embedding into ``io.x_next``.
+
+        Prefill keeps only the last real token's row (``io.last_idx``: chunks are padded)."""
+        if stage.lm_head is None or stage.embd is None:
+            raise RuntimeError("the last stage has no LM head")
+        if mode == "prefill":
+            x = g.get_rows(x, io.last_idx)
+        h = g.mul(g.rms_norm(x, eps=self.config.norm_eps), need(stage.out_norm))
+        logits = stage.lm_head.apply(g, h, out=io.logits)
+        if mode != "full":
+            token = g.argmax(logits, out=io.token)
+            g.get_rows(stage.embd.tensor, token, qtype=stage.embd.qtype, out=io.x_next)
+
+
+def _heads_first(cache: RemoteTensor) -> RemoteTensor:
+    """(n_ctx, n_kv_heads, hd) cache rows -> a (n_kv_heads, n_ctx, hd) strided view."""
+    return cache.permute(1, 0, 2)

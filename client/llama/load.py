@@ -1,0 +1,236 @@
+"""Loading a llama's weights onto its stages' workers: GGUF staging, upload, resident layout.
+
+Loading sends the weights in their compact GGUF form (Q4_1 layers, Q8_0 ``token_embd``, f32 norms)
+as the file lays them out: each stage's tensors form a few contiguous ranges of the mapped file
+(:func:`file_runs`), sent zero-copy in chunk-sized messages into one staging buffer per worker. One
+graph per stage then lays them out there as the stage graphs read them (Q/K/V and gate/up
+stacked; in the form the :class:`~.weights.WeightFormat` says) and the staging buffer is freed.
+
+Runs on the caller's thread; it blocks on the uploads' and builds' futures only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, as_completed
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..client import RemoteBuffer, RemoteTensor
+from ..gguf_model import GGUFTensor, LlamaGGUF
+from ..graph import Graph
+from .plan import FUSED, NORMS, Stage, head_tensor, layer_tensor, stage_sources, vocab_tables
+from .weights import LayerWeights, WeightFormat
+
+__all__ = ["ALIGN", "Layout", "LoadStats", "Progress", "WeightLoader", "file_runs"]
+
+ALIGN = 64
+"""Byte alignment of each tensor group placed in a worker buffer."""
+
+Progress = Callable[[int, int], None]
+"""``progress(bytes_done, bytes_total)`` during the weight upload."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    """What loading cost: bytes and seconds of the upload and of the worker-side build."""
+
+    weight_bytes: int
+    """Unique weight bytes of the model in compact form (each tensor counted once)."""
+    upload_bytes: int
+    """Bytes sent: the stages' file ranges (each tensor once, with any alignment padding)."""
+    resident_bytes: int
+    """Weight bytes held on all workers (f32 matmul weights in ``weights="f32"`` mode)."""
+    kv_bytes: int
+    upload_seconds: float
+    """From the first allocation to the last uploaded byte acknowledged."""
+    build_seconds: float
+    """The workers laying the uploaded bytes out as resident weights (dequantizing in f32 mode)."""
+    total_seconds: float
+    """The whole load: upload, build, KV cache, graph registration and warm-up."""
+
+    @property
+    def upload_gbps(self) -> float:
+        """Effective upload rate in GB/s (10**9 bytes)."""
+        return self.upload_bytes / max(self.upload_seconds, 1e-9) / 1e9
+
+
+def file_runs(tensors: Iterable[GGUFTensor], alignment: int) -> list[tuple[int, int]]:
+    """The fewest contiguous byte ranges ``[start, stop)`` of the file covering ``tensors``:
+    neighbours merge when only alignment padding (under ``alignment`` bytes) lies between them."""
+    runs: list[list[int]] = []
+    for t in sorted({t.name: t for t in tensors}.values(), key=lambda t: t.offset):
+        if runs and 0 <= t.offset - runs[-1][1] < alignment:
+            runs[-1][1] = t.offset + t.nbytes
+        else:
+            runs.append([t.offset, t.offset + t.nbytes])
+    return [(lo, hi) for lo, hi in runs]
+
+
+class Layout:
+    """Places tensors one after another in one buffer, each ``ALIGN``-aligned."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.places: list[tuple[str, tuple[int, ...], str, int]] = []
+
+    def add(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        """Reserve ``name`` at the next aligned offset."""
+        self.size = -(-self.size // ALIGN) * ALIGN
+        self.places.append((name, shape, dtype, self.size))
+        self.size += math.prod(shape) * np.dtype(dtype).itemsize
+
+    def bind(self, buffer: RemoteBuffer) -> dict[str, RemoteTensor]:
+        """The placed tensors as RemoteTensors of ``buffer``."""
+        return {name: buffer.tensor(shape, dtype, offset)
+                for name, shape, dtype, offset in self.places}
+
+
+@dataclass(eq=False)
+class _Staged:
+    """A stage's staging buffer during load: the GGUF tensors in it, the uploads filling it."""
+
+    stage: Stage
+    buffer: RemoteBuffer
+    tensors: dict[str, RemoteTensor] = field(default_factory=dict)
+    uploads: list[tuple[RemoteTensor, np.ndarray]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What :meth:`WeightLoader.load` sent and how long the two phases took."""
+
+    upload_bytes: int
+    upload_seconds: float
+    build_seconds: float
+
+
+class WeightLoader:
+    """Puts each stage's weights on its worker in format ``fmt`` (fills ``Stage.weights``,
+    ``embd``, ``out_norm``, ``lm_head`` and ``buffers``)."""
+
+    def __init__(self, gguf: LlamaGGUF, fmt: WeightFormat) -> None:
+        self.gguf = gguf
+        self.fmt = fmt
+
+    def load(self, stages: Sequence[Stage], progress: Progress | None = None,
+             status: Callable[[str], None] | None = None) -> Loaded:
+        """Stage each worker's file ranges, upload them, then build its resident weights there."""
+        start = time.perf_counter()
+        staged = [self._stage_file_ranges(stage) for stage in stages]
+        upload_bytes = self._upload([u for s in staged for u in s.uploads], progress)
+        uploaded = time.perf_counter()
+        if status is not None:
+            status(f"laying out weights ({self.fmt}) on {len(stages)} worker(s)")
+        builds = [f for s in staged for f in self._build_resident(s)]
+        for future in builds:
+            future.result()
+        return Loaded(upload_bytes, uploaded - start, time.perf_counter() - uploaded)
+
+    def _stage_file_ranges(self, stage: Stage) -> _Staged:
+        """Allocate a staging buffer holding the stage's tensors as the file lays them out, and
+        the uploads that fill it: few contiguous ranges of the mapped file, zero-copy, cut into
+        pieces of one message each."""
+        sources = stage_sources(self.gguf, stage)
+        placed, size = [], 0
+        for lo, hi in file_runs(sources, self.gguf.alignment):
+            size = -(-size // ALIGN) * ALIGN
+            placed.append((lo, hi, size))
+            size += hi - lo
+        buffer = stage.client.alloc_buffer_nowait(size)
+        staged = _Staged(stage, buffer)
+        for t in sources:
+            lo, _, at = next(run for run in placed if run[0] <= t.offset < run[1])
+            staged.tensors[t.name] = buffer.tensor(t.data.shape, t.data.dtype, at + t.offset - lo)
+        piece = stage.client.chunk_bytes
+        for lo, hi, at in placed:
+            for start in range(lo, hi, piece):
+                stop = min(start + piece, hi)
+                staged.uploads.append((buffer.tensor(stop - start, "uint8", at + start - lo),
+                                       self.gguf.file_bytes[start:stop]))
+        return staged
+
+    @staticmethod
+    def _upload(uploads: list[tuple[RemoteTensor, np.ndarray]], progress: Progress | None) -> int:
+        """Pipelined set_tensor_async of every piece; progress as acknowledgements arrive."""
+        parts = {t.client.set_tensor_async(t, data): int(data.nbytes) for t, data in uploads}
+        total, done = sum(parts.values()), 0
+        if progress is not None:
+            progress(0, total)
+        for future in as_completed(parts):
+            future.result()
+            done += parts[future]
+            if progress is not None:
+                progress(done, total)
+        return total
+
+    def _build_resident(self, staged: _Staged) -> list[Future[Any]]:
+        """One compute graph on the stage's worker lays the staged bytes out as the weights the
+        stage graphs read; then the staging buffer is freed (queued behind the build on the same
+        worker)."""
+        stage = staged.stage
+        layout, fills = self._resident_layout(stage)
+        buffer = stage.client.alloc_buffer_nowait(layout.size)
+        stage.buffers.append(buffer)
+        placed = layout.bind(buffer)
+        g = Graph()
+        for name, sources in fills:
+            row = 0
+            for source in sources:
+                src = staged.tensors[source]
+                rows = src.shape[0]
+                dst = placed[name][row:row + rows] if len(sources) > 1 else placed[name]
+                self.fmt.fill(g, src, self.gguf.tensors[source].qtype, dst)
+                row += rows
+        built = stage.client.compute_async(g)
+        self._bind_weights(stage, placed)
+        return [built, staged.buffer.free_async()]
+
+    def _resident_layout(self, stage: Stage) -> tuple[Layout, list[tuple[str, list[str]]]]:
+        """Where each resident weight goes, and the GGUF tensors (stacked by rows) filling it."""
+        d, fmt = self.gguf.config.d_model, self.fmt
+        layout, fills = Layout(), []
+        for i in stage.layers:
+            for norm in NORMS:
+                layout.add(f"{i}.{norm}", (d,), "float32")
+                fills.append((f"{i}.{norm}", [f"blk.{i}.{norm}.weight"]))
+            for name, parts in FUSED.items():
+                tensors = [layer_tensor(self.gguf, i, p) for p in parts]
+                rows = sum(t.data.shape[0] for t in tensors)
+                layout.add(f"{i}.{name}", fmt.resident_shape(tensors[0], rows), fmt.dtype)
+                fills.append((f"{i}.{name}", [t.name for t in tensors]))
+        if stage.last:
+            for name in vocab_tables(self.gguf):
+                t = self.gguf.tensors[name]
+                layout.add(name, fmt.resident_shape(t, t.data.shape[0]), fmt.dtype)
+                fills.append((name, [name]))
+            layout.add("output_norm", (d,), "float32")
+            fills.append(("output_norm", ["output_norm.weight"]))
+        return layout, fills
+
+    def _bind_weights(self, stage: Stage, placed: dict[str, RemoteTensor]) -> None:
+        fmt = self.fmt
+        for i in stage.layers:
+            linear = {name: fmt.linear(placed[f"{i}.{name}"], self._fused_qtype(i, parts))
+                      for name, parts in FUSED.items()}
+            stage.weights.append(LayerWeights(placed[f"{i}.attn_norm"],
+                                              placed[f"{i}.ffn_norm"], linear))
+        if stage.last:
+            embd = self.gguf.tensors["token_embd.weight"]
+            stage.embd = fmt.linear(placed["token_embd.weight"], embd.qtype)
+            stage.out_norm = placed["output_norm"]
+            head = head_tensor(self.gguf)
+            stage.lm_head = fmt.linear(placed[head.name], head.qtype)
+
+    def _fused_qtype(self, layer: int, parts: Sequence[str]) -> str:
+        """The one qtype of weights stacked into one matmul (Q/K/V, gate/up)."""
+        kinds = {(t.qtype, t.data.shape[1])
+                 for t in (layer_tensor(self.gguf, layer, p) for p in parts)}
+        if len(kinds) != 1:
+            raise ValueError(f"layer {layer}: {'/'.join(parts)} differ in qtype or row size "
+                             f"({sorted(kinds)}); they are multiplied as one stacked weight")
+        return kinds.pop()[0]

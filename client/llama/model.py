@@ -1,0 +1,248 @@
+""":class:`LlamaModel`: a llama GGUF placed on a list of workers as a pipeline, one stage each.
+
+The model composes the parts, each in its own module: planning the stages (:mod:`.plan`), the
+weights mode (:mod:`.weights`), loading (:mod:`.load`), the forward graphs (:mod:`.graph`), the KV
+cache and step scheduler (:mod:`.runtime`) and generation (:mod:`.decode`). It owns their
+lifecycle: load, use, close.
+
+Threads: the caller's thread; continuations run in done-callbacks on the clients' I/O threads and
+only issue requests. A model is used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from ...broker.errors import RpcError
+from ..client import Client, RunResult
+from ..gguf_model import LlamaConfig, LlamaGGUF, default_model_path, load_gguf
+from .decode import Generator
+from .graph import Mode, StageGraphs
+from .load import LoadStats, Progress, WeightLoader
+from .plan import Stage, make_stages
+from .runtime import KVCache, StepRunner, StepStat
+from .weights import WeightsMode, weight_format
+
+__all__ = ["KVDType", "LlamaModel"]
+
+log = logging.getLogger("zmq_rpc.client.llama")
+
+KVDType = Literal["float32", "float16"]
+Status = Callable[[str], None]
+"""``status(line)``: what loading is doing now, for a screen (one line each phase)."""
+
+
+class LlamaModel:
+    """A llama GGUF placed on a list of workers as a pipeline (one stage per client).
+
+    Build it with :meth:`load`; then :meth:`prefill`, :meth:`decode`, :meth:`generate`,
+    :meth:`forward_full`, :meth:`reset`; :meth:`close` (or ``with``) frees its worker state.
+    The clients stay open and belong to the caller.
+    """
+
+    def __init__(self, gguf: LlamaGGUF, clients: Sequence[Client], *, n_ctx: int,
+                 weights: WeightsMode, kv_dtype: KVDType, prefill_chunk: int) -> None:
+        cfg = gguf.config
+        if not 1 <= n_ctx <= cfg.context_length:
+            raise ValueError(f"n_ctx {n_ctx} must be in [1, {cfg.context_length}]")
+        if kv_dtype not in ("float32", "float16"):
+            raise ValueError(f"kv_dtype must be 'float32' or 'float16', got {kv_dtype!r}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.gguf = gguf
+        self.config: LlamaConfig = cfg
+        self.format = weight_format(weights)
+        self.weights: WeightsMode = self.format.mode
+        self.kv_dtype: KVDType = kv_dtype
+        self.load_stats: LoadStats | None = None
+        self.stages: list[Stage] = make_stages(gguf, self.format, list(clients))
+        self.cache = KVCache(gguf, n_ctx, kv_dtype)
+        self.graphs = StageGraphs(cfg, n_ctx, prefill_chunk)
+        self.runner = StepRunner(gguf, self.stages, self.graphs, self.cache)
+        self.generator = Generator(self.runner, cfg.eos_id)
+        self._upload_bytes = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, path: str | Path | LlamaGGUF | None, clients: Sequence[Client], *,
+             n_ctx: int = 512, weights: WeightsMode = "f32", kv_dtype: KVDType = "float32",
+             prefill_chunk: int = 32, progress: Progress | None = None,
+             status: Status | None = None) -> LlamaModel:
+        """Load the GGUF at ``path`` (None: :func:`default_model_path`; or an already opened
+        :class:`LlamaGGUF`) onto ``clients``.
+
+        One pipeline stage per client, in order. ``weights="f32"`` dequantizes the uploaded
+        blocks once on each worker (faster steps, ~5x the memory); ``"quantized"`` keeps them
+        compact and dequantizes inside every matmul. ``progress(done, total)`` reports upload
+        bytes as they are acknowledged; ``status(line)`` each later phase as it starts.
+        """
+        if not clients:
+            raise ValueError("need at least one client")
+        gguf = path if isinstance(path, LlamaGGUF) else load_gguf(
+            path if path is not None else default_model_path())
+        model = cls(gguf, clients, n_ctx=n_ctx, weights=weights, kv_dtype=kv_dtype,
+                    prefill_chunk=prefill_chunk)
+        try:
+            model._load(progress, status or (lambda line: None))
+        except BaseException:
+            model.close()
+            raise
+        return model
+
+    def _load(self, progress: Progress | None, status: Status) -> None:
+        start = time.perf_counter()
+        loaded = WeightLoader(self.gguf, self.format).load(self.stages, progress, status)
+        self._upload_bytes = loaded.upload_bytes
+        status(f"allocating the KV cache and registering graphs on {len(self.stages)} worker(s)")
+        for stage in self.stages:
+            self.cache.allocate(stage)
+        self.graphs.register(self.stages, ("decode", "prefill"))
+        status("warming up")
+        self.runner.warm_up(("decode", "prefill"))
+        self.load_stats = LoadStats(
+            weight_bytes=self.gguf.tensor_data_bytes, upload_bytes=loaded.upload_bytes,
+            resident_bytes=sum(b.size for s in self.stages for b in s.buffers),
+            kv_bytes=sum(s.kv_buffer.size for s in self.stages if s.kv_buffer is not None),
+            upload_seconds=loaded.upload_seconds, build_seconds=loaded.build_seconds,
+            total_seconds=time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------- running steps
+
+    def reset(self) -> None:
+        """Forget the sequence: position 0, caches zeroed on the workers (queued, not waited)."""
+        self._check_open()
+        self.runner.reset()
+
+    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Append ``token_ids`` at the current position; logits (vocab,) of the last one."""
+        return self._run("prefill", token_ids, fetch_each=False)[-1][0].reshape(-1)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """Append one token; its logits (vocab,)."""
+        return self._run("decode", [token_id], fetch_each=False)[-1][0].reshape(-1)
+
+    def forward_full(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Recompute ``token_ids`` from position 0 (reset first); logits of every position.
+
+        Runs the ``full`` graphs (registered on first use), chunk by chunk; the cache ends up
+        holding the sequence, as after :meth:`prefill`.
+        """
+        self.reset()
+        if "full" not in self.stages[0].graphs:
+            self.graphs.register(self.stages, ("full",))
+        results = self._run("full", token_ids, fetch_each=True)
+        return np.concatenate([r[0] for r in results])[:len(token_ids)]
+
+    def _run(self, mode: Mode, token_ids: Sequence[int], *, fetch_each: bool) -> list[RunResult]:
+        self._check_open()
+        return self.runner.run_chunks(mode, token_ids, fetch_each=fetch_each)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stream: Callable[[int], None] | None = None,
+                 stop_ids: Collection[int] | None = None) -> list[int]:
+        """Reset, prefill the prompt, then decode up to ``max_new_tokens`` tokens.
+
+        Greedy by default: the argmax is taken on the last worker and only its 4 bytes come
+        back. With ``temperature > 0`` the logits are fetched and sampled here (``top_k``,
+        ``top_p``, ``seed``). ``stream(token_id)`` is called for each new token. Generation stops
+        after a token in ``stop_ids`` (default: the EOS id; pass ``()`` to never stop early) or
+        when the context is full.
+        """
+        self._check_open()
+        return self.generator.generate(prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                                       seed, stream, stop_ids)
+
+    def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The input embeddings (T, d_model) float32 of ``token_ids``, read here from the mapped
+        GGUF (like llama.cpp, which keeps the input layer on the host): only the rows asked for
+        are dequantized, and the first worker needs no embedding table."""
+        return self.runner.embed(token_ids)
+
+    # ----------------------------------------------------------------------------- reading
+
+    @property
+    def n_ctx(self) -> int:
+        return self.cache.n_ctx
+
+    @property
+    def n_past(self) -> int:
+        """Tokens of the sequence in the cache."""
+        return self.cache.n_past
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.graphs.prefill_chunk
+
+    @property
+    def stats(self) -> list[StepStat]:
+        """One record per prefill/decode/full call and per chained decoded token."""
+        return self.runner.stats
+
+    @property
+    def chain_greedy(self) -> bool:
+        """Greedy decoding feeds each token back worker to worker (False: one client round trip
+        per token)."""
+        return self.generator.chain_greedy
+
+    @chain_greedy.setter
+    def chain_greedy(self, value: bool) -> None:
+        self.generator.chain_greedy = value
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent to the workers: the weights' upload and every step's inputs."""
+        return self._upload_bytes + self.runner.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of step results fetched back."""
+        return self.runner.bytes_received
+
+    @property
+    def weight_bytes(self) -> int:
+        """Unique weight bytes of the model in its compact GGUF form."""
+        return self.gguf.tensor_data_bytes
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the model is closed")
+
+    def close(self) -> None:
+        """Free this model's graphs and buffers on every worker (clients stay open). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        frees: list[Future[None]] = []
+        for stage in self.stages:
+            if stage.client.closed:
+                continue
+            frees += [graph.free_async() for graph in stage.graphs.values()]
+            frees += [b.free_async() for b in [*stage.buffers, stage.kv_buffer] if b is not None]
+        for future in frees:
+            try:
+                future.result()
+            except RpcError as exc:   # a buffer whose allocation failed, or a worker gone
+                log.debug("freeing model state: %s", exc)
+
+    def __enter__(self) -> LlamaModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        layers = ", ".join(f"{s.client.endpoint}: layers {s.layers.start}-{s.layers.stop - 1}"
+                           for s in self.stages)
+        return f"LlamaModel({self.weights}, n_ctx={self.n_ctx}, [{layers}])"

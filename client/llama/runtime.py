@@ -1,0 +1,260 @@
+"""Running a loaded llama: the KV cache and sequence position, and the step scheduler.
+
+One step of the pipeline, one client round trip (with worker-to-worker copies)::
+
+    client ── run(stage 0: x, pos, mask) ──> worker A ── x (T, 576) ──> worker B
+           <── logits or argmax (4 bytes) ─── run(stage 1: pos, mask) <──────┘
+
+Each stage's run carries the step's small inputs (embeddings, positions, the additive attention
+mask) in its own message, and the stages are chained by :func:`~zmq_rpc.client.pipeline.run_chain`
+(the same linked runs a :class:`~zmq_rpc.client.pipeline.Pipeline` issues); the last stage's reply
+carries the fetched result. Row ``n_ctx`` of every cache is a scratch row that the padding tokens
+of a partial prefill chunk write to. The input embedding runs here, on the mapped GGUF (as
+llama.cpp keeps the input layer on the host).
+
+Threads: the caller's thread builds and launches steps and blocks only on a step's final result;
+the continuation of a step (settling its future, a relayed hand-off) runs in done-callbacks on the
+clients' I/O threads and only issues requests. One thread at a time drives a runner.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...broker import quant
+from ...broker.ops import QUANT_BLOCKS
+from ..client import RunResult
+from ..gguf_model import LlamaGGUF
+from ..peer import HandOff
+from ..pipeline import LinkedRun, run_chain
+from .graph import Mode, StageGraphs
+from .load import Layout
+from .plan import Stage, need
+
+__all__ = ["KVCache", "Step", "StepRunner", "StepStat"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepStat:
+    """One step as the client saw it: wall time from launch to the final result."""
+
+    mode: Mode
+    tokens: int
+    seconds: float
+    messages: int
+    """Requests issued for the step (runs and hand-offs)."""
+    compute: float = 0.0
+    """Seconds the workers spent running the step's graphs, as they reported it."""
+
+
+class KVCache:
+    """Per stage and layer K and V caches of (n_ctx + 1, n_kv_heads, head_dim) on the workers
+    (the last row is scratch), and how many positions of the sequence they hold."""
+
+    def __init__(self, gguf: LlamaGGUF, n_ctx: int, dtype: str) -> None:
+        self.config = gguf.config
+        self.n_ctx = n_ctx
+        self.dtype = dtype
+        self.n_past = 0
+
+    def allocate(self, stage: Stage) -> None:
+        """Place ``stage``'s caches in one new buffer on its worker (``stage.kv``)."""
+        cfg = self.config
+        shape = (self.n_ctx + 1, cfg.n_kv_heads, cfg.head_dim)
+        layout = Layout()
+        for i in stage.layers:
+            layout.add(f"k{i}", shape, self.dtype)
+            layout.add(f"v{i}", shape, self.dtype)
+        stage.kv_buffer = stage.client.alloc_buffer_nowait(layout.size)
+        placed = layout.bind(stage.kv_buffer)
+        stage.kv = [(placed[f"k{i}"], placed[f"v{i}"]) for i in stage.layers]
+
+    def clear(self, stages: Sequence[Stage]) -> list[Future[None]]:
+        """Forget the sequence: position 0, caches zeroed (queued on the workers)."""
+        self.n_past = 0
+        return [s.kv_buffer.clear_async() for s in stages if s.kv_buffer is not None]
+
+    def check(self, ids: Sequence[int]) -> None:
+        """Refuse ``ids`` (a ValueError) unless they are in the vocabulary and fit the context."""
+        if not ids:
+            raise ValueError("need at least one token")
+        if self.n_past + len(ids) > self.n_ctx:
+            raise ValueError(f"{len(ids)} tokens at position {self.n_past} overflow the context "
+                             f"of {self.n_ctx} (reset() or load with a larger n_ctx)")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the vocabulary of "
+                             f"{self.config.vocab_size}")
+
+
+@dataclass(eq=False)
+class Step:
+    """One chunk's trip through the stages: its runs and transfers. ``future`` gives the last
+    stage's fetch once it is in and nothing earlier has failed (the first error otherwise)."""
+
+    future: Future[RunResult]
+    runs: list[Future[RunResult]] = field(default_factory=list)
+    messages: int = 0
+
+    def compute(self) -> float:
+        """Seconds of graph compute the workers reported for this step's runs."""
+        return sum(r.result().compute_seconds for r in self.runs
+                   if r.done() and r.exception() is None)
+
+
+def _failed(error: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(error)
+    return future
+
+
+def _settled_by(final: Future[Any], parts: Sequence[Future[Any]]) -> Future[Any]:
+    """A future with the first error of ``parts``, else ``final``'s result once it is in.
+
+    ``final`` (one of ``parts``) ran on data every earlier part produced (its worker fails what
+    queued behind a failed transfer), so its result settles the whole; acknowledgements of the
+    other parts need not be waited for."""
+    out: Future[Any] = Future()
+    out.set_running_or_notify_cancel()
+    lock = threading.Lock()
+
+    def settle(part: Future[Any]) -> None:
+        with lock:
+            if out.done():
+                return
+            if part.exception() is not None:
+                out.set_exception(part.exception())
+            elif part is final:
+                out.set_result(final.result())
+
+    for part in parts:
+        part.add_done_callback(settle)
+    return out
+
+
+class StepRunner:
+    """Launches chunks of tokens through the stages and waits for their results; counts the
+    bytes and records a :class:`StepStat` per call."""
+
+    def __init__(self, gguf: LlamaGGUF, stages: Sequence[Stage], graphs: StageGraphs,
+                 cache: KVCache) -> None:
+        self.gguf = gguf
+        self.stages = list(stages)
+        self.graphs = graphs
+        self.cache = cache
+        self.stats: list[StepStat] = []
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._pending: list[Future[Any]] = []
+
+    def reset(self) -> None:
+        """Position 0, caches zeroed on the workers (queued; the next wait covers it)."""
+        self._pending += self.cache.clear(self.stages)
+
+    def run_chunks(self, mode: Mode, token_ids: Sequence[int], *, fetch_each: bool,
+                   fetch: str = "logits") -> list[RunResult]:
+        """Launch every chunk at once (they pipeline over the stages); wait for all."""
+        ids = [int(t) for t in token_ids]
+        self.cache.check(ids)
+        start, first = time.perf_counter(), self.cache.n_past
+        T = self.graphs.chunk(mode)
+        chunks = [ids[i:i + T] for i in range(0, len(ids), T)]
+        steps = []
+        try:
+            for k, chunk in enumerate(chunks):
+                wants = fetch if fetch_each or k == len(chunks) - 1 else "none"
+                steps.append(self.launch(mode, chunk, self.cache.n_past, wants))
+                self.cache.n_past += len(chunk)
+            results = self.wait(steps)
+        except BaseException:
+            self.cache.n_past = first   # rows written past it are rewritten before they are read
+            raise
+        self.stats.append(StepStat(mode, len(ids), time.perf_counter() - start,
+                                   sum(s.messages for s in steps),
+                                   sum(s.compute() for s in steps)))
+        return results
+
+    def wait(self, steps: Sequence[Step]) -> list[RunResult]:
+        """The steps' results, after whatever was queued before them (a cache reset)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+        results = [step.future.result() for step in steps]
+        self.bytes_received += sum(a.nbytes for r in results for a in r)
+        return results
+
+    def launch(self, mode: Mode, chunk: list[int] | None, start: int, fetch: str, *,
+               receive: HandOff | None = None, send: HandOff | None = None,
+               hold_reply: float = 0.0, before: Sequence[tuple[Future[Any], int]] = ()) -> Step:
+        """Issue one chunk at position ``start`` through every stage; nothing waits here.
+
+        ``chunk`` None: one token whose embedding reaches the first stage by ``receive`` (or
+        by a transfer in ``before``: futures already issued, with the requests each took)."""
+        runs = self.stage_runs(mode, chunk, start, fetch)
+        self.bytes_sent += sum(a.nbytes for r in runs for _, a in r.inputs)
+        transfers = [f for f, _ in before]
+        try:
+            chain = run_chain(runs, receive=receive, send=send, hold_reply=hold_reply)
+        except Exception as exc:  # noqa: BLE001 - the step's future carries every failure
+            return Step(_failed(exc))
+        return Step(_settled_by(chain.runs[-1], [*transfers, *chain.runs]), chain.runs,
+                    chain.messages + sum(n for _, n in before))
+
+    def stage_runs(self, mode: Mode, chunk: list[int] | None, start: int,
+                   fetch: str) -> list[LinkedRun]:
+        """Each stage's inputs for one chunk (padded to the mode's T) and the last one's fetch."""
+        T, n, n_ctx = self.graphs.chunk(mode), 1 if chunk is None else len(chunk), self.cache.n_ctx
+        pos = np.full(T, n_ctx, np.int32)               # padding writes the scratch cache row
+        pos[:n] = np.arange(start, start + n, dtype=np.int32)
+        mask = np.full((T, n_ctx), -np.inf, np.float32)
+        mask[:n][np.arange(n_ctx)[None, :] <= pos[:n, None]] = 0.0
+        x = None
+        if chunk is not None:
+            tokens = np.zeros(T, np.int32)
+            tokens[:n] = chunk
+            x = self.embed(tokens)
+        return [self._stage_run(s, mode, pos, mask, x, n, fetch) for s in self.stages]
+
+    def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The input embeddings (T, d_model) float32 of ``token_ids``, read here from the mapped
+        GGUF: only the rows asked for are dequantized."""
+        table = self.gguf.tensors["token_embd.weight"]
+        rows = np.take(table.data, np.asarray(token_ids, np.intp), axis=0)
+        if table.qtype in QUANT_BLOCKS:
+            return quant.dequantize(rows, table.qtype)
+        return rows.astype(np.float32)
+
+    def _stage_run(self, stage: Stage, mode: Mode, pos: np.ndarray, mask: np.ndarray,
+                   x: np.ndarray | None, n: int, fetch: str) -> LinkedRun:
+        io = stage.io[mode]
+        inputs = [(io.pos, pos), (io.mask, mask)]
+        if stage.first and x is not None:
+            inputs.append((io.x_in, x))
+        if io.last_idx is not None:
+            inputs.append((io.last_idx, np.array([n - 1], np.int32)))
+        wanted = {"logits": io.logits, "token": io.token}.get(fetch) if stage.last else None
+        return LinkedRun(stage.graphs[mode], [(need(t), a) for t, a in inputs if t is not None],
+                         [wanted] if wanted is not None else [], x=io.x_in, y=io.x_out)
+
+    def warm_up(self, modes: Sequence[Mode]) -> None:
+        """Run each graph once with every token on the scratch row and nothing visible, so the
+        first real step does not pay for the first touch of its arena and cache pages."""
+        futures = []
+        for mode in modes:
+            T, n_ctx = self.graphs.chunk(mode), self.cache.n_ctx
+            pos = np.full(T, n_ctx, np.int32)
+            mask = np.full((T, n_ctx), -np.inf, np.float32)
+            x = np.zeros((T, self.gguf.config.d_model), np.float32)
+            for stage in self.stages:
+                run = self._stage_run(stage, mode, pos, mask, x, 1, "none")
+                futures.append(stage.client.run_async(run.graph, list(run.inputs)))
+        for future in futures:
+            future.result()
+
