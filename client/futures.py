@@ -11,8 +11,10 @@ never left pending while a part is pending forever (the engine resolves every pa
   chunks of one transfer, whose buffers must not be reused while any chunk is still on its way.
 - :func:`first_error`: fails as soon as any part fails, else ``result()`` once all have succeeded.
   For the halves of a copy or a linked run: a dead worker fails the whole at once.
-- :class:`Steps`: parts added over time; fails with the first error, or settles with the final
-  part's result as soon as that part is done (the parts before it need not be waited for).
+- :class:`Steps` / :func:`settled_by`: parts (added over time); fails with the first error, or
+  settles with the final part's result as soon as that part is done (the parts before it need not
+  be waited for).
+- :func:`forward`: settle one future like another.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Steps", "all_of", "failed", "first_error", "forward", "new_future", "resolved", "then"]
+__all__ = ["Steps", "all_of", "failed", "first_error", "forward", "new_future", "resolved",
+           "settled_by", "then"]
 
 
 def new_future() -> Future[Any]:
@@ -184,3 +187,13 @@ def forward(source: Future[T], target: Future[T]) -> None:
         _set(target, None if error is not None else f.result(), error)
 
     source.add_done_callback(done)
+
+
+def settled_by(final: Future[T], parts: Sequence[Future[Any]]) -> Future[T]:
+    """The first error of ``parts`` (which include ``final``), else ``final``'s result as soon
+    as it is in: the others' outcomes need not be waited for (``final`` ran on what they
+    produced). :class:`Steps` is the same with parts added over time."""
+    steps = Steps()
+    for part in parts:
+        steps.add(part, final=part is final)
+    return steps.future

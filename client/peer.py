@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -38,7 +38,7 @@ from ..broker import peer as wire
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, DType, TensorRef, split_tensor
 from .arrays import fetched, to_bfloat16
-from .futures import first_error, forward, new_future, resolved
+from .futures import all_of, first_error, forward, new_future, resolved
 
 if TYPE_CHECKING:
     from .client import Client, RegisteredGraph, RemoteTensor, RunResult
@@ -136,19 +136,25 @@ def _on_route(a: Client, decision: bool | Future[bool],
     later still run after it). Never waits."""
     if isinstance(decision, bool):
         return issue(decision)
+    return _later(a, decision, lambda: issue(decision.result()))
+
+
+def _later(a: Client, ready: Future[Any], issue: Callable[[], Future[Any]]) -> Future[Any]:
+    """``issue()`` once ``ready`` is done, its requests to ``a`` in a place reserved in ``a``'s
+    send order now (requests issued to ``a`` meanwhile wait behind it). Never waits."""
     slot = a._engine.reserve(PROBE_TIMEOUT_S + 10)
     out: Future[Any] = new_future()
 
-    def decide(probe: Future[bool]) -> None:
+    def go(_: Future[Any]) -> None:
         with a._engine.filling(slot):
             try:
-                half = issue(probe.result())
-            except BaseException as exc:  # noqa: BLE001 - the copy's future reports it
+                issued = issue()
+            except BaseException as exc:  # noqa: BLE001 - the caller's future reports it
                 out.set_exception(exc)
                 return
-        forward(half, out)
+        forward(issued, out)
 
-    decision.add_done_callback(decide)
+    ready.add_done_callback(go)
     return out
 
 
@@ -228,7 +234,10 @@ def _flat_ref(tensor: RemoteTensor) -> TensorRef:
 
 # ------------------------------------------------------------------------------ hand-offs
 
-Route = Literal["local", "direct", "relay"]
+Route = Literal["local", "direct", "relay", "probing"]
+"""How a hand-off travels: a copy on one worker, worker to worker, through the client, or (the
+first between two workers) decided when the sending run is issued and the route's probe has
+answered."""
 
 
 @dataclass(frozen=True)
@@ -242,18 +251,32 @@ class HandOff:
     token: bytes
     route: Route
     timeout_ms: int
+    probe: Future[bool] | None = None
+    """While ``route`` is "probing": the answer (True: worker to worker)."""
+
+    def decided(self) -> HandOff:
+        """This hand-off with its probed route (call once ``probe`` is done)."""
+        if self.route != "probing" or self.probe is None:
+            return self
+        return replace(self, route="direct" if self.probe.result() else "relay", probe=None)
 
 
 def hand_off(src: RemoteTensor, dst: RemoteTensor) -> HandOff:
     """Plan a hand-off of ``src`` into ``dst`` (equal shapes and dtypes) and pick its route.
 
-    Never waits: the first hand-off between two workers starts the probe of their route and,
-    while the probe is out, is relayed through the client (later ones go worker to worker)."""
+    Never waits: the first hand-off between two workers starts the probe of their route; its
+    sending run is then issued in a place reserved in its worker's send order and decided when
+    the probe answers (worker to worker, or relayed through the client)."""
     _check_pair(src, dst)
     a, b = src.client, dst.client
-    route: Route = "local" if a is b else "direct" if _direct(a, b) is True else "relay"
-    return HandOff(src, dst, os.urandom(wire.TOKEN_BYTES), route,
-                   _transfer_ms(min(a.timeout, b.timeout)))
+    timeout_ms = _transfer_ms(min(a.timeout, b.timeout))
+    token = os.urandom(wire.TOKEN_BYTES)
+    if a is b:
+        return HandOff(src, dst, token, "local", timeout_ms)
+    decision = _direct(a, b)
+    if isinstance(decision, bool):
+        return HandOff(src, dst, token, "direct" if decision else "relay", timeout_ms)
+    return HandOff(src, dst, token, "probing", timeout_ms, decision)
 
 
 def receive(client: Client, h: HandOff) -> Future[None]:
@@ -286,6 +309,11 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
     for h in send:
         if h.src.client is not client:
             raise BadRequest(f"a run sends its own worker's tensors, not {h.src!r}")
+    probes = [h.probe for h in send if h.route == "probing" and h.probe is not None]
+    if probes:      # issued in its place in the send order once the routes are known
+        return _later(client, all_of(probes, lambda: None), lambda: run_linked(
+            client, graph, refs, frames, fetch, receive, [h.decided() for h in send],
+            hold_reply))
     receives = tuple(wire.Receive(h.token, h.dst.ref) for h in receive if h.route != "local")
     sends = tuple(wire.Send(h.token, h.src.ref, h.dst.client.info.peer_endpoint)
                   for h in send if h.route == "direct")

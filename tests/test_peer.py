@@ -832,6 +832,7 @@ def test_held_replies_are_capped_in_bytes(trio: list[Client],
     monkeypatch.setattr(executor, "MAX_HELD_TOTAL", 1000)
     a, b, _ = trio
     ga, _xa, ya = stage(a, 100, 1.0)            # 400 bytes fetched per run
+    assert client_peer.route(a, b).result(timeout=10)
     started = time.monotonic()
     runs = []
     for _ in range(3):
@@ -851,3 +852,42 @@ def test_hold_reply_is_bounded(trio: list[Client]) -> None:
     a.timeout = 1.0
     with pytest.raises(BadRequest, match="half of the client's 1.0 s timeout"):
         a.run_async(ga, send=[h], hold_reply=0.5)
+
+
+def test_first_copy_and_hand_off_wait_for_their_probe_without_blocking(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
+        relay_log: RelayLog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route probe is held back: the first copy and hand-off return at once, requests issued
+    after them still run after them, and once the probe answers they go worker to worker."""
+    from zmq_rpc.client.futures import forward, new_future
+    a, b = (make_client(make_worker().endpoint) for _ in range(2))
+    gate: Future[None] = new_future()
+    real = client_peer.Routes._send_probe
+
+    def held(source: Client, endpoint: str) -> Future[Any]:
+        out: Future[Any] = new_future()
+        probe = real(source, endpoint)          # sent now; its answer is held back
+        gate.add_done_callback(lambda _: forward(probe, out))
+        return out
+    monkeypatch.setattr(client_peer.Routes, "_send_probe", staticmethod(held))
+    ga, xa, ya = stage(a, 64, 1.0)
+    gb, xb, yb = stage(b, 64, 10.0)
+    src, dst = tensor(a, (64,)), tensor(b, (64,))
+    a.set_tensor(src, np.arange(64, dtype=np.float32))
+    copy = a.copy_tensor_async(src, dst)
+    overwrite = a.set_tensor_async(src, np.zeros(64, np.float32))   # after the copy read src
+    h = client_peer.hand_off(ya, xb)
+    assert h.route == "probing"
+    a.set_tensor_async(xa, np.full(64, 5.0, np.float32))
+    sent = a.run_async(ga, send=[h])
+    got = b.run_async(gb, receive=[h], fetch=[yb])
+    time.sleep(0.2)
+    assert not copy.done() and not overwrite.done() and not sent.done()
+    gate.set_result(None)
+    copy.result(timeout=10)
+    overwrite.result(timeout=10)
+    np.testing.assert_array_equal(b.get_tensor(dst), np.arange(64))
+    (y,) = got.result(timeout=10)
+    np.testing.assert_array_equal(y, np.full(64, 16.0))
+    assert relay_log.relayed() == 0
+    assert client_peer.hand_off(ya, xb).route == "direct"
