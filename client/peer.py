@@ -249,16 +249,28 @@ class HandOff:
     src: RemoteTensor
     dst: RemoteTensor
     token: bytes
-    route: Route
+    planned: Route
+    """The route when planned ("probing" for the first hand-off between two workers)."""
     timeout_ms: int
     probe: Future[bool] | None = None
-    """While ``route`` is "probing": the answer (True: worker to worker)."""
+    """While ``planned`` is "probing": the answer (True: worker to worker)."""
+
+    @property
+    def route(self) -> Route:
+        """How it travels: "local", "direct" or "relay". While the route's probe is still out
+        (``planned`` is "probing") this says "direct", what a probe between working peers
+        answers; it says "relay" once a probe found the peer unreachable."""
+        if self.planned != "probing" or self.probe is None:
+            return self.planned
+        if not self.probe.done():
+            return "direct"
+        return "direct" if self.probe.exception() is None and self.probe.result() else "relay"
 
     def decided(self) -> HandOff:
         """This hand-off with its probed route (call once ``probe`` is done)."""
-        if self.route != "probing" or self.probe is None:
+        if self.planned != "probing":
             return self
-        return replace(self, route="direct" if self.probe.result() else "relay", probe=None)
+        return replace(self, planned=self.route, probe=None)
 
 
 def hand_off(src: RemoteTensor, dst: RemoteTensor) -> HandOff:
@@ -309,7 +321,7 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
     for h in send:
         if h.src.client is not client:
             raise BadRequest(f"a run sends its own worker's tensors, not {h.src!r}")
-    probes = [h.probe for h in send if h.route == "probing" and h.probe is not None]
+    probes = [h.probe for h in send if h.probe is not None and not h.probe.done()]
     if probes:      # issued in its place in the send order once the routes are known
         return _later(client, all_of(probes, lambda: None), lambda: run_linked(
             client, graph, refs, frames, fetch, receive, [h.decided() for h in send],

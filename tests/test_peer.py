@@ -877,7 +877,7 @@ def test_first_copy_and_hand_off_wait_for_their_probe_without_blocking(
     copy = a.copy_tensor_async(src, dst)
     overwrite = a.set_tensor_async(src, np.zeros(64, np.float32))   # after the copy read src
     h = client_peer.hand_off(ya, xb)
-    assert h.route == "probing"
+    assert h.planned == "probing" and h.probe is not None and not h.probe.done()
     a.set_tensor_async(xa, np.full(64, 5.0, np.float32))
     sent = a.run_async(ga, send=[h])
     got = b.run_async(gb, receive=[h], fetch=[yb])
