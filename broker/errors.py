@@ -14,9 +14,10 @@
     │   └── TransferError             a worker-to-worker transfer failed or timed out
     ├── TransportError                the connection failed us
     │   ├── Timeout                   no reply within the request's timeout
-    │   └── ConnectionLost            the worker went away, froze, or cannot be reached
-    │       └── SessionLost           the worker answers but no longer knows our session
-    │                                 (restarted, or it expired): its buffers are gone
+    │   ├── ConnectionLost            the worker went away, froze, or cannot be reached
+    │   │   └── SessionLost           the worker answers but no longer knows our session
+    │   │                             (restarted, or it expired): its buffers are gone
+    │   └── AuthenticationFailed      the worker refused our CURVE key, or we its key
     ├── BadEndpoint                   an address the client cannot use (also a ValueError)
     └── ClientClosed                  you closed the client; pending and new calls fail with this
 
@@ -42,6 +43,7 @@ __all__ = [
     "Timeout",
     "ConnectionLost",
     "SessionLost",
+    "AuthenticationFailed",
     "BadEndpoint",
     "ClientClosed",
 ]
@@ -122,6 +124,11 @@ class SessionLost(ConnectionLost):
 
 class BadEndpoint(RpcError, ValueError):
     """An endpoint the client cannot use: no scheme, a scheme zmq-rpc does not speak, no port."""
+
+
+class AuthenticationFailed(TransportError):
+    """The CURVE handshake failed: the worker does not list our public key, its key is not the
+    one we expect, or one side speaks CURVE and the other does not. Retrying will not help."""
 
 
 class ClientClosed(RpcError):

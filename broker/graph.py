@@ -23,10 +23,7 @@ from typing import Any
 from . import peer
 from .errors import BadRequest
 from .ops import OPS, OpError, OpKind, TensorMeta, infer
-from .protocol import (
-    BufferOp,
-    Cmd,
-    Empty,
+from .wire import (
     ErrorCode,
     Message,
     TensorRef,
@@ -34,10 +31,10 @@ from .protocol import (
     _int_in,
     check_handle,
     check_tensor,
+    describe,
     list_of,
-    register_command,
+    wire_message,
 )
-from .wire import describe
 
 GRAPH_VERSION = 1
 MAX_NODES = 1 << 16
@@ -162,6 +159,7 @@ MAX_IO = 256
 _check_refs = list_of(check_tensor, MAX_IO)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GraphRegister(Message):
     """Validate ``graph`` and keep it under the client-chosen ``handle`` for cheap reruns."""
@@ -170,6 +168,7 @@ class GraphRegister(Message):
     graph: GraphSpec = _f(check_graph)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GraphRun(Message):
     """Run registered graph ``handle``: first write ``inputs`` (one payload frame each, C order),
@@ -183,6 +182,7 @@ class GraphRun(Message):
         return [t.nbytes for t in self.inputs]
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GraphCompute(Message):
     """Validate and run ``graph`` once (GRAPH_RUN semantics for inputs and fetch)."""
@@ -195,6 +195,7 @@ class GraphCompute(Message):
         return [t.nbytes for t in self.inputs]
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GraphReply(Message):
     """A graph ran: one payload frame per fetched tensor, of these sizes."""
@@ -211,6 +212,7 @@ MAX_HOLD_REPLY_US = 1_000_000
 check_hold_reply = _int_in(0, MAX_HOLD_REPLY_US)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GraphRunLinked(Message):
     """GRAPH_RUN of graph ``handle`` after the ``receive`` hand-offs have landed (within
@@ -219,11 +221,9 @@ class GraphRunLinked(Message):
     handle: int = _f(check_handle)
     inputs: list[TensorRef] = _f(_check_refs)
     fetch: list[TensorRef] = _f(_check_refs)
-    # Looked up when checking, not now: importing zmq_rpc.broker.peer first reaches this
-    # module before peer's own names exist.
-    receive: tuple[peer.Receive, ...] = _f(lambda value, name: peer.check_receives(value, name))
-    send: tuple[peer.Send, ...] = _f(lambda value, name: peer.check_sends(value, name))
-    timeout_ms: int = _f(lambda value, name: peer.check_timeout(value, name))
+    receive: tuple[peer.Receive, ...] = _f(peer.check_receives)
+    send: tuple[peer.Send, ...] = _f(peer.check_sends)
+    timeout_ms: int = _f(peer.check_timeout)
     hold_reply_us: int = _f(check_hold_reply, since=(1, 2), default=0)
     """The worker may hold the reply this long after pushing the sends (sooner when another
     reply goes out): a pipelining client that does not wait on it keeps the reply's wake-ups
@@ -231,10 +231,3 @@ class GraphRunLinked(Message):
 
     def payload_sizes(self) -> list[int]:
         return [t.nbytes for t in self.inputs]
-
-
-register_command(Cmd.GRAPH_REGISTER, GraphRegister, Empty)
-register_command(Cmd.GRAPH_RUN, GraphRun, GraphReply)
-register_command(Cmd.GRAPH_COMPUTE, GraphCompute, GraphReply)
-register_command(Cmd.GRAPH_FREE, BufferOp, Empty)
-register_command(Cmd.GRAPH_RUN_LINKED, GraphRunLinked, GraphReply)

@@ -25,11 +25,16 @@ Client requests (ordinary DEALER→ROUTER requests, see :mod:`zmq_rpc.broker.pro
   when another reply leaves; never when it fetched more than 64 KiB): a pipelining client keeps
   the reply's wake-ups off the CPUs the hand-off needs next.
 
-Peer messages (A's PUSH → B's PULL, and acks B's PUSH → A's PULL), header then payload::
+Peer messages (A's PUSH → B's PULL, and acks B's PUSH → A's PULL): a msgpack header, then payload.
+They are :class:`~zmq_rpc.broker.wire.Message` classes like the client's requests, decoded by the
+same checkers, behind a version and a :class:`PeerKind`::
 
-    [PEER_CHUNK, token, seq, nchunks, start, total, reply_to]   + 1 frame: bytes at C-order `start`
-    [PEER_ACK,   token, ok, message]                 (only when the chunks named a reply_to)
-    [PEER_PROBE_MSG, token, reply_to]
+    [PEER_VERSION, CHUNK, token, seq, nchunks, start, total, reply_to]  + 1 frame: bytes at `start`
+    [PEER_VERSION, ACK,   token, ok, message]        (only when the chunks named a reply_to)
+    [PEER_VERSION, PROBE, token, reply_to]
+
+A message of another peer version is refused (and logged by the receiving worker): workers of one
+cluster run one release.
 
 Chunks carry sequence numbers; the receiver acknowledges a transfer once every chunk has landed, or
 reports why it failed. PUSH/PULL alone loses messages silently when a peer restarts: a transfer that
@@ -38,6 +43,7 @@ is not acknowledged before its deadline fails, with a clear error, on both sides
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -45,9 +51,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from .errors import BadRequest
-from .protocol import (
-    Cmd,
-    Empty,
+from .wire import (
     ErrorCode,
     Message,
     TensorRef,
@@ -55,12 +59,12 @@ from .protocol import (
     _int_in,
     check_str,
     check_tensor,
-    register_command,
+    describe,
+    wire_message,
 )
 
-PEER_CHUNK = 1
-PEER_ACK = 2
-PEER_PROBE_MSG = 3
+PEER_VERSION = 1
+"""Version of the peer link's messages (the first element of every peer header)."""
 TOKEN_BYTES = 16
 MAX_TIMEOUT_MS = 24 * 3600 * 1000
 MAX_HAND_OFFS = 256
@@ -76,6 +80,7 @@ def check_token(value: Any, field: str) -> bytes:
 check_timeout = _int_in(1, MAX_TIMEOUT_MS)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerRecv(Message):
     """On B: receive transfer ``token`` into ``dst`` (holds the session's queue until done)."""
@@ -85,6 +90,7 @@ class PeerRecv(Message):
     timeout_ms: int = _f(check_timeout)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerSend(Message):
     """On A: push ``src`` to the worker whose peer endpoint is ``endpoint``, as ``token``."""
@@ -95,6 +101,7 @@ class PeerSend(Message):
     timeout_ms: int = _f(check_timeout)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerProbe(Message):
     """On A: check that the peer endpoint answers within ``timeout_ms``."""
@@ -103,6 +110,7 @@ class PeerProbe(Message):
     timeout_ms: int = _f(check_timeout)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerFill(Message):
     """On B: one relayed chunk of transfer ``token`` (C-order bytes at ``start``), or an abort."""
@@ -166,55 +174,69 @@ check_sends = _check_hand_offs(
     lambda v, f: Send(check_token(v[0], f), check_tensor(v[1], f), check_str(v[2], f)), 3)
 
 
-register_command(Cmd.PEER_FILL, PeerFill, Empty)
-register_command(Cmd.PEER_RECV, PeerRecv, Empty)
-register_command(Cmd.PEER_SEND, PeerSend, Empty)
-register_command(Cmd.PEER_PROBE, PeerProbe, Empty)
-
 _pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+_u32 = _int_in(0, (1 << 32) - 1)
+_u63 = _int_in(0, (1 << 63) - 1)
 
 
+def check_flag(value: Any, field: str) -> bool:
+    if type(value) is not bool:
+        raise BadRequest(f"field {field!r}: expected a boolean", code=ErrorCode.BAD_REQUEST)
+    return value
+
+
+class PeerKind(enum.IntEnum):
+    """What a peer message is (the second element of its header)."""
+
+    CHUNK = 1
+    ACK = 2
+    PROBE = 3
+
+
+@wire_message
 @dataclass(frozen=True, slots=True)
-class Chunk:
-    """One piece of a transfer: ``nbytes`` at byte ``start`` of the tensor's C-ordered data."""
+class Chunk(Message):
+    """One piece of a transfer: its payload frame is bytes at ``start`` of the tensor's C-ordered
+    data; ``reply_to`` (a peer endpoint, or empty) wants the acknowledgement."""
 
-    token: bytes
-    seq: int
-    nchunks: int
-    start: int
-    total: int
-    reply_to: str
+    payload_frames: ClassVar[int] = 1
+    token: bytes = _f(check_token)
+    seq: int = _f(_u32)
+    nchunks: int = _f(_int_in(1, (1 << 32) - 1))
+    start: int = _f(_u63)
+    total: int = _f(_u63)
+    reply_to: str = _f(check_str)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True)
-class Ack:
+class Ack(Message):
     """The receiver's verdict on a whole transfer (or a probe)."""
 
-    token: bytes
-    ok: bool
-    message: str
+    token: bytes = _f(check_token)
+    ok: bool = _f(check_flag)
+    message: str = _f(check_str)
 
 
+@wire_message
 @dataclass(frozen=True, slots=True)
-class Probe:
-    token: bytes
-    reply_to: str
+class Probe(Message):
+    """Does the worker at ``reply_to``'s peer reach us? Answered with an Ack."""
+
+    token: bytes = _f(check_token)
+    reply_to: str = _f(check_str)
 
 
-def encode_chunk(chunk: Chunk) -> bytes:
-    return _pack([PEER_CHUNK, chunk.token, chunk.seq, chunk.nchunks, chunk.start, chunk.total,
-                  chunk.reply_to])
+PEER_MESSAGES: dict[PeerKind, type[Chunk | Ack | Probe]] = {
+    PeerKind.CHUNK: Chunk, PeerKind.ACK: Ack, PeerKind.PROBE: Probe}
+_KINDS = {cls: kind for kind, cls in PEER_MESSAGES.items()}
 
 
-def encode_ack(ack: Ack) -> bytes:
-    return _pack([PEER_ACK, ack.token, ack.ok, ack.message[:1024]])
-
-
-def encode_probe(probe: Probe) -> bytes:
-    return _pack([PEER_PROBE_MSG, probe.token, probe.reply_to])
-
-
-_u63 = _int_in(0, (1 << 63) - 1)
+def encode_peer(msg: Chunk | Ack | Probe) -> bytes:
+    """The header frame of a peer message."""
+    if isinstance(msg, Ack) and len(msg.message) > 1024:
+        msg = Ack(msg.token, msg.ok, msg.message[:1024])
+    return _pack([PEER_VERSION, int(_KINDS[type(msg)]), *msg.to_fields()])
 
 
 def decode_peer(frames: Sequence[Any]) -> Chunk | Ack | Probe:
@@ -223,22 +245,19 @@ def decode_peer(frames: Sequence[Any]) -> Chunk | Ack | Probe:
         head = msgpack.unpackb(frames[0], raw=False, use_list=True)
     except Exception as exc:
         raise BadRequest(f"peer message is not msgpack: {exc}") from None
-    if type(head) is not list or not head or type(head[0]) is not int:
-        raise BadRequest("peer message must be an array [kind, ...]")
-    kind, fields = head[0], head[1:]
-    if kind == PEER_CHUNK and len(fields) == 6 and len(frames) == 2:
-        token, seq, nchunks, start, total, reply_to = fields
-        chunk = Chunk(check_token(token, "token"), _u63(seq, "seq"), _u63(nchunks, "nchunks"),
-                      _u63(start, "start"), _u63(total, "total"), check_str(reply_to, "reply_to"))
-        if not chunk.seq < chunk.nchunks:
-            raise BadRequest(f"chunk {chunk.seq} of {chunk.nchunks}")
-        return chunk
-    if kind == PEER_ACK and len(fields) == 3 and len(frames) == 1:
-        token, ok, message = fields
-        if type(ok) is not bool:
-            raise BadRequest("ack.ok must be a boolean")
-        return Ack(check_token(token, "token"), ok, check_str(message, "message"))
-    if kind == PEER_PROBE_MSG and len(fields) == 2 and len(frames) == 1:
-        return Probe(check_token(fields[0], "token"), check_str(fields[1], "reply_to"))
-    raise BadRequest(f"unknown peer message kind {kind} with {len(fields)} fields and "
-                     f"{len(frames)} frame(s)")
+    if type(head) is not list or len(head) < 2 or type(head[0]) is not int \
+            or type(head[1]) is not int:
+        raise BadRequest("peer message must be an array [version, kind, ...]")
+    if head[0] != PEER_VERSION:
+        raise BadRequest(f"peer message of version {describe(head[0])}; this worker speaks "
+                         f"{PEER_VERSION}")
+    cls = PEER_MESSAGES.get(head[1])  # type: ignore[call-overload]
+    if cls is None:
+        raise BadRequest(f"unknown peer message kind {describe(head[1])}")
+    msg = cls.from_fields(head[2:])
+    if len(frames) - 1 != msg.payload_count():
+        raise BadRequest(f"peer {cls.__name__} takes {msg.payload_count()} payload frame(s), "
+                         f"got {len(frames) - 1}")
+    if isinstance(msg, Chunk) and not msg.seq < msg.nchunks:
+        raise BadRequest(f"chunk {msg.seq} of {msg.nchunks}")
+    return msg

@@ -6,6 +6,7 @@ Public API: :class:`Client` (blocking methods and ``_async`` twins returning
 """
 
 from ..broker.errors import (
+    AuthenticationFailed,
     BadEndpoint,
     BadRequest,
     ClientClosed,
@@ -41,7 +42,8 @@ from .peer import HandOff, hand_off
 __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
     "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
-    "to_bfloat16", "BadEndpoint", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError",
-    "InvalidHandle", "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError",
-    "SessionLost", "Timeout", "TransferError", "TransportError", "VersionMismatch",
+    "to_bfloat16", "AuthenticationFailed", "BadEndpoint", "BadRequest", "ClientClosed",
+    "ConnectionLost", "GraphError", "InvalidHandle", "OutOfBounds", "OutOfMemory", "ProtocolError",
+    "RemoteError", "RpcError", "SessionLost", "Timeout", "TransferError", "TransportError",
+    "VersionMismatch",
 ]

@@ -46,6 +46,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..broker import protocol as p
 from ..broker.errors import (
+    AuthenticationFailed,
     BadEndpoint,
     ClientClosed,
     ConnectionLost,
@@ -54,6 +55,7 @@ from ..broker.errors import (
     Timeout,
 )
 from ..broker.protocol import Cmd, ErrorCode
+from .security import CurveClient
 
 log = logging.getLogger("zmq_rpc.client")
 
@@ -135,6 +137,8 @@ class EngineOptions:
     """libzmq's ZMTP heartbeat: a worker silent this long after a heartbeat is declared lost."""
     identity: bytes = field(default_factory=lambda: b"z" + os.urandom(15))
     """The routing id workers key this client's session by: random, never starting with 0x00."""
+    curve: CurveClient | None = None
+    """Speak CURVE with this key pair to a worker with this public key (None: plain ZMTP)."""
 
 
 class Engine:
@@ -411,7 +415,7 @@ class _IoLoop:
         try:
             self._configure(opts)
             self.monitor = self.dealer.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
             self.dealer.connect(engine.endpoint)
         except BaseException:
             self.close()
@@ -442,6 +446,10 @@ class _IoLoop:
         self.dealer.setsockopt(zmq.HEARTBEAT_IVL, opts.zmq_heartbeat_ms)
         self.dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmq_heartbeat_timeout_ms)
         self.dealer.setsockopt(zmq.HEARTBEAT_TTL, opts.zmq_heartbeat_timeout_ms)
+        if opts.curve is not None:
+            self.dealer.setsockopt(zmq.CURVE_SERVERKEY, opts.curve.server_key)
+            self.dealer.setsockopt(zmq.CURVE_PUBLICKEY, opts.curve.keys.public)
+            self.dealer.setsockopt(zmq.CURVE_SECRETKEY, opts.curve.keys.secret)
 
     def busy(self) -> bool:
         return bool(self.in_flight or self.backlog)
@@ -669,8 +677,11 @@ class _IoLoop:
     def _on_monitor(self) -> None:
         assert self.monitor is not None
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            if event == zmq.EVENT_DISCONNECTED and self.up:
+            message = recv_monitor_message(self.monitor)
+            event = message["event"]
+            if event & _HANDSHAKE_FAILED:
+                self._handshake_failed(event, message["value"])
+            elif event == zmq.EVENT_DISCONNECTED and self.up:
                 self.up = False
                 self.fail_pending(ConnectionLost(
                     f"connection to {self.engine.endpoint} lost; requests in flight may or may "
@@ -680,6 +691,23 @@ class _IoLoop:
                 self.up = self.ever_up = True
                 if again and self.lost is None:
                     self._ping()        # a restarted worker answers NO_SESSION: we learn it now
+
+    def _handshake_failed(self, event: int, value: int) -> None:
+        """The worker refused us (ZAP said no), or the handshake broke (a wrong server key, one
+        side without CURVE): fail what waits now rather than at its timeout. libzmq retries."""
+        self.up = False
+        where = self.engine.endpoint.partition("#")[0]
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"the worker at {where} refused this client's CURVE key (ZAP status {value}): "
+                   "its public key must be in the worker's --authorized-keys directory")
+        elif self.engine.options.curve is not None:
+            why = (f"the CURVE handshake with {where} failed ({_handshake_error(value)}): is the "
+                   "worker's public key right, and does the worker run with "
+                   "--curve-secret-key?")
+        else:
+            why = (f"the handshake with {where} failed ({_handshake_error(value)}): the worker "
+                   "may require CURVE (pass curve_key= and the worker's key)")
+        self.fail_pending(AuthenticationFailed(why))
 
     # ------------------------------------------------------------------------- failing
 
@@ -719,8 +747,20 @@ class _IoLoop:
         self.dealer.close(linger=200 if getattr(self, "up", False) else 0)
 
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def _handshake_error(value: int) -> str:
+    """libzmq's handshake failure value: a ZMQ_PROTOCOL_ERROR_* code, else an errno."""
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
+            return name[len("PROTOCOL_ERROR_"):].lower().replace("_", " ")
+    return zmq.strerror(value) if 0 < value < 0x10000000 else f"code 0x{value:x}"
+
+
 def _check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:
-    expected = p.payload_count(reply)
+    expected = reply.payload_count()
     if len(frames) - 1 != expected:
         raise p.BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "
                            f"expected {expected}")

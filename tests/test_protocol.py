@@ -47,7 +47,7 @@ def wire(tensor: TensorRef) -> list[Any]:
 def frames_of(cmd: Cmd, req_id: int, msg: p.Message, payload: list[bytes] | None = None
               ) -> list[bytes]:
     if payload is None:
-        payload = [bytes(n) for n in p.payload_sizes(msg)]
+        payload = [bytes(n) for n in msg.payload_sizes() or []]
     return [p.encode_request(cmd, req_id, msg), *payload]
 
 
@@ -92,7 +92,7 @@ def test_request_round_trip(cmd: Cmd) -> None:
     msg = REQUEST_EXAMPLES[cmd]
     assert isinstance(msg, p.REQUESTS[cmd])
     frames = frames_of(cmd, 2**32 + 5, msg)
-    assert len(frames) - 1 == p.payload_count(msg)
+    assert len(frames) - 1 == msg.payload_count()
     assert p.decode_request(frames) == (cmd, 2**32 + 5, msg)
 
 
@@ -143,11 +143,13 @@ def test_error_message_is_capped() -> None:
 # PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
 # The enums are append-only: a new member must take a value above every pinned one; a new command
 # bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
-# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default.
+# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default,
+# and so does an optional op param (1.3: scale's bias b, sent only when it is not 0; see
+# test_graph.py's golden bytes).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 2)
+    assert p.PROTOCOL_VERSION == (1, 3)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -601,18 +603,20 @@ def test_fields_added_by_a_later_minor_come_last_with_a_default() -> None:
         old: int = p._f(p.check_u32)
 
     with pytest.raises(TypeError, match="must come last"):
-        p._register(Misordered)
+        p.wire_message(Misordered)
 
 
 # ---------------------------------------------------------------------------- module imports
 
 
+@pytest.mark.timeout(300)
 def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
-    """The protocol modules import each other (commands register on import): whichever a
-    program imports first must work (``import zmq_rpc.broker.peer`` first used to fail)."""
+    """Whichever module a program imports first must work (``import zmq_rpc.broker.peer``
+    first used to fail when the protocol modules imported each other)."""
     import pkgutil
     import subprocess
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
     import zmq_rpc.broker
     import zmq_rpc.client
@@ -623,9 +627,59 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
              for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
              if not m.name.endswith("cupy_backend")]        # needs the optional extra
     assert "zmq_rpc.broker.peer" in names and len(names) > 20
-    procs = {name: subprocess.Popen([sys.executable, "-c", f"import {name}"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for name in names}
-    failed = {name: proc.communicate(timeout=25)[1].decode().strip().splitlines()[-1:]
-              for name, proc in procs.items()}
-    assert {name: err for name, err in failed.items() if procs[name].returncode} == {}
+
+    def first_import(name: str) -> str:
+        done = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True,
+                              text=True, timeout=120)
+        return done.stderr.strip().splitlines()[-1] if done.returncode else ""
+
+    with ThreadPoolExecutor(4) as pool:     # a few at a time: CI machines have 2 cores
+        failed = dict(zip(names, pool.map(first_import, names)))
+    assert {name: err for name, err in failed.items() if err} == {}
+
+
+# ------------------------------------------------------------------------- peer link messages
+
+
+def test_golden_peer_messages() -> None:
+    """Peer frames are messages like the others, behind a version and a kind."""
+    from zmq_rpc.broker import peer
+    chunk = peer.Chunk(b"c" * 16, 1, 2, 64, 128, "tcp://h:1")
+    header = peer.encode_peer(chunk)
+    assert header.hex() == ("9801" "01" "c410" + "63" * 16 + "010240cc80" "a9"
+                            + b"tcp://h:1".hex())
+    assert peer.decode_peer([header, b"x" * 64]) == chunk
+    ack = peer.Ack(b"a" * 16, False, "no")
+    assert peer.encode_peer(ack).hex() == "9501" "02" "c410" + "61" * 16 + "c2" "a26e6f"
+    assert peer.decode_peer([peer.encode_peer(ack)]) == ack
+    probe = peer.Probe(b"p" * 16, "tcp://h:2")
+    assert peer.decode_peer([peer.encode_peer(probe)]) == probe
+
+
+@pytest.mark.parametrize("head, match", [
+    ([2, 1], "version 2"), ([1, 9], "kind 9"), ([1], r"\[version, kind"),
+    ([[[[1]]], 1], r"\[version, kind"), ([1, 2, b"t" * 16, 1, "x"], "boolean"),
+])
+def test_peer_messages_are_validated(head: list[Any], match: str) -> None:
+    from zmq_rpc.broker import peer
+    with pytest.raises(BadRequest, match=match):
+        peer.decode_peer([msgpack.packb(head)])
+
+
+def test_the_broker_modules_import_without_cycles() -> None:
+    """wire is the leaf; ops, graph and peer build on it; protocol imports them, never back."""
+    import ast
+    import pathlib
+
+    import zmq_rpc.broker.protocol as protocol_module
+    folder = pathlib.Path(protocol_module.__file__).parent
+    imports: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        imports[path.stem] = {name for node in ast.walk(tree)
+                              if isinstance(node, ast.ImportFrom) and node.level == 1
+                              for name in ([node.module] if node.module
+                                           else [a.name for a in node.names])}
+    assert imports["wire"] <= {"errors"}
+    for leafward in ("ops", "graph", "peer", "quant"):
+        assert "protocol" not in imports.get(leafward, set()), leafward

@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
+from ..broker.keys import KeyPair, load_keypair
+
 ZmqSocket = zmq.Socket[bytes]
 ZmqContext = zmq.Context[zmq.Socket[bytes]]
 
@@ -172,9 +174,11 @@ class ZmqServerThread(threading.Thread):
     ``ctx.term()`` from the main thread always can.
     """
 
-    def __init__(self, ctx: ZmqContext, bind: str, loop: Callable[[ZmqSocket], None]) -> None:
+    def __init__(self, ctx: ZmqContext, bind: str, loop: Callable[[ZmqSocket], None],
+                 curve: KeyPair | None = None) -> None:
         super().__init__(name="baseline-server", daemon=False)
         self.ctx = ctx
+        self.curve = curve
         self.bind = bind
         self.loop = loop
         self.endpoint = ""
@@ -186,6 +190,9 @@ class ZmqServerThread(threading.Thread):
         try:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            if self.curve is not None:       # raw CURVE: no ZAP handler, any client key
+                sock.setsockopt(zmq.CURVE_SERVER, 1)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret)
             sock.bind(self.bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self.ready.set()
@@ -199,13 +206,14 @@ class ZmqServerThread(threading.Thread):
             sock.close(linger=0)
 
 
-def run_zmq_server(kind: str, bind: str, loop: Callable[[ZmqSocket], None]) -> int:
+def run_zmq_server(kind: str, bind: str, loop: Callable[[ZmqSocket], None],
+                   curve: KeyPair | None = None) -> int:
     """Serve ``loop`` on a ROUTER in a thread, announce it, and stop it on SIGTERM/SIGINT."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     ctx: ZmqContext = zmq.Context()
-    server = ZmqServerThread(ctx, bind, loop)
+    server = ZmqServerThread(ctx, bind, loop, curve)
     server.start()
     server.ready.wait()
     if server.endpoint:
@@ -235,10 +243,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  description="Raw pyzmq / TCP servers for zmq-rpc-bench.")
     ap.add_argument("kind", choices=["echo", "bulk-zmq", "bulk-tcp"])
     ap.add_argument("--bind", default="tcp://127.0.0.1:*")
+    ap.add_argument("--curve-secret-key", default=None,
+                    help="speak CURVE with this key pair (zmq servers only)")
     args = ap.parse_args(argv)
     if args.kind != "bulk-tcp":
         loop = serve_echo if args.kind == "echo" else serve_bulk_zmq
-        return run_zmq_server(args.kind, args.bind, loop)
+        curve = load_keypair(args.curve_secret_key) if args.curve_secret_key else None
+        return run_zmq_server(args.kind, args.bind, loop, curve)
     _raise_exit_on_signals()
     try:
         run_tcp_server(args.bind)
@@ -273,12 +284,18 @@ def echo_pipelined(sock: ZmqSocket, count: int, window: int, message: bytes) -> 
             received += 1
 
 
-def dealer(ctx: ZmqContext, endpoint: str) -> ZmqSocket:
-    """A connected DEALER with no high-water marks and linger 0 (close it yourself)."""
+def dealer(ctx: ZmqContext, endpoint: str,
+           curve: tuple[KeyPair, bytes] | None = None) -> ZmqSocket:
+    """A connected DEALER with no high-water marks and linger 0 (close it yourself); with
+    ``curve`` = (client key pair, server public key) it speaks CURVE."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve[1])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[0].public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve[0].secret)
     sock.connect(endpoint)
     return sock
 
@@ -332,8 +349,9 @@ class ProtocolDealer:
 class ZmqBulk:
     """Client of the bulk-zmq server: uploads and downloads, chunked or as one frame."""
 
-    def __init__(self, ctx: ZmqContext, endpoint: str) -> None:
-        self.sock = dealer(ctx, endpoint)
+    def __init__(self, ctx: ZmqContext, endpoint: str,
+                 curve: tuple[KeyPair, bytes] | None = None) -> None:
+        self.sock = dealer(ctx, endpoint, curve)
 
     def set(self, source: np.ndarray, chunk: int) -> None:
         """Send ``source`` (contiguous bytes) zero-copy in ``chunk``-byte messages; wait for the ack."""
@@ -397,13 +415,16 @@ class ServerProcess:
 
     Its stderr goes to a temporary file (shown if it fails to start), so a chatty server can never
     block on a full pipe. ``stop()`` sends SIGTERM and waits (SIGKILL after ``timeout``).
+    ``own_session``: start it in a session of its own, so that a terminal's Ctrl-C (SIGINT to the
+    foreground process group) reaches only the parent, which then stops it with one SIGTERM.
     """
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], own_session: bool = False) -> None:
         self.argv = list(argv)
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env=_unbuffered_env())
+                                     text=True, env=_unbuffered_env(),
+                                     start_new_session=own_session)
         self.endpoint = ""
 
     def wait_ready(self) -> str:
@@ -437,9 +458,9 @@ def _unbuffered_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def baseline_argv(kind: str, bind: str = "tcp://127.0.0.1:*") -> list[str]:
+def baseline_argv(kind: str, bind: str = "tcp://127.0.0.1:*", *extra: str) -> list[str]:
     """The command line that starts one baseline server."""
-    return [sys.executable, "-m", "zmq_rpc.tools.baselines", kind, "--bind", bind]
+    return [sys.executable, "-m", "zmq_rpc.tools.baselines", kind, "--bind", bind, *extra]
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ CASES: dict[str, Case] = {}
 """Every registered case, in registration order (the default run order)."""
 
 CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.bench_peer",
-                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_faults")
+                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_links",
+                                 "zmq_rpc.tools.bench_security", "zmq_rpc.tools.bench_faults")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)
@@ -168,6 +169,8 @@ class BenchContext:
     baselines: Baselines
     zmq_ctx: zmq.Context[zmq.Socket[bytes]]
     show_progress: bool = True
+    link: str = ""
+    """``--link RATE``: the rate of the shaped links of the ``links`` case (default 1gbit)."""
     resources: ExitStack = field(default_factory=ExitStack)
 
     @property
@@ -480,11 +483,14 @@ def worker_argv(bind: str = "tcp://127.0.0.1:*") -> list[str]:
 
 
 @contextmanager
-def local_workers(count: int) -> Iterator[list[str]]:
-    """Start ``count`` worker subprocesses (in parallel); SIGTERM and wait for them on exit."""
+def local_workers(count: int, *, own_session: bool = False) -> Iterator[list[str]]:
+    """Start ``count`` worker subprocesses (in parallel); SIGTERM and wait for them on exit.
+
+    ``own_session``: each in its own session, out of reach of a terminal's Ctrl-C (see
+    :class:`~zmq_rpc.tools.baselines.ServerProcess`)."""
     procs: list[bl.ServerProcess] = []
     try:
-        procs.extend(bl.ServerProcess(worker_argv()) for _ in range(count))
+        procs.extend(bl.ServerProcess(worker_argv(), own_session) for _ in range(count))
         yield [proc.wait_ready() for proc in procs]
     finally:
         codes = [proc.stop() for proc in procs]
@@ -529,7 +535,7 @@ def bench(args: argparse.Namespace, endpoints: list[str]) -> tuple[list[CaseResu
         with ExitStack() as stack:
             clients = [stack.enter_context(Client(ep)) for ep in endpoints]
             ctx = BenchContext(endpoints, clients, args.quick, args.sizes, baselines, zctx,
-                               show_progress=not args.no_progress)
+                               show_progress=not args.no_progress, link=args.link)
             with ctx.resources:
                 return run_cases(ctx, args.cases)
     finally:
@@ -568,6 +574,9 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
                     help="comma-separated cases to run (default: all)")
     ap.add_argument("--sizes", type=_size_list, default=[4 << 10, 1 << 20, 16 << 20, 256 << 20],
                     help="transfer sizes for set/get (default 4KiB,1MiB,16MiB,256MiB)")
+    ap.add_argument("--link", metavar="RATE", default="",
+                    help="rate of the simulated links of the 'links' case (e.g. 100mbit, 1gbit, "
+                         "2.5gbit; tc units); alone, runs that case only (needs root, iproute2)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
     ap.add_argument("--json", metavar="FILE", help="write every sample to FILE")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -578,6 +587,8 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
 def run_command(argv: Sequence[str]) -> int:
     """``zmq-rpc-bench run``: the benchmark itself."""
     args = build_run_parser().parse_args(argv)
+    if args.link and not any(a.startswith("--cases") for a in argv):
+        args.cases = ["links"]
     start = time.perf_counter()
     with ExitStack() as stack:
         stack.enter_context(sigterm_exits())
@@ -608,6 +619,9 @@ def load_case_modules() -> None:
     """Import :data:`CASE_MODULES` so that their cases and commands register themselves."""
     for module in CASE_MODULES:
         importlib.import_module(module)
+    if "load" not in COMMANDS:
+        register_command("load", lambda argv: importlib.import_module(
+            "zmq_rpc.tools.loadtest").main(list(argv)))
     if "generate" not in COMMANDS:   # imported on use: it needs the model extras (gguf, tokenizers)
         register_command("generate", lambda argv: importlib.import_module(
             "zmq_rpc.tools.generate").main(list(argv)))

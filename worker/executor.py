@@ -31,7 +31,10 @@ from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
+from ..broker.wire import printable
+from .backends.base import Backend
 from .graph_exec import CompiledGraph, compile_graph
+from .memory import MemoryBudget
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -173,7 +176,7 @@ NO_REPLY: Reply = (p.Empty(), [])
 class Executor:
     """Runs validated requests against a backend. Owned by the backend thread."""
 
-    def __init__(self, backend: Any, limits: WorkerLimits, send: Callable[..., Any],
+    def __init__(self, backend: Backend, limits: WorkerLimits, send: Callable[..., Any],
                  server_name: str, peer_endpoint: str = "") -> None:
         self.backend = backend
         self.limits = limits
@@ -181,12 +184,13 @@ class Executor:
         self.server_name = server_name
         self.peer_endpoint = peer_endpoint
         self.sessions: dict[bytes, Session] = {}
-        self.used_memory = 0
+        self.budget = MemoryBudget(limits.memory_limit)
         self.capabilities: list[str] = ["views", "chunked-transfer"]
-        if getattr(backend, "zero_copy", True):
+        if backend.zero_copy:
             self.capabilities.append("zero-copy")
-        if getattr(backend, "supports_graphs", True):
-            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+        if backend.supports_graphs:
+            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
+                                  "scale-bias"]
         self.held: deque[HeldReply] = deque()
         """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""
         self.held_bytes = 0
@@ -265,6 +269,8 @@ class Executor:
         if req.cmd is Cmd.GRAPH_RUN_LINKED:
             session.queue.extend(self._receives(req))
         session.queue.append(req)
+        if self.peers is not None and req.cmd in (Cmd.PEER_RECV, Cmd.GRAPH_RUN_LINKED):
+            self.peers.announce(session, req.msg)   # its early chunks are kept, whoever floods
         if idle:
             self.pump(session)
 
@@ -413,7 +419,8 @@ class Executor:
             return
         session = self.sessions.get(client_id)
         if session is None:
-            session = self.sessions[client_id] = Session(client_id, msg.client or "client")
+            session = self.sessions[client_id] = Session(client_id,
+                                                         printable(msg.client, 64) or "client")
             log.info("session %s opened (%d open)", session.label, len(self.sessions))
         session.last_seen = time.monotonic()
         self.reply(client_id, req.req_id, self.hello_reply(), [])
@@ -439,7 +446,7 @@ class Executor:
         """Free everything the session owns."""
         freed = sum(b.size for b in session.buffers.values())
         freed += sum(graph.memory_charge for graph in session.graphs.values())
-        self.used_memory -= freed
+        self.budget.release(freed)
         session.buffers.clear()
         session.views.clear()
         session.graphs.clear()
@@ -479,7 +486,7 @@ class Executor:
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes the worker may still hand out."""
-        return max(self.limits.memory_limit - self.used_memory, 0), self.limits.memory_limit
+        return self.budget.report()
 
     def _alloc(self, session: Session, msg: p.AllocBuffer, payload: Sequence[Any]) -> Reply:
         if msg.handle in session.buffers:
@@ -487,12 +494,7 @@ class Executor:
         if msg.size > self.limits.max_buffer_size:
             raise WireError(ErrorCode.OUT_OF_MEMORY, f"buffer of {msg.size} bytes is over the "
                             f"maximum buffer size {self.limits.max_buffer_size}")
-        self._reserve(msg.size, "buffer")
-        try:
-            memory = self.backend.alloc(msg.size)
-        except BaseException:
-            self.used_memory -= msg.size
-            raise
+        memory = self.budget.allocate(msg.size, "buffer", lambda: self.backend.alloc(msg.size))
         session.buffers[msg.handle] = Buffer(msg.handle, msg.size, memory)
         return NO_REPLY
 
@@ -509,7 +511,7 @@ class Executor:
         del session.buffers[msg.handle]
         session.frees += 1
         session.views.clear()
-        self.used_memory -= buf.size
+        self.budget.release(buf.size)
         return NO_REPLY
 
     def _clear(self, session: Session, msg: p.ClearBuffer, payload: Sequence[Any]) -> Reply:
@@ -692,29 +694,18 @@ class Executor:
         if msg.handle in session.graphs:
             raise WireError(ErrorCode.INVALID_HANDLE, f"graph handle {msg.handle} is in use")
         graph = self._compile(session, msg.graph)
-        self._reserve(graph.memory_charge, "graph scratch arena")
-        try:
-            graph.ensure_arena()
-        except BaseException:
-            self.used_memory -= graph.memory_charge
-            raise
+        self.budget.allocate(graph.memory_charge, "graph scratch arena",
+                             lambda: graph.ensure_arena(self.backend))
         session.graphs[msg.handle] = graph
         return NO_REPLY
 
     def _compile(self, session: Session, spec: g.GraphSpec) -> CompiledGraph:
-        if not getattr(self.backend, "supports_graphs", True):
+        if not self.backend.supports_graphs:
             raise WireError(ErrorCode.GRAPH_INVALID,
                             f"the {self.backend.name} backend does not run graphs yet")
         for ref in spec.tensors:
             self.view(session, ref)          # handles exist, views inside their buffers
         return compile_graph(spec, self.limits.max_graph_work)
-
-    def _reserve(self, size: int, what: str) -> None:
-        free, total = self.memory()
-        if size > free:
-            raise WireError(ErrorCode.OUT_OF_MEMORY, f"{what} of {size} bytes does not fit: "
-                            f"{free} of {total} bytes free on this worker")
-        self.used_memory += size
 
     def _graph(self, session: Session, handle: int) -> CompiledGraph:
         graph = session.graphs.get(handle)
@@ -748,11 +739,8 @@ class Executor:
     def _graph_compute(self, session: Session, msg: g.GraphCompute,
                        payload: Sequence[Any]) -> Reply:
         graph = self._compile(session, msg.graph)
-        self._reserve(graph.memory_charge, "graph scratch arena")
-        try:
+        with self.budget.borrowed(graph.memory_charge, "graph scratch arena"):
             return self._execute(session, graph, msg, payload)
-        finally:
-            self.used_memory -= graph.memory_charge
 
     def _execute(self, session: Session, graph: CompiledGraph,
                  msg: g.GraphRun | g.GraphCompute | g.GraphRunLinked,
@@ -761,6 +749,7 @@ class Executor:
         inputs = [self.view(session, ref) for ref in msg.inputs]
         fetch = [self.view(session, ref) for ref in msg.fetch]
         externals = self._externals(session, graph)
+        graph.ensure_arena(self.backend)
         for view, frame in zip(inputs, payload):
             self.backend.write(view, frame)
         started = time.perf_counter_ns()
@@ -787,7 +776,7 @@ class Executor:
     def _graph_free(self, session: Session, msg: p.BufferOp, payload: Sequence[Any]) -> Reply:
         graph = self._graph(session, msg.handle)
         del session.graphs[msg.handle]
-        self.used_memory -= graph.memory_charge
+        self.budget.release(graph.memory_charge)
         return NO_REPLY
 
 

@@ -4,7 +4,9 @@ Owned by the backend thread (it only runs inside :class:`~zmq_rpc.worker.executo
 handlers). :func:`compile_graph` validates a decoded graph against the session (handles, bounds,
 op rules) and plans its scratch arena once: every intermediate gets an offset, reused as soon as
 its last reader has run (liveness over views too), so a registered graph allocates nothing per run.
-:meth:`CompiledGraph.run` then executes the nodes in order through the numpy kernels.
+The arena is the backend's memory (:meth:`~zmq_rpc.worker.backends.base.Backend.scratch`), allocated
+once by :meth:`CompiledGraph.ensure_arena`. :meth:`CompiledGraph.run` then executes the nodes in
+order through the numpy kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..broker.graph import GraphSpec, infer_graph, tensor_meta
 from ..broker.ops import DEFAULT_MAX_WORK, DTYPE_SIZES, OPS, OpKind, TensorMeta, node_work
 from ..broker.protocol import ErrorCode, WireError
 from .backends import numpy_ops as K
+from .backends.base import Backend, Memory
 
 ARENA_ALIGN = 64
 
@@ -49,7 +52,7 @@ class CompiledGraph:
     written_buffers: frozenset[int]
     temp_size: int = 0
     """Worst-case bytes of numpy temporaries for strided inputs (see :func:`_temp_size`)."""
-    arena: np.ndarray | None = None
+    arena: Memory | None = None
     views: list[Any] | None = None
     """The external tensors' views, cached by the executor (see ``views_valid_at``)."""
     views_valid_at: int = -1
@@ -62,15 +65,17 @@ class CompiledGraph:
         """What the graph holds against the worker's memory limit: arena + temporaries."""
         return self.arena_size + self.temp_size
 
-    def ensure_arena(self) -> None:
-        """Allocate the arena on first use; later runs reuse it."""
+    def ensure_arena(self, backend: Backend) -> None:
+        """Allocate the arena from ``backend`` on first use; later runs reuse it."""
         if self.arena is None:
-            self.arena = np.empty(self.arena_size, np.uint8)
+            self.arena = backend.scratch(self.arena_size)
             self.arena_allocations += 1
 
     def run(self, externals: Sequence[np.ndarray]) -> None:
-        """Execute every node; raises WireError(GRAPH_FAILED) naming the node on failure."""
-        self.ensure_arena()
+        """Execute every node (the arena allocated first: :meth:`ensure_arena`); raises
+        WireError(GRAPH_FAILED) naming the node on failure."""
+        if self.arena is None:
+            raise RuntimeError("CompiledGraph.run before ensure_arena")
         self._precheck_indices(externals)
         values: list[Any] = [None] * len(self.steps)
         written: list[int] = []
@@ -98,9 +103,9 @@ class CompiledGraph:
         return out
 
     def _scratch(self, step: Step) -> np.ndarray:
-        assert self.arena is not None
         dtype = K.numpy_dtype(step.meta.dtype)
-        return self.arena[step.slot:step.slot + step.meta.nbytes].view(dtype).reshape(
+        arena: Memory = self.arena
+        return arena[step.slot:step.slot + step.meta.nbytes].view(dtype).reshape(
             step.meta.shape)
 
     def _precheck_indices(self, externals: Sequence[np.ndarray]) -> None:

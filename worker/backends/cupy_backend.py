@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ...broker.protocol import ErrorCode, TensorRef, WireError
+from .base import Backend
 from .numpy_backend import STORAGE_DTYPES
 
 ALIGNMENT = 256
@@ -31,7 +32,7 @@ _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 """The unsigned integer type that moves an item of each size bit for bit."""
 
 
-class CupyBackend:
+class CupyBackend(Backend):
     """Device-memory buffers on one GPU."""
 
     name = "cupy"
@@ -65,6 +66,10 @@ class CupyBackend:
     def alloc(self, size: int) -> Any:
         """A zero-filled device byte array (zeroed: no data leaks between sessions)."""
         return self.cp.zeros(size, dtype=self.cp.uint8)
+
+    def scratch(self, size: int) -> Any:
+        """An uninitialised device byte array."""
+        return self.cp.empty(size, dtype=self.cp.uint8)
 
     def view(self, buffer: Any, ref: TensorRef) -> Any:
         dtype = STORAGE_DTYPES[ref.dtype]

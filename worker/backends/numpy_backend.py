@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ...broker.protocol import DType, TensorRef
+from .base import Backend
 
 ALIGNMENT = 64
 POPULATE_MIN = 1 << 20
@@ -47,13 +48,14 @@ def _advise(mapping: mmap.mmap, advice: int | None) -> bool:
     return True
 
 
-class NumpyBackend:
+class NumpyBackend(Backend):
     """Host-memory buffers and numpy views; the executor's only way to touch tensor data."""
 
     name = "numpy"
     kind = "cpu"
     alignment = ALIGNMENT
-    xp = np
+    zero_copy = True
+    supports_graphs = True
 
     def attach(self) -> None:
         """Called first on the backend thread (a GPU backend makes its device current there)."""
@@ -87,6 +89,10 @@ class NumpyBackend:
         if size <= POPULATE_MAX and not _advise(mapping, MADV_POPULATE_WRITE):
             memory[::mmap.PAGESIZE] = 0                 # fault every page in now, the slow way
         return memory
+
+    def scratch(self, size: int) -> np.ndarray:
+        """An uninitialised byte array (a graph arena: nodes write before they read)."""
+        return np.empty(size, np.uint8)
 
     def view(self, buffer: np.ndarray, ref: TensorRef) -> np.ndarray:
         """The strided view ``ref`` describes (validated by the caller to lie inside ``buffer``)."""
