@@ -270,7 +270,7 @@ class Client:
         try:
             with self._engine.inline():
                 future = self._engine.submit(Cmd.HELLO, hello, timeout=timeout)
-            info = future.result()
+            info: p.HelloReply = future.result()
         except RpcError as exc:
             if isinstance(exc, (VersionMismatch, AuthenticationFailed)):
                 raise

@@ -48,6 +48,7 @@ from ..broker import protocol as p
 from ..broker.errors import (
     AuthenticationFailed,
     BadEndpoint,
+    BadRequest,
     ClientClosed,
     ConnectionLost,
     RpcError,
@@ -762,5 +763,5 @@ def _handshake_error(value: int) -> str:
 def _check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:
     expected = reply.payload_count()
     if len(frames) - 1 != expected:
-        raise p.BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "
+        raise BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "
                            f"expected {expected}")
