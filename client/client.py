@@ -32,8 +32,10 @@ from ..broker.errors import (
 )
 from ..broker.keys import KeyPair
 from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
-from .arrays import RunResult, from_bfloat16, to_bfloat16
+from .arrays import RunResult as RunResult
 from .arrays import fetched as _fetched
+from .arrays import from_bfloat16 as from_bfloat16
+from .arrays import to_bfloat16 as to_bfloat16
 from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions
 from .futures import all_of, then
 from .graph import Graph

@@ -172,9 +172,14 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="zmq-rpc-client-io", daemon=True)
         self._thread.start()
         self._started.wait()
-        if self._start_error is not None:
+        error = self._failed_start()
+        if error is not None:
             self._thread.join()
-            raise self._start_error
+            raise error
+
+    def _failed_start(self) -> BaseException | None:
+        """What stopped the I/O thread from opening the connection, if anything."""
+        return self._start_error
 
     # ------------------------------------------------------------------ any thread
 

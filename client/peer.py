@@ -41,7 +41,8 @@ from .arrays import fetched, to_bfloat16
 from .futures import all_of, first_error, forward, new_future, resolved
 
 if TYPE_CHECKING:
-    from .client import Client, RegisteredGraph, RemoteTensor, RunResult
+    from .arrays import RunResult
+    from .client import Client, RegisteredGraph, RemoteTensor
 
 log = logging.getLogger("zmq_rpc.client.peer")
 
