@@ -18,6 +18,7 @@ Module map (thread that runs it):
 - ``memory``: ``MemoryBudget``, the one account of bytes handed out (backend).
 - ``peer_links``: worker-to-worker sockets: the PULL, lazy PUSH links, chunks, acks, deadlines
   (backend).
+- ``stash``: chunks that arrive before their receive starts, bounded per sender (backend).
 - ``graph_exec``: graph compile (validation, arena plan) and execution (backend).
 - ``backends.base``: the ``Backend`` protocol; ``backends.numpy_backend``, ``backends.cupy_backend``
   implement it, ``backends.numpy_ops`` holds the kernels (backend).
