@@ -385,7 +385,7 @@ def matmul_child(request: dict[str, Any]) -> dict[str, list[float]]:
     local.register(2, small)
     x = fill(inputs[0]).astype(np.float32)
     weights = [fill(ref).astype(np.float32) for ref in inputs[1:MATMUL_LAYERS + 1]]
-    runners = {"executor": lambda: elapsed(lambda: local.run(1)),
+    runners: dict[str, Callable[[], float]] = {"executor": lambda: elapsed(lambda: local.run(1)),
                "numpy": lambda: elapsed(lambda: _numpy_matmul(x, weights)),
                "one-node": lambda: elapsed(lambda: local.run(2))}
     for run in runners.values():

@@ -10,7 +10,8 @@ from __future__ import annotations
 from ..broker import protocol as p
 from ..broker.protocol import Cmd, ErrorCode, WireError
 from .backends.base import Backend
-from .memory import MemoryBudget
+from .memory import SessionMemory
+from .quotas import check
 from .requests import Request, Route
 from .session import NO_REPLY, Buffer, Reply, Session, Views
 
@@ -18,11 +19,11 @@ from .session import NO_REPLY, Buffer, Reply, Session, Views
 class BufferCommands:
     """The handlers of the buffer and tensor commands."""
 
-    def __init__(self, backend: Backend, views: Views, budget: MemoryBudget,
+    def __init__(self, backend: Backend, views: Views, memory: SessionMemory,
                  max_buffer_size: int) -> None:
         self.backend = backend
         self.views = views
-        self.budget = budget
+        self.memory = memory
         self.max_buffer_size = max_buffer_size
 
     def routes(self) -> dict[Cmd, Route]:
@@ -44,7 +45,9 @@ class BufferCommands:
         if msg.size > self.max_buffer_size:
             raise WireError(ErrorCode.OUT_OF_MEMORY, f"buffer of {msg.size} bytes is over the "
                             f"maximum buffer size {self.max_buffer_size}")
-        memory = self.budget.allocate(msg.size, "buffer", lambda: self.backend.alloc(msg.size))
+        check("buffers", len(session.buffers), 1, self.memory.quotas.buffers)
+        memory = self.memory.allocate(session, msg.size, "buffer",
+                                      lambda: self.backend.alloc(msg.size))
         session.buffers[msg.handle] = Buffer(msg.handle, msg.size, memory)
         return NO_REPLY
 
@@ -53,7 +56,9 @@ class BufferCommands:
         del session.buffers[msg.handle]
         session.frees += 1
         session.views.clear()
-        self.budget.release(buf.size)
+        for graph in session.graphs.values():   # their views of it must not keep it mapped
+            graph.views = None
+        self.memory.uncharge(session, buf.size)
         return NO_REPLY
 
     def clear(self, session: Session, msg: p.ClearBuffer, req: Request) -> Reply:
@@ -62,7 +67,7 @@ class BufferCommands:
         return NO_REPLY
 
     def device_memory(self, session: Session, msg: p.Empty, req: Request) -> Reply:
-        free, total = self.budget.report()
+        free, total = self.memory.budget.report()
         return p.DeviceMemoryReply(free=free, total=total), []
 
     def set_tensor(self, session: Session, msg: p.SetTensor, req: Request) -> Reply:

@@ -33,9 +33,10 @@ from .backends.base import Backend
 from .buffers import BufferCommands
 from .graphs import GraphCommands
 from .linked import LinkedRuns
-from .memory import MemoryBudget
+from .memory import MemoryBudget, SessionMemory
 from .outbox import Outbox, Send
 from .peer_links import PeerLinks
+from .quotas import Quotas, check
 from .requests import Admission, Later, Outcome, Request, Route
 from .session import NO_REPLY, Session, Views, WorkerLimits
 from .transfers import PeerCommands
@@ -46,6 +47,10 @@ log = logging.getLogger("zmq_rpc.worker")
 
 DRAIN_BATCH = 512
 """Most requests taken from the PAIR per poll wake-up before replies are flushed."""
+
+PRESSURE_SILENCE = 6.0
+"""When memory is short, sessions silent this long (3 heartbeats of zmq-rpc's client) are closed
+to make room, instead of holding their memory for the whole session timeout."""
 
 MIN_CLIENT_ID = 16
 WEAK_ID = (f"HELLO refused: this connection has no client-chosen routing id of at least "
@@ -71,21 +76,29 @@ class Executor:
         self.server_name = server_name
         self.peers = peers
         self.sessions: dict[bytes, Session] = {}
-        self.outbox = Outbox(send)
         self.budget = MemoryBudget(limits.memory_limit)
-        self.routes = self._routes(Views(backend, limits.max_buffer_size))
+        self.accounts = SessionMemory(
+            self.budget, Quotas(memory=limits.session_memory or limits.memory_limit),
+            self._close_silent)
+        self.outbox = Outbox(send, self.accounts.inflight)
+        self.routes = self._routes(Views(backend, limits.max_buffer_size, self.accounts))
         self.capabilities = self._capabilities()
+
+    @property
+    def quotas(self) -> Quotas:
+        """What one session may hold."""
+        return self.accounts.quotas
 
     def _routes(self, views: Views) -> dict[Cmd, Route]:
         """The dispatch table: every command, each with its handler and the buffers it writes."""
-        graphs = GraphCommands(self.backend, views, self.budget, self.limits.max_graph_work)
+        graphs = GraphCommands(self.backend, views, self.accounts, self.limits.max_graph_work)
         transfers = PeerCommands(self.peers, views, self._transfer_done)
         routes = {
             Cmd.HELLO: Route(self._hello, admission=Admission.OPENS),
             Cmd.PING: Route(_nothing),
             Cmd.SYNCHRONIZE: Route(_nothing),
             Cmd.GOODBYE: Route(self._goodbye),
-            **BufferCommands(self.backend, views, self.budget, self.limits.max_buffer_size).routes(),
+            **BufferCommands(self.backend, views, self.accounts, self.limits.max_buffer_size).routes(),
             **graphs.routes(),
             **transfers.routes(),
             **LinkedRuns(self.backend, views, graphs, transfers).routes(),
@@ -141,11 +154,27 @@ class Executor:
             self._step(session, req)
             return
         idle = not session.queue
+        if not idle and not self._may_queue(session, req):
+            return
         session.queue.append(req)
+        session.usage.queued_bytes += req.nbytes
         if req.route.queued is not None:
             req.route.queued(session, req.msg)
         if idle:
             self.pump(session)
+
+    def _may_queue(self, session: Session, req: Request) -> bool:
+        """Whether ``req`` fits the session's queue quotas (else it is answered at once)."""
+        req.nbytes = sum(len(f) for f in req.payload)
+        quotas = self.accounts.quotas
+        try:
+            check("queued requests", len(session.queue), 1, quotas.queued)
+            check("queued payload bytes", session.usage.queued_bytes, req.nbytes,
+                  quotas.queued_bytes)
+        except WireError as exc:
+            self.outbox.error(session.client_id, req.req_id, exc.code, exc.message)
+            return False
+        return True
 
     def pump(self, session: Session) -> bool:
         """Run the session's queue until it is empty or its head must wait; True when the head
@@ -207,6 +236,7 @@ class Executor:
         """Take ``req`` out of the head of its queue; False when it was not there."""
         if session.queue and session.queue[0] is req:
             session.queue.popleft()
+            session.usage.queued_bytes -= req.nbytes
             return True
         return False
 
@@ -286,7 +316,9 @@ class Executor:
         a transfer (a client that said GOODBYE still gets a reply to each)."""
         freed = sum(b.size for b in session.buffers.values())
         freed += sum(graph.memory_charge for graph in session.graphs.values())
-        self.budget.release(freed)
+        self.accounts.uncharge(session, freed)       # materialized sends stay counted until sent
+        for endpoint in self.accounts.inflight.links_of(session.usage):
+            self.peers.drop_link(endpoint)        # what it queued there is dropped
         session.buffers.clear()
         session.views.clear()
         session.graphs.clear()
@@ -313,9 +345,24 @@ class Executor:
         whose own transfer failed)."""
         queue = list(session.queue)
         session.queue.clear()
+        session.usage.queued_bytes = 0
         for req in queue:
             text = own_message if req is own else message
             self.outbox.error(session.client_id, req.req_id, code, text)
+
+    def _close_silent(self, keep: Session) -> None:
+        """Memory is short: close sessions silent for PRESSURE_SILENCE (their client is gone:
+        zmq-rpc's client pings every 2 s) to make room."""
+        now = time.monotonic()
+        for other in list(self.sessions.values()):
+            if other is not keep and other.usage.memory and \
+                    now - other.last_seen > PRESSURE_SILENCE:
+                self.close_session(other, f"memory is short and it was silent for "
+                                          f"{now - other.last_seen:.0f} s")
+
+    def reap(self) -> None:
+        """Give back the bytes of materialized replies and pushes that libzmq has sent."""
+        self.accounts.reap()
 
     def expire_sessions(self, now: float) -> None:
         """Close sessions silent for longer than the session timeout."""

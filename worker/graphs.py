@@ -16,7 +16,8 @@ from ..broker import protocol as p
 from ..broker.protocol import Cmd, ErrorCode, WireError
 from .backends.base import Backend, View
 from .graph_exec import CompiledGraph, compile_graph
-from .memory import MemoryBudget
+from .memory import SessionMemory
+from .quotas import check
 from .requests import Request, Route
 from .session import NO_REPLY, Reply, Session, Views
 
@@ -24,11 +25,11 @@ from .session import NO_REPLY, Reply, Session, Views
 class GraphCommands:
     """The handlers of the graph commands (GRAPH_RUN_LINKED's run step comes here too)."""
 
-    def __init__(self, backend: Backend, views: Views, budget: MemoryBudget,
+    def __init__(self, backend: Backend, views: Views, memory: SessionMemory,
                  max_graph_work: int) -> None:
         self.backend = backend
         self.views = views
-        self.budget = budget
+        self.memory = memory
         self.max_graph_work = max_graph_work
 
     def routes(self) -> dict[Cmd, Route]:
@@ -44,10 +45,15 @@ class GraphCommands:
     def register(self, session: Session, msg: g.GraphRegister, req: Request) -> Reply:
         if msg.handle in session.graphs:
             raise WireError(ErrorCode.INVALID_HANDLE, f"graph handle {msg.handle} is in use")
+        quotas = self.memory.quotas
+        check("registered graphs", len(session.graphs), 1, quotas.graphs)
+        nodes = len(msg.graph.nodes)
+        check("graph nodes", session.usage.graph_nodes, nodes, quotas.graph_nodes)
         graph = self._compile(session, msg.graph)
-        self.budget.allocate(graph.memory_charge, "graph scratch arena",
+        self.memory.allocate(session, graph.memory_charge, "graph scratch arena",
                              lambda: graph.ensure_arena(self.backend))
         session.graphs[msg.handle] = graph
+        session.usage.graph_nodes += nodes
         return NO_REPLY
 
     def run(self, session: Session, msg: g.GraphRun, req: Request) -> Reply:
@@ -55,13 +61,14 @@ class GraphCommands:
 
     def compute(self, session: Session, msg: g.GraphCompute, req: Request) -> Reply:
         graph = self._compile(session, msg.graph)
-        with self.budget.borrowed(graph.memory_charge, "graph scratch arena"):
+        with self.memory.borrowed(session, graph.memory_charge, "graph scratch arena"):
             return self.execute(session, graph, msg, req.payload)
 
     def free(self, session: Session, msg: p.BufferOp, req: Request) -> Reply:
         graph = self.graph(session, msg.handle)
         del session.graphs[msg.handle]
-        self.budget.release(graph.memory_charge)
+        self.memory.uncharge(session, graph.memory_charge)
+        session.usage.graph_nodes -= len(graph.spec.nodes)
         return NO_REPLY
 
     @staticmethod
@@ -95,7 +102,7 @@ class GraphCommands:
         elapsed = time.perf_counter_ns() - started
         if then is not None:
             then()
-        frames = [self.views.fetched(session, ref, view) for ref, view in zip(msg.fetch, fetch)]
+        frames = self.views.fetch_all(session, msg.fetch, fetch)
         return g.GraphReply(sizes=[ref.nbytes for ref in msg.fetch], compute_ns=elapsed), frames
 
     def _compile(self, session: Session, spec: g.GraphSpec) -> CompiledGraph:

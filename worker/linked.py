@@ -27,6 +27,7 @@ from ..broker.protocol import Cmd, WireError
 from .backends.base import Backend
 from .graphs import GraphCommands
 from .peer_links import Push
+from .quotas import Charged
 from .requests import Later, Outcome, Request, Route
 from .session import Reply, Session, TrackedPayload, Views, overlap
 from .transfers import PeerCommands
@@ -207,6 +208,8 @@ class HeldReplies:
     def hold(self, client_id: bytes, req_id: int, reply: Reply, hold_us: int) -> bool:
         """Keep ``reply`` back for ``hold_us`` when what it carries is small (copied now: later
         requests may write those buffers before it leaves); False when it must go now."""
+        if any(isinstance(f, Charged) for f in reply[1]):
+            return False                  # materialized: sent now, counted until sent
         frames: list[Any] = [f.data if isinstance(f, TrackedPayload) else f for f in reply[1]]
         size = sum(len(f) for f in frames)
         if size > MAX_HELD_BYTES or self.nbytes + size > MAX_HELD_TOTAL:

@@ -16,6 +16,7 @@ import zmq
 from ..broker import protocol as p
 from ..broker.protocol import ErrorCode
 from .linked import HeldReplies
+from .quotas import Charged, InFlight
 from .session import Reply, TrackedPayload
 
 log = logging.getLogger("zmq_rpc.worker")
@@ -27,8 +28,9 @@ Send = Callable[..., Any]
 class Outbox:
     """Sends replies and error replies, holding back those that may wait."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, inflight: InFlight) -> None:
         self._send = send
+        self.inflight = inflight
         self.held = HeldReplies()
 
     def reply(self, client_id: bytes, req_id: int, reply: Reply, hold_us: int = 0) -> None:
@@ -59,16 +61,20 @@ class Outbox:
 
     def _send_reply(self, client_id: bytes, req_id: int, msg: p.Message,
                     payload: list[Any]) -> None:
-        """Big payloads that alias buffer memory go zero-copy, and their buffers track them."""
+        """Big payloads that alias buffer memory go zero-copy, and their buffers track them; so
+        do big copies (their bytes stay counted in memory until sent)."""
         header = p.encode_reply(req_id, msg)
-        tracked = [b for b in payload if isinstance(b, TrackedPayload)]
+        tracked = [b for b in payload if isinstance(b, (TrackedPayload, Charged))]
         if not tracked:
             frames = [client_id, header, *payload]
             small = all(len(f) < zmq.COPY_THRESHOLD for f in payload)
             self._send(frames, copy=small)   # copying tiny frames beats making zero-copy ones
             return
         frames = [client_id, header,
-                  *[b.data if isinstance(b, TrackedPayload) else b for b in payload]]
+                  *[b.data if isinstance(b, (TrackedPayload, Charged)) else b for b in payload]]
         tracker = self._send(frames, copy=False, track=True)
         for item in tracked:
-            item.buffer.sending.append(tracker)
+            if isinstance(item, Charged):
+                self.inflight.add(tracker, item)
+            else:
+                item.buffer.sending.append(tracker)

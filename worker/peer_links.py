@@ -37,6 +37,7 @@ from ..broker.protocol import ErrorCode, TensorRef, WireError, split_tensor
 from ..broker.wire import printable
 from ..broker.zap import PEER_DOMAIN, KeySet
 from .backends.base import Backend, Memory, View
+from .quotas import Charged
 from .stash import Stash
 
 log = logging.getLogger("zmq_rpc.worker.peer")
@@ -87,6 +88,11 @@ class Source:
     view: View
     memory: Memory
     track: Callable[[zmq.MessageTracker], None]
+    copy: Callable[[View, str], Charged] | None = None
+    """Materializes a piece that cannot go in place (strided), counted in its session's memory
+    until sent; None: read it uncounted."""
+    sent: Callable[[zmq.MessageTracker | None, Charged], None] | None = None
+    """Told the tracker of a materialized piece (its bytes are given back when done)."""
 
 
 @dataclass
@@ -117,6 +123,7 @@ class Outgoing:
     endpoint: str
     deadline: float
     what: str
+    probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,7 @@ class Push:
     """A checked send, ready to go: its pieces, where trackers go, the link to the peer."""
 
     pieces: tuple[Piece, ...]
-    track: Callable[[zmq.MessageTracker], None]
+    source: Source
     endpoint: str
     link: zmq.Socket[bytes]
 
@@ -164,6 +171,8 @@ class PeerLinks:
             if keys is not None and split_endpoint(self.endpoint)[1] is None:
                 self.endpoint = join_endpoint(self.endpoint, keys.public)
         self.links: dict[str, zmq.Socket[bytes]] = {}
+        self.verified: set[str] = set()
+        """Peer endpoints that answered our probe: the only ones pushed to without CURVE."""
         self.incoming: dict[bytes, Incoming] = {}
         self.outgoing: dict[bytes, Outgoing] = {}
         self.stash = Stash(stash_limit)
@@ -236,21 +245,50 @@ class PeerLinks:
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
-        return Push(tuple(pieces), source.track, send.endpoint, self._link(send.endpoint))
+        self._check_verified(send.endpoint)
+        return Push(tuple(pieces), source, send.endpoint, self._link(send.endpoint))
 
     def push(self, push: Push) -> None:
         """Send the prepared chunks (zero-copy from the buffer when big and aliased)."""
         link = push.link if not push.link.closed else self._link(push.endpoint)
         for piece in push.pieces:
             data = piece.data
+            if data is None and push.source.copy is not None and \
+                    piece.view.nbytes >= ZERO_COPY_BYTES:
+                self._push_charged(push, piece, link)
+                continue
             if data is None:
                 data = self.backend.read(piece.view)[0]
             if piece.zero_copy:
                 tracker = link.send_multipart([piece.header, data], copy=False, track=True)
                 if tracker is not None:
-                    push.track(tracker)
+                    push.source.track(tracker)
             else:
                 link.send_multipart([piece.header, data], copy=False)
+
+    def _check_verified(self, endpoint: str) -> None:
+        """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
+        handshake: the answer carries a random token only that endpoint received), so a client
+        cannot make a worker send tensors to a port that is not a zmq-rpc worker. With CURVE
+        the handshake with a known worker key is the check (:class:`PeerSecurity`)."""
+        if self.security.keys is None and endpoint not in self.verified:
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"{printable(endpoint, 100)} has not answered a peer probe from this "
+                            "worker (PEER_PROBE it first; is it a zmq-rpc worker?): this "
+                            "worker does not push there")
+
+    def _push_charged(self, push: Push, piece: Piece, link: zmq.Socket[bytes]) -> None:
+        """A piece that must be materialized (strided, zero-stride) is counted in its
+        session's memory until libzmq has sent it (a dead peer cannot pile up copies)."""
+        copy, sent = push.source.copy, push.source.sent
+        assert copy is not None and sent is not None
+        charged = copy(piece.view, push.endpoint)
+        tracker = link.send_multipart([piece.header, charged.data], copy=False, track=True)
+        sent(tracker, charged)
+
+    def drop_link(self, endpoint: str) -> None:
+        """Close a link and drop what is queued on it (its session closed)."""
+        self._drop_link(endpoint)
 
     def start_probe(self, endpoint: str, timeout_ms: int, owner: object, done: Done) -> None:
         """Ask the peer at ``endpoint`` to answer; ``done`` hears whether it did in time."""
@@ -260,7 +298,7 @@ class PeerLinks:
         link = self._link(endpoint)
         self.outgoing[token] = Outgoing(owner, done, endpoint,
                                         time.monotonic() + timeout_ms / 1000,
-                                        f"probe of {endpoint}")
+                                        f"probe of {endpoint}", probe=True)
         link.send(wire.encode_peer(wire.Probe(token, self.endpoint)))
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
@@ -389,6 +427,8 @@ class PeerLinks:
         out = self.outgoing.pop(ack.token, None)
         if out is None:
             return
+        if ack.ok and out.probe:
+            self.verified.add(out.endpoint)
         out.done(None if ack.ok else f"{out.what} refused by the peer: {ack.message}")
 
     def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:

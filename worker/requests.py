@@ -65,6 +65,8 @@ class Request:
     route: Route
     in_flight: bool = False
     """Its transfer is under way: the session's queue waits on it (see :meth:`landed`)."""
+    nbytes: int = 0
+    """Payload bytes, counted against the session's queued-bytes quota while it waits."""
 
     def writes(self, session: Session) -> Iterable[int]:
         """The buffers its next step writes: zero-copy sends from them must be done first."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,10 @@ from ..broker import protocol as p
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode, TensorRef, WireError
 from .backends.base import Backend, Memory, View
+from .quotas import Charged, Usage
+
+if TYPE_CHECKING:
+    from .memory import SessionMemory
 
 if TYPE_CHECKING:
     from .graph_exec import CompiledGraph
@@ -41,6 +45,8 @@ class WorkerLimits:
     session_timeout: float
     max_graph_work: int = DEFAULT_MAX_WORK
     """Element-ops one graph run may ask for (see :func:`~zmq_rpc.broker.ops.node_work`)."""
+    session_memory: int = 0
+    """Bytes one session may hold (0: the memory limit); see :mod:`~zmq_rpc.worker.quotas`."""
 
 
 @dataclass
@@ -79,6 +85,7 @@ class Session:
     """Checked views by reference (a pipeline names the same few every step); emptied when a
     buffer is freed."""
     last_seen: float = field(default_factory=time.monotonic)
+    usage: Usage = field(default_factory=Usage)
     answered_later: set[Request] = field(default_factory=set)
     """Requests out of the queue that the end of their transfer answers (a send, a probe)."""
 
@@ -111,9 +118,10 @@ class TrackedPayload:
 class Views:
     """Checked views of a session's buffers, for every command that touches tensor bytes."""
 
-    def __init__(self, backend: Backend, max_view_bytes: int) -> None:
+    def __init__(self, backend: Backend, max_view_bytes: int, memory: SessionMemory) -> None:
         self.backend = backend
         self.max_view_bytes = max_view_bytes
+        self.memory = memory
 
     @staticmethod
     def buffer(session: Session, handle: int) -> Buffer:
@@ -136,12 +144,32 @@ class Views:
         return view
 
     def fetched(self, session: Session, ref: TensorRef, view: View) -> Any:
-        """A reply frame with the bytes of ``view`` (the checked view of ``ref``): big ones
-        that alias the buffer go zero-copy, tracked."""
-        data, aliased = self.backend.read(view)
-        if aliased and ref.nbytes >= TRACK_THRESHOLD:
-            return TrackedPayload(data, session.buffers[ref.buffer])
-        return data
+        """A reply frame: the buffer's bytes in place (tracked when big), else a copy; a big
+        copy (a strided or zero-stride view) is counted in memory until it is sent."""
+        data = self.backend.alias(view)
+        if data is not None:
+            if ref.nbytes >= TRACK_THRESHOLD:
+                return TrackedPayload(data, session.buffers[ref.buffer])
+            return data
+        if ref.nbytes < TRACK_THRESHOLD:
+            return self.backend.read(view)[0]
+        data = self.memory.allocate(session, ref.nbytes, "reply",
+                                    lambda: self.backend.read(view)[0])
+        return Charged(data, ref.nbytes, session.usage)
+
+    def fetch_all(self, session: Session, refs: Sequence[TensorRef],
+                  views: Sequence[View]) -> list[Any]:
+        """Every fetched frame, or none: a fetch that does not fit gives back the others."""
+        frames: list[Any] = []
+        try:
+            for ref, view in zip(refs, views):
+                frames.append(self.fetched(session, ref, view))
+        except BaseException:
+            for frame in frames:
+                if isinstance(frame, Charged):
+                    self.memory.uncharge(session, frame.nbytes)
+            raise
+        return frames
 
     def _check(self, session: Session, ref: TensorRef) -> View:
         buf = self.buffer(session, ref.buffer)

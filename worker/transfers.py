@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 from ..broker import peer as wire
 from ..broker.protocol import Cmd, TensorRef
+from .backends.base import View
 from .peer_links import Done, PeerLinks, Push, Source
+from .quotas import Charged
 from .requests import Admission, Later, Outcome, Request, Route
 from .session import NO_REPLY, Reply, Session, Views
 
@@ -26,6 +28,7 @@ class PeerCommands:
     def __init__(self, peers: PeerLinks, views: Views, transfer_done: TransferDone) -> None:
         self.peers = peers
         self.views = views
+        self.memory = views.memory
         self.transfer_done = transfer_done
 
     def routes(self) -> dict[Cmd, Route]:
@@ -85,7 +88,14 @@ class PeerCommands:
         """What a send of ``ref`` reads: its checked view, and its buffer's memory and trackers."""
         view = self.views.view(session, ref)
         buf = self.views.buffer(session, ref.buffer)
-        return Source(view, buf.memory, buf.sending.append)
+
+        def copy(piece: View, endpoint: str) -> Charged:
+            nbytes = piece.nbytes
+            data = self.memory.allocate(session, nbytes, "peer send",
+                                        lambda: self.views.backend.read(piece)[0])
+            return Charged(data, nbytes, session.usage, endpoint)
+
+        return Source(view, buf.memory, buf.sending.append, copy, self.memory.inflight.add)
 
     def _done(self, session: Session, req: Request) -> Done:
         return lambda error: self.transfer_done(session, req, error)
