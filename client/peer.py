@@ -142,8 +142,49 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
                                                         timeout_ms=transfer_ms), timeout=wait)
         else:
             sent = _relay(src, dst, token)
+    if direct:
+        return _done_when_landed(landed, sent, b, token)
     from .client import _gather
     return _gather([landed, sent], lambda: None)
+
+
+def _done_when_landed(landed: Future[Any], sent: Future[Any], b: Client,
+                      token: bytes) -> Future[None]:
+    """A direct copy is done when B says the bytes have landed: A's own reply (sent after B's
+    acknowledgement travels back to A) would add a hop to every copy (~0.2 ms at 64 KiB). A's
+    failure still fails the copy at once, and aborts B's receive instead of leaving B's queue
+    held until the transfer deadline."""
+    out: Future[None] = Future()
+    out.set_running_or_notify_cancel()
+    lock = threading.Lock()
+
+    def settle(error: BaseException | None) -> bool:
+        with lock:
+            if out.done():
+                return False
+            if error is None:
+                out.set_result(None)
+            else:
+                out.set_exception(error)
+            return True
+
+    def on_landed(f: Future[Any]) -> None:
+        settle(f.exception())
+
+    def on_sent(f: Future[Any]) -> None:
+        error = f.exception()
+        if error is None:
+            return
+        if settle(error):
+            b._call(Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0, total=0,
+                                                 error=f"the sending worker failed: {error}"[:512]),
+                    [b""])
+        else:
+            log.warning("a copy's bytes landed, but its sender then reported: %s", error)
+
+    landed.add_done_callback(on_landed)
+    sent.add_done_callback(on_sent)
+    return out
 
 
 def _relay(src: RemoteTensor, dst: RemoteTensor, token: bytes) -> Future[Any]:
