@@ -45,6 +45,7 @@ from .errors import (
     ConnectionLost,
     GraphError,
     InvalidHandle,
+    ModelFileError,
     OutOfBounds,
     OutOfMemory,
     RemoteError,
@@ -52,6 +53,7 @@ from .errors import (
     TransferError,
     VersionMismatch,
 )
+from .files import CacheReply, FileQuery, FileQueryReply, ReadFile, SetFromCache, check_cache_key
 from .graph import (
     GraphCompute,
     GraphRegister,
@@ -101,7 +103,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 2)
+PROTOCOL_VERSION = (1, 3)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
 
 
@@ -129,6 +131,9 @@ class Cmd(enum.IntEnum):
     PEER_PROBE = 19
     PEER_FILL = 20
     GRAPH_RUN_LINKED = 21
+    FILE_QUERY = 22
+    READ_FILE = 23
+    SET_FROM_CACHE = 24
 
 
 
@@ -147,6 +152,7 @@ _ERROR_CLASSES: dict[int, type[RpcError]] = {
     ErrorCode.TRANSFER_FAILED: TransferError,
     ErrorCode.SHUTTING_DOWN: ConnectionLost,
     ErrorCode.INTERNAL: RemoteError,
+    ErrorCode.FILE_REFUSED: ModelFileError,
 }
 
 
@@ -256,6 +262,9 @@ class SetTensor(Message):
     """Write the payload frame (``tensor.nbytes`` bytes, C order) into the view."""
 
     tensor: TensorRef = _f(check_tensor)
+    cache_key: bytes = _f(check_cache_key, since=(1, 3), default=b"")
+    """BLAKE3-256 of the payload: the worker also keeps it in its tensor cache (see
+    :mod:`.files`). Off the wire when empty."""
 
     def payload_sizes(self) -> list[int]:
         return [self.tensor.nbytes]
@@ -319,6 +328,9 @@ REQUESTS: dict[Cmd, type[Message]] = {
     Cmd.PEER_PROBE: PeerProbe,
     Cmd.PEER_FILL: PeerFill,
     Cmd.GRAPH_RUN_LINKED: GraphRunLinked,
+    Cmd.FILE_QUERY: FileQuery,
+    Cmd.READ_FILE: ReadFile,
+    Cmd.SET_FROM_CACHE: SetFromCache,
 }
 """The request class of every command (graph and peer messages live beside their encodings in
 :mod:`.graph` and :mod:`.peer`; this table is the one place that says which command takes which)."""
@@ -331,6 +343,8 @@ REPLIES: dict[Cmd, type[Message]] = {
     Cmd.GRAPH_RUN: GraphReply,
     Cmd.GRAPH_COMPUTE: GraphReply,
     Cmd.GRAPH_RUN_LINKED: GraphReply,
+    Cmd.FILE_QUERY: FileQueryReply,
+    Cmd.SET_FROM_CACHE: CacheReply,
 }
 """The reply class of every command."""
 

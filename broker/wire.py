@@ -50,6 +50,7 @@ class ErrorCode(enum.IntEnum):
     TRANSFER_FAILED = 11
     SHUTTING_DOWN = 12
     INTERNAL = 13
+    FILE_REFUSED = 14
 
 
 

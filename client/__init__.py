@@ -11,6 +11,7 @@ from ..broker.errors import (
     ConnectionLost,
     GraphError,
     InvalidHandle,
+    ModelFileError,
     OutOfBounds,
     OutOfMemory,
     ProtocolError,
@@ -40,6 +41,6 @@ __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
     "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
     "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
-    "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
+    "ModelFileError", "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
     "TransferError", "TransportError", "VersionMismatch",
 ]

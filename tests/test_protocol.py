@@ -143,11 +143,12 @@ def test_error_message_is_capped() -> None:
 # PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
 # The enums are append-only: a new member must take a value above every pinned one; a new command
 # bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
-# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default.
+# (1.2: GRAPH_RUN_LINKED's hold_reply_us; 1.3: FILE_QUERY, READ_FILE, SET_FROM_CACHE and
+# SET_TENSOR's cache_key), which older peers never see while it holds its default.
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 2)
+    assert p.PROTOCOL_VERSION == (1, 3)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -681,3 +682,60 @@ def test_the_broker_modules_import_without_cycles() -> None:
     assert imports["wire"] <= {"errors"}
     for leafward in ("ops", "graph", "peer", "quant"):
         assert "protocol" not in imports.get(leafward, set()), leafward
+
+
+# ------------------------------------------------------------------ 1.3: files and the cache
+
+
+U8 = ref((8,), dtype=DType.UINT8, buffer=1)
+
+
+def test_golden_file_and_cache_commands() -> None:
+    from zmq_rpc.broker import files as f
+    assert p.encode_request(Cmd.FILE_QUERY, 3, f.FileQuery(path="m.gguf")).hex() == \
+        "931603a66d2e67677566"
+    read = f.ReadFile(path="m.gguf", digest=bytes(range(32)), reads=(
+        f.FileRead("w", "Q8_0", (32, 1), 0, 8, U8), f.FileRead("", "", (), 16, 8, U8)))
+    # [23, 4, "m.gguf", digest, [["w", "Q8_0", [32, 1], 0, 8, U8], ["", "", [], 16, 8, U8]]]
+    assert p.encode_request(Cmd.READ_FILE, 4, read).hex() == (
+        "951704a66d2e67677566c420" + bytes(range(32)).hex() +
+        "9296a177a451385f309220010008950105910891010096a0a09010089501059108910100")
+    assert p.decode_request([p.encode_request(Cmd.READ_FILE, 4, read)]) == \
+        (Cmd.READ_FILE, 4, read)
+    fill = f.SetFromCache(tensor=U8, key=bytes(32))
+    assert p.encode_request(Cmd.SET_FROM_CACHE, 5, fill).hex() == \
+        "9418059501059108910100c420" + "00" * 32
+    assert p.encode_reply(7, f.CacheReply(hit=True, note="hit")).hex() == "940007c3a3686974"
+    assert p.encode_reply(8, f.FileQueryReply(found=False, reason="no", size=0, format="",
+                                              digest=b"")).hex() == "970008c2a26e6f00a0c400"
+    assert p.decode_reply(Cmd.SET_FROM_CACHE, p.unpack_header(bytes.fromhex(
+        "940007c3a3686974"))) == f.CacheReply(hit=True, note="hit")
+
+
+def test_golden_set_tensor_cache_key_is_off_the_wire_when_empty() -> None:
+    keyed = p.SetTensor(tensor=U8, cache_key=b"\x01" * 32)
+    header = p.encode_request(Cmd.SET_TENSOR, 6, keyed)
+    assert header.hex() == "9408069501059108910100c420" + "01" * 32
+    plain = p.encode_request(Cmd.SET_TENSOR, 6, p.SetTensor(tensor=U8))
+    assert plain == b"\x93" + header[1:-34]                    # what a 1.2 peer sends and reads
+    assert p.decode_request([header, bytes(8)])[2] == keyed
+    assert p.decode_request([plain, bytes(8)])[2].cache_key == b""
+
+
+@pytest.mark.parametrize("header, match", [
+    (pack(Cmd.SET_TENSOR, 1, wire(U8), b"short"), "cache_key"),
+    (pack(Cmd.SET_FROM_CACHE, 1, wire(U8), b"k" * 31), "32 bytes"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, []), "1 to 65536 reads"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F32", [2], 0, 8]]), "a read is"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F32", [2], 0, 7, wire(U8)]]),
+     "exactly 7 bytes"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F32", [-2], 0, 8, wire(U8)]]), "shape"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F" * 33, [2], 0, 8, wire(U8)]]), "kind"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32,
+          [["", "", [], 0, 8, wire(ref((2, 2), (8, 2), dtype=DType.UINT16, buffer=1))]]),
+     "contiguous"),
+    (pack(Cmd.FILE_QUERY, 1, 5), "path"),
+])
+def test_file_and_cache_requests_are_validated(header: bytes, match: str) -> None:
+    payload = [bytes(8)] if header[1] == Cmd.SET_TENSOR else []
+    bad([header, *payload], match=match)

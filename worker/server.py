@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ..broker import hashing
 from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from .backends.base import Backend
 from .executor import DRAIN_BATCH, Executor, WorkerLimits
+from .loading import Loading
+from .model_files import ModelFiles
 from .peer_links import PeerLinks
+from .tensor_cache import TensorCache
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -58,6 +62,12 @@ class WorkerConfig:
     peer_advertise: str = ""
     """The peer endpoint told to clients (for multi-host setups); default: what was bound."""
     name: str = field(default_factory=lambda: f"zmq-rpc-worker@{socket.gethostname()}")
+    model_dirs: tuple[str, ...] = ()
+    """Directories whose GGUF/safetensors files clients may have read into buffers here."""
+    cache_dir: str = ""
+    """Where the content-addressed tensor cache lives ("" for none)."""
+    cache_size: int = 8 << 30
+    """Bytes the tensor cache may hold on disk (least recently used entries go first)."""
 
 
 def make_backend(device: str) -> Backend:
@@ -89,6 +99,8 @@ class BackendThread(threading.Thread):
         self.error: BaseException | None = None
         self.pair: zmq.Socket[bytes] | None = None
         self.executor: Executor | None = None
+        self.disk: tuple[ModelFiles | None, TensorCache | None] = (None, None)
+        """The model files and tensor cache the executor serves (handed over before start)."""
 
     def run(self) -> None:
         pair = self.ctx.socket(zmq.PAIR)
@@ -107,6 +119,7 @@ class BackendThread(threading.Thread):
             self.executor.peer_endpoint = self.peers.endpoint
             if self.peers.endpoint:
                 self.executor.capabilities.append("peer-copy")
+            Loading(self.executor, *self.disk).install()
             self.pair = pair
             self.ready.set()
             self._loop(pair, control)
@@ -219,6 +232,7 @@ class WorkerServer:
         self._backend_thread = BackendThread(self.ctx, backend, self.limits(backend),
                                              (pair_ep, backend_ctl_ep), cfg.name,
                                              (self._peer_bind(), cfg.peer_advertise))
+        self._backend_thread.disk = self._disk()
         self._backend_thread.start()
         self._wait_ready(self._backend_thread)
         self._backend_ctl = self._control(backend_ctl_ep)
@@ -233,6 +247,16 @@ class WorkerServer:
         self.endpoint = self._broker_thread.endpoint
         log.info("worker %s listening on %s (device %s)", cfg.name, self.endpoint, cfg.device)
         return self.endpoint
+
+    def _disk(self) -> tuple[ModelFiles | None, TensorCache | None]:
+        """The ``--model-dir`` files and the ``--cache-dir`` cache (both hash with BLAKE3)."""
+        cfg = self.config
+        if (cfg.model_dirs or cfg.cache_dir) and not hashing.available():
+            raise RuntimeError("--model-dir and --cache-dir need the blake3 package: "
+                               "pip install 'zmq-rpc[files]'")
+        files = ModelFiles(cfg.model_dirs) if cfg.model_dirs else None
+        cache = TensorCache(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
+        return files, cache
 
     def _peer_bind(self) -> str:
         cfg = self.config
