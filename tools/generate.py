@@ -51,6 +51,13 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     ap.add_argument("--weights", choices=["f32", "quantized"], default="f32",
                     help="f32: dequantize once on the workers (default, faster); quantized: "
                          "keep Q4_1/Q8_0 blocks and dequantize inside every matmul")
+    ap.add_argument("--sources", choices=["auto", "upload", "cache", "file"], default="auto",
+                    help="where workers get the weights: their own copy of the file "
+                         "(--model-dir), their tensor cache (--cache-dir) or an upload; auto "
+                         "(default) takes the first each worker has")
+    ap.add_argument("--worker-path", default=None,
+                    help="the model file's path under the workers' --model-dir (default: its "
+                         "file name)")
     ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32")
     ap.add_argument("--n-ctx", type=int, default=512, help="context length (default %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=32,
@@ -109,7 +116,8 @@ def _load(args: argparse.Namespace, clients: list[Client]) -> LlamaModel:
 
         return LlamaModel.load(gguf, clients, n_ctx=args.n_ctx, weights=args.weights,
                                kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
-                               progress=progress)
+                               progress=progress, sources=args.sources,
+                               worker_path=args.worker_path)
 
 
 def _generate(args: argparse.Namespace, model: LlamaModel) -> list[int]:
@@ -135,10 +143,11 @@ def _summary(model: LlamaModel, args: argparse.Namespace) -> str:
     prefill = [s for s in model.stats if s.mode == "prefill"]
     decode = [s for s in model.stats if s.mode == "decode"]
     lines = [
-        f"load: {load.total_seconds:.2f} s; upload {load.upload_bytes / 1e6:.1f} MB in "
-        f"{load.upload_seconds:.2f} s = {load.upload_gbps:.2f} GB/s effective"
+        f"load: {load.total_seconds:.2f} s; weights in place in {load.upload_seconds:.2f} s, "
+        f"{load.upload_bytes / 1e6:.1f} MB of them sent = {load.upload_gbps:.2f} GB/s effective"
         + f"; {'dequantize to f32' if args.weights == 'f32' else 'lay out'} on the workers "
           f"{load.build_seconds:.2f} s",
+        *(f"weights from {s.describe()}" for s in load.sources),
         (f"weights: {load.weight_bytes / 2**20:.1f} MiB compact; "
          f"{load.resident_bytes / 2**20:.1f} MiB on {len(model.stages)} worker(s); "
          f"KV cache {load.kv_bytes / 2**20:.1f} MiB"),
