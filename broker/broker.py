@@ -9,10 +9,21 @@ socket.
 Socket options chosen here:
 - ROUTER_MANDATORY stays off: zmq_proxy would stop on the EHOSTUNREACH it raises for a client that
   left while its reply was under way; such a reply is dropped, and the client has gone anyway.
-- SNDHWM/RCVHWM are 0 (no limit) on the ROUTER and the PAIR, so no reply is ever dropped at a
-  high-water mark; clients bound what they keep in flight (count and bytes) instead.
+- Requests are bounded, replies are not dropped for clients that read them. Each client's inbound
+  pipe holds at most ``CLIENT_RCVHWM`` messages and the PAIR towards the backend ``BACKEND_HWM``
+  (both sides together twice that): when the backend is behind, the proxy stops reading, libzmq
+  stops reading the clients' TCP sockets, and each client feels its own backpressure, while
+  libzmq's fair queuing across client pipes lets every other client's next request through
+  after at most one of the flooder's per turn. So a client that floods waits for itself (its
+  sends back up on its side), and the others' latency stays within a few queued requests of idle
+  (tests/test_quotas.py). Replies to a client are held up to ``CLIENT_SNDHWM`` messages; a
+  client that never reads them loses those beyond it (zmq-rpc's client keeps at most 512
+  requests in flight, well under). The PAIR's reply direction is unbounded, so the backend never
+  blocks on a reply.
 - MAXMSGSIZE refuses oversized messages at the socket: libzmq drops that peer's connection.
 - HEARTBEAT_IVL/TIMEOUT/TTL close connections to frozen or vanished clients.
+- With a key pair the ROUTER is a CURVE server in the ZAP domain ``zmq-rpc-client``: a connection
+  whose key the ZAP handler (:mod:`zmq_rpc.broker.zap`) refuses never delivers a message.
 """
 
 from __future__ import annotations
@@ -25,7 +36,17 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from .keys import KeyPair
+from .zap import CLIENT_DOMAIN
+
 log = logging.getLogger("zmq_rpc.broker")
+
+CLIENT_RCVHWM = 256
+"""Requests libzmq holds per client connection before it stops reading that client's socket."""
+CLIENT_SNDHWM = 8192
+"""Replies held per client connection; more than that to a client that does not read are dropped."""
+BACKEND_HWM = 32
+"""Requests queued on the inproc PAIR per side (the backend's PAIR sets its RCVHWM to this)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +59,8 @@ class BrokerConfig:
     max_message_size: int
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
+    curve: KeyPair | None = None
+    """The worker's key pair: clients must speak CURVE and pass the ZAP handler."""
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:
@@ -51,6 +74,14 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def make_curve_server(sock: zmq.Socket[bytes], keys: KeyPair, domain: str) -> None:
+    """Make ``sock`` (before it binds) a CURVE server whose clients the ZAP handler checks."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
 
 
 class BrokerThread(threading.Thread):
@@ -84,17 +115,19 @@ class BrokerThread(threading.Thread):
         cfg = self.config
         router = self.ctx.socket(zmq.ROUTER)
         sockets.append(router)
-        router.setsockopt(zmq.SNDHWM, 0)
-        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
+        router.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
         router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_size)
         router.setsockopt(zmq.HEARTBEAT_IVL, cfg.heartbeat_ivl_ms)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, cfg.heartbeat_timeout_ms)
         router.setsockopt(zmq.HEARTBEAT_TTL, cfg.heartbeat_timeout_ms)
+        if cfg.curve is not None:
+            make_curve_server(router, cfg.curve, CLIENT_DOMAIN)
         router.bind(cfg.bind)
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         pair = self.ctx.socket(zmq.PAIR)
         sockets.append(pair)
-        pair.setsockopt(zmq.SNDHWM, 0)
+        pair.setsockopt(zmq.SNDHWM, BACKEND_HWM)
         pair.setsockopt(zmq.RCVHWM, 0)
         pair.connect(cfg.backend_endpoint)
         control = self.ctx.socket(zmq.PAIR)

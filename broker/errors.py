@@ -15,7 +15,8 @@
     │   └── ModelFileError            a worker-side file read refused (path, identity, header)
     ├── TransportError                the connection failed us
     │   ├── Timeout                   no reply within the request's timeout
-    │   └── ConnectionLost            the worker went away (or forgot our session)
+    │   ├── ConnectionLost            the worker went away (or forgot our session)
+    │   └── AuthenticationFailed      the worker refused our CURVE key, or we its key
     └── ClientClosed                  you closed the client; pending and new calls fail with this
 
 Remote failures travel as an :class:`~zmq_rpc.broker.protocol.ErrorCode` and a message; the client
@@ -40,6 +41,7 @@ __all__ = [
     "TransportError",
     "Timeout",
     "ConnectionLost",
+    "AuthenticationFailed",
     "ClientClosed",
 ]
 
@@ -112,6 +114,11 @@ class Timeout(TransportError):
 
 class ConnectionLost(TransportError):
     """The worker went away, or no longer knows this client's session."""
+
+
+class AuthenticationFailed(TransportError):
+    """The CURVE handshake failed: the worker does not list our public key, its key is not the
+    one we expect, or one side speaks CURVE and the other does not. Retrying will not help."""
 
 
 class ClientClosed(RpcError):

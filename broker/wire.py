@@ -86,6 +86,16 @@ def describe(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def printable(text: str, limit: int = 200) -> str:
+    """An untrusted string made safe for one log line: control characters, quotes, backslashes
+    and non-ASCII escaped the way ``repr`` shows them (a NUL is ``\\x00``, a newline ``\\n``, so
+    nobody forges a log line), cut to ``limit`` characters."""
+    cut = text[:limit]
+    shown = cut.encode("ascii", "backslashreplace").decode("ascii")
+    shown = "".join(c if " " <= c <= "~" else repr(c)[1:-1] for c in shown)
+    return shown + ("..." if len(text) > limit else "")
+
+
 # --------------------------------------------------------------------------------------- dtypes
 
 

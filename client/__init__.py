@@ -6,6 +6,7 @@ Public API: :class:`Client` (blocking methods and ``_async`` twins returning
 """
 
 from ..broker.errors import (
+    AuthenticationFailed,
     BadRequest,
     ClientClosed,
     ConnectionLost,
@@ -41,6 +42,6 @@ __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
     "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
     "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
-    "ModelFileError", "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError", "Timeout",
-    "TransferError", "TransportError", "VersionMismatch",
+    "ModelFileError", "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError",
+    "Timeout", "TransferError", "TransportError", "VersionMismatch", "AuthenticationFailed",
 ]

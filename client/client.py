@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -20,12 +21,21 @@ import zmq
 
 from ..broker import graph as wire_graph
 from ..broker import protocol as p
-from ..broker.errors import BadRequest, ConnectionLost, ProtocolError, RpcError, VersionMismatch
+from ..broker.errors import (
+    AuthenticationFailed,
+    BadRequest,
+    ConnectionLost,
+    ProtocolError,
+    RpcError,
+    VersionMismatch,
+)
+from ..broker.keys import KeyPair
 from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
 from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions
 from .graph import Graph
 from .peer import HandOff, Routes, copy_between, run_linked
 from .peer import receive as receive_hand_off
+from .security import resolve_curve
 
 log = logging.getLogger("zmq_rpc.client")
 
@@ -225,20 +235,29 @@ class Client:
 
     ``with Client("tcp://127.0.0.1:50052") as c: ...`` — ``close()`` frees the session's buffers on
     the worker and fails anything still pending with ``ClientClosed``.
+
+    A worker run with ``--curve-secret-key`` needs ``curve_key`` (this client's ``.key_secret``
+    file, or ``$ZMQ_RPC_CURVE_SECRET_KEY``) and the worker's public key: in the endpoint
+    (``tcp://h:p#curve=KEY``), as ``server_key`` (text or ``.key`` file) or
+    ``$ZMQ_RPC_SERVER_KEY``. A refused key fails at once with ``AuthenticationFailed``.
     """
 
     def __init__(self, endpoint: str, *, timeout: float = 60.0, connect_timeout: float = 10.0,
                  window: int = 512, window_bytes: int = DEFAULT_WINDOW_BYTES, heartbeat: float = 2.0,
                  name: str = "zmq-rpc-client", chunk_bytes: int = DEFAULT_CHUNK,
                  peer_copy: bool = True,
-                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
-        self.endpoint = endpoint
+                 ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 curve_key: str | os.PathLike[str] | KeyPair | None = None,
+                 server_key: str | bytes | None = None) -> None:
+        address, curve = resolve_curve(endpoint, curve_key, server_key)
+        self.endpoint = address
         self.peer_copy = peer_copy
         self._routes = Routes()
         self.name = name
         self.timeout = timeout
-        self._engine = Engine(endpoint, EngineOptions(
-            timeout=timeout, window=window, window_bytes=window_bytes, heartbeat=heartbeat), ctx)
+        self._engine = Engine(address, EngineOptions(
+            timeout=timeout, window=window, window_bytes=window_bytes, heartbeat=heartbeat,
+            curve=curve), ctx)
         self._handles = itertools.count(1)
         self._handle_lock = threading.Lock()
         try:
@@ -254,7 +273,7 @@ class Client:
         try:
             info = self._engine.submit(Cmd.HELLO, hello, timeout=timeout).result()
         except RpcError as exc:
-            if isinstance(exc, VersionMismatch):
+            if isinstance(exc, (VersionMismatch, AuthenticationFailed)):
                 raise
             raise ConnectionLost(f"cannot reach a zmq-rpc worker at {self.endpoint}: "
                                  f"{exc.message}") from exc

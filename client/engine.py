@@ -27,8 +27,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..broker import protocol as p
-from ..broker.errors import ClientClosed, ConnectionLost, RpcError, Timeout
+from ..broker.errors import AuthenticationFailed, ClientClosed, ConnectionLost, RpcError, Timeout
 from ..broker.protocol import Cmd
+from .security import CurveClient
 
 log = logging.getLogger("zmq_rpc.client")
 
@@ -69,6 +70,8 @@ class EngineOptions:
     zmq_heartbeat_timeout_ms: int = 5000
     identity: bytes = field(default_factory=lambda: b"z" + os.urandom(15))
     """The routing id workers key this client's session by: random, never starting with 0x00."""
+    curve: CurveClient | None = None
+    """Speak CURVE with this key pair to a worker with this public key (None: plain ZMTP)."""
 
 
 class Engine:
@@ -180,8 +183,13 @@ class _IoLoop:
         self.dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmq_heartbeat_timeout_ms)
         self.dealer.setsockopt(zmq.HEARTBEAT_TTL, opts.zmq_heartbeat_timeout_ms)
         self.dealer.setsockopt(zmq.LINGER, 0)
+        if opts.curve is not None:
+            self.dealer.setsockopt(zmq.CURVE_SERVERKEY, opts.curve.server_key)
+            self.dealer.setsockopt(zmq.CURVE_PUBLICKEY, opts.curve.keys.public)
+            self.dealer.setsockopt(zmq.CURVE_SECRETKEY, opts.curve.keys.secret)
         self.monitor = self.dealer.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | _HANDSHAKE_FAILED)
         self.dealer.connect(engine.endpoint)
         self.backlog: deque[Call] = deque()
         self.in_flight: dict[int, Call] = {}
@@ -309,14 +317,34 @@ class _IoLoop:
 
     def _on_monitor(self) -> None:
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            if event == zmq.EVENT_DISCONNECTED and self.connected:
+            message = recv_monitor_message(self.monitor)
+            event = message["event"]
+            if event & _HANDSHAKE_FAILED:
+                self._handshake_failed(event, message["value"])
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 self.fail_pending(ConnectionLost(
                     f"connection to {self.engine.endpoint} lost; requests in flight may or may "
                     "not have run, queued ones were not sent"))
             elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                 self.connected = True
+
+    def _handshake_failed(self, event: int, value: int) -> None:
+        """The worker refused us (ZAP said no), or the handshake broke (a wrong server key, one
+        side without CURVE): fail what waits now rather than at its timeout. libzmq retries."""
+        self.connected = False
+        where = self.engine.endpoint.partition("#")[0]
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"the worker at {where} refused this client's CURVE key (ZAP status {value}): "
+                   "its public key must be in the worker's --authorized-keys directory")
+        elif self.engine.options.curve is not None:
+            why = (f"the CURVE handshake with {where} failed ({_handshake_error(value)}): is the "
+                   "worker's public key right, and does the worker run with "
+                   "--curve-secret-key?")
+        else:
+            why = (f"the handshake with {where} failed ({_handshake_error(value)}): the worker "
+                   "may require CURVE (pass curve_key= and the worker's key)")
+        self.fail_pending(AuthenticationFailed(why))
 
     def fail_in_flight(self, exc: RpcError) -> None:
         for call in self.in_flight.values():
@@ -352,6 +380,18 @@ class _IoLoop:
         self.dealer.disable_monitor()
         self.monitor.close(linger=0)
         self.dealer.close(linger=200 if self.connected else 0)
+
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def _handshake_error(value: int) -> str:
+    """libzmq's handshake failure value: a ZMQ_PROTOCOL_ERROR_* code, else an errno."""
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
+            return name[len("PROTOCOL_ERROR_"):].lower().replace("_", " ")
+    return zmq.strerror(value) if 0 < value < 0x10000000 else f"code 0x{value:x}"
 
 
 def _check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:

@@ -166,3 +166,14 @@ def relay_log(caplog: pytest.LogCaptureFixture) -> Iterator[RelayLog]:
     """Captures ``zmq_rpc.client.peer`` INFO records for the test."""
     with caplog.at_level(logging.INFO, logger="zmq_rpc.client.peer"):
         yield RelayLog(caplog)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-seconds", type=float, default=20.0,
+                     help="how long tests/test_fuzz.py fuzzes a live worker (default 20 s; "
+                          "raise it for a long run, e.g. --fuzz-seconds 1800 --timeout 0)")
+
+
+@pytest.fixture
+def fuzz_seconds(request: pytest.FixtureRequest) -> float:
+    return float(request.config.getoption("--fuzz-seconds"))

@@ -137,12 +137,13 @@ def test_cli_mem_limit(spawn_worker: Callable[..., WorkerProcess],
         client.alloc_buffer(3 << 20)
 
 
-def test_warning_when_binding_beyond_loopback(caplog: pytest.LogCaptureFixture) -> None:
+def test_warning_when_binding_beyond_loopback_insecurely(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="zmq_rpc.worker"):
-        server = WorkerServer(WorkerConfig(bind="tcp://0.0.0.0:*"))
+        server = WorkerServer(WorkerConfig(bind="tcp://0.0.0.0:*", insecure=True))
         server.start()
         server.stop()
-    assert any("beyond loopback" in r.getMessage() for r in caplog.records)
+    assert any("INSECURE: listening on tcp://0.0.0.0" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_setup_cfg_lists_every_package_folder() -> None:

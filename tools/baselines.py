@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
+from ..broker.keys import KeyPair, load_keypair
+
 ZmqSocket = zmq.Socket[bytes]
 ZmqContext = zmq.Context[zmq.Socket[bytes]]
 
@@ -171,9 +173,11 @@ class ZmqServerThread(threading.Thread):
     ``ctx.term()`` from the main thread always can.
     """
 
-    def __init__(self, ctx: ZmqContext, bind: str, loop: Callable[[ZmqSocket], None]) -> None:
+    def __init__(self, ctx: ZmqContext, bind: str, loop: Callable[[ZmqSocket], None],
+                 curve: KeyPair | None = None) -> None:
         super().__init__(name="baseline-server", daemon=False)
         self.ctx = ctx
+        self.curve = curve
         self.bind = bind
         self.loop = loop
         self.endpoint = ""
@@ -185,6 +189,9 @@ class ZmqServerThread(threading.Thread):
         try:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            if self.curve is not None:       # raw CURVE: no ZAP handler, any client key
+                sock.setsockopt(zmq.CURVE_SERVER, 1)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve.secret)
             sock.bind(self.bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self.ready.set()
@@ -198,13 +205,14 @@ class ZmqServerThread(threading.Thread):
             sock.close(linger=0)
 
 
-def run_zmq_server(kind: str, bind: str, loop: Callable[[ZmqSocket], None]) -> int:
+def run_zmq_server(kind: str, bind: str, loop: Callable[[ZmqSocket], None],
+                   curve: KeyPair | None = None) -> int:
     """Serve ``loop`` on a ROUTER in a thread, announce it, and stop it on SIGTERM/SIGINT."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     ctx: ZmqContext = zmq.Context()
-    server = ZmqServerThread(ctx, bind, loop)
+    server = ZmqServerThread(ctx, bind, loop, curve)
     server.start()
     server.ready.wait()
     if server.endpoint:
@@ -234,10 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  description="Raw pyzmq / TCP servers for zmq-rpc-bench.")
     ap.add_argument("kind", choices=["echo", "bulk-zmq", "bulk-tcp"])
     ap.add_argument("--bind", default="tcp://127.0.0.1:*")
+    ap.add_argument("--curve-secret-key", default=None,
+                    help="speak CURVE with this key pair (zmq servers only)")
     args = ap.parse_args(argv)
     if args.kind != "bulk-tcp":
         loop = serve_echo if args.kind == "echo" else serve_bulk_zmq
-        return run_zmq_server(args.kind, args.bind, loop)
+        curve = load_keypair(args.curve_secret_key) if args.curve_secret_key else None
+        return run_zmq_server(args.kind, args.bind, loop, curve)
     _raise_exit_on_signals()
     try:
         run_tcp_server(args.bind)
@@ -272,12 +283,18 @@ def echo_pipelined(sock: ZmqSocket, count: int, window: int, message: bytes) -> 
             received += 1
 
 
-def dealer(ctx: ZmqContext, endpoint: str) -> ZmqSocket:
-    """A connected DEALER with no high-water marks and linger 0 (close it yourself)."""
+def dealer(ctx: ZmqContext, endpoint: str,
+           curve: tuple[KeyPair, bytes] | None = None) -> ZmqSocket:
+    """A connected DEALER with no high-water marks and linger 0 (close it yourself); with
+    ``curve`` = (client key pair, server public key) it speaks CURVE."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if curve is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve[1])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[0].public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve[0].secret)
     sock.connect(endpoint)
     return sock
 
@@ -285,8 +302,9 @@ def dealer(ctx: ZmqContext, endpoint: str) -> ZmqSocket:
 class ZmqBulk:
     """Client of the bulk-zmq server: uploads and downloads, chunked or as one frame."""
 
-    def __init__(self, ctx: ZmqContext, endpoint: str) -> None:
-        self.sock = dealer(ctx, endpoint)
+    def __init__(self, ctx: ZmqContext, endpoint: str,
+                 curve: tuple[KeyPair, bytes] | None = None) -> None:
+        self.sock = dealer(ctx, endpoint, curve)
 
     def set(self, source: np.ndarray, chunk: int) -> None:
         """Send ``source`` (contiguous bytes) zero-copy in ``chunk``-byte messages; wait for the ack."""
@@ -390,9 +408,9 @@ def _unbuffered_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def baseline_argv(kind: str, bind: str = "tcp://127.0.0.1:*") -> list[str]:
+def baseline_argv(kind: str, bind: str = "tcp://127.0.0.1:*", *extra: str) -> list[str]:
     """The command line that starts one baseline server."""
-    return [sys.executable, "-m", "zmq_rpc.tools.baselines", kind, "--bind", bind]
+    return [sys.executable, "-m", "zmq_rpc.tools.baselines", kind, "--bind", bind, *extra]
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ CASES: dict[str, Case] = {}
 """Every registered case, in registration order (the default run order)."""
 
 CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.bench_peer",
-                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_links")
+                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_links",
+                                 "zmq_rpc.tools.bench_security")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)
@@ -592,6 +593,9 @@ def load_case_modules() -> None:
     """Import :data:`CASE_MODULES` so that their cases and commands register themselves."""
     for module in CASE_MODULES:
         importlib.import_module(module)
+    if "load" not in COMMANDS:
+        register_command("load", lambda argv: importlib.import_module(
+            "zmq_rpc.tools.loadtest").main(list(argv)))
     if "generate" not in COMMANDS:   # imported on use: it needs the model extras (gguf, tokenizers)
         register_command("generate", lambda argv: importlib.import_module(
             "zmq_rpc.tools.generate").main(list(argv)))

@@ -80,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="element-ops one graph run may ask for: every element read or written, "
                          "repeated views counted in full, multiply-adds / 32 "
                          f"(default {DEFAULT_MAX_WORK:,})")
+    sec = ap.add_argument_group("security (docs/SECURITY.md)")
+    sec.add_argument("--curve-secret-key", metavar="FILE", default=None,
+                     help="this worker's CURVE key pair (a .key_secret file from zmq-rpc-keygen, "
+                          "mode 0600): clients and peers must authenticate, every byte is "
+                          "encrypted")
+    sec.add_argument("--authorized-keys", metavar="DIR", default=None,
+                     help="directory of client public keys (*.key) allowed to connect; reread "
+                          "when it changes")
+    sec.add_argument("--worker-keys", metavar="DIR", default=None,
+                     help="directory of worker public keys this worker accepts pushes from and "
+                          "pushes to (its own key always counts)")
+    sec.add_argument("--insecure", action="store_true",
+                     help="allow listening beyond loopback without CURVE (anyone who reaches the "
+                          "port can use the worker; logged loudly)")
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
     ap.add_argument("--log-level", default="INFO",
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -109,16 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ..broker.keys import KeyFileError, load_keypair
     from .server import WorkerConfig, WorkerServer  # after the BLAS variables are set
+
+    try:
+        curve = load_keypair(args.curve_secret_key) if args.curve_secret_key else None
+    except KeyFileError as exc:
+        logging.getLogger("zmq_rpc.worker").error("cannot start: %s", exc)
+        return 1
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,
                           session_timeout=args.session_timeout,
                           max_graph_work=args.max_graph_work,
                           peer_bind="" if args.peer_bind == "none" else args.peer_bind,
-                          peer_advertise=args.peer_advertise,
-                          model_dirs=tuple(args.model_dir), cache_dir=args.cache_dir,
-                          cache_size=args.cache_size)
+                          peer_advertise=args.peer_advertise, curve=curve,
+                          authorized_keys=args.authorized_keys, worker_keys=args.worker_keys,
+                          insecure=args.insecure, model_dirs=tuple(args.model_dir),
+                          cache_dir=args.cache_dir, cache_size=args.cache_size)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

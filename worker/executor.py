@@ -31,6 +31,7 @@ from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import Cmd, ErrorCode, TensorRef, WireError
+from ..broker.wire import printable
 from .backends.base import Backend
 from .graph_exec import CompiledGraph, compile_graph
 from .memory import MemoryBudget
@@ -267,6 +268,8 @@ class Executor:
         if req.cmd is Cmd.GRAPH_RUN_LINKED:
             session.queue.extend(self._receives(req))
         session.queue.append(req)
+        if self.peers is not None and req.cmd in (Cmd.PEER_RECV, Cmd.GRAPH_RUN_LINKED):
+            self.peers.announce(session, req.msg)   # its early chunks are kept, whoever floods
         if idle:
             self.pump(session)
 
@@ -415,7 +418,8 @@ class Executor:
             return
         session = self.sessions.get(client_id)
         if session is None:
-            session = self.sessions[client_id] = Session(client_id, msg.client or "client")
+            session = self.sessions[client_id] = Session(client_id,
+                                                         printable(msg.client, 64) or "client")
             log.info("session %s opened (%d open)", session.label, len(self.sessions))
         session.last_seen = time.monotonic()
         self.reply(client_id, req.req_id, self.hello_reply(), [])

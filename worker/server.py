@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 import zmq
 
 from ..broker import hashing
-from ..broker.broker import BrokerConfig, BrokerThread, is_loopback_endpoint
+from ..broker.broker import BACKEND_HWM, BrokerConfig, BrokerThread, is_loopback_endpoint
+from ..broker.keys import KeyPair
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
+from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .backends.base import Backend
 from .executor import DRAIN_BATCH, Executor, WorkerLimits
 from .loading import Loading
 from .model_files import ModelFiles
-from .peer_links import PeerLinks
+from .peer_links import PeerLinks, PeerSecurity
 from .tensor_cache import TensorCache
 
 log = logging.getLogger("zmq_rpc.worker")
@@ -68,6 +70,42 @@ class WorkerConfig:
     """Where the content-addressed tensor cache lives ("" for none)."""
     cache_size: int = 8 << 30
     """Bytes the tensor cache may hold on disk (least recently used entries go first)."""
+    curve: KeyPair | None = None
+    """This worker's CURVE key pair: clients and peers must authenticate (see SECURITY.md)."""
+    authorized_keys: str | None = None
+    """Directory of the client public keys (``*.key``) allowed to connect."""
+    worker_keys: str | None = None
+    """Directory of the worker public keys this one exchanges peer transfers with (its own key
+    is always accepted)."""
+    insecure: bool = False
+    """Allow binding beyond loopback without CURVE (anyone who reaches the ports can use it)."""
+
+
+class InsecureBind(RuntimeError):
+    """A worker without CURVE keys was asked to listen beyond loopback."""
+
+
+def check_security(cfg: WorkerConfig, peer_bind: str) -> None:
+    """Refuse a configuration that exposes an unauthenticated worker (or a half-secured one)."""
+    exposed = [ep for ep in (cfg.bind, peer_bind) if ep and not is_loopback_endpoint(ep)]
+    if cfg.curve is not None:
+        if not cfg.authorized_keys:
+            raise InsecureBind("--curve-secret-key needs --authorized-keys DIR (the client "
+                               "public keys allowed to connect)")
+        return
+    if cfg.authorized_keys or cfg.worker_keys:
+        raise InsecureBind("--authorized-keys/--worker-keys need --curve-secret-key FILE")
+    if exposed and not cfg.insecure:
+        raise InsecureBind(
+            f"refusing to listen on {', '.join(exposed)} without authentication: anyone who "
+            "reaches it could allocate memory, run graphs and make this worker push tensors. "
+            "Pass --curve-secret-key FILE --authorized-keys DIR (see zmq-rpc-keygen), or "
+            "--insecure on a network you trust")
+    for ep in exposed:
+        log.warning("INSECURE: listening on %s with no authentication and no encryption "
+                    "(--insecure): anyone who can reach this port can read and write every "
+                    "tensor, use all of --mem and make this worker send data to other "
+                    "workers", ep)
 
 
 def make_backend(device: str) -> Backend:
@@ -86,8 +124,11 @@ class BackendThread(threading.Thread):
     """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, limits: WorkerLimits,
-                 endpoints: tuple[str, str], name: str, peer: tuple[str, str]) -> None:
+                 endpoints: tuple[str, str], name: str, peer: tuple[str, str],
+                 curve: KeyPair | None = None, worker_keys: str | None = None) -> None:
         super().__init__(name="zmq-rpc-backend", daemon=False)
+        self.peer_security = PeerSecurity(curve, KeySet(
+            fixed=frozenset([curve.public]) if curve else frozenset(), directory=worker_keys))
         self.ctx = ctx
         self.backend = backend
         self.limits = limits
@@ -107,14 +148,15 @@ class BackendThread(threading.Thread):
         control = self.ctx.socket(zmq.PAIR)
         try:
             self.backend.attach()                   # a GPU is current per thread: this one
-            pair.setsockopt(zmq.SNDHWM, 0)
-            pair.setsockopt(zmq.RCVHWM, 0)
+            pair.setsockopt(zmq.SNDHWM, 0)                # replies: never block the backend
+            pair.setsockopt(zmq.RCVHWM, BACKEND_HWM)      # requests: see broker.py
             pair.bind(self.pair_endpoint)
             control.bind(self.control_endpoint)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
                                      self.server_name)
             self.peers = PeerLinks(self.ctx, self.peer_bind, self.peer_advertise,
-                                   self.limits.max_message_size, self.executor)
+                                   self.limits.max_message_size, self.executor,
+                                   self.peer_security)
             self.executor.peers = self.peers
             self.executor.peer_endpoint = self.peers.endpoint
             if self.peers.endpoint:
@@ -207,6 +249,7 @@ class WorkerServer:
         self._broker_thread: BrokerThread | None = None
         self._backend_ctl: zmq.Socket[bytes] | None = None
         self._broker_ctl: zmq.Socket[bytes] | None = None
+        self._zap: ZapThread | None = None
         self._stopped = False
 
     def limits(self, backend: Backend) -> WorkerLimits:
@@ -222,16 +265,22 @@ class WorkerServer:
     def start(self) -> str:
         """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""
         cfg = self.config
-        if not is_loopback_endpoint(cfg.bind):
-            log.warning("binding %s beyond loopback: zmq-rpc has no authentication yet, anyone "
-                        "who can reach this port can use this worker", cfg.bind)
+        peer_bind = self._peer_bind()
+        try:
+            check_security(cfg, peer_bind)
+            if cfg.curve is not None:
+                self._start_zap(cfg.curve)
+        except BaseException:
+            self.stop()
+            raise
         backend = make_backend(cfg.device)
         pair_ep = f"inproc://zmq-rpc-backend-{self._uid}"
         backend_ctl_ep = f"inproc://zmq-rpc-backend-ctl-{self._uid}"
         broker_ctl_ep = f"inproc://zmq-rpc-broker-ctl-{self._uid}"
         self._backend_thread = BackendThread(self.ctx, backend, self.limits(backend),
                                              (pair_ep, backend_ctl_ep), cfg.name,
-                                             (self._peer_bind(), cfg.peer_advertise))
+                                             (peer_bind, cfg.peer_advertise), cfg.curve,
+                                             cfg.worker_keys)
         self._backend_thread.disk = self._disk()
         self._backend_thread.start()
         self._wait_ready(self._backend_thread)
@@ -241,7 +290,7 @@ class WorkerServer:
         self._broker_thread = BrokerThread(self.ctx, BrokerConfig(
             bind=cfg.bind, backend_endpoint=pair_ep, control_endpoint=broker_ctl_ep,
             max_message_size=cfg.max_message_size, heartbeat_ivl_ms=cfg.heartbeat_ivl_ms,
-            heartbeat_timeout_ms=cfg.heartbeat_timeout_ms))
+            heartbeat_timeout_ms=cfg.heartbeat_timeout_ms, curve=cfg.curve))
         self._broker_thread.start()
         self._wait_ready(self._broker_thread)
         self.endpoint = self._broker_thread.endpoint
@@ -258,6 +307,19 @@ class WorkerServer:
         cache = TensorCache(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
         return files, cache
 
+    def _start_zap(self, keys: KeyPair) -> None:
+        cfg = self.config
+        policy = ZapPolicy({CLIENT_DOMAIN: KeySet(directory=cfg.authorized_keys),
+                            PEER_DOMAIN: KeySet(fixed=frozenset([keys.public]),
+                                                directory=cfg.worker_keys)})
+        for keyset in policy.domains.values():
+            keyset.keys()                 # a bad directory fails the start, not a handshake
+        self._zap = ZapThread(self.ctx, policy)
+        self._zap.start()
+        self._wait_ready(self._zap)
+        log.info("CURVE on: clients need a key in %s; peers a key in %s or this worker's",
+                 cfg.authorized_keys, cfg.worker_keys or "(none)")
+
     def _peer_bind(self) -> str:
         cfg = self.config
         if cfg.peer_bind is not None:
@@ -272,7 +334,7 @@ class WorkerServer:
         sock.connect(endpoint)
         return sock
 
-    def _wait_ready(self, thread: BackendThread | BrokerThread) -> None:
+    def _wait_ready(self, thread: BackendThread | BrokerThread | ZapThread) -> None:
         thread.ready.wait(10)
         if thread.error is not None or not thread.is_alive():
             self.stop()
@@ -293,6 +355,8 @@ class WorkerServer:
         for sock in (self._backend_ctl, self._broker_ctl):
             if sock is not None:
                 sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.stop()
         self.ctx.term()
         log.info("worker %s stopped", self.config.name)
 

@@ -1,0 +1,140 @@
+"""Fuzzing: the decoder offline (mutations of a recorded corpus, and hypothesis), a live worker
+with every command and its peer port (tools/fuzz.py). Issue 13.
+
+The live run lasts ``--fuzz-seconds`` (20 s by default, inside CI's 60 s budget with the worker's
+start and the settle time); ``pytest tests/test_fuzz.py --fuzz-seconds 1800 --timeout 0`` is the
+long run, or ``zmq-rpc-fuzz --seconds 1800 --json fuzz.json``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from zmq_rpc.broker import peer as wire
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.errors import BadRequest
+from zmq_rpc.tools import fuzz
+from zmq_rpc.worker.server import WorkerServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[fuzz.Seed]:
+    server = WorkerServer(fuzz_config())
+    server.start()
+    try:
+        return fuzz.record_corpus(server.endpoint)
+    finally:
+        server.stop()
+
+
+def fuzz_config() -> Any:
+    from zmq_rpc.worker.server import WorkerConfig
+    return WorkerConfig(bind="tcp://127.0.0.1:*", memory_limit=64 << 20)
+
+
+def test_corpus_covers_every_command(corpus: list[fuzz.Seed]) -> None:
+    assert {s.cmd for s in corpus} == {int(c) for c in p.Cmd}
+
+
+def test_mutated_corpus_only_raises_bad_request(corpus: list[fuzz.Seed]) -> None:
+    """20,000 mutations of valid requests through the decoder: a message is either valid or a
+    BadRequest (with a code), never another exception."""
+    mutator = fuzz.Mutator(random.Random(1), corpus)
+    outcomes = {"valid": 0, "refused": 0}
+    for i in range(20_000):
+        frames = mutator.message(i)
+        try:
+            p.decode_request(frames)
+            outcomes["valid"] += 1
+        except BadRequest as exc:
+            assert exc.code is not None and exc.message
+            outcomes["refused"] += 1
+    assert outcomes["valid"] > 100 and outcomes["refused"] > 10_000
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(0, 2**32), st.data())
+def test_hypothesis_mutations_of_every_seed(seed: int, data: st.DataObject) -> None:
+    corpus = _offline_corpus()
+    mutator = fuzz.Mutator(random.Random(seed), corpus)
+    frames = mutator.message(data.draw(st.integers(0, 2**63 - 1)))
+    extra = data.draw(st.lists(st.binary(max_size=64), max_size=2))
+    try:
+        p.decode_request(frames + extra)
+    except BadRequest:
+        pass
+
+
+_OFFLINE: list[fuzz.Seed] = []
+
+
+def _offline_corpus() -> list[fuzz.Seed]:
+    if not _OFFLINE:
+        tensor = p.TensorRef(buffer=1, dtype=p.DType.FLOAT32, shape=(4, 4), strides=(16, 4),
+                             offset=0)
+        major, minor = p.PROTOCOL_VERSION
+        for cmd, msg, payload in (
+                (p.Cmd.HELLO, p.Hello(major=major, minor=minor, client="x"), ()),
+                (p.Cmd.SET_TENSOR, p.SetTensor(tensor=tensor), (bytes(64),)),
+                (p.Cmd.GET_TENSOR, p.GetTensor(tensor=tensor), ()),
+                (p.Cmd.PEER_RECV, wire.PeerRecv(token=b"t" * 16, dst=tensor, timeout_ms=9), ())):
+            _OFFLINE.append(fuzz.Seed(int(cmd), tuple(msg.to_fields()), payload))
+    return _OFFLINE
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300), st.lists(st.binary(max_size=64), max_size=3))
+def test_peer_decoder_only_raises_bad_request(header: bytes, extra: list[bytes]) -> None:
+    try:
+        wire.decode_peer([header, *extra])
+    except BadRequest:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32))
+def test_mutated_peer_messages_only_raise_bad_request(seed: int) -> None:
+    frames = fuzz.peer_message(random.Random(seed), "tcp://127.0.0.1:9")
+    try:
+        wire.decode_peer(frames)
+    except BadRequest:
+        pass
+
+
+def test_msgpack_bombs_are_refused_quickly() -> None:
+    for bomb in fuzz.BOMBS:
+        with pytest.raises(BadRequest):
+            p.decode_request([bomb])
+        with pytest.raises(BadRequest):
+            p.decode_request([b"\x93\x08\x00" + bomb])
+    deep = msgpack.packb([9, 1])[:1] + b"\x91" * 100_000 + b"\x00"
+    with pytest.raises(BadRequest):
+        p.decode_request([deep])
+
+
+def test_live_worker_survives_mutation_fuzzing(fuzz_seconds: float,
+                                               request: pytest.FixtureRequest) -> None:
+    """Every command, mutated, from 4 sessions + the peer port, while a well-behaved client
+    probes every second with default settings: no crash, no hang, no malformed reply, no
+    INTERNAL error, every probe answered, RSS bounded (256 MiB --mem)."""
+    report = fuzz.fuzz(fuzz_seconds, settle=12.0)
+    summary = (f"{report.messages} messages + {report.peer_messages} peer in "
+               f"{report.seconds:.0f} s; statuses {dict(report.statuses)}; probes "
+               f"{report.probes} (median {report.probe_ms_median:.1f} ms, max "
+               f"{report.probe_ms_max:.0f} ms); RSS {report.rss_before >> 20} -> peak "
+               f"{report.rss_peak >> 20} -> {report.rss_after >> 20} MiB")
+    print(summary)
+    assert report.worker_exit is None, summary
+    assert report.malformed_replies == 0, summary
+    assert report.internal_errors == [], report.internal_errors[:5]
+    assert report.probe_failures == [], report.probe_failures[:5]
+    assert report.messages > 1000 and report.replies > 1000 and report.peer_messages > 10
+    assert report.rss_peak < 1 << 30, summary          # --mem 256MiB, plus the process itself
+    assert report.rss_after < report.rss_before + (300 << 20), summary

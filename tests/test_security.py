@@ -1,0 +1,428 @@
+"""CurveZMQ on client and peer links, key files, refusing to expose an unauthenticated worker,
+the peer port's stash under a flood of made-up transfers, and log lines that escape what an
+attacker sends. Issue 13."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from conftest import WorkerProcess
+from zmq_rpc.broker import peer as wire
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.keys import (
+    KeyFileError,
+    KeyPair,
+    generate_keypair,
+    load_key_dir,
+    load_keypair,
+    load_public_key,
+    parse_key,
+    split_endpoint,
+)
+from zmq_rpc.broker.protocol import Cmd
+from zmq_rpc.broker.wire import printable
+from zmq_rpc.client import AuthenticationFailed, Client, TransferError
+from zmq_rpc.client.security import resolve_curve
+from zmq_rpc.worker.server import InsecureBind, WorkerConfig, WorkerServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Keys:
+    """A key directory per role: workers, clients, and a stranger nobody authorized."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.pairs: dict[str, KeyPair] = {}
+        for role, names in (("workers", ["w1", "w2"]), ("clients", ["alice"]),
+                            ("strangers", ["mallory"])):
+            for name in names:
+                _, secret = generate_keypair(root / role, name)
+                self.pairs[name] = load_keypair(secret)
+
+    def secret(self, name: str) -> str:
+        role = "workers" if name.startswith("w") else (
+            "clients" if name == "alice" else "strangers")
+        return str(self.root / role / f"{name}.key_secret")
+
+    def dir(self, role: str) -> str:
+        return str(self.root / role)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Keys:
+    return Keys(tmp_path)
+
+
+@pytest.fixture
+def curve_worker(make_worker: Callable[..., WorkerServer], keys: Keys
+                 ) -> Callable[..., tuple[WorkerServer, str]]:
+    """A CURVE worker and the endpoint (with its key) clients connect to."""
+    def start(name: str = "w1", **overrides: object) -> tuple[WorkerServer, str]:
+        options: dict[str, object] = dict(curve=keys.pairs[name],
+                                          authorized_keys=keys.dir("clients"),
+                                          worker_keys=keys.dir("workers"),
+                                          memory_limit=64 << 20)
+        options.update(overrides)
+        server = make_worker(**options)
+        return server, f"{server.endpoint}#curve={keys.pairs[name].public.decode()}"
+    return start
+
+
+# ------------------------------------------------------------------------------- key files
+
+
+def test_keygen_writes_private_secret_and_refuses_overwrite(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "zmq_rpc.tools.keygen", str(tmp_path / "k"), "w"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    public, secret = tmp_path / "k" / "w.key", tmp_path / "k" / "w.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "k").stat().st_mode) == 0o700
+    assert stat.S_IMODE(public.stat().st_mode) == 0o644
+    pair = load_keypair(secret)
+    assert load_public_key(public) == pair.public and pair.public.decode() in out.stdout
+    assert pair.secret.decode() not in out.stdout and "secret=<hidden>" in repr(pair)
+    import zmq.auth  # interoperable with ZeroMQ's format
+    assert zmq.auth.load_certificate(str(secret)) == (pair.public, pair.secret)
+    again = subprocess.run([sys.executable, "-m", "zmq_rpc.tools.keygen", str(tmp_path / "k"),
+                            "w"], capture_output=True, text=True, timeout=30)
+    assert again.returncode == 1 and "exists" in again.stderr
+    assert load_keypair(secret) == pair
+
+
+def test_secret_key_readable_by_others_is_refused(tmp_path: Path) -> None:
+    _, secret = generate_keypair(tmp_path, "w")
+    secret.chmod(0o644)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_keypair(secret)
+    with pytest.raises(KeyFileError, match="no secret-key"):
+        load_keypair(_private_copy(tmp_path / "w.key"))
+
+
+def _private_copy(path: Path) -> Path:
+    copy = path.with_name("copy.key")
+    copy.write_bytes(path.read_bytes())
+    copy.chmod(0o600)
+    return copy
+
+
+def test_key_texts_and_endpoints() -> None:
+    public, _ = zmq.curve_keypair()
+    assert parse_key(public.decode()) == public
+    assert parse_key(zmq.utils.z85.decode(public).hex()) == public
+    assert split_endpoint(f"tcp://h:1#curve={public.decode()}") == ("tcp://h:1", public)
+    assert split_endpoint("tcp://h:1") == ("tcp://h:1", None)
+    for bad in ("abc", "x" * 64, "\0" * 40):
+        with pytest.raises(KeyFileError):
+            parse_key(bad)
+
+
+def test_malformed_key_in_a_directory_is_an_error(tmp_path: Path) -> None:
+    generate_keypair(tmp_path, "ok")
+    (tmp_path / "typo.key").write_text('curve\n    public-key = "short"\n')
+    with pytest.raises(KeyFileError, match="typo.key"):
+        load_key_dir(tmp_path)
+
+
+def test_client_keys_from_arguments_and_environment(keys: Keys) -> None:
+    server = keys.pairs["w1"].public
+    env = {"ZMQ_RPC_SERVER_KEY": str(keys.root / "workers" / "w1.key"),
+           "ZMQ_RPC_CURVE_SECRET_KEY": keys.secret("alice")}
+    address, curve = resolve_curve("tcp://h:1", environ=env)
+    assert address == "tcp://h:1" and curve is not None
+    assert curve.server_key == server and curve.keys == keys.pairs["alice"]
+    other = keys.pairs["w2"].public
+    _, curve = resolve_curve(f"tcp://h:1#curve={other.decode()}", environ=env)
+    assert curve is not None and curve.server_key == other          # the endpoint's key wins
+    assert resolve_curve("tcp://h:1", environ={}) == ("tcp://h:1", None)
+    with pytest.raises(KeyFileError, match="ZMQ_RPC_CURVE_SECRET_KEY"):
+        resolve_curve("tcp://h:1", server_key=server.decode(), environ={})
+
+
+# ----------------------------------------------------------------------- the client link
+
+
+def test_curve_client_round_trip(curve_worker: Callable[..., tuple[WorkerServer, str]],
+                                 keys: Keys, make_client: Callable[..., Client]) -> None:
+    _, endpoint = curve_worker()
+    c = make_client(endpoint, curve_key=keys.secret("alice"))
+    t = c.alloc_buffer(4096).tensor((1024,), "float32")
+    data = np.arange(1024, dtype=np.float32)
+    c.set_tensor(t, data)
+    np.testing.assert_array_equal(c.get_tensor(t), data)
+    assert c.info.peer_endpoint.endswith("#curve=" + keys.pairs["w1"].public.decode())
+
+
+@pytest.mark.parametrize("case", ["unknown key", "no curve", "wrong server key"])
+def test_refused_client_fails_fast_with_a_clear_error(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys, case: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    server, endpoint = curve_worker()
+    options: dict[str, object] = {
+        "unknown key": dict(curve_key=keys.secret("mallory")),
+        "no curve": {},
+        "wrong server key": dict(curve_key=keys.secret("alice"),
+                                 server_key=keys.pairs["w2"].public),
+    }[case]
+    target = server.endpoint if case != "unknown key" else endpoint
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="zmq_rpc.zap"), \
+            pytest.raises(AuthenticationFailed) as info:
+        Client(target, **options)        # type: ignore[arg-type]   # default timeouts
+    assert time.monotonic() - start < 2.0
+    if case == "unknown key":
+        assert "--authorized-keys" in str(info.value)
+        assert any("key not authorized" in r.getMessage() for r in caplog.records)
+    else:
+        assert "handshake" in str(info.value)
+
+
+def test_authorized_keys_reread_when_the_directory_changes(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys,
+        make_client: Callable[..., Client]) -> None:
+    _, endpoint = curve_worker()
+    with pytest.raises(AuthenticationFailed):
+        Client(endpoint, curve_key=keys.secret("mallory"))
+    time.sleep(0.01)                               # a new mtime for the directory
+    (Path(keys.dir("clients")) / "mallory.key").write_bytes(
+        (Path(keys.dir("strangers")) / "mallory.key").read_bytes())
+    make_client(endpoint, curve_key=keys.secret("mallory")).alloc_buffer(16)
+
+
+def test_curve_bytes_on_the_wire_are_encrypted(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys,
+        make_client: Callable[..., Client]) -> None:
+    """A CURVE client through a recording TCP relay: the payload never appears in clear."""
+    import socket
+    import threading
+    _, endpoint = curve_worker()
+    address, key = split_endpoint(endpoint)
+    port = int(address.rsplit(":", 1)[1])
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen = bytearray()
+    opened: list[socket.socket] = [listener]
+
+    def relay() -> None:
+        conn, _ = listener.accept()
+        upstream = socket.create_connection(("127.0.0.1", port))
+        opened.extend([conn, upstream])
+        for a, b in ((conn, upstream), (upstream, conn)):
+            threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                seen.extend(data)
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    threading.Thread(target=relay, daemon=True).start()
+    marker = b"SECRET-TENSOR-BYTES!" * 50
+    c = make_client(f"tcp://127.0.0.1:{listener.getsockname()[1]}", curve_key=keys.secret("alice"),
+                    server_key=key)
+    t = c.alloc_buffer(len(marker)).tensor((len(marker),), "uint8")
+    c.set_tensor(t, np.frombuffer(marker, np.uint8))
+    assert c.get_tensor(t).tobytes() == marker
+    c.close()
+    time.sleep(0.2)
+    for sock in opened:
+        sock.close()
+    assert len(seen) > 2 * len(marker) and b"SECRET-TENSOR" not in seen
+
+
+# --------------------------------------------------------------------- exposure checks
+
+
+def test_worker_refuses_to_listen_beyond_loopback_without_keys() -> None:
+    with pytest.raises(InsecureBind, match="--insecure"):
+        WorkerServer(WorkerConfig(bind="tcp://0.0.0.0:*")).start()
+    with pytest.raises(InsecureBind, match="--insecure"):
+        WorkerServer(WorkerConfig(peer_bind="tcp://0.0.0.0:*", bind="tcp://127.0.0.1:*")).start()
+    with pytest.raises(InsecureBind, match="--authorized-keys"):
+        WorkerServer(WorkerConfig(curve=KeyPair(*zmq.curve_keypair()))).start()
+
+
+def test_cli_refuses_exposure_and_insecure_logs_loudly() -> None:
+    cmd = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", "tcp://0.0.0.0:*",
+           "--log-level", "WARNING"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "refusing to listen on tcp://0.0.0.0" in out.stderr
+    proc = subprocess.Popen([*cmd, "--insecure"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "listening on" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0
+    assert err.count("INSECURE: listening on tcp://0.0.0.0") == 2     # client port, peer port
+
+
+def test_cli_with_keys(spawn_worker: Callable[..., WorkerProcess], keys: Keys,
+                       make_client: Callable[..., Client]) -> None:
+    proc = spawn_worker("--curve-secret-key", keys.secret("w1"), "--authorized-keys",
+                        keys.dir("clients"))
+    c = make_client(proc.endpoint, curve_key=keys.secret("alice"),
+                    server_key=str(keys.root / "workers" / "w1.key"))
+    assert c.alloc_buffer(64).size == 64
+    with pytest.raises(AuthenticationFailed):
+        Client(proc.endpoint, curve_key=keys.secret("mallory"),
+               server_key=keys.pairs["w1"].public)
+
+
+# --------------------------------------------------------------------------- peer links
+
+
+def test_peer_copy_between_curve_workers(curve_worker: Callable[..., tuple[WorkerServer, str]],
+                                         keys: Keys, make_client: Callable[..., Client],
+                                         relay_log: object) -> None:
+    _, ep1 = curve_worker("w1")
+    _, ep2 = curve_worker("w2")
+    a = make_client(ep1, curve_key=keys.secret("alice"))
+    b = make_client(ep2, curve_key=keys.secret("alice"))
+    src = a.alloc_buffer(1 << 20).tensor((1 << 18,), "float32")
+    dst = b.alloc_buffer(1 << 20).tensor((1 << 18,), "float32")
+    data = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32)
+    a.set_tensor(src, data)
+    a.copy_tensor(src, dst)
+    np.testing.assert_array_equal(b.get_tensor(dst), data)
+    assert relay_log.relayed() == 0                       # type: ignore[attr-defined]
+
+
+def test_curve_worker_pushes_only_to_known_worker_keys(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys,
+        make_client: Callable[..., Client], raw_socket: Callable[[int], zmq.Socket[bytes]]
+        ) -> None:
+    """A client-named endpoint with a stranger's key, or none, is refused before anything is
+    sent; a PULL port that is not a worker never gets the bytes."""
+    _, ep1 = curve_worker("w1")
+    a = make_client(ep1, curve_key=keys.secret("alice"))
+    src = a.alloc_buffer(64).tensor((64,), "uint8")
+    trap = raw_socket(zmq.PULL)
+    trap.bind("tcp://127.0.0.1:*")
+    trap_ep = trap.getsockopt_string(zmq.LAST_ENDPOINT)
+    stranger = keys.pairs["mallory"].public.decode()
+    for endpoint, why in ((trap_ep, "carries no key"),
+                          (f"{trap_ep}#curve={stranger}", "not among this worker's")):
+        fut = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+                                                   endpoint=endpoint, timeout_ms=2000))
+        with pytest.raises(TransferError, match=why):
+            fut.result(timeout=5)
+    assert not trap.poll(200)
+
+
+def test_peer_port_refuses_unauthenticated_pushers(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys,
+        raw_socket: Callable[[int], zmq.Socket[bytes]], caplog: pytest.LogCaptureFixture
+        ) -> None:
+    server, ep = curve_worker("w1")
+    peer_address, worker_key = split_endpoint(server._backend_thread.peers.endpoint)  # type: ignore
+    acks = raw_socket(zmq.PULL)
+    acks.bind("tcp://127.0.0.1:*")
+    with caplog.at_level(logging.WARNING, logger="zmq_rpc.zap"):
+        for name in ("mallory", "alice"):                # a stranger, and a client (not a worker)
+            push = raw_socket(zmq.PUSH)
+            pair = keys.pairs[name]
+            push.setsockopt(zmq.CURVE_SERVERKEY, worker_key)
+            push.setsockopt(zmq.CURVE_PUBLICKEY, pair.public)
+            push.setsockopt(zmq.CURVE_SECRETKEY, pair.secret)
+            push.connect(peer_address)
+            push.send(wire.encode_peer(wire.Probe(os.urandom(16),
+                                                   acks.getsockopt_string(zmq.LAST_ENDPOINT))),
+                      zmq.NOBLOCK)
+        time.sleep(0.5)
+    assert sum("zmq-rpc-peer" in r.getMessage() for r in caplog.records) == 1  # rate-limited
+    assert server._zap is not None and server._zap.refused >= 2
+    assert not acks.poll(100)
+
+
+# ----------------------------------------------------------------- the peer port's stash
+
+
+def _raw_session(raw_socket: Callable[[int], zmq.Socket[bytes]], endpoint: str
+                 ) -> zmq.Socket[bytes]:
+    dealer = raw_socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send(p.encode_request(Cmd.HELLO, 1, p.Hello(major=p.PROTOCOL_VERSION[0],
+                                                      minor=p.PROTOCOL_VERSION[1], client="x")))
+    dealer.recv_multipart()
+    return dealer
+
+
+def test_made_up_chunks_do_not_deny_peer_copies(make_worker: Callable[..., WorkerServer],
+                                                make_client: Callable[..., Client],
+                                                raw_socket: Callable[[int], zmq.Socket[bytes]],
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 13: ~40 KB of well-formed chunks for 1,100 made-up transfers filled the stash
+    (1,024 transfers, kept 30 s) and every real copy into that worker then timed out, even a
+    first 16-byte copy into a fresh session. Now the flood only fills its sender's share."""
+    a_srv, b_srv = make_worker(memory_limit=64 << 20), make_worker(memory_limit=64 << 20)
+    b_peer = b_srv._backend_thread.peers.endpoint       # type: ignore[union-attr]
+    attacker = raw_socket(zmq.PUSH)
+    attacker.connect(b_peer)
+    for _ in range(1100):
+        attacker.send_multipart([wire.encode_peer(wire.Chunk(os.urandom(16), 0, 1, 0, 16,
+                                                              "tcp://127.0.0.1:9")), bytes(16)])
+    time.sleep(0.5)
+    a, b = make_client(a_srv.endpoint), make_client(b_srv.endpoint)   # default client settings
+    src = a.alloc_buffer(16).tensor((16,), "uint8")
+    dst = b.alloc_buffer(16).tensor((16,), "uint8")
+    a.set_tensor(src, np.arange(16, dtype=np.uint8))
+    with caplog.at_level(logging.INFO, logger="zmq_rpc.client.peer"):
+        for _ in range(3):     # with the PEER_SEND issued before the PEER_RECV: chunks stash
+            token = os.urandom(16)
+            send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref,
+                                                        endpoint=b_peer, timeout_ms=5000))
+            time.sleep(0.05)
+            recv = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
+                                                        timeout_ms=5000))
+            send.result(timeout=10)
+            recv.result(timeout=10)
+        a.copy_tensor(src, dst)
+    np.testing.assert_array_equal(b.get_tensor(dst), np.arange(16, dtype=np.uint8))
+    peers = b_srv._backend_thread.peers                   # type: ignore[union-attr]
+    assert len(peers.stash) <= 1024 + 4
+
+
+# ------------------------------------------------------------------------------ log lines
+
+
+def test_printable_escapes_what_forges_log_lines() -> None:
+    assert printable("a\x00b\nc\x1b[31m\u2028") == "a\\x00b\\nc\\x1b[31m\\u2028"
+    assert printable("x" * 300, 10) == "x" * 10 + "..."
+
+
+def test_attacker_strings_in_worker_logs_are_escaped(
+        make_worker: Callable[..., WorkerServer], raw_socket: Callable[[int], zmq.Socket[bytes]],
+        caplog: pytest.LogCaptureFixture) -> None:
+    server = make_worker()
+    peer_ep = server._backend_thread.peers.endpoint      # type: ignore[union-attr]
+    with caplog.at_level(logging.DEBUG, logger="zmq_rpc"):
+        dealer = raw_socket(zmq.DEALER)
+        dealer.connect(server.endpoint)
+        dealer.send(p.encode_request(Cmd.HELLO, 1, p.Hello(
+            major=p.PROTOCOL_VERSION[0], minor=p.PROTOCOL_VERSION[1],
+            client="evil\nINFO zmq_rpc.worker: forged\x00")))
+        dealer.recv_multipart()
+        push = raw_socket(zmq.PUSH)
+        push.connect(peer_ep)
+        push.send(wire.encode_peer(wire.Probe(os.urandom(16), "tcp://\x00bad\nline:1")))
+        push.send(b"\x00garbage\n")
+        time.sleep(0.5)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert text, "nothing was logged"
+    assert "\x00" not in text and "\nINFO zmq_rpc.worker: forged" not in text
+    assert "\nline" not in text
