@@ -34,7 +34,9 @@ import numpy as np
 from ..client import Client
 from .bench import BenchContext, CaseResult, Runner, format_size, interleave, register_case
 
-SOURCES = ("upload", "cache cold", "cache warm", "file")
+SOURCES = ("upload", "cache cold", "cache warm", "file first", "file")
+"""Measured in this order on fresh workers each round: "file first" includes the worker hashing
+its copy of the file (once per worker start), "file" is the next load."""
 StartWorkers = Callable[[Sequence[str]], AbstractContextManager[list[Client]]]
 """``start(extra_worker_args)`` -> a context giving clients of two fresh workers."""
 
@@ -150,7 +152,7 @@ def write_synthetic_gguf(path: Path, nbytes: int, seed: int = 0) -> list[tuple[s
         kind, qtype, block = kinds[i % 2]
         row_bytes = width // 32 * block
         data = rng.integers(0, 256, (rows, row_bytes), dtype=np.uint8)
-        writer.add_tensor(f"blk.{i}.weight", data, raw_shape=(rows, width), raw_dtype=qtype)
+        writer.add_tensor(f"blk.{i}.weight", data, raw_dtype=qtype)
         specs.append((f"blk.{i}.weight", kind, rows))
         total += data.nbytes
         i += 1
@@ -197,7 +199,7 @@ class SyntheticLoad:
             for t in mine:
                 dst = buffer.tensor(t.nbytes, "uint8", at)
                 at += t.nbytes
-                if source == "file":
+                if source.startswith("file"):
                     reads.append(files.named_read(dst, t.name, t.kind, t.shape))
                 elif source == "upload":
                     waits.append(client.set_tensor_async(dst, self.data[t.offset:t.offset
