@@ -138,8 +138,10 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
         landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
                                                       timeout_ms=transfer_ms), timeout=wait)
         if direct:
+            acked = "unacked-sends" not in a.info.capabilities
             sent = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
-                                                        timeout_ms=transfer_ms), timeout=wait)
+                                                        timeout_ms=transfer_ms, acked=acked),
+                           timeout=wait)
         else:
             sent = _relay(src, dst, token)
     if direct:

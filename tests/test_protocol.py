@@ -739,3 +739,18 @@ def test_golden_set_tensor_cache_key_is_off_the_wire_when_empty() -> None:
 def test_file_and_cache_requests_are_validated(header: bytes, match: str) -> None:
     payload = [bytes(8)] if header[1] == Cmd.SET_TENSOR else []
     bad([header, *payload], match=match)
+
+
+def test_golden_peer_send_unacked() -> None:
+    """1.3's trailing PEER_SEND field: on the wire only when false."""
+    from zmq_rpc.broker import peer
+    unacked = peer.PeerSend(token=b"t" * 16, src=U8, endpoint="tcp://h:1", timeout_ms=1000,
+                            acked=False)
+    header = p.encode_request(Cmd.PEER_SEND, 2, unacked)
+    assert header.hex() == ("971102c410" + "74" * 16 + "9501059108910100a9" +
+                            b"tcp://h:1".hex() + "cd03e8c2")
+    acked = p.encode_request(Cmd.PEER_SEND, 2, peer.PeerSend(
+        token=b"t" * 16, src=U8, endpoint="tcp://h:1", timeout_ms=1000))
+    assert acked == b"\x96" + header[1:-1]
+    assert p.decode_request([header])[2] == unacked
+    assert p.decode_request([acked])[2].acked is True

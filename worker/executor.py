@@ -190,6 +190,7 @@ class Executor:
             self.capabilities.append("zero-copy")
         if backend.supports_graphs:
             self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+        self.capabilities.append("unacked-sends")
         self.held: deque[HeldReply] = deque()
         """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""
         self.held_bytes = 0
@@ -648,8 +649,7 @@ class Executor:
         return [self.peers.prepare_push(session, send, acknowledge=False) for send in msg.send]
 
     def _peer_send(self, pending: Pending, msg: Any) -> bool:
-        self.peers.start_send(pending, msg)
-        return True
+        return bool(self.peers.start_send(pending, msg))
 
     def _peer_probe(self, pending: Pending, msg: Any) -> bool:
         if not self.peers.endpoint:

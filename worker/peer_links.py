@@ -108,6 +108,16 @@ class Outgoing:
     what: str
 
 
+@dataclass
+class Watched:
+    """An unacknowledged send whose zero-copy chunks must have left by ``deadline``: else the
+    peer is gone or stuck, and the link is dropped (which releases the source buffer)."""
+
+    endpoint: str
+    deadline: float
+    trackers: list[zmq.MessageTracker]
+
+
 @dataclass(frozen=True)
 class Piece:
     """One chunk of a send, its header encoded ahead: ``data`` aliases the source buffer when
@@ -167,6 +177,7 @@ class PeerLinks:
         self.links: dict[str, zmq.Socket[bytes]] = {}
         self.incoming: dict[bytes, Incoming] = {}
         self.outgoing: dict[bytes, Outgoing] = {}
+        self.watched: dict[bytes, Watched] = {}
         self.stash: dict[bytes, Stashed] = {}
         self.stash_bytes = 0
         self.stashed_by: dict[str, dict[bytes, None]] = {}
@@ -186,6 +197,7 @@ class PeerLinks:
         """The earliest moment something here may time out."""
         times = [t.deadline for t in self.incoming.values()]
         times += [t.deadline for t in self.outgoing.values()]
+        times += [t.deadline for t in self.watched.values()]
         if self.stash:
             times.append(next(iter(self.stash.values())).expires)
         return min(times) if times else None
@@ -224,14 +236,19 @@ class PeerLinks:
                 if msg.token in self.incoming:
                     self._on_chunk(chunk, frame, stashed.sender)
 
-    def start_send(self, pending: Pending, msg: wire.PeerSend) -> None:
-        """Push ``msg.src`` to ``msg.endpoint`` in chunks; the reply waits for the ack."""
+    def start_send(self, pending: Pending, msg: wire.PeerSend) -> bool:
+        """Push ``msg.src`` to ``msg.endpoint`` in chunks; True when the reply waits for the
+        peer's ack (``msg.acked``), False when it may go now (the chunks are with zmq)."""
         push = self.prepare_push(pending.session, wire.Send(msg.token, msg.src, msg.endpoint),
-                                 acknowledge=True)
-        self.outgoing[msg.token] = Outgoing(pending, msg.endpoint,
-                                            time.monotonic() + msg.timeout_ms / 1000,
-                                            f"transfer to {msg.endpoint}")
-        self.push(push)
+                                 acknowledge=msg.acked)
+        deadline = time.monotonic() + msg.timeout_ms / 1000
+        if msg.acked:
+            self.outgoing[msg.token] = Outgoing(pending, msg.endpoint, deadline,
+                                                f"transfer to {msg.endpoint}")
+        trackers = self.push(push)
+        if not msg.acked and trackers:
+            self.watched[msg.token] = Watched(msg.endpoint, deadline, trackers)
+        return msg.acked
 
     def prepare_push(self, session: Session, send: wire.Send, acknowledge: bool) -> Push:
         """Check a send (source view, peer endpoint, link) and encode its chunk headers before
@@ -254,9 +271,11 @@ class PeerLinks:
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
         return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint))
 
-    def push(self, push: Push) -> None:
-        """Send the prepared chunks (zero-copy from the buffer when big and aliased)."""
+    def push(self, push: Push) -> list[zmq.MessageTracker]:
+        """Send the prepared chunks (zero-copy from the buffer when big and aliased); returns
+        the trackers of the zero-copy ones."""
         link = push.link if not push.link.closed else self._link(push.endpoint)
+        trackers = []
         for piece in push.pieces:
             data = piece.data
             if data is None:
@@ -265,8 +284,10 @@ class PeerLinks:
                 tracker = link.send_multipart([piece.header, data], copy=False, track=True)
                 if tracker is not None:
                     push.buffer.sending.append(tracker)
+                    trackers.append(tracker)
             else:
                 link.send_multipart([piece.header, data], copy=False)
+        return trackers
 
     def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
         token = os.urandom(wire.TOKEN_BYTES)
@@ -491,6 +512,14 @@ class PeerLinks:
                 self._drop_link(out.endpoint)
                 self.executor.finish(out.pending, f"{out.what}: no acknowledgement within the "
                                                   "timeout (peer unreachable, dead or too slow)")
+        for token, watch in list(self.watched.items()):
+            if all(t.done for t in watch.trackers):
+                del self.watched[token]
+            elif now >= watch.deadline:
+                del self.watched[token]
+                log.warning("a transfer to %s had not left by its deadline: dropping the link "
+                            "(peer dead or stuck)", watch.endpoint)
+                self._drop_link(watch.endpoint)
         while self.stash:
             token, entry = next(iter(self.stash.items()))
             if now < entry.expires:
