@@ -1,6 +1,6 @@
 """Weights that don't cross the wire: worker-side file reads and the worker's tensor cache.
 
-Pure data and encoding; any thread may use it. Commands (protocol 1.3; a worker lists
+Pure data and encoding; any thread may use it. Commands (protocol 1.4; a worker lists
 ``model-files`` and/or ``tensor-cache`` in its capabilities when it was started with
 ``--model-dir`` / ``--cache-dir``):
 
@@ -17,7 +17,7 @@ Pure data and encoding; any thread may use it. Commands (protocol 1.3; a worker 
 - SET_FROM_CACHE ``[tensor, key]``: fill ``tensor`` from the cache entry whose BLAKE3-256 is
   ``key``. The reply (``hit``, ``note``) says whether it did: a miss, or an entry that no longer
   matches its hash (then deleted, and said so), leaves the tensor as it was; upload it instead.
-- SET_TENSOR's ``cache_key`` (since 1.3, off the wire when empty): the BLAKE3-256 of the payload;
+- SET_TENSOR's ``cache_key`` (since 1.4, off the wire when empty): the BLAKE3-256 of the payload;
   the worker stores the payload in its cache under that key when (and only when) it hashes to it.
 
 Hashes are BLAKE3-256 (:mod:`.hashing`): keys name content nobody can forge.

@@ -579,7 +579,7 @@ def _spec(name: str, kind: OpKind, arity: tuple[int, int], rule: Rule,
 _SPECS = [
     *(_spec(name, _COMPUTE, (1, 1), _unary) for name in _UNARY),
     *(_spec(name, _COMPUTE, (2, 2), _binary) for name in _BINARY),
-    _spec("scale", _COMPUTE, (1, 1), _unary, {"s": (_float(), REQUIRED)}),
+    _spec("scale", _COMPUTE, (1, 1), _unary, {"s": (_float(), REQUIRED), "b": (_float(), 0.0)}),
     _spec("gelu", _COMPUTE, (1, 1), _unary, {"approximate": (_choice("tanh", "erf"), "tanh")}),
     _spec("get_rows", _COMPUTE, (2, 2), _get_rows, {"qtype": (_choice("none", *QUANT_BLOCKS), "none")}),
     _spec("matmul", _COMPUTE, (2, 2), _matmul, {"transpose_b": (_bool, False)}),

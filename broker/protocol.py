@@ -103,8 +103,14 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 3)
-"""(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities."""
+PROTOCOL_VERSION = (1, 4)
+"""(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
+
+1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
+``scale`` op's optional bias ``b`` (``scale-bias``: x * s + b, how graphs add scalars); 1.4
+FILE_QUERY, READ_FILE, SET_FROM_CACHE and SET_TENSOR's ``cache_key`` (``model-files`` /
+``tensor-cache`` when the worker has ``--model-dir`` / ``--cache-dir``), PEER_SEND's ``acked``
+(``unacked-sends``)."""
 
 
 class Cmd(enum.IntEnum):
@@ -262,7 +268,7 @@ class SetTensor(Message):
     """Write the payload frame (``tensor.nbytes`` bytes, C order) into the view."""
 
     tensor: TensorRef = _f(check_tensor)
-    cache_key: bytes = _f(check_cache_key, since=(1, 3), default=b"")
+    cache_key: bytes = _f(check_cache_key, since=(1, 4), default=b"")
     """BLAKE3-256 of the payload: the worker also keeps it in its tensor cache (see
     :mod:`.files`). Off the wire when empty."""
 

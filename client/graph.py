@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ..broker.graph import GraphSpec, Node, tensor_meta
 from ..broker.ops import OPS, OpError, OpKind, TensorMeta, infer
 from ..broker.protocol import TensorRef
@@ -47,22 +49,40 @@ class GraphTensor:
         where = f"node {self.index}" if self.index >= 0 else f"input {-1 - self.index}"
         return f"GraphTensor({self.dtype}{list(self.shape)}, {where})"
 
+    # Operators: another GraphTensor, a RemoteTensor of the same worker, or a real number (int,
+    # float, numpy scalar) on either side. numpy defers to these (``__array_ufunc__ = None``), so
+    # ``np.float32(0.5) * x`` builds a node and ``array + x`` is refused with a TypeError.
+    __array_ufunc__ = None
+
     def __add__(self, other: Any) -> GraphTensor:
         return self.graph.add(self, other)
+
+    def __radd__(self, other: Any) -> GraphTensor:
+        return self.graph.add(other, self)
 
     def __sub__(self, other: Any) -> GraphTensor:
         return self.graph.sub(self, other)
 
+    def __rsub__(self, other: Any) -> GraphTensor:
+        return self.graph.sub(other, self)
+
     def __mul__(self, other: Any) -> GraphTensor:
-        if isinstance(other, (int, float)):
-            return self.graph.scale(self, float(other))
         return self.graph.mul(self, other)
+
+    def __rmul__(self, other: Any) -> GraphTensor:
+        return self.graph.mul(other, self)
 
     def __truediv__(self, other: Any) -> GraphTensor:
         return self.graph.div(self, other)
 
+    def __rtruediv__(self, other: Any) -> GraphTensor:
+        return self.graph.div(other, self)
+
     def __matmul__(self, other: Any) -> GraphTensor:
         return self.graph.matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> GraphTensor:
+        return self.graph.matmul(other, self)
 
     def __neg__(self) -> GraphTensor:
         return self.graph.neg(self)
@@ -96,13 +116,16 @@ class Graph:
 
     # ------------------------------------------------------------------------ building
 
-    def input(self, tensor: Any) -> GraphTensor:
-        """Use a RemoteTensor in this graph (ops do this implicitly)."""
+    def input(self, tensor: Any, op: str = "input") -> GraphTensor:
+        """Use a RemoteTensor in this graph (ops do this implicitly). Anything else but a value
+        of this graph is a TypeError naming ``op`` and the type."""
         if isinstance(tensor, GraphTensor):
             if tensor.graph is not self:
                 raise OpError("a GraphTensor from another graph")
             return tensor
-        ref = tensor.ref
+        ref = getattr(tensor, "ref", None)
+        if not isinstance(ref, TensorRef):          # a RemoteTensor has one
+            raise TypeError(_not_a_tensor(op, tensor))
         self._bind(tensor.client)
         index = self._external.get(ref)
         if index is None:
@@ -119,7 +142,7 @@ class Graph:
 
     def op(self, name: str, *inputs: Any, out: Any = None, **params: Any) -> GraphTensor:
         """Append ``name(inputs, **params)``; its result goes into RemoteTensor ``out`` if given."""
-        values = [self.input(x) for x in inputs]
+        values = [self.input(x, name) for x in inputs]
         meta, _ = infer(name, [v.meta for v in values], params)
         dst = -1
         if out is not None:
@@ -131,7 +154,7 @@ class Graph:
             if tuple(out.shape) != meta.shape:
                 raise OpError(f"{name}: result shape {meta.shape} does not fit output tensor "
                               f"{tuple(out.shape)}")
-            dst = -1 - self.input(out).index
+            dst = -1 - self.input(out, name).index
         self.nodes.append(Node(name, tuple(v.index for v in values), _wire_params(params), dst))
         self.metas.append(meta)
         return GraphTensor(self, len(self.nodes) - 1, meta)
@@ -142,19 +165,47 @@ class Graph:
         return self.op("get_rows", table, idx, qtype=qtype, out=out)
 
     def add(self, a: Any, b: Any, *, out: Any = None) -> GraphTensor:
+        """``a + b`` (broadcasting); either may be a real number (a ``scale`` node with a bias)."""
+        if _scalar(b) is not None or _scalar(a) is not None:
+            x, c = _tensor_and_scalar("add", a, b)
+            return self.scale(x, 1.0, bias=c, out=out)
         return self.op("add", a, b, out=out)
 
     def sub(self, a: Any, b: Any, *, out: Any = None) -> GraphTensor:
+        """``a - b`` (broadcasting); either may be a real number."""
+        if _scalar(b) is not None:
+            return self.scale(a, 1.0, bias=-_real("sub", b), out=out)
+        if _scalar(a) is not None:
+            return self.scale(b, -1.0, bias=_real("sub", a), out=out)
         return self.op("sub", a, b, out=out)
 
     def mul(self, a: Any, b: Any, *, out: Any = None) -> GraphTensor:
+        """``a * b`` (broadcasting); either may be a real number (a ``scale`` node)."""
+        if _scalar(b) is not None or _scalar(a) is not None:
+            x, c = _tensor_and_scalar("mul", a, b)
+            return self.scale(x, c, out=out)
         return self.op("mul", a, b, out=out)
 
     def div(self, a: Any, b: Any, *, out: Any = None) -> GraphTensor:
+        """``a / b`` (broadcasting); ``b`` may be a real number (``a * (1 / b)`` in float32)."""
+        if _scalar(a) is not None:
+            raise TypeError(f"div: {type(a).__name__} / tensor has no op (there is no reciprocal);"
+                            " upload the numerator as a tensor")
+        if _scalar(b) is not None:
+            if _real("div", b) == 0.0:
+                raise TypeError("div: division by the number 0 (op parameters are finite)")
+            return self.scale(a, 1.0 / _real("div", b), out=out)
         return self.op("div", a, b, out=out)
 
-    def scale(self, x: Any, s: float, *, out: Any = None) -> GraphTensor:
-        return self.op("scale", x, s=float(s), out=out)
+    def scale(self, x: Any, s: float, *, bias: float = 0.0, out: Any = None) -> GraphTensor:
+        """``x * s + bias``; a nonzero ``bias`` needs a worker with ``scale-bias`` (protocol 1.3)."""
+        if bias == 0.0:
+            return self.op("scale", x, s=float(s), out=out)
+        value = self.input(x, "scale")
+        if self.client is not None and "scale-bias" not in self.client.info.capabilities:
+            raise OpError(f"{self.client.endpoint} predates protocol 1.3: its scale op takes no "
+                          "bias, so a graph cannot add a number there; upgrade the worker")
+        return self.op("scale", value, s=float(s), b=float(bias), out=out)
 
     def neg(self, x: Any, *, out: Any = None) -> GraphTensor:
         return self.op("neg", x, out=out)
@@ -186,8 +237,13 @@ class Graph:
     def sigmoid(self, x: Any, *, out: Any = None) -> GraphTensor:
         return self.op("sigmoid", x, out=out)
 
-    def gelu(self, x: Any, *, approximate: str = "tanh", out: Any = None) -> GraphTensor:
-        return self.op("gelu", x, approximate=approximate, out=out)
+    def gelu(self, x: Any, *, approximate: str = "none", out: Any = None) -> GraphTensor:
+        """GELU, exact by default (``x * Phi(x)`` with erf, as PyTorch and BERT compute it);
+        ``approximate="tanh"`` for the tanh approximation (GPT-2, ggml's default)."""
+        if approximate not in ("none", "erf", "tanh"):
+            raise OpError(f"gelu: approximate must be 'none' (exact, erf) or 'tanh', "
+                          f"got {approximate!r}")
+        return self.op("gelu", x, approximate="tanh" if approximate == "tanh" else "erf", out=out)
 
     def matmul(self, a: Any, b: Any, *, transpose_b: bool = False, out: Any = None) -> GraphTensor:
         """Batched ``a @ b`` (``a @ b.T`` with transpose_b, for weights stored (out, in))."""
@@ -265,6 +321,40 @@ class Graph:
     def diag_mask_inf(self, x: Any, *, n_past: int, out: Any = None) -> GraphTensor:
         """Causal mask: x[..., i, j] = -inf where j > n_past + i."""
         return self.op("diag_mask_inf", x, n_past=n_past, out=out)
+
+
+def _scalar(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (not a bool), else None."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        return None
+    if isinstance(value, np.complexfloating):
+        return None
+    return float(value)
+
+
+def _real(op: str, value: Any) -> float:
+    number = _scalar(value)
+    if number is None:
+        raise TypeError(_not_a_tensor(op, value))
+    return number
+
+
+def _tensor_and_scalar(op: str, a: Any, b: Any) -> tuple[Any, float]:
+    """The tensor and the number of a commutative op with one real-number operand."""
+    if _scalar(a) is not None and _scalar(b) is not None:
+        raise TypeError(f"{op}: two numbers ({a!r}, {b!r}); a graph op needs a tensor")
+    return (b, _real(op, a)) if _scalar(a) is not None else (a, _real(op, b))
+
+
+def _not_a_tensor(op: str, value: Any) -> str:
+    kind = type(value)
+    name = f"{kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" \
+        else kind.__qualname__
+    if isinstance(value, np.ndarray):
+        return (f"{op}: a {name} operand cannot join a graph (graphs run on the worker): upload "
+                f"it into a RemoteTensor (client.set_tensor) and use that")
+    return (f"{op}: operands are GraphTensors, RemoteTensors of the graph's worker or real "
+            f"numbers, not {name}")
 
 
 def _axis(axis: int | Sequence[int]) -> Any:

@@ -77,15 +77,24 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _UNICODE_TO_BYTE: Final = {ch: b for b, ch in _bytes_to_unicode().items()}
+# str.translate table: each byte-level character to the Latin-1 character of its byte; the
+# unmapped characters 128-255 (UTF-8 encoded by the slow path) to one Latin-1 cannot encode.
+_TO_LATIN1: Final = {
+    **{ord(ch): chr(b) for ch, b in _UNICODE_TO_BYTE.items()},
+    **{c: "\uffff" for c in range(128, 256) if chr(c) not in _UNICODE_TO_BYTE},
+}
 
 
 def _token_bytes(token: str, token_type: int) -> bytes:
     """The bytes a token stands for: byte-level decoded for normal tokens, UTF-8 otherwise."""
     if token_type != TOKEN_TYPE_NORMAL:
         return token.encode("utf-8")
-    return b"".join(
-        bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in token
-    )
+    try:
+        return token.translate(_TO_LATIN1).encode("latin-1")     # every character mapped
+    except UnicodeEncodeError:
+        return b"".join(
+            bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in token
+        )
 
 
 @dataclass(frozen=True, slots=True)

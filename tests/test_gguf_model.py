@@ -255,3 +255,35 @@ def test_missing_file_and_garbage_file(tmp_path: Path) -> None:
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(GGUFModelError, match="not a readable GGUF"):
         load_gguf(tmp_path / "junk.gguf")
+
+
+@pytest.mark.timeout(120)
+def test_metadata_and_directory_match_the_gguf_package_reader(model: LlamaGGUF) -> None:
+    """Our reader (issue 12: the package's took ~5 s on the vocabulary) reads what it reads."""
+    reader = gguf.GGUFReader(model.path, "r")
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert dict(model.metadata) == expected
+    assert {t.name: int(t.data_offset) for t in reader.tensors} == {
+        name: t.offset for name, t in model.tensors.items()}
+
+
+@pytest.mark.timeout(120)
+def test_every_truncation_and_corrupt_count_is_a_clear_error(tmp_path: Path) -> None:
+    """A cut anywhere in the header, metadata or directory, or a count too large for the file,
+    is a GGUFModelError ("not a readable GGUF file: ... runs past the end"), never another
+    exception or a huge allocation."""
+    whole = _write_tiny(tmp_path / "tiny.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    directory_end = whole.index(b"blk.1.ffn_down.weight") + 40
+    for stop in [*range(1, 64), *range(64, directory_end, 7)]:
+        cut.write_bytes(whole[:stop])
+        with pytest.raises(GGUFModelError, match="not a readable GGUF file"):
+            load_gguf(cut)
+    at = whole.index(b"llama.block_count") - 8           # a key's u64 length
+    for bad in (2**63, 2**64 - 1, len(whole)):
+        cut.write_bytes(whole[:at] + bad.to_bytes(8, "little") + whole[at + 8:])
+        with pytest.raises(GGUFModelError, match="run past the end|runs past the end|cannot fit"):
+            load_gguf(cut)
+    cut.write_bytes(whole[:8] + (2**64 - 1).to_bytes(8, "little") + whole[16:])  # n_tensors
+    with pytest.raises(GGUFModelError, match="cannot fit"):
+        load_gguf(cut)

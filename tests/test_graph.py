@@ -13,6 +13,7 @@ product bugs found while writing it (now fixed, kept as regression tests).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import math
@@ -276,10 +277,12 @@ OP_CASES: list[OpCase] = [
     *(_unary_case(name) for name in _UNARY_REFS),
     *(_binary_case(name) for name in _BINARY_REFS),
     OpCase("scale", (_f(_X),), lambda g, a: g.scale(a, 2.5), lambda a: a * 2.5),
-    OpCase("gelu-tanh", (_f(_X),), lambda g, a: g.gelu(a),
+    OpCase("gelu-tanh", (_f(_X),), lambda g, a: g.gelu(a, approximate="tanh"),
            lambda a: 0.5 * a * (1 + np.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))),
-    OpCase("gelu-erf", (_f(_X),), lambda g, a: g.gelu(a, approximate="erf"),
+    OpCase("gelu-erf", (_f(_X),), lambda g, a: g.gelu(a),
            lambda a: 0.5 * a * (1 + erf64(a / math.sqrt(2)))),
+    OpCase("scale-bias", (_f(_X),), lambda g, a: g.scale(a, -1.5, bias=0.25),
+           lambda a: a * -1.5 + 0.25),
     OpCase("get_rows-f16", ((_normal(6, 4).astype(np.float16), "float16"),
                             _f(np.array([[5, 0, 2], [2, 2, 1]], np.int32))),
            lambda g, t, i: g.get_rows(t, i), lambda t, i: t.astype(np.float64)[i]),
@@ -346,6 +349,111 @@ def test_every_op_through_a_worker(client: Client, case: OpCase) -> None:
     assert got.shape == np.shape(expected)
     with np.errstate(all="ignore"):
         close(got, expected, atol=case.atol)
+
+
+# ------------------------------------------------- operators, as a new user writing BERT meets them
+
+_SCALAR_EXPRESSIONS: list[tuple[str, Callable[[Any, Any], Any], Callable[[np.ndarray], Any]]] = [
+    ("x + 1.0", lambda g, x: x + 1.0, lambda a: a + 1.0),
+    ("xx / 2.0", lambda g, x: x / 2.0, lambda a: a / 2.0),
+    ("g.add(xx, 1.0)", lambda g, x: g.add(x, 1.0), lambda a: a + 1.0),
+    ("g.add(1.0, xx)", lambda g, x: g.add(1.0, x), lambda a: a + 1.0),
+    ("xx * np.float32(0.5)", lambda g, x: x * np.float32(0.5), lambda a: a * 0.5),
+    ("np.float32(0.5) * xx", lambda g, x: np.float32(0.5) * x, lambda a: a * 0.5),
+    ("0.5 * xx", lambda g, x: 0.5 * x, lambda a: a * 0.5),
+    ("3 - xx", lambda g, x: 3 - x, lambda a: 3 - a),
+    ("xx - np.int64(3)", lambda g, x: x - np.int64(3), lambda a: a - 3),
+    ("(xx + 1) * 2 / 4 - 0.5", lambda g, x: (x + 1) * 2 / 4 - 0.5,
+     lambda a: (a + 1) * 2 / 4 - 0.5),
+]
+
+
+@pytest.mark.parametrize("text, build, ref", _SCALAR_EXPRESSIONS,
+                         ids=[t for t, _, _ in _SCALAR_EXPRESSIONS])
+def test_scalar_operands_on_either_side(client: Client, text: str,
+                                        build: Callable[[Graph, GraphTensor], GraphTensor],
+                                        ref: Callable[[np.ndarray], Any]) -> None:
+    x = np.array([[1.0, -2.0, 0.0], [0.5, 3.0, -0.25]], F32)
+    out = empty(client, x.shape)
+    g = Graph()
+    g.cont(build(g, g.input(put(client, x))), out=out)
+    (got,) = client.compute(g, fetch=[out])
+    np.testing.assert_allclose(got, ref(x.astype(np.float64)), rtol=1e-6)
+
+
+def test_remote_tensor_on_the_left_of_a_graph_value(client: Client) -> None:
+    a, b = _normal(2, 3), _normal(2, 3)
+    ra, out = put(client, a), empty(client, (2, 3))
+    g = Graph()
+    xx = g.input(put(client, b))
+    g.cont(ra + xx, out=out)
+    g2 = Graph()
+    g2.cont(ra - g2.input(put(client, b)) * ra, out=(out2 := empty(client, (2, 3))))
+    (got,) = client.compute(g, fetch=[out])
+    (got2,) = client.compute(g2, fetch=[out2])
+    np.testing.assert_allclose(got, a + b, rtol=1e-6)
+    np.testing.assert_allclose(got2, a - b * a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda g, x: x + np.ones(3, F32), r"add: a numpy\.ndarray operand cannot join a graph"),
+    (lambda g, x: np.ones(3, F32) * x, r"mul: a numpy\.ndarray operand cannot join a graph"),
+    (lambda g, x: g.sub(x, np.ones(3)), r"sub: a numpy\.ndarray operand"),
+    (lambda g, x: g.matmul(np.eye(3, dtype=F32), x), r"matmul: a numpy\.ndarray operand"),
+    (lambda g, x: x + "1", r"add: operands are .* not str"),
+    (lambda g, x: x * [1, 2, 3], r"mul: operands are .* not list"),
+    (lambda g, x: x + True, r"add: operands are .* not bool"),
+    (lambda g, x: 2.0 / x, r"div: float / tensor has no op"),
+    (lambda g, x: g.add(1.0, 2.0), r"add: two numbers"),
+    (lambda g, x: x / 0.0, r"div: division by the number 0"),
+    (lambda g, x: g.silu(np.ones(3, F32)), r"silu: a numpy\.ndarray operand"),
+])
+def test_other_operands_are_a_type_error_naming_the_op_and_type(
+        client: Client, build: Callable[[Graph, GraphTensor], Any], match: str) -> None:
+    g = Graph()
+    x = g.input(put(client, _normal(3)))
+    with pytest.raises(TypeError, match=match):
+        build(g, x)
+
+
+def test_gelu_is_exact_by_default_and_tanh_on_request(client: Client) -> None:
+    """PyTorch's ``F.gelu`` (and BERT's) is ``x * Phi(x)`` with erf; ``approximate="tanh"`` is
+    the opt-in approximation. The two differ by up to ~5e-4 on [-4, 4]; tolerances here are
+    1e-6, so the default must be the exact one."""
+    x = np.linspace(-4, 4, 81).astype(F32)
+    v = x.astype(np.float64)
+    exact = 0.5 * v * (1 + np.array([math.erf(t / math.sqrt(2)) for t in v]))
+    tanh = 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
+    assert np.abs(exact - tanh).max() > 1e-4
+    outs = [empty(client, x.shape) for _ in range(3)]
+    g = Graph()
+    xx = g.input(put(client, x))
+    g.gelu(xx, out=outs[0])
+    g.gelu(xx, approximate="none", out=outs[1])
+    g.gelu(xx, approximate="tanh", out=outs[2])
+    got = client.compute(g, fetch=outs)
+    np.testing.assert_allclose(got[0], exact, atol=1e-6)
+    np.testing.assert_allclose(got[1], exact, atol=1e-6)
+    np.testing.assert_allclose(got[2], tanh, atol=1e-6)
+    with pytest.raises(OpError, match="approximate must be 'none'.*or 'tanh', got 'fast'"):
+        g.gelu(xx, approximate="fast")
+
+
+def test_a_number_added_on_a_worker_without_scale_bias_is_refused_here(
+        worker: WorkerServer, make_client: MakeClient) -> None:
+    """A 1.2 worker's scale op has no bias: the builder says so instead of the worker failing
+    the graph (a multiplication by a number still works there)."""
+    old = make_client(worker.endpoint)
+    assert "scale-bias" in old.info.capabilities
+    old.info = dataclasses.replace(old.info, capabilities=tuple(
+        c for c in old.info.capabilities if c != "scale-bias"))      # as a 1.2 worker says
+    g = Graph()
+    x = g.input(put(old, _normal(3)))
+    with pytest.raises(OpError, match="predates protocol 1.3: its scale op takes no bias"):
+        x + 1.0
+    out = empty(old, (3,))
+    g.cont(x * 2.0, out=out)
+    old.compute(g)
 
 
 # ------------------------------------------------------------------- views, caches and landings
@@ -919,6 +1027,20 @@ GOLDEN_GRAPH = bytes.fromhex(
     "930193950100920203920c04009501009103910418950201920302920206029494a361646492fffe80ff94a8"
     "726d735f6e6f726d910081a3657073cb3ee4f8b588e368f1ff94a97472616e73706f7365910180ff94a57363"
     "616c65910281a173cb3fe000000000000002")
+
+
+GOLDEN_SCALE_BIAS = ("93019195010091039104009194a57363616c6591ff82a173cb3ff0000000000000a162cb"
+                     "bfe0000000000000ff")
+
+
+def test_scale_bias_wire_form_is_pinned() -> None:
+    """1.3's optional ``b`` of scale: sent only when not 0, so every older graph keeps its bytes."""
+    ref = TensorRef(buffer=1, dtype=DType.FLOAT32, shape=(3,), strides=(4,), offset=0)
+    plain = GraphSpec((ref,), (Node("scale", (-1,), {"s": 2.0}, -1),))
+    biased = GraphSpec((ref,), (Node("scale", (-1,), {"s": 1.0, "b": -0.5}, -1),))
+    assert msgpack.packb(biased.to_wire(), use_bin_type=True).hex() == GOLDEN_SCALE_BIAS
+    assert wire_graph.check_graph(biased.to_wire()) == biased
+    assert b"\xa1b" not in msgpack.packb(plain.to_wire(), use_bin_type=True)
 
 
 def test_graph_wire_bytes_are_pinned(client: Client) -> None:

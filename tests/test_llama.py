@@ -320,5 +320,5 @@ def test_generate_tool_streams_the_answer(clients: list[Client],
     captured = capsys.readouterr()
     assert code == 0
     assert "Paris" in captured.out
-    for line in ("load:", "prefill:", "generation:", "per token:", "floor at"):
+    for line in ("ready in", "upload:", "prefill:", "generation:", "per token:"):
         assert line in captured.err

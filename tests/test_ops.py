@@ -754,7 +754,7 @@ def test_view_contiguity() -> None:
     ("nope", [], {}, "unknown op 'nope'"),
     ("add", [TensorMeta((2,), "float32")], {}, r"add: takes 2\.\.2 inputs, got 1"),
     ("neg", [TensorMeta((2,), "float32")], {"s": 1.0}, r"neg: unknown param 's' \(takes no params\)"),
-    ("scale", [TensorMeta((2,), "float32")], {"t": 1.0}, r"unknown param 't' \(takes \['s'\]\)"),
+    ("scale", [TensorMeta((2,), "float32")], {"t": 1.0}, r"unknown param 't' \(takes \['b', 's'\]\)"),
     ("scale", [TensorMeta((2,), "float32")], {"s": "2"}, "param 's' must be a float, got '2'"),
     ("scale", [TensorMeta((2,), "float32")], {"s": True}, "param 's' must be a float, got True"),
     ("scale", [TensorMeta((2,), "float32")], {"s": math.inf}, "param 's' must be a finite float, got inf"),

@@ -143,12 +143,13 @@ def test_error_message_is_capped() -> None:
 # PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
 # The enums are append-only: a new member must take a value above every pinned one; a new command
 # bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
-# (1.2: GRAPH_RUN_LINKED's hold_reply_us; 1.3: FILE_QUERY, READ_FILE, SET_FROM_CACHE and
-# SET_TENSOR's cache_key), which older peers never see while it holds its default.
+# (1.2: GRAPH_RUN_LINKED's hold_reply_us; 1.4: SET_TENSOR's cache_key, PEER_SEND's acked), which
+# older peers never see while it holds its default, and so does an optional op param (1.3:
+# scale's bias b, sent only when it is not 0; see test_graph.py's golden bytes).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 3)
+    assert p.PROTOCOL_VERSION == (1, 4)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -684,7 +685,7 @@ def test_the_broker_modules_import_without_cycles() -> None:
         assert "protocol" not in imports.get(leafward, set()), leafward
 
 
-# ------------------------------------------------------------------ 1.3: files and the cache
+# ------------------------------------------------------------------ 1.4: files and the cache
 
 
 U8 = ref((8,), dtype=DType.UINT8, buffer=1)
@@ -742,7 +743,7 @@ def test_file_and_cache_requests_are_validated(header: bytes, match: str) -> Non
 
 
 def test_golden_peer_send_unacked() -> None:
-    """1.3's trailing PEER_SEND field: on the wire only when false."""
+    """1.4's trailing PEER_SEND field: on the wire only when false."""
     from zmq_rpc.broker import peer
     unacked = peer.PeerSend(token=b"t" * 16, src=U8, endpoint="tcp://h:1", timeout_ms=1000,
                             acked=False)

@@ -368,13 +368,16 @@ class ServerProcess:
 
     Its stderr goes to a temporary file (shown if it fails to start), so a chatty server can never
     block on a full pipe. ``stop()`` sends SIGTERM and waits (SIGKILL after ``timeout``).
+    ``own_session``: start it in a session of its own, so that a terminal's Ctrl-C (SIGINT to the
+    foreground process group) reaches only the parent, which then stops it with one SIGTERM.
     """
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], own_session: bool = False) -> None:
         self.argv = list(argv)
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env=_unbuffered_env())
+                                     text=True, env=_unbuffered_env(),
+                                     start_new_session=own_session)
         self.endpoint = ""
 
     def wait_ready(self) -> str:

@@ -462,11 +462,14 @@ def worker_argv(bind: str = "tcp://127.0.0.1:*") -> list[str]:
 
 
 @contextmanager
-def local_workers(count: int) -> Iterator[list[str]]:
-    """Start ``count`` worker subprocesses (in parallel); SIGTERM and wait for them on exit."""
+def local_workers(count: int, *, own_session: bool = False) -> Iterator[list[str]]:
+    """Start ``count`` worker subprocesses (in parallel); SIGTERM and wait for them on exit.
+
+    ``own_session``: each in its own session, out of reach of a terminal's Ctrl-C (see
+    :class:`~zmq_rpc.tools.baselines.ServerProcess`)."""
     procs: list[bl.ServerProcess] = []
     try:
-        procs.extend(bl.ServerProcess(worker_argv()) for _ in range(count))
+        procs.extend(bl.ServerProcess(worker_argv(), own_session) for _ in range(count))
         yield [proc.wait_ready() for proc in procs]
     finally:
         codes = [proc.stop() for proc in procs]

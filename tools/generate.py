@@ -1,14 +1,21 @@
 """``zmq-rpc-bench generate``: load a llama GGUF across workers, stream an answer, print its costs.
 
+What the screen shows, in order (status on stderr, the answer alone on stdout): a line per start-up
+phase as it begins (starting local workers, connecting, opening the model), a tqdm bar for the
+weight upload (bytes, bytes/s, ETA), a line per later phase (laying the weights out on the workers,
+KV cache and graphs, warm-up, tokenizer), the answer as it streams, and a summary whose parts add
+up: start-up by phase, sizes in MiB, rates in tokens/s, the mean time per token split into the
+workers' compute and the rest. Ctrl-C ends the answer with a newline, prints ``interrupted``, stops
+the local workers cleanly and exits 130; SIGTERM and SIGHUP do the same with 143 and 129.
+
 What runs where:
 
-- **This process, main thread**: parsing, loading the model (a tqdm bar on stderr shows the upload
-  in bytes, bytes/s and ETA), tokenizing with the GGUF's chat template, the generation loop (one
-  round trip per token), streaming text to stdout as it completes (:class:`StreamDecoder`), and
-  the summary.
+- **This process, main thread**: all of the above (the generation loop issues the steps and waits
+  for each token).
 - **This process, client I/O threads**: one per worker (:class:`~zmq_rpc.client.Client`).
 - **Subprocesses**: without ``--workers``, ``--local-workers`` (2) ``zmq-rpc-worker --threads 1``
-  on random loopback ports, stopped with SIGTERM and waited for at the end.
+  on random loopback ports, each in its own session (a terminal's Ctrl-C reaches this process
+  only; it stops them with one SIGTERM each and waits for them).
 
 ``main(argv)`` is self-contained: ``python -m zmq_rpc.tools.generate --prompt "..."`` runs it too.
 """
@@ -16,21 +23,25 @@ What runs where:
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-
-from tqdm import tqdm
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
 
 from ..client import Client, RpcError
-from ..client.gguf_model import default_model_path, load_gguf
+from ..client.gguf_model import LlamaGGUF, default_model_path, load_gguf
 from ..client.llama import LlamaModel, StepStat
-from ..client.tokenizer import load_tokenizer
-from .bench import local_workers, sigterm_exits
+from ..client.tokenizer import Tokenizer, load_tokenizer
+from .bench import local_workers
 
-MEMORY_BANDWIDTH = 14e9
-"""Bytes/s a CPU streams from memory: the floor is weight bytes read per token over this."""
+WIDTH = 100
+"""Columns the summary fits in."""
+MIB = 1 << 20
 
 
 def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParser:
@@ -42,10 +53,10 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
                          "(default: start --local-workers local workers)")
     ap.add_argument("--local-workers", type=int, default=2,
                     help="workers to start when --workers is not given (default %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="(default %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut (default)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="(default %(default)s)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--weights", choices=["f32", "quantized"], default="f32",
@@ -62,7 +73,8 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     ap.add_argument("--n-ctx", type=int, default=512, help="context length (default %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=32,
                     help="tokens per prefill graph run (default %(default)s)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="per-request timeout, seconds (default %(default)s)")
     return ap
 
 
@@ -70,13 +82,56 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+class _Clock:
+    """Start-up phases, timed back to back from the command's start (so they add up)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.parts: list[tuple[str, float]] = []
+
+    def lap(self, name: str) -> float:
+        now = time.perf_counter()
+        self.parts.append((name, now - self.last))
+        self.last = now
+        return self.parts[-1][1]
+
+
+def _status(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ signals
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    """The first Ctrl-C (or SIGTERM/SIGHUP) ends the run; any later one waits for the cleanup,
+    which is bounded (request timeouts, then each worker's SIGTERM and SIGKILL)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stop(signum)
+
+
+class _Stop(BaseException):
+    """A signal ended the run (a BaseException, like KeyboardInterrupt: nothing catches it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 @contextmanager
-def _endpoints(args: argparse.Namespace) -> Iterator[list[str]]:
-    if args.workers:
-        yield args.workers
-        return
-    with local_workers(args.local_workers) as endpoints:
-        yield endpoints
+def _signals_stop() -> Iterator[None]:
+    """While inside (on the main thread), SIGINT, SIGTERM and SIGHUP raise :class:`_Stop`."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _interrupted) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# --------------------------------------------------------------------------------- main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,95 +140,183 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_new_tokens < 1 or (args.workers is None and args.local_workers < 1):
         print("generate: --max-new-tokens and --local-workers must be >= 1", file=sys.stderr)
         return 2
+    answer = _Answer(sys.stdout)
     try:
-        _run(args)
-    except (RpcError, OSError, ValueError) as exc:
+        with _signals_stop():
+            _run(args, answer)
+    except (_Stop, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
+        answer.end()
+        print("interrupted" if signum == signal.SIGINT else
+              f"stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        return 128 + signum
+    except (RpcError, OSError, ValueError, RuntimeError) as exc:
+        answer.end()
         print(f"generate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-def _run(args: argparse.Namespace) -> None:
-    with sigterm_exits(), ExitStack() as stack:
-        endpoints = stack.enter_context(_endpoints(args))
+class _Answer:
+    """The streamed answer on stdout: ended by exactly one newline, however the run ends."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.started = False
+        self.ended = False
+
+    def write(self, text: str) -> None:
+        if text:
+            self.started = True
+            self.out.write(text)
+            self.out.flush()
+
+    def end(self, tail: str = "") -> None:
+        if self.ended:
+            return
+        self.write(tail)
+        if self.started:
+            self.out.write("\n")
+            self.out.flush()
+        self.ended = True
+
+
+def _run(args: argparse.Namespace, answer: _Answer) -> None:
+    clock = _Clock()
+    with ExitStack() as stack:
+        endpoints = stack.enter_context(_endpoints(args, clock))
+        _status(f"connecting to {len(endpoints)} worker(s)")
         clients = [stack.enter_context(Client(e, timeout=args.timeout)) for e in endpoints]
-        model = _load(args, clients)
+        clock.lap("connect")
+        gguf = _open_model(args, clock)
+        model = _load(args, gguf, clients, clock)
         stack.callback(model.close)
-        print(f"model: {model}", file=sys.stderr)
-        _generate(args, model)
-        print(_summary(model, args), file=sys.stderr)
+        _status("loading the tokenizer")
+        tok = load_tokenizer(gguf)
+        clock.lap("tokenizer")
+        for stage in model.stages:
+            _status(f"stage {stage.index}: layers {stage.layers.start}-{stage.layers.stop - 1} "
+                    f"on {stage.client.endpoint} ({args.weights} weights)")
+        _generate(args, model, tok, answer)
+        print(_summary(model, args, clock), file=sys.stderr)
 
 
-def _load(args: argparse.Namespace, clients: list[Client]) -> LlamaModel:
-    gguf = load_gguf(args.model or default_model_path())
-    with tqdm(desc="upload weights", unit="B", unit_scale=True, unit_divisor=1024,
-              file=sys.stderr, leave=True) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-            if done == total:
-                bar.close()    # the rate shown is the upload's, not the dequantization's
-
-        return LlamaModel.load(gguf, clients, n_ctx=args.n_ctx, weights=args.weights,
-                               kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
-                               progress=progress, sources=args.sources,
-                               worker_path=args.worker_path)
+@contextmanager
+def _endpoints(args: argparse.Namespace, clock: _Clock) -> Iterator[list[str]]:
+    if args.workers:
+        yield args.workers
+        return
+    _status(f"starting {args.local_workers} local worker(s)")
+    with local_workers(args.local_workers, own_session=True) as endpoints:
+        clock.lap("workers")
+        yield endpoints
 
 
-def _generate(args: argparse.Namespace, model: LlamaModel) -> list[int]:
-    tok = load_tokenizer(model.gguf)
+def _open_model(args: argparse.Namespace, clock: _Clock) -> LlamaGGUF:
+    path = Path(args.model or default_model_path())
+    _status(f"opening {path.name}")
+    gguf = load_gguf(path)
+    seconds = clock.lap("open model")
+    _status(f"opened in {seconds:.2f} s: {gguf.config.n_layers} layers, "
+            f"{gguf.config.vocab_size:,} tokens, {gguf.tensor_data_bytes / MIB:.1f} MiB of weights")
+    return gguf
+
+
+def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
+          clock: _Clock) -> LlamaModel:
+    bar: Any = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            from tqdm import tqdm
+            bar = tqdm(desc="upload weights", total=total, unit="iB", unit_scale=True,
+                       unit_divisor=1024, file=sys.stderr, leave=True)   # KiB, MiB, MiB/s
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()    # the rate shown is the upload's, not the layout's
+
+    try:
+        model = LlamaModel.load(gguf, clients, n_ctx=args.n_ctx, weights=args.weights,
+                                kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
+                                progress=progress, status=_status, sources=args.sources,
+                                worker_path=args.worker_path)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = clock.lap("load")
+    stats = model.load_stats
+    assert stats is not None
+    clock.parts[-1:] = [("upload", stats.upload_seconds), ("lay out", stats.build_seconds),
+                        ("graphs", seconds - stats.upload_seconds - stats.build_seconds)]
+    return model
+
+
+def _generate(args: argparse.Namespace, model: LlamaModel, tok: Tokenizer,
+              answer: _Answer) -> list[int]:
     prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     decoder = tok.stream_decoder(skip_special_tokens=True)
-
-    def stream(token_id: int) -> None:
-        sys.stdout.write(decoder.push(token_id))
-        sys.stdout.flush()
-
-    ids = model.generate(tok.encode(prompt), args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=stream)
-    sys.stdout.write(decoder.flush() + "\n")
-    sys.stdout.flush()
+    try:
+        ids = model.generate(tok.encode(prompt), args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             seed=args.seed, stream=lambda t: answer.write(decoder.push(t)))
+    finally:
+        answer.end(decoder.flush())
     return ids
 
 
-def _summary(model: LlamaModel, args: argparse.Namespace) -> str:
-    """The closing report: load, bytes, prefill and generation rates, overhead, floor."""
+# ------------------------------------------------------------------------------ summary
+
+
+def _summary(model: LlamaModel, args: argparse.Namespace, clock: _Clock) -> str:
+    """The closing report: every sum is printed with its parts, rounded so that they add up."""
     load = model.load_stats
     assert load is not None
     prefill = [s for s in model.stats if s.mode == "prefill"]
     decode = [s for s in model.stats if s.mode == "decode"]
+    ready = sum(seconds for _, seconds in clock.parts)
+    steps = model.bytes_sent - load.upload_bytes
     lines = [
-        f"load: {load.total_seconds:.2f} s; weights in place in {load.upload_seconds:.2f} s, "
-        f"{load.upload_bytes / 1e6:.1f} MB of them sent = {load.upload_gbps:.2f} GB/s effective"
-        + f"; {'dequantize to f32' if args.weights == 'f32' else 'lay out'} on the workers "
-          f"{load.build_seconds:.2f} s",
-        *(f"weights from {s.describe()}" for s in load.sources),
-        (f"weights: {load.weight_bytes / 2**20:.1f} MiB compact; "
-         f"{load.resident_bytes / 2**20:.1f} MiB on {len(model.stages)} worker(s); "
-         f"KV cache {load.kv_bytes / 2**20:.1f} MiB"),
-        f"bytes sent {_size(model.bytes_sent)} (weights and step inputs), "
-        f"received {_size(model.bytes_received)}",
+        *_wrap(f"ready in {ready:.2f} s = " + _parts(clock.parts, ".2f") + " s"),
+        f"upload: {load.upload_bytes / MIB:.1f} MiB in {load.upload_seconds:.2f} s = "
+        f"{load.upload_bytes / MIB / max(load.upload_seconds, 1e-9):.0f} MiB/s",
+        *(f"weights from {s.describe(width=87)}" for s in load.sources),
+        f"weights: {load.weight_bytes / MIB:.1f} MiB in the file; on {len(model.stages)} "
+        f"worker(s) {load.resident_bytes / MIB:.1f} MiB ({args.weights}) + KV cache "
+        f"{load.kv_bytes / MIB:.1f} MiB",
+        f"traffic: sent {model.bytes_sent / MIB:.1f} MiB = "
+        + _parts([("weights", load.upload_bytes / MIB), ("step inputs", steps / MIB)], ".1f")
+        + f" MiB; received {model.bytes_received / MIB:.2f} MiB",
         _rate("prefill", prefill),
         _rate("generation", decode),
     ]
     if decode:
-        per_token = statistics.median(s.seconds for s in decode)
-        compute = statistics.median(s.compute for s in decode)
-        overhead = statistics.median(s.seconds - s.compute for s in decode)
-        lines.append(
-            f"per token: {per_token * 1e3:.1f} ms median = {compute * 1e3:.1f} ms compute on the "
-            f"workers (as they report it) + {overhead * 1e3:.2f} ms overhead "
-            f"({overhead / per_token:.1%}); {statistics.median(s.messages for s in decode):g} "
-            f"messages per token, no client round trip between tokens when greedy")
-    lines.append(_floor(model))
+        lines += _per_token(decode, chained=args.temperature <= 0 and model.chain_greedy)
     return "\n".join(lines)
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+def _parts(parts: Sequence[tuple[str, float]], fmt: str) -> str:
+    """``name value + ...`` with each value rounded so that the printed values add up to the
+    printed total (each is the rounded running sum minus the previous rounded running sum)."""
+    out, running, shown = [], 0.0, 0.0
+    for name, value in parts:
+        running += value
+        rounded = float(format(running, fmt))
+        out.append(f"{name} {format(rounded - shown, fmt)}")
+        shown = rounded
+    return " + ".join(out)
+
+
+def _wrap(line: str) -> list[str]:
+    """``line`` cut at `` + `` to fit :data:`WIDTH`, continuation lines indented."""
+    lines, current = [], ""
+    for piece in line.split(" + "):
+        candidate = f"{current} + {piece}" if current else piece
+        if len(candidate) > WIDTH and current:
+            lines.append(current)
+            candidate = "    + " + piece
+        current = candidate
+    return [*lines, current]
 
 
 def _rate(what: str, steps: list[StepStat]) -> str:
@@ -183,21 +326,21 @@ def _rate(what: str, steps: list[StepStat]) -> str:
     return f"{what}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tokens/s"
 
 
-def _floor(model: LlamaModel) -> str:
-    compact = model.weight_bytes
-    read = _bytes_read_per_token(model)
-    return (f"floor at {MEMORY_BANDWIDTH / 1e9:g} GB/s: {compact / MEMORY_BANDWIDTH * 1e3:.1f} "
-            f"ms/token for {compact / 1e6:.1f} MB of compact weights; this mode reads "
-            f"{read / 1e6:.1f} MB per token = {read / MEMORY_BANDWIDTH * 1e3:.1f} ms")
-
-
-def _bytes_read_per_token(model: LlamaModel) -> int:
-    """Weight bytes one decode step streams: the f32 copies, or the compact blocks."""
-    gguf = model.gguf
-    matmul = [t for t in gguf.tensors.values() if t.qtype in ("q4_1", "q8_0")]
-    if model.weights == "f32":
-        return sum(4 * t.n_elements for t in matmul)
-    return sum(t.nbytes for t in matmul)
+def _per_token(decode: list[StepStat], chained: bool) -> list[str]:
+    """Mean = compute + the rest (means add up; medians would not), then the spread."""
+    n = len(decode)
+    mean = sum(s.seconds for s in decode) / n * 1e3
+    compute = sum(s.compute for s in decode) / n * 1e3
+    split = _parts([("workers' compute", compute), ("overhead", mean - compute)], ".1f")
+    times = [s.seconds * 1e3 for s in decode]
+    requests = statistics.median(s.messages for s in decode)
+    return [
+        f"per token: {mean:.1f} ms mean = {split} ms ({(mean - compute) / mean:.1%} overhead)",
+        f"    median {statistics.median(times):.1f} ms, range {min(times):.1f}-{max(times):.1f} "
+        f"ms over {n} tokens",
+        f"    {requests:g} requests per token"
+        + ("; each token goes worker to worker, no client round trip" if chained else ""),
+    ]
 
 
 if __name__ == "__main__":

@@ -189,7 +189,8 @@ class Executor:
         if backend.zero_copy:
             self.capabilities.append("zero-copy")
         if backend.supports_graphs:
-            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies"]
+            self.capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
+                                  "scale-bias"]
         self.capabilities.append("unacked-sends")
         self.held: deque[HeldReply] = deque()
         """Replies of linked runs that asked to wait (``hold_reply_us``), oldest first."""

@@ -9,7 +9,7 @@ For each stage (one worker), in this order of preference, whichever the worker h
 2. ``cache``: the worker has a ``--cache-dir``: SET_FROM_CACHE per cache piece (a tensor, or a
    16 MiB piece of a bigger one, named by its BLAKE3-256); the misses are uploaded with their key,
    so the next load finds them.
-3. ``upload``: the file's byte ranges are uploaded (what a worker of protocol < 1.3 gets).
+3. ``upload``: the file's byte ranges are uploaded (what a worker of protocol < 1.4 gets).
 
 ``sources="auto"`` picks per worker as above; ``"upload"``, ``"cache"`` or ``"file"`` insists
 (``"file"`` fails when a worker cannot read the file, saying why). Runs on the loading thread; it
@@ -60,14 +60,15 @@ class StageSource:
     misses: int = 0
     note: str = ""
 
-    def describe(self) -> str:
-        """``tcp://a:1 cache (12/14 pieces hit, 3.1 MB sent)``."""
-        detail = {"file": "read from its disk",
-                  "cache": f"{self.hits}/{self.hits + self.misses} pieces hit",
-                  "upload": "uploaded"}[self.source]
-        extra = f"; {self.note}" if self.note else ""
-        return f"{self.endpoint} {self.source} ({detail}, {self.wire_bytes / 1e6:.1f} MB " \
-               f"sent{extra})"
+    def describe(self, width: int = 100) -> str:
+        """``tcp://a:1: cache (12/14 pieces hit), 3.1 MiB sent (why not a better source)``, cut to
+        ``width`` characters."""
+        hit = f" ({self.hits}/{self.hits + self.misses} pieces hit)" if self.source == "cache" \
+            else ""
+        text = f"{self.endpoint}: {self.source}{hit}, {self.wire_bytes / 2**20:.1f} MiB sent"
+        if self.note:
+            text += f" ({self.note})"
+        return text if len(text) <= width else text[:width - 4] + "...)"
 
 
 class WeightSource:

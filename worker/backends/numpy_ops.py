@@ -186,7 +186,10 @@ def _binary(fn: np.ufunc) -> Kernel:
 
 
 def _scale(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """x * s + b (``b`` since protocol 1.3, capability ``scale-bias``; like ggml_scale_bias)."""
     np.multiply(_ufunc_src(xs[0], ms[0]), _F32(p["s"]), out=out, dtype=_F32)
+    if p.get("b", 0.0) != 0.0:
+        out += _F32(p["b"])
 
 
 def _relu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
