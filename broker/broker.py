@@ -105,7 +105,8 @@ class BrokerThread(threading.Thread):
             pass
         except BaseException as exc:  # reported to whoever waits on ready
             self.error = exc
-            log.exception("broker thread failed")
+            if self.ready.is_set():   # a failure to open is the starter's to report
+                log.exception("broker thread failed")
         finally:
             self.ready.set()
             for sock in sockets:
@@ -123,7 +124,12 @@ class BrokerThread(threading.Thread):
         router.setsockopt(zmq.HEARTBEAT_TTL, cfg.heartbeat_timeout_ms)
         if cfg.curve is not None:
             make_curve_server(router, cfg.curve, CLIENT_DOMAIN)
-        router.bind(cfg.bind)
+        try:
+            router.bind(cfg.bind)
+        except zmq.ZMQError as exc:
+            hint = (" (another process listens there: choose another port, or port * for a "
+                    "free one)" if exc.errno == zmq.EADDRINUSE else "")
+            raise OSError(f"cannot bind {cfg.bind}: {zmq.strerror(exc.errno or 0)}{hint}") from None
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         pair = self.ctx.socket(zmq.PAIR)
         sockets.append(pair)

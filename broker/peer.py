@@ -260,7 +260,7 @@ def decode_peer(frames: Sequence[Any]) -> Chunk | Ack | Probe:
     cls = PEER_MESSAGES.get(head[1])  # type: ignore[call-overload]
     if cls is None:
         raise BadRequest(f"unknown peer message kind {describe(head[1])}")
-    msg = cls.from_fields(head[2:])
+    msg: Chunk | Ack | Probe = cls.from_fields(head[2:])
     if len(frames) - 1 != msg.payload_count():
         raise BadRequest(f"peer {cls.__name__} takes {msg.payload_count()} payload frame(s), "
                          f"got {len(frames) - 1}")

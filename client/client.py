@@ -271,7 +271,7 @@ class Client:
         major, minor = p.PROTOCOL_VERSION
         hello = p.Hello(major=major, minor=minor, client=self.name)
         try:
-            info = self._engine.submit(Cmd.HELLO, hello, timeout=timeout).result()
+            info: p.HelloReply = self._engine.submit(Cmd.HELLO, hello, timeout=timeout).result()
         except RpcError as exc:
             if isinstance(exc, (VersionMismatch, AuthenticationFailed)):
                 raise

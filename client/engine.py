@@ -27,7 +27,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..broker import protocol as p
-from ..broker.errors import AuthenticationFailed, ClientClosed, ConnectionLost, RpcError, Timeout
+from ..broker.errors import (
+    AuthenticationFailed,
+    BadRequest,
+    ClientClosed,
+    ConnectionLost,
+    RpcError,
+    Timeout,
+)
 from ..broker.protocol import Cmd
 from .security import CurveClient
 
@@ -397,5 +404,5 @@ def _handshake_error(value: int) -> str:
 def _check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:
     expected = reply.payload_count()
     if len(frames) - 1 != expected:
-        raise p.BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "
+        raise BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "
                            f"expected {expected}")

@@ -114,7 +114,8 @@ class _Cursor:
                                       "past the end of the file")
             start = self.take(count * size)
             items = np.frombuffer(self.buf, dtype, count, start)
-            return (items != 0).tolist() if kind == _BOOL else items.tolist()
+            values: list[Any] = (items != 0).tolist() if kind == _BOOL else items.tolist()
+            return values
         if count > len(self.buf) - self.pos:     # every item takes at least one byte
             raise GGUFFormatError(f"an array of {count} items at offset {self.pos} runs past "
                                   "the end of the file")
@@ -149,7 +150,7 @@ def read_gguf(path: str | Path, default_alignment: int = 32) -> GGUFFile:
         data = np.memmap(path, np.uint8, mode="r")
     except ValueError as exc:                # an empty file cannot be mapped
         raise GGUFFormatError(f"cannot map the file: {exc}") from None
-    cursor = _Cursor(memoryview(data))       # parsed through the buffer, not numpy indexing
+    cursor = _Cursor(memoryview(data.data))  # parsed through the buffer, not numpy indexing
     version, n_tensors, n_kv = _header(cursor)
     metadata = {}
     for _ in range(n_kv):

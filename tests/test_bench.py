@@ -7,6 +7,11 @@ samples, that servers stop cleanly, and how results are summarized, never how fa
 from __future__ import annotations
 
 import json
+import re
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,10 @@ import pytest
 import zmq
 from zmq_rpc.tools import baselines as bl
 from zmq_rpc.tools import bench
+
+BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
+"""The console script the install put beside this interpreter."""
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 @pytest.mark.timeout(180)
@@ -135,6 +144,22 @@ def test_llm_rows_hold_the_issue_budgets() -> None:
         assert rows["llm upload vs budget"].passed() is ok
 
 
+@pytest.mark.timeout(60)
+def test_first_byte_times_a_program_and_stops_it_with_sigint(tmp_path: Path) -> None:
+    """What the ``generate first output`` row measures: exec to the first byte, then Ctrl-C."""
+    import sys
+
+    from zmq_rpc.tools import bench_llm
+
+    marker = tmp_path / "stopped"
+    script = ("import sys, time\ntry:\n    sys.stderr.write('x'); sys.stderr.flush()\n"
+              f"    time.sleep(60)\nexcept KeyboardInterrupt:\n    open({str(marker)!r}, 'w')")
+    seconds = bench_llm._first_byte([sys.executable, "-c", script])
+    assert 0 < seconds < 60 and marker.exists()
+    with pytest.raises(RuntimeError, match="wrote nothing"):
+        bench_llm._first_byte([sys.executable, "-c", "pass"])
+
+
 def test_cases_and_commands_can_be_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "CASES", dict(bench.CASES))
     monkeypatch.setattr(bench, "COMMANDS", dict(bench.COMMANDS))
@@ -169,3 +194,61 @@ def test_unknown_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 def test_format_size() -> None:
     assert [bench.format_size(n) for n in (4096, 1 << 20, 256 << 20, 1000)] == \
         ["4KiB", "1MiB", "256MiB", "1000B"]
+
+
+def _help(*args: str) -> str:
+    out = subprocess.run([BENCH, *args, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_help_names_only_commands_that_exist_and_so_does_the_readme() -> None:
+    text = _help()
+    assert "``" not in text and ":class:" not in text
+    bench.load_case_modules()
+    in_help = set(re.findall(r"zmq-rpc-bench ([a-z][\w-]*)", text))
+    in_readme = set(re.findall(r"^zmq-rpc-bench ([a-z][\w-]*)", README.read_text(), re.M))
+    assert in_help == set(bench.COMMANDS), in_help       # the usage shows every command
+    assert in_readme <= set(bench.COMMANDS), in_readme   # no "run" that neither usage nor README shows
+    for command in in_help:
+        assert f"usage: zmq-rpc-bench {command}" in _help(command)
+
+
+@pytest.mark.timeout(120)
+def test_generate_help_shows_its_defaults() -> None:
+    text = " ".join(_help("generate").split())
+    assert "``" not in text
+    assert "tokens to generate at most (default 64)" in text
+    assert "(default 60.0)" in text.split("--timeout TIMEOUT")[-1]
+
+
+@pytest.mark.timeout(120)
+def test_generate_gives_up_connecting_after_its_timeout() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:    # accepts, never speaks zmq
+        port = silent.getsockname()[1]
+        proc = subprocess.Popen([BENCH, "generate", "--prompt", "hi", "--timeout", "1",
+                                 "--workers", f"tcp://127.0.0.1:{port}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert proc.stderr is not None
+        lines = [proc.stderr.readline()]
+        while "connecting to" not in lines[-1] and lines[-1]:
+            lines.append(proc.stderr.readline())
+        start = time.monotonic()           # from the status line on: the connection wait alone
+        rest = proc.stderr.read()
+        code = proc.wait(60)
+        waited = time.monotonic() - start
+        proc.stderr.close()
+    assert code == 1
+    assert f"cannot reach a zmq-rpc worker at tcp://127.0.0.1:{port}" in rest
+    assert waited < 6, f"{waited:.1f} s: the connection wait ignored --timeout 1 (was 10 s)"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", [[], ["generate", "--prompt", "hi"]])
+def test_workers_without_a_scheme_are_refused_with_the_fix(command: list[str]) -> None:
+    out = subprocess.run([BENCH, *command, "--workers", "tcp://127.0.0.1:50052,127.0.0.1:50053"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "'127.0.0.1:50053' has no scheme: write tcp://127.0.0.1:50053" in out.stderr
+    assert "Traceback" not in out.stderr

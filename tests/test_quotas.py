@@ -18,8 +18,13 @@ import time
 from collections.abc import Callable
 
 import pytest
+import zmq
 from conftest import WorkerProcess
-from zmq_rpc.client import Client
+from zmq_rpc.broker import peer as wire
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.protocol import Cmd, DType
+from zmq_rpc.client import Client, Graph, OutOfMemory
+from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +36,7 @@ ep, seconds = sys.argv[1], float(sys.argv[2])
 ctx = zmq.Context()
 d = ctx.socket(zmq.DEALER)
 d.setsockopt(zmq.ROUTING_ID, b"F" + os.urandom(15))
-d.setsockopt(zmq.SNDHWM, 0)
+d.setsockopt(zmq.SNDHWM, 1000)      # 64 MiB queued here at most; then it blocks: backpressure
 d.connect(ep)
 major, minor = p.PROTOCOL_VERSION
 d.send(p.encode_request(Cmd.HELLO, 1, p.Hello(major=major, minor=minor, client="flood")))
@@ -89,3 +94,178 @@ def test_flooding_session_does_not_starve_another(
     assert busy <= 10 * idle + 1.0
     assert rss < 120              # 169 MiB here with unbounded queues (641 MiB in the issue)
     client.alloc_buffer(1 << 20)                      # and the worker still serves
+
+
+# ------------------------------------------------------------------- memory and quotas
+
+
+MiB = 1 << 20
+
+
+class Raw:
+    """A raw session (a DEALER with an unguessable id) that reads replies only when asked."""
+
+    def __init__(self, raw_socket: Callable[[int], zmq.Socket[bytes]], endpoint: str) -> None:
+        self.sock = raw_socket(zmq.DEALER)
+        self.sock.connect(endpoint)
+        self.ids = iter(range(1, 1 << 30))
+        major, minor = p.PROTOCOL_VERSION
+        assert self.call(Cmd.HELLO, p.Hello(major=major, minor=minor, client="raw"))[0] == 0
+
+    def send(self, cmd: Cmd, msg: p.Message, *payload: bytes) -> int:
+        req_id = next(self.ids)
+        self.sock.send_multipart([p.encode_request(cmd, req_id, msg), *payload])
+        return req_id
+
+    def call(self, cmd: Cmd, msg: p.Message, *payload: bytes) -> list[object]:
+        req_id = self.send(cmd, msg, *payload)
+        while True:
+            header = p.unpack_header(self.sock.recv_multipart()[0])
+            if header[1] == req_id:
+                return header
+
+
+def zero_stride(handle: int, nbytes: int) -> p.TensorRef:
+    """A view naming ``nbytes`` bytes that all read the same 4 bytes of a buffer."""
+    return p.TensorRef(buffer=handle, dtype=DType.FLOAT32, shape=(nbytes // 4,), strides=(0,),
+                       offset=0)
+
+
+def test_materialized_replies_count_in_memory(make_worker: Callable[..., WorkerServer],
+                                              make_client: Callable[..., Client],
+                                              raw_socket: Callable[[int], zmq.Socket[bytes]]
+                                              ) -> None:
+    """Issue 13: GET of a zero-stride view of 64 bytes materialized 1 GiB outside --mem, and a
+    client that did not read its replies left them all with the worker. Now a materialized
+    reply counts until libzmq has handed it to the client's socket."""
+    worker = make_worker(memory_limit=64 * MiB, max_buffer_size=64 * MiB)
+    raw = Raw(raw_socket, worker.endpoint)
+    assert raw.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=64))[0] == 0
+    raw.sock.setsockopt(zmq.RCVHWM, 1)      # it reads nothing: its socket stops taking replies
+    for _ in range(4):
+        raw.send(Cmd.GET_TENSOR, p.GetTensor(tensor=zero_stride(1, 40 * MiB)))
+    other = make_client(worker.endpoint)
+    time.sleep(2.0)
+    assert other.device_memory().free <= 24 * MiB             # one reply waits, counted
+    with pytest.raises(OutOfMemory):
+        other.alloc_buffer(32 * MiB)
+    raw.sock.close(linger=0)                                  # gone: its replies with it
+    deadline = time.monotonic() + 10
+    while other.device_memory().free < 64 * MiB - 64 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert other.device_memory().free == 64 * MiB - 64        # all given back (but its buffer)
+
+
+def test_graph_fetching_many_views_is_refused_whole(make_worker: Callable[..., WorkerServer],
+                                                    make_client: Callable[..., Client]) -> None:
+    worker = make_worker(memory_limit=64 * MiB, max_buffer_size=64 * MiB)
+    c = make_client(worker.endpoint)
+    buf = c.alloc_buffer(64)
+    x = buf.tensor((4,), "float32")
+    views = [x.view((6 * MiB,), (0,)) for _ in range(16)]       # 16 x 24 MiB
+    g = Graph()
+    g.scale(x, 1.0, out=x)
+    with pytest.raises(OutOfMemory):
+        c.compute(g, fetch=views)
+    assert c.device_memory().free == 64 * MiB - 64           # nothing left charged
+    (one,) = c.compute(g, fetch=views[:1])
+    assert one.nbytes == 24 * MiB
+
+
+def test_session_quotas(make_worker: Callable[..., WorkerServer],
+                        make_client: Callable[..., Client]) -> None:
+    worker = make_worker(memory_limit=64 * MiB, session_memory=16 * MiB)
+    a, b = make_client(worker.endpoint), make_client(worker.endpoint)
+    a.alloc_buffer(12 * MiB)
+    with pytest.raises(OutOfMemory, match="session quota: memory"):
+        a.alloc_buffer(8 * MiB)
+    b.alloc_buffer(12 * MiB)                                 # another session has its own
+    executor = worker._backend_thread.executor              # type: ignore[union-attr]
+    assert executor.quotas.buffers == 16_384 and executor.quotas.graphs == 1_024
+
+
+def test_freed_buffer_is_not_kept_by_a_registered_graph(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client]) -> None:
+    worker = make_worker(memory_limit=64 * MiB)
+    c = make_client(worker.endpoint)
+    buf = c.alloc_buffer(1 * MiB)
+    x = buf.tensor((256 * 1024,), "float32")
+    g = Graph()
+    g.scale(x, 2.0, out=x)
+    h = c.register(g)
+    c.run(h)
+    executor = worker._backend_thread.executor              # type: ignore[union-attr]
+    (graph,) = next(iter(executor.sessions.values())).graphs.values()
+    assert graph.views is not None
+    buf.free()
+    c.synchronize()
+    assert graph.views is None                               # no view keeps the freed mapping
+
+
+def test_silent_sessions_make_room_when_memory_is_short(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
+        raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
+    """Issue 13: 2,000 identities that each allocate 1 MiB and vanish locked a well-behaved
+    client out with OUT_OF_MEMORY for the whole 30 s session timeout."""
+    worker = make_worker(memory_limit=64 * MiB, session_timeout=30.0)
+    for _ in range(60):
+        raw = Raw(raw_socket, worker.endpoint)
+        raw.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=1 * MiB))
+        raw.sock.close(linger=0)
+    c = make_client(worker.endpoint)
+    start = time.monotonic()
+    while True:
+        try:
+            c.alloc_buffer(32 * MiB)
+            break
+        except OutOfMemory:
+            assert time.monotonic() - start < 10, "still locked out"
+            time.sleep(0.5)
+    waited = time.monotonic() - start
+    print(f"locked out for {waited:.1f} s (the session timeout is 30 s)")
+    assert waited < 8
+
+
+def test_queue_quota_answers_a_flood_behind_a_waiting_receive(
+        make_worker: Callable[..., WorkerServer], raw_socket: Callable[[int], zmq.Socket[bytes]]
+        ) -> None:
+    worker = make_worker(memory_limit=64 * MiB)
+    raw = Raw(raw_socket, worker.endpoint)
+    raw.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=64))
+    dst = p.TensorRef(buffer=1, dtype=DType.UINT8, shape=(64,), strides=(1,), offset=0)
+    raw.send(Cmd.PEER_RECV, wire.PeerRecv(token=os.urandom(16), dst=dst, timeout_ms=20_000))
+    for _ in range(5000):                                   # all wait behind the receive
+        raw.send(Cmd.PING, p.Empty())
+    refused = 0
+    deadline = time.monotonic() + 20
+    while refused < 5000 - 4096 and time.monotonic() < deadline:
+        if raw.sock.poll(1000):
+            header = p.unpack_header(raw.sock.recv_multipart()[0])
+            refused += header[0] == p.ErrorCode.OUT_OF_MEMORY and "queued requests" in header[2]
+    assert refused == 5000 - 4096
+
+
+def test_peer_send_to_a_dead_port_is_counted_and_dropped_at_goodbye(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
+        raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
+    """Issue 13: PEER_SEND of a zero-stride view to a port nobody listens on queued 1 GiB on
+    the PUSH link, and GOODBYE never dropped it."""
+    worker = make_worker(memory_limit=64 * MiB, max_buffer_size=64 * MiB)
+    peer = make_worker(memory_limit=64 * MiB)
+    dead = peer._backend_thread.peers.endpoint                # type: ignore[union-attr]
+    raw = Raw(raw_socket, worker.endpoint)
+    raw.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=64))
+    assert raw.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=dead, timeout_ms=5000))[0] == 0
+    peer.stop()                                               # verified, then dead
+    raw.send(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=zero_stride(1, 40 * MiB),
+                                          endpoint=dead, timeout_ms=60_000))
+    other = make_client(worker.endpoint)
+    deadline = time.monotonic() + 5
+    while other.device_memory().free > 24 * MiB and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert other.device_memory().free <= 24 * MiB             # counted while it waits
+    raw.send(Cmd.GOODBYE, p.Empty())
+    deadline = time.monotonic() + 5
+    while other.device_memory().free < 64 * MiB and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert other.device_memory().free == 64 * MiB             # dropped with its session

@@ -381,6 +381,7 @@ def test_made_up_chunks_do_not_deny_peer_copies(make_worker: Callable[..., Worke
     src = a.alloc_buffer(16).tensor((16,), "uint8")
     dst = b.alloc_buffer(16).tensor((16,), "uint8")
     a.set_tensor(src, np.arange(16, dtype=np.uint8))
+    a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=b_peer, timeout_ms=5000)).result(10)
     with caplog.at_level(logging.INFO, logger="zmq_rpc.client.peer"):
         for _ in range(3):     # with the PEER_SEND issued before the PEER_RECV: chunks stash
             token = os.urandom(16)
@@ -426,3 +427,29 @@ def test_attacker_strings_in_worker_logs_are_escaped(
     assert text, "nothing was logged"
     assert "\x00" not in text and "\nINFO zmq_rpc.worker: forged" not in text
     assert "\nline" not in text
+
+
+def test_push_to_a_port_that_is_not_a_worker_is_refused(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
+        raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
+    """Without CURVE a worker pushes only to endpoints that answered its probe: a client-named
+    PULL port gets no tensor bytes (the probe it receives is all it ever sees)."""
+    a = make_client(make_worker(memory_limit=64 << 20).endpoint)
+    src = a.alloc_buffer(1 << 16).tensor((1 << 16,), "uint8")
+    trap = raw_socket(zmq.PULL)
+    trap_ep = f"tcp://127.0.0.1:{trap.bind_to_random_port('tcp://127.0.0.1')}"
+    send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+                                                endpoint=trap_ep, timeout_ms=2000))
+    with pytest.raises(TransferError, match="has not answered a peer probe"):
+        send.result(timeout=5)
+    probe = a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=trap_ep, timeout_ms=1000))
+    with pytest.raises(TransferError, match="no acknowledgement"):
+        probe.result(timeout=5)                            # it got the probe, never answered
+    again = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+                                                 endpoint=trap_ep, timeout_ms=2000))
+    with pytest.raises(TransferError, match="has not answered a peer probe"):
+        again.result(timeout=5)
+    seen = []
+    while trap.poll(200):
+        seen.append(wire.decode_peer(trap.recv_multipart()))
+    assert [type(m).__name__ for m in seen] == ["Probe"]     # never a chunk

@@ -22,6 +22,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zmq.utils.monitor import recv_monitor_message
+from zmq_rpc.broker import peer as peer_wire
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import VersionMismatch
 from zmq_rpc.broker.protocol import Cmd, DType, ErrorCode, TensorRef
@@ -841,8 +842,15 @@ def test_a_send_awaiting_its_acknowledgement_is_answered_at_goodbye(
         worker: WorkerServer, wire: Wire, raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
     """A PEER_SEND whose receiver never acknowledges was left unanswered when its session said
     GOODBYE (only queued requests were failed)."""
-    silent = raw_socket(zmq.PULL)
+    silent = raw_socket(zmq.PULL)        # a peer that answers the probe, never the transfer
     port = silent.bind_to_random_port("tcp://127.0.0.1")
+    probe_id = wire.send(Cmd.PEER_PROBE, fields=[f"tcp://127.0.0.1:{port}", 5000])
+    assert silent.poll(5000), "the worker never probed"
+    probe = peer_wire.decode_peer(silent.recv_multipart())
+    answer = raw_socket(zmq.PUSH)
+    answer.connect(probe.reply_to)
+    answer.send(peer_wire.encode_peer(peer_wire.Ack(probe.token, True, "probe")))
+    assert wire.recv()[0][1] == probe_id
     send_id = wire.send(Cmd.PEER_SEND, fields=[b"t" * 16, tensor((4,)).to_wire(),
                                                 f"tcp://127.0.0.1:{port}", 60_000])
     assert silent.poll(5000), "the worker never pushed"

@@ -14,8 +14,8 @@ What runs where:
 Cases live in a registry (:func:`register_case`): a case is a function taking a :class:`BenchContext`
 and returning :class:`CaseResult` rows (samples for ours and for each baseline, the unit, and the
 target ratio with its direction). Other modules add cases by decorating their functions and being
-listed in :data:`CASE_MODULES`; other subcommands are added with :func:`register_command`
-(``zmq-rpc-bench [run] [options]``: ``run`` is the default).
+listed in :data:`CASE_MODULES`; commands (``zmq-rpc-bench generate ...``) are added with
+:func:`register_command`; without a command name, ``zmq-rpc-bench [options]`` runs the benchmark.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 import zmq
-from tqdm import tqdm  # type: ignore[import-untyped]
+from tqdm import tqdm
 
 from ..client import Client
-from ..worker.cli import parse_size
+from ..worker.cli import endpoint, parse_size
 from . import baselines as bl
 
 # ------------------------------------------------------------------------------- records
@@ -530,6 +530,11 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def endpoint_list(text: str) -> list[str]:
+    """``--workers``: comma-separated ``tcp://HOST:PORT`` / ``ipc://PATH``, each checked."""
+    return [endpoint(part, wildcard_port=False) for part in _csv(text)]
+
+
 def _case_list(text: str) -> list[str]:
     names = _csv(text)
     unknown = [n for n in names if n not in CASES]
@@ -542,12 +547,19 @@ def _size_list(text: str) -> list[int]:
     return [parse_size(part) for part in _csv(text)]
 
 
+DESCRIPTION = ("Benchmark zmq-rpc against raw pyzmq and raw TCP doing the same work, each case "
+               "beside its baseline from the same run (median and range per row).")
+
+
 def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
-    """Options of ``zmq-rpc-bench [run]``."""
+    """Options of ``zmq-rpc-bench`` (the benchmark; other commands have their own)."""
     cases = ", ".join(f"{c.name} ({c.help})" for c in CASES.values())
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
-                                 epilog=f"cases: {cases}. Other commands: {', '.join(COMMANDS)}.")
-    ap.add_argument("--workers", type=_csv, default=[],
+    commands = ", ".join(f"'{prog} {name} --help'" for name in COMMANDS)
+    usage = "\n".join([f"{prog} [options]", *(f"       {prog} {name} [options]"
+                                                for name in COMMANDS)])
+    ap = argparse.ArgumentParser(prog=prog, usage=usage, description=DESCRIPTION,
+                                 epilog=f"cases: {cases}. Commands: see {commands}.")
+    ap.add_argument("--workers", type=endpoint_list, default=[],
                     help="comma-separated endpoints of running workers (default: start two)")
     ap.add_argument("--cases", type=_case_list,
                     default=[c.name for c in CASES.values() if c.default],
@@ -568,7 +580,7 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
 
 
 def run_command(argv: Sequence[str]) -> int:
-    """``zmq-rpc-bench run``: the benchmark itself."""
+    """``zmq-rpc-bench [options]``: the benchmark itself."""
     args = build_run_parser().parse_args(argv)
     if args.link and not any(a.startswith("--cases") for a in argv):
         args.cases = ["links"]
@@ -587,8 +599,8 @@ def run_command(argv: Sequence[str]) -> int:
     return 1 if errors or (args.check and missed) else 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"run": run_command}
-"""Subcommands by name; ``run`` is used when the first argument names none."""
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {}
+"""Commands by name; the benchmark (:func:`run_command`) runs when the first argument names none."""
 
 
 def register_command(name: str, fn: Callable[[Sequence[str]], int]) -> None:
@@ -611,7 +623,7 @@ def load_case_modules() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``zmq-rpc-bench [COMMAND] [options]`` (COMMAND defaults to ``run``)."""
+    """Entry point: ``zmq-rpc-bench [options]`` (the benchmark) or ``zmq-rpc-bench COMMAND ...``."""
     load_case_modules()
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in COMMANDS:

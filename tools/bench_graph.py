@@ -73,11 +73,14 @@ class LocalExecutor:
     def __init__(self, memory_limit: int = 4 << 30) -> None:
         from ..worker.backends.numpy_backend import NumpyBackend
         from ..worker.executor import Executor, WorkerLimits
+        from ..worker.peer_links import PeerLinks
 
         limits = WorkerLimits(memory_limit=memory_limit, max_buffer_size=memory_limit,
                               max_message_size=64 << 20, session_timeout=3600.0)
         self.replies: list[list[Any]] = []
-        self.executor = Executor(NumpyBackend(), limits, self._send, "bench-local")
+        backend = NumpyBackend()
+        peers = PeerLinks(zmq.Context.instance(), backend)     # no peer endpoint: no socket
+        self.executor = Executor(backend, limits, self._send, "bench-local", peers)
         self._ids = itertools.count(1)
         major, minor = p.PROTOCOL_VERSION
         self.call(Cmd.HELLO, p.Hello(major=major, minor=minor, client="bench-local"))
@@ -382,7 +385,7 @@ def matmul_child(request: dict[str, Any]) -> dict[str, list[float]]:
     local.register(2, small)
     x = fill(inputs[0]).astype(np.float32)
     weights = [fill(ref).astype(np.float32) for ref in inputs[1:MATMUL_LAYERS + 1]]
-    runners = {"executor": lambda: elapsed(lambda: local.run(1)),
+    runners: dict[str, Callable[[], float]] = {"executor": lambda: elapsed(lambda: local.run(1)),
                "numpy": lambda: elapsed(lambda: _numpy_matmul(x, weights)),
                "one-node": lambda: elapsed(lambda: local.run(2))}
     for run in runners.values():

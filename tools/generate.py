@@ -31,13 +31,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..client import Client, RpcError
-from ..client.gguf_model import LlamaGGUF, default_model_path, load_gguf
-from ..client.llama import LlamaModel, StepStat
-from ..client.tokenizer import Tokenizer, load_tokenizer
-from .bench import local_workers
+from .bench import endpoint_list, local_workers
+
+if TYPE_CHECKING:   # imported when used: the first status line does not wait for them
+    from ..client.gguf_model import LlamaGGUF
+    from ..client.llama import LlamaModel, StepStat
+    from ..client.tokenizer import Tokenizer
 
 WIDTH = 100
 """Columns the summary fits in."""
@@ -46,18 +48,22 @@ MIB = 1 << 20
 
 def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParser:
     """The command line of ``generate``."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog, description=(
+        "Load a llama GGUF across workers, stream an answer to the prompt, print its costs."))
     ap.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
-    ap.add_argument("--workers", type=_csv, default=None,
+    ap.add_argument("--workers", type=endpoint_list, default=None,
                     help="comma-separated worker endpoints, one pipeline stage each "
                          "(default: start --local-workers local workers)")
     ap.add_argument("--local-workers", type=int, default=2,
                     help="workers to start when --workers is not given (default %(default)s)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="(default %(default)s)")
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="tokens to generate at most (default %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut (default)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="(default %(default)s)")
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling mass (default %(default)s: no cut)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="sampling seed (default: a fresh one each run)")
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--weights", choices=["f32", "quantized"], default="f32",
                     help="f32: dequantize once on the workers (default, faster); quantized: "
@@ -69,17 +75,15 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     ap.add_argument("--worker-path", default=None,
                     help="the model file's path under the workers' --model-dir (default: its "
                          "file name)")
-    ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32")
+    ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+                    help="KV cache element type (default %(default)s)")
     ap.add_argument("--n-ctx", type=int, default=512, help="context length (default %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=32,
                     help="tokens per prefill graph run (default %(default)s)")
     ap.add_argument("--timeout", type=float, default=60.0,
-                    help="per-request timeout, seconds (default %(default)s)")
+                    help="seconds to wait for each request, and for each worker to answer the "
+                         "first connection (default %(default)s)")
     return ap
-
-
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 class _Clock:
@@ -186,12 +190,14 @@ def _run(args: argparse.Namespace, answer: _Answer) -> None:
     with ExitStack() as stack:
         endpoints = stack.enter_context(_endpoints(args, clock))
         _status(f"connecting to {len(endpoints)} worker(s)")
-        clients = [stack.enter_context(Client(e, timeout=args.timeout)) for e in endpoints]
+        clients = [stack.enter_context(Client(e, timeout=args.timeout,
+                                              connect_timeout=args.timeout)) for e in endpoints]
         clock.lap("connect")
         gguf = _open_model(args, clock)
         model = _load(args, gguf, clients, clock)
         stack.callback(model.close)
         _status("loading the tokenizer")
+        from ..client.tokenizer import load_tokenizer
         tok = load_tokenizer(gguf)
         clock.lap("tokenizer")
         for stage in model.stages:
@@ -213,6 +219,8 @@ def _endpoints(args: argparse.Namespace, clock: _Clock) -> Iterator[list[str]]:
 
 
 def _open_model(args: argparse.Namespace, clock: _Clock) -> LlamaGGUF:
+    from ..client.gguf_model import default_model_path, load_gguf
+
     path = Path(args.model or default_model_path())
     _status(f"opening {path.name}")
     gguf = load_gguf(path)
@@ -224,6 +232,8 @@ def _open_model(args: argparse.Namespace, clock: _Clock) -> LlamaGGUF:
 
 def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
           clock: _Clock) -> LlamaModel:
+    from ..client.llama import LlamaModel
+
     bar: Any = None
 
     def progress(done: int, total: int) -> None:

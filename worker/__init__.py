@@ -1,1 +1,25 @@
-"""zmq-rpc package."""
+"""The worker: a broker thread (``zmq_rpc.broker.broker``) and one backend thread that owns every byte.
+
+Module map (thread that runs it):
+
+- ``server``: :class:`WorkerServer` (the creating thread: start, stop, join) and
+  :class:`BackendThread` (the backend thread's poll loop: PAIR, peer PULL, control, timers).
+- ``executor``: the scheduler: sessions, their queues, the ``Cmd -> Route`` dispatch table,
+  transfer completions (backend thread).
+- ``requests``: the dispatch vocabulary: ``Request``, ``Route``, admissions and outcomes (backend).
+- ``session``: ``Session``, ``Buffer``, checked ``Views`` of buffers, ``WorkerLimits`` (backend).
+- ``buffers``: buffer and tensor commands: alloc, free, clear, set, get, memset, copy (backend).
+- ``graphs``: graph commands: register, run, compute, free, and the run shared with linked runs
+  (backend).
+- ``transfers``: peer-copy commands: PEER_RECV / SEND / PROBE / FILL (backend).
+- ``linked``: linked runs (one queue entry, RECEIVING -> READY -> RAN -> PUSHED) and held replies
+  (backend).
+- ``outbox``: replies to the broker, zero-copy tracking, held replies first (backend).
+- ``memory``: ``MemoryBudget``, the one account of bytes handed out (backend).
+- ``peer_links``: worker-to-worker sockets: the PULL, lazy PUSH links, chunks, acks, deadlines
+  (backend).
+- ``graph_exec``: graph compile (validation, arena plan) and execution (backend).
+- ``backends.base``: the ``Backend`` protocol; ``backends.numpy_backend``, ``backends.cupy_backend``
+  implement it, ``backends.numpy_ops`` holds the kernels (backend).
+- ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``).
+"""

@@ -1,8 +1,10 @@
 """``zmq-rpc-worker``: run one worker process until SIGINT/SIGTERM.
 
-The main thread parses flags, pins BLAS threads (before numpy is imported), starts a
-:class:`~zmq_rpc.worker.server.WorkerServer`, prints the endpoint it listens on, and waits for a
-signal; then it stops the server (in-flight requests answered or failed) and exits 0.
+The main thread parses and checks flags (endpoints, sizes), pins BLAS threads (before numpy is
+imported), starts a :class:`~zmq_rpc.worker.server.WorkerServer`, prints the endpoint it listens
+on, and waits for a signal (or for one of the worker's threads to end on its own); then it stops
+the server (in-flight requests answered or failed) within :data:`SHUTDOWN_BOUND_S` and exits 0.
+A worker that cannot start (address in use, bad ``--mem``) says why and exits 1 at once.
 """
 
 from __future__ import annotations
@@ -15,9 +17,22 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from ..broker.ops import DEFAULT_MAX_WORK
+
+if TYPE_CHECKING:
+    from .server import WorkerServer
+
+log = logging.getLogger("zmq_rpc.worker")
+
+SHUTDOWN_BOUND_S = 10.0
+"""Seconds a worker may take to answer or fail what it holds after SIGINT/SIGTERM."""
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                     "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -44,25 +59,91 @@ def package_version() -> str:
         return "unknown"
 
 
+SCHEMES = ("tcp", "ipc")
+"""What a worker listens on (inproc:// reaches only its own process: use WorkerServer for that)."""
+
+
+def endpoint(text: str, *, wildcard_port: bool = True) -> str:
+    """``text`` if a worker can bind it (``tcp://HOST:PORT``, ``tcp://HOST:*``, ``ipc://PATH``).
+
+    Raises :class:`argparse.ArgumentTypeError` saying what is wrong and what to write instead.
+    """
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} has no scheme: write tcp://{text}")
+    if scheme not in SCHEMES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: scheme {scheme}:// is not one of {', '.join(s + '://' for s in SCHEMES)}")
+    if scheme == "ipc":
+        if not rest:
+            raise argparse.ArgumentTypeError(f"{text!r} names no path: write ipc:///tmp/NAME")
+        return text
+    host, colon, port = rest.rpartition(":")
+    ports = "a port 1-65535" + (" or *" if wildcard_port else "")
+    if not colon or not host or not (port == "*" and wildcard_port
+                                     or port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"{text!r} needs tcp://HOST:PORT with {ports}")
+    return text
+
+
+def _peer_bind(text: str) -> str:
+    return text if text == "none" else endpoint(text)
+
+
+def _positive_size(minimum: int, hint: str = "") -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        size = parse_size(text)
+        if size < minimum:
+            least = "more than 0 bytes" if minimum <= 1 else f"at least {minimum >> 10}KiB"
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {least}"
+                                             + (f" ({hint})" if hint else ""))
+        return size
+    return parse
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0")
+        return value
+    return parse
+
+
+DESCRIPTION = "Run one zmq-rpc worker until SIGINT or SIGTERM."
+EPILOG = (f"SIGINT/SIGTERM: requests already received are answered or failed, then the worker "
+          f"exits 0 (a later signal does not change that); if that takes more than "
+          f"{SHUTDOWN_BOUND_S:g} s (one long graph run), it exits 1 without waiting. Exit 1 also "
+          f"when it cannot start (address in use, bad --mem, no such device), 2 for bad flags.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The worker's command line."""
-    ap = argparse.ArgumentParser(prog="zmq-rpc-worker", description=__doc__.splitlines()[0])
-    ap.add_argument("--bind", default="tcp://127.0.0.1:50052",
-                    help="endpoint to listen on for clients (default %(default)s; "
-                         "port * picks a free one)")
-    ap.add_argument("--device", default="cpu", help="cpu (numpy) or cuda[:N] (cupy)")
-    ap.add_argument("--mem", type=parse_size, default=0,
-                    help="memory the worker may hand out, e.g. 512MiB or 4GiB "
-                         "(default: 80%% of the device's memory)")
-    ap.add_argument("--max-buffer", type=parse_size, default=0,
+    ap = argparse.ArgumentParser(prog="zmq-rpc-worker", description=DESCRIPTION, epilog=EPILOG)
+    ap.add_argument("--bind", type=endpoint, default="tcp://127.0.0.1:50052",
+                    help="endpoint to listen on for clients: tcp://HOST:PORT (port * picks a "
+                         "free one) or ipc://PATH (default %(default)s)")
+    ap.add_argument("--device", default="cpu", help="cpu (numpy) or cuda[:N] (cupy) "
+                                                    "(default %(default)s)")
+    ap.add_argument("--mem", type=_positive_size(1, "leave --mem out for 80% of the device"),
+                    default=0,
+                    help="memory the worker may hand out, e.g. 512MiB or 4GiB; more than 0 and at "
+                         "most the device's memory (default: 80%% of the device's memory)")
+    ap.add_argument("--session-mem", type=_positive_size(1), default=0,
+                    help="memory one client session may hold: buffers, graph arenas, replies "
+                         "and peer sends being materialized (default: --mem)")
+    ap.add_argument("--max-buffer", type=_positive_size(1), default=0,
                     help="largest single buffer (default: --mem)")
-    ap.add_argument("--max-message", type=parse_size, default=64 << 20,
-                    help="largest message accepted; bigger tensors travel in chunks "
-                         "(default 64MiB)")
-    ap.add_argument("--peer-bind", default=None,
+    ap.add_argument("--max-message", type=_positive_size(64 << 10), default=64 << 20,
+                    help="largest message accepted, at least 64KiB; bigger tensors travel in "
+                         "chunks (default 64MiB)")
+    ap.add_argument("--peer-bind", type=_peer_bind, default=None,
                     help="endpoint where other workers push tensors to this one (default: the "
-                         "--bind host, a free port; 'none' disables worker-to-worker copy)")
-    ap.add_argument("--peer-advertise", default="",
+                         "--bind host, a free port; none disables worker-to-worker copy)")
+    ap.add_argument("--peer-advertise", type=partial(endpoint, wildcard_port=False), default=None,
                     help="peer endpoint to tell clients, when it differs from what is bound "
                          "(NAT, multi-host)")
     ap.add_argument("--model-dir", action="append", default=[], metavar="DIR",
@@ -74,9 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-size", type=parse_size, default=8 << 30,
                     help="bytes the tensor cache may hold (least recently used go first; "
                          "default 8GiB)")
-    ap.add_argument("--session-timeout", type=float, default=30.0,
-                    help="seconds of silence after which a client's session is freed")
-    ap.add_argument("--max-graph-work", type=int, default=DEFAULT_MAX_WORK,
+    ap.add_argument("--session-timeout", type=_positive(float), default=30.0,
+                    help="seconds of silence after which a client's session and its buffers are "
+                         "freed (default %(default)s)")
+    ap.add_argument("--max-graph-work", type=_positive(int), default=DEFAULT_MAX_WORK,
                     help="element-ops one graph run may ask for: every element read or written, "
                          "repeated views counted in full, multiply-adds / 32 "
                          f"(default {DEFAULT_MAX_WORK:,})")
@@ -94,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--insecure", action="store_true",
                      help="allow listening beyond loopback without CURVE (anyone who reaches the "
                           "port can use the worker; logged loudly)")
-    ap.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
-    ap.add_argument("--log-level", default="INFO",
-                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    ap.add_argument("--threads", type=_positive(int), default=1,
+                    help="BLAS threads (default %(default)s)")
+    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="(default %(default)s)")
     ap.add_argument("--version", action="version", version=f"zmq-rpc {package_version()}")
     return ap
 
@@ -116,7 +199,7 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 512 << 20)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``zmq-rpc-worker``."""
+    """Entry point of ``zmq-rpc-worker``; returns the exit code (see :data:`EPILOG`)."""
     args = build_parser().parse_args(argv)
     for var in BLAS_THREAD_VARS:
         os.environ[var] = str(args.threads)
@@ -129,32 +212,52 @@ def main(argv: list[str] | None = None) -> int:
     try:
         curve = load_keypair(args.curve_secret_key) if args.curve_secret_key else None
     except KeyFileError as exc:
-        logging.getLogger("zmq_rpc.worker").error("cannot start: %s", exc)
+        print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,
                           session_timeout=args.session_timeout,
                           max_graph_work=args.max_graph_work,
+                          session_memory=args.session_mem,
                           peer_bind="" if args.peer_bind == "none" else args.peer_bind,
-                          peer_advertise=args.peer_advertise, curve=curve,
+                          peer_advertise=args.peer_advertise or "", curve=curve,
                           authorized_keys=args.authorized_keys, worker_keys=args.worker_keys,
                           insecure=args.insecure, model_dirs=tuple(args.model_dir),
                           cache_dir=args.cache_dir, cache_size=args.cache_size)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda *_: stop.set())
     server = WorkerServer(config)
     try:
         endpoint = server.start()
     except Exception as exc:
-        logging.getLogger("zmq_rpc.worker").error("cannot start: %s", exc)
+        print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
     print(f"zmq-rpc-worker listening on {endpoint}", flush=True)
+    code = 0
     while not stop.wait(0.5):
-        pass
+        if not server.running():
+            log.error("a worker thread ended on its own; stopping")
+            code = 1
+            break
+    return stop_within(server, SHUTDOWN_BOUND_S, code)
+
+
+def stop_within(server: WorkerServer, bound: float, code: int) -> int:
+    """Stop ``server``; past ``bound`` seconds, leave the process at once with exit code 1."""
+    def give_up() -> None:
+        log.error("shutdown took more than %g s; exiting without waiting", bound)
+        logging.shutdown()
+        os._exit(1)
+    watchdog = threading.Timer(bound, give_up)
+    watchdog.daemon = True
+    watchdog.start()
     server.stop()
-    return 0
+    watchdog.cancel()
+    for sig in STOP_SIGNALS:      # a late second signal must not turn exit 0 into death by signal
+        signal.signal(sig, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":

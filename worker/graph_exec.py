@@ -105,8 +105,9 @@ class CompiledGraph:
     def _scratch(self, step: Step) -> np.ndarray:
         dtype = K.numpy_dtype(step.meta.dtype)
         arena: Memory = self.arena
-        return arena[step.slot:step.slot + step.meta.nbytes].view(dtype).reshape(
+        view: np.ndarray = arena[step.slot:step.slot + step.meta.nbytes].view(dtype).reshape(
             step.meta.shape)
+        return view
 
     def _precheck_indices(self, externals: Sequence[np.ndarray]) -> None:
         """Index values held in external tensors (directly or through views) are checked before

@@ -1,7 +1,7 @@
 """The worker's memory accounting: what every session's buffers and graph arenas hold together.
 
-Owned by the backend thread (one :class:`MemoryBudget` per executor). Every byte handed out is
-counted here and nowhere else: a reservation either turns into memory the caller keeps (released
+Owned by the backend thread (one :class:`MemoryBudget` and one :class:`SessionMemory` per
+executor). Every byte handed out is counted here and nowhere else: a reservation either turns into memory the caller keeps (released
 when it frees it) or is given back when the allocation behind it fails.
 """
 
@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ..broker.protocol import ErrorCode, WireError
+from .quotas import InFlight, Quotas, check
+
+if TYPE_CHECKING:
+    from .session import Session
 
 T = TypeVar("T")
 
@@ -59,3 +63,65 @@ class MemoryBudget:
             yield
         finally:
             self.release(size)
+
+
+class SessionMemory:
+    """Every byte a session holds, counted against its quota and the worker's budget at once:
+    buffers, graph arenas, one-off graphs while they run, and materialized replies and pushes
+    until libzmq has sent them (:class:`~zmq_rpc.worker.quotas.InFlight`)."""
+
+    def __init__(self, budget: MemoryBudget, quotas: Quotas,
+                 reclaim: Callable[[Session], None]) -> None:
+        self.budget = budget
+        self.quotas = quotas
+        self.inflight = InFlight()
+        self._reclaim = reclaim
+
+    def charge(self, session: Session, size: int, what: str) -> None:
+        """Count ``size`` bytes against the session's quota and ``--mem`` (closing silent
+        sessions first when memory is short), or OUT_OF_MEMORY."""
+        if self.quotas.memory < self.budget.limit:      # else --mem says it (below)
+            check(f"memory ({what})", session.usage.memory, size, self.quotas.memory)
+        try:
+            self.budget.reserve(size, what)
+        except WireError:
+            if not self.reclaim(session):
+                raise
+            self.budget.reserve(size, what)
+        session.usage.memory += size
+
+    def uncharge(self, session: Session, size: int) -> None:
+        """Give back bytes ``session`` held (their memory was freed)."""
+        session.usage.memory -= size
+        self.budget.release(size)
+
+    def allocate(self, session: Session, size: int, what: str, alloc: Callable[[], T]) -> T:
+        """``charge``, then ``alloc()``; the charge is given back if it fails."""
+        self.charge(session, size, what)
+        try:
+            return alloc()
+        except BaseException:
+            self.uncharge(session, size)
+            raise
+
+    @contextmanager
+    def borrowed(self, session: Session, size: int, what: str) -> Iterator[None]:
+        """``size`` bytes charged for the duration of the block (a one-off graph's arena)."""
+        self.charge(session, size, what)
+        try:
+            yield
+        finally:
+            self.uncharge(session, size)
+
+    def reap(self) -> None:
+        """Give back the bytes of materialized replies and pushes that libzmq has sent."""
+        if self.inflight.items:
+            self.budget.release(self.inflight.reap())
+
+    def reclaim(self, keep: Session) -> bool:
+        """Memory is short: forget what was sent, let the executor close silent sessions.
+        True if anything was freed."""
+        before = self.budget.used
+        self.reap()
+        self._reclaim(keep)
+        return self.budget.used < before

@@ -5,6 +5,10 @@ opens one PUSH socket per destination peer on first use (and reuses it), writes 
 straight into their destination views, sends acknowledgements, and fails transfers at their
 deadline. Nothing here blocks: the backend loop polls the PULL socket and calls :meth:`expire`.
 
+Built before the executor and handed nothing of it: each transfer comes with what it needs (the
+destination view, or a :class:`Source`), an ``owner`` (its session, compared by identity only) and
+a ``done`` callable told the outcome once (None on success, else why it failed).
+
 Security (SECURITY.md): with a CURVE key pair the PULL port is a CURVE server in the ZAP domain
 ``zmq-rpc-peer`` (only this worker's own key and ``--worker-keys`` connect), and this worker pushes
 only to endpoints that carry a key (``tcp://h:p#curve=KEY``) found among those same worker keys:
@@ -19,8 +23,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zmq
@@ -32,9 +37,8 @@ from ..broker.keys import KeyFileError, KeyPair, join_endpoint, split_endpoint
 from ..broker.protocol import ErrorCode, TensorRef, WireError, split_tensor
 from ..broker.wire import printable
 from ..broker.zap import PEER_DOMAIN, KeySet
-
-if TYPE_CHECKING:
-    from .executor import Executor, Pending, Session
+from .backends.base import Backend, Memory, View
+from .quotas import Charged
 
 log = logging.getLogger("zmq_rpc.worker.peer")
 
@@ -79,14 +83,33 @@ class PeerSecurity:
                             "this worker's --worker-keys: it will not push there")
         return address, key
 
+Done = Callable[[str | None], None]
+"""Told once how a transfer ended: None when it succeeded, else what went wrong."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a send reads from: the checked view, its buffer's memory, and where the trackers
+    of zero-copy chunks go (the buffer is not written until they are done)."""
+
+    view: View
+    memory: Memory
+    track: Callable[[zmq.MessageTracker], None]
+    copy: Callable[[View, str], Charged] | None = None
+    """Materializes a piece that cannot go in place (strided), counted in its session's memory
+    until sent; None: read it uncounted."""
+    sent: Callable[[zmq.MessageTracker | None, Charged], None] | None = None
+    """Told the tracker of a materialized piece (its bytes are given back when done)."""
+
 
 @dataclass
 class Incoming:
-    """A PEER_RECV at the head of its session's queue, collecting chunks into ``dst``."""
+    """A receive at the head of its session's queue, collecting chunks into ``dst``."""
 
-    pending: Pending
+    owner: object
+    done: Done
     ref: TensorRef
-    view: Any
+    view: View
     deadline: float
     staging: np.ndarray | None
     target: memoryview | None
@@ -102,20 +125,12 @@ class Incoming:
 class Outgoing:
     """A PEER_SEND or PEER_PROBE waiting for the peer's acknowledgement."""
 
-    pending: Pending
+    owner: object
+    done: Done
     endpoint: str
     deadline: float
     what: str
-
-
-@dataclass
-class Watched:
-    """An unacknowledged send whose zero-copy chunks must have left by ``deadline``: else the
-    peer is gone or stuck, and the link is dropped (which releases the source buffer)."""
-
-    endpoint: str
-    deadline: float
-    trackers: list[zmq.MessageTracker]
+    probe: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,17 +140,17 @@ class Piece:
     piece's view is read when it is pushed."""
 
     header: bytes
-    view: Any
+    view: View
     data: Any | None
     zero_copy: bool
 
 
 @dataclass(frozen=True)
 class Push:
-    """A checked send, ready to go: its pieces, the source buffer, the link to the peer."""
+    """A checked send, ready to go: its pieces, where trackers go, the link to the peer."""
 
     pieces: tuple[Piece, ...]
-    buffer: Any
+    source: Source
     endpoint: str
     link: zmq.Socket[bytes]
 
@@ -155,11 +170,11 @@ class Stashed:
 class PeerLinks:
     """The backend thread's peer sockets and the transfers in progress."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], bind: str, advertise: str,
-                 max_message_size: int, executor: Executor,
-                 security: PeerSecurity | None = None) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, *, bind: str = "",
+                 advertise: str = "", max_message_size: int = 64 << 20,
+                 stash_limit: int = 64 << 20, security: PeerSecurity | None = None) -> None:
         self.ctx = ctx
-        self.executor = executor
+        self.backend = backend
         self.security = security or PeerSecurity()
         keys = self.security.keys
         self.pull: zmq.Socket[bytes] | None = None
@@ -175,17 +190,18 @@ class PeerLinks:
             if keys is not None and split_endpoint(self.endpoint)[1] is None:
                 self.endpoint = join_endpoint(self.endpoint, keys.public)
         self.links: dict[str, zmq.Socket[bytes]] = {}
+        self.verified: set[str] = set()
+        """Peer endpoints that answered our probe: the only ones pushed to without CURVE."""
         self.incoming: dict[bytes, Incoming] = {}
         self.outgoing: dict[bytes, Outgoing] = {}
-        self.watched: dict[bytes, Watched] = {}
         self.stash: dict[bytes, Stashed] = {}
         self.stash_bytes = 0
         self.stashed_by: dict[str, dict[bytes, None]] = {}
         """Each sender's unannounced stashed tokens, oldest first."""
-        self.announced: dict[bytes, Session] = {}
+        self.announced: dict[bytes, object] = {}
         """Tokens of receives queued in a session and not started yet."""
         self._dropped = 0
-        self.stash_limit = max(executor.limits.memory_limit // 4, 64 << 20)
+        self.stash_limit = stash_limit
 
     def close(self) -> None:
         if self.pull is not None:
@@ -197,104 +213,124 @@ class PeerLinks:
         """The earliest moment something here may time out."""
         times = [t.deadline for t in self.incoming.values()]
         times += [t.deadline for t in self.outgoing.values()]
-        times += [t.deadline for t in self.watched.values()]
         if self.stash:
             times.append(next(iter(self.stash.values())).expires)
         return min(times) if times else None
 
     # ------------------------------------------------------------- requests (from executor)
 
-    def announce(self, session: Session, msg: Any) -> None:
+    def announce(self, owner: object, tokens: list[bytes]) -> None:
         """A session queued a PEER_RECV (or a linked run's receives): chunks for these tokens
         that arrive before the receive starts are kept apart from unannounced ones."""
-        tokens = [msg.token] if isinstance(msg, wire.PeerRecv) else [r.token for r in msg.receive]
         for token in tokens:
             if token in self.incoming or token in self.announced:
                 continue
-            self.announced[token] = session
+            self.announced[token] = owner
             entry = self.stash.get(token)
             if entry is not None and not entry.announced:
                 self._forget(entry.sender, token)
                 entry.announced = True
 
-    def start_recv(self, pending: Pending, msg: wire.PeerRecv) -> None:
-        """Begin receiving into ``msg.dst`` (chunks stashed earlier may finish it at once)."""
-        if msg.token in self.incoming:
+    def start_recv(self, token: bytes, dst: TensorRef, view: View, timeout_ms: int,
+                   owner: object, done: Done) -> None:
+        """Begin receiving transfer ``token`` into ``view`` (the checked view of ``dst``);
+        chunks stashed earlier may finish it, and call ``done``, before this returns."""
+        if token in self.incoming:
             raise WireError(ErrorCode.TRANSFER_FAILED, "that transfer token is already in use")
-        if self.announced.get(msg.token) is pending.session:
-            del self.announced[msg.token]
-        view = self.executor.view(pending.session, msg.dst)
-        contiguous = msg.dst.is_contiguous()
-        staging = None if contiguous else np.empty(msg.dst.nbytes, np.uint8)
-        in_place = self.executor.backend.alias(view) if contiguous else None
-        self.incoming[msg.token] = Incoming(
-            pending, msg.dst, view, time.monotonic() + msg.timeout_ms / 1000, staging,
+        if self.announced.get(token) is owner:
+            del self.announced[token]
+        contiguous = dst.is_contiguous()
+        staging = None if contiguous else np.empty(dst.nbytes, np.uint8)
+        in_place = self.backend.alias(view) if contiguous else None
+        self.incoming[token] = Incoming(
+            owner, done, dst, view, time.monotonic() + timeout_ms / 1000, staging,
             None if in_place is None else memoryview(in_place))
-        stashed = self._unstash(msg.token)
+        stashed = self._unstash(token)
         if stashed is not None:
             for chunk, frame in stashed.messages:
-                if msg.token in self.incoming:
+                if token in self.incoming:
                     self._on_chunk(chunk, frame, stashed.sender)
 
-    def start_send(self, pending: Pending, msg: wire.PeerSend) -> bool:
-        """Push ``msg.src`` to ``msg.endpoint`` in chunks; True when the reply waits for the
-        peer's ack (``msg.acked``), False when it may go now (the chunks are with zmq)."""
-        push = self.prepare_push(pending.session, wire.Send(msg.token, msg.src, msg.endpoint),
-                                 acknowledge=msg.acked)
-        deadline = time.monotonic() + msg.timeout_ms / 1000
-        if msg.acked:
-            self.outgoing[msg.token] = Outgoing(pending, msg.endpoint, deadline,
-                                                f"transfer to {msg.endpoint}")
-        trackers = self.push(push)
-        if not msg.acked and trackers:
-            self.watched[msg.token] = Watched(msg.endpoint, deadline, trackers)
-        return msg.acked
+    def start_send(self, send: wire.Send, source: Source, timeout_ms: int, owner: object,
+                   done: Done) -> None:
+        """Push ``source`` to ``send.endpoint`` in chunks; ``done`` hears the peer's ack."""
+        push = self.prepare_push(send, source, acknowledge=True)
+        self.outgoing[send.token] = Outgoing(owner, done, send.endpoint,
+                                             time.monotonic() + timeout_ms / 1000,
+                                             f"transfer to {send.endpoint}")
+        self.push(push)
 
-    def prepare_push(self, session: Session, send: wire.Send, acknowledge: bool) -> Push:
-        """Check a send (source view, peer endpoint, link) and encode its chunk headers before
-        anything it follows runs: after the run, pushing is only handing frames to zmq. With
+    def prepare_push(self, send: wire.Send, source: Source, acknowledge: bool) -> Push:
+        """Check a send (peer endpoint, link) and encode its chunk headers before anything it
+        follows runs: after the run, pushing is only handing frames to zmq. With
         ``acknowledge`` the receiver answers once it has everything, else it sends nothing."""
         if not self.endpoint:
             raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
-        view = self.executor.view(session, send.src)
-        buffer = session.buffers[send.src.buffer]
-        backend = self.executor.backend
         sub_refs = split_tensor(send.src, CHUNK_BYTES)
         reply_to = self.endpoint if acknowledge else ""
         pieces = []
         for seq, (start, sub) in enumerate(sub_refs):
-            piece_view = view if len(sub_refs) == 1 else backend.view(buffer.memory, sub)
-            data = backend.alias(piece_view)
+            piece_view = (source.view if len(sub_refs) == 1
+                          else self.backend.view(source.memory, sub))
+            data = self.backend.alias(piece_view)
             header = wire.encode_peer(wire.Chunk(send.token, seq, len(sub_refs), start,
                                                   send.src.nbytes, reply_to))
             pieces.append(Piece(header, piece_view, data,
                                 data is not None and sub.nbytes >= ZERO_COPY_BYTES))
-        return Push(tuple(pieces), buffer, send.endpoint, self._link(send.endpoint))
+        self._check_verified(send.endpoint)
+        return Push(tuple(pieces), source, send.endpoint, self._link(send.endpoint))
 
-    def push(self, push: Push) -> list[zmq.MessageTracker]:
-        """Send the prepared chunks (zero-copy from the buffer when big and aliased); returns
-        the trackers of the zero-copy ones."""
+    def push(self, push: Push) -> None:
+        """Send the prepared chunks (zero-copy from the buffer when big and aliased)."""
         link = push.link if not push.link.closed else self._link(push.endpoint)
-        trackers = []
         for piece in push.pieces:
             data = piece.data
+            if data is None and push.source.copy is not None and \
+                    piece.view.nbytes >= ZERO_COPY_BYTES:
+                self._push_charged(push, piece, link)
+                continue
             if data is None:
-                data = self.executor.backend.read(piece.view)[0]
+                data = self.backend.read(piece.view)[0]
             if piece.zero_copy:
                 tracker = link.send_multipart([piece.header, data], copy=False, track=True)
                 if tracker is not None:
-                    push.buffer.sending.append(tracker)
-                    trackers.append(tracker)
+                    push.source.track(tracker)
             else:
                 link.send_multipart([piece.header, data], copy=False)
-        return trackers
 
-    def start_probe(self, pending: Pending, msg: wire.PeerProbe) -> None:
+    def _check_verified(self, endpoint: str) -> None:
+        """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
+        handshake: the answer carries a random token only that endpoint received), so a client
+        cannot make a worker send tensors to a port that is not a zmq-rpc worker. With CURVE
+        the handshake with a known worker key is the check (:class:`PeerSecurity`)."""
+        if self.security.keys is None and endpoint not in self.verified:
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"{printable(endpoint, 100)} has not answered a peer probe from this "
+                            "worker (PEER_PROBE it first; is it a zmq-rpc worker?): this "
+                            "worker does not push there")
+
+    def _push_charged(self, push: Push, piece: Piece, link: zmq.Socket[bytes]) -> None:
+        """A piece that must be materialized (strided, zero-stride) is counted in its
+        session's memory until libzmq has sent it (a dead peer cannot pile up copies)."""
+        copy, sent = push.source.copy, push.source.sent
+        assert copy is not None and sent is not None
+        charged = copy(piece.view, push.endpoint)
+        tracker = link.send_multipart([piece.header, charged.data], copy=False, track=True)
+        sent(tracker, charged)
+
+    def drop_link(self, endpoint: str) -> None:
+        """Close a link and drop what is queued on it (its session closed)."""
+        self._drop_link(endpoint)
+
+    def start_probe(self, endpoint: str, timeout_ms: int, owner: object, done: Done) -> None:
+        """Ask the peer at ``endpoint`` to answer; ``done`` hears whether it did in time."""
+        if not self.endpoint:
+            raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
         token = os.urandom(wire.TOKEN_BYTES)
-        link = self._link(msg.endpoint)
-        self.outgoing[token] = Outgoing(pending, msg.endpoint,
-                                        time.monotonic() + msg.timeout_ms / 1000,
-                                        f"probe of {msg.endpoint}")
+        link = self._link(endpoint)
+        self.outgoing[token] = Outgoing(owner, done, endpoint,
+                                        time.monotonic() + timeout_ms / 1000,
+                                        f"probe of {endpoint}", probe=True)
         link.send(wire.encode_peer(wire.Probe(token, self.endpoint)))
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
@@ -336,17 +372,18 @@ class PeerLinks:
 
     # ----------------------------------------------------------- peer messages (PULL side)
 
-    def fill(self, session: Session, msg: wire.PeerFill, frame: zmq.Frame) -> None:
-        """A chunk relayed by the client (no ack: the client's reply is the acknowledgement)."""
+    def fill(self, owner: object, sender: str, msg: wire.PeerFill, frame: zmq.Frame) -> None:
+        """A chunk relayed by the client ``sender`` on behalf of ``owner`` (no ack: the
+        client's reply is the acknowledgement)."""
         transfer = self.incoming.get(msg.token)
-        if transfer is not None and transfer.pending.session is not session:
+        if transfer is not None and transfer.owner is not owner:
             raise WireError(ErrorCode.INVALID_HANDLE, "that transfer belongs to another session")
         if msg.error:
             if transfer is not None:
                 self._finish_incoming(msg.token, f"the relaying client failed: {msg.error}")
             return
         self._on_chunk(wire.Chunk(msg.token, msg.seq, msg.nchunks, msg.start, msg.total, ""),
-                       frame, f"client {session.label}")
+                       frame, sender)
 
     def drain(self) -> None:
         """Handle what peers pushed to us."""
@@ -408,7 +445,7 @@ class PeerLinks:
         elif transfer.staging is not None:
             transfer.staging[chunk.start:chunk.start + size] = np.frombuffer(frame.buffer, np.uint8)
         else:
-            self.executor.backend.write_bytes(transfer.view, chunk.start, frame.buffer)
+            self.backend.write_bytes(transfer.view, chunk.start, frame.buffer)
 
     def _stash(self, chunk: wire.Chunk, frame: zmq.Frame, sender: str) -> None:
         """Keep a chunk whose PEER_RECV has not started yet. Chunks of announced transfers (a
@@ -478,8 +515,8 @@ class PeerLinks:
     def _finish_incoming(self, token: bytes, error: str | None) -> None:
         transfer = self.incoming.pop(token)
         if error is None and transfer.staging is not None:
-            self.executor.backend.write(transfer.view, transfer.staging)
-        self.executor.finish(transfer.pending, error)   # may run the session's next requests
+            self.backend.write(transfer.view, transfer.staging)
+        transfer.done(error)                  # may run the session's next requests
         if transfer.reply_to:
             self._send_ack(transfer.reply_to, wire.Ack(token, error is None, error or "ok"))
 
@@ -487,8 +524,9 @@ class PeerLinks:
         out = self.outgoing.pop(ack.token, None)
         if out is None:
             return
-        self.executor.finish(out.pending, None if ack.ok else
-                             f"{out.what} refused by the peer: {ack.message}")
+        if ack.ok and out.probe:
+            self.verified.add(out.endpoint)
+        out.done(None if ack.ok else f"{out.what} refused by the peer: {ack.message}")
 
     def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:
         try:
@@ -510,36 +548,24 @@ class PeerLinks:
             if now >= out.deadline:
                 del self.outgoing[token]
                 self._drop_link(out.endpoint)
-                self.executor.finish(out.pending, f"{out.what}: no acknowledgement within the "
-                                                  "timeout (peer unreachable, dead or too slow)")
-        for token, watch in list(self.watched.items()):
-            if all(t.done for t in watch.trackers):
-                del self.watched[token]
-            elif now >= watch.deadline:
-                del self.watched[token]
-                log.warning("a transfer to %s had not left by its deadline: dropping the link "
-                            "(peer dead or stuck)", watch.endpoint)
-                self._drop_link(watch.endpoint)
+                out.done(f"{out.what}: no acknowledgement within the timeout (peer unreachable, "
+                         "dead or too slow)")
         while self.stash:
             token, entry = next(iter(self.stash.items()))
             if now < entry.expires:
                 break
             self._unstash(token)
 
-    def fail_session(self, session: Session) -> list[Pending]:
-        """Forget the transfers of a closing session; returns their requests (the executor
-        answers them: a client that said GOODBYE still gets a reply to each)."""
-        dropped: list[Pending] = []
-        for tok in [t for t, owner in self.announced.items() if owner is session]:
-            del self.announced[tok]
-            self._unstash(tok)
-        for token, incoming in list(self.incoming.items()):
-            if incoming.pending.session is session:
-                dropped.append(self.incoming.pop(token).pending)
-        for token, outgoing in list(self.outgoing.items()):
-            if outgoing.pending.session is session:
-                dropped.append(self.outgoing.pop(token).pending)
-        return dropped
+    def forget(self, owner: object) -> None:
+        """Drop everything of a closing session: its announced tokens' stashed chunks and its
+        transfers (``done`` is not called: the executor answers their requests itself)."""
+        for token in [t for t, by in self.announced.items() if by is owner]:
+            del self.announced[token]
+            self._unstash(token)
+        for token in [t for t, into in self.incoming.items() if into.owner is owner]:
+            del self.incoming[token]
+        for token in [t for t, out in self.outgoing.items() if out.owner is owner]:
+            del self.outgoing[token]
 
 
 

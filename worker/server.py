@@ -30,10 +30,10 @@ from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .backends.base import Backend
-from .executor import DRAIN_BATCH, Executor, WorkerLimits
-from .loading import Loading
+from .executor import DRAIN_BATCH, Executor
 from .model_files import ModelFiles
 from .peer_links import PeerLinks, PeerSecurity
+from .session import WorkerLimits
 from .tensor_cache import TensorCache
 
 log = logging.getLogger("zmq_rpc.worker")
@@ -41,6 +41,9 @@ log = logging.getLogger("zmq_rpc.worker")
 _ids = itertools.count()
 
 DEFAULT_BIND = "tcp://127.0.0.1:50052"
+SHUTDOWN_DRAIN_S = 2.0
+"""At shutdown, requests already sent keep being answered until none arrives for 20 ms, at most
+this long; later ones get SHUTTING_DOWN or find the worker gone."""
 
 
 @dataclass
@@ -57,6 +60,8 @@ class WorkerConfig:
     session_timeout: float = 30.0
     max_graph_work: int = DEFAULT_MAX_WORK
     """Element-ops one graph run may ask for."""
+    session_memory: int = 0
+    """Bytes one session may hold; 0 means the memory limit (see worker/quotas.py)."""
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
     peer_bind: str | None = None
@@ -120,6 +125,20 @@ def make_backend(device: str) -> Backend:
     raise ValueError(f"unknown device {device!r}: expected 'cpu' or 'cuda[:N]'")
 
 
+def check_memory_limit(limit: int, total: int, device: str) -> None:
+    """The rule for ``--mem``: 0 (the default: 80 % of the device) or 1 byte up to all of it.
+
+    ``total`` is what the backend reports (physical RAM for cpu, the GPU's memory for cuda; 0 when
+    unknown, and then any positive limit is taken).
+    """
+    if limit < 0:
+        raise ValueError(f"memory limit {limit} is negative")
+    if limit and total and limit > total:
+        raise ValueError(f"memory limit {limit / 2**30:.1f} GiB is more than device {device} has "
+                         f"({total / 2**30:.1f} GiB): give at most that, or leave the default "
+                         f"(80 % of it)")
+
+
 class BackendThread(threading.Thread):
     """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
 
@@ -152,16 +171,14 @@ class BackendThread(threading.Thread):
             pair.setsockopt(zmq.RCVHWM, BACKEND_HWM)      # requests: see broker.py
             pair.bind(self.pair_endpoint)
             control.bind(self.control_endpoint)
+            self.peers = PeerLinks(self.ctx, self.backend, bind=self.peer_bind,
+                                   advertise=self.peer_advertise,
+                                   max_message_size=self.limits.max_message_size,
+                                   stash_limit=max(self.limits.memory_limit // 4, 64 << 20),
+                                   security=self.peer_security)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
-                                     self.server_name)
-            self.peers = PeerLinks(self.ctx, self.peer_bind, self.peer_advertise,
-                                   self.limits.max_message_size, self.executor,
-                                   self.peer_security)
-            self.executor.peers = self.peers
-            self.executor.peer_endpoint = self.peers.endpoint
-            if self.peers.endpoint:
-                self.executor.capabilities.append("peer-copy")
-            Loading(self.executor, *self.disk).install()
+                                     self.server_name, self.peers)
+            self.executor.serve_files(*self.disk)
             self.pair = pair
             self.ready.set()
             self._loop(pair, control)
@@ -196,6 +213,7 @@ class BackendThread(threading.Thread):
                 self._shutdown(pair, control.recv())
                 return
             waiting = self.executor.pump_all() if (waiting or events) else False
+            self.executor.reap()
             now = time.monotonic()
             self.executor.release_held(now)
             peers.expire(now)
@@ -229,8 +247,9 @@ class BackendThread(threading.Thread):
         """Answer what is already queued, fail what still waits (the server then joins us)."""
         assert self.executor is not None
         executor = self.executor
-        while pair.poll(0):
-            self._drain(pair)
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        while time.monotonic() < deadline and pair.poll(20):   # the PAIR is bounded: what
+            self._drain(pair)                # clients sent before the signal is still coming in
         executor.pump_all()
         executor.release_held()
         executor.fail_queued(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
@@ -255,12 +274,14 @@ class WorkerServer:
     def limits(self, backend: Backend) -> WorkerLimits:
         """The effective limits (defaults resolved against the device's memory)."""
         cfg = self.config
+        check_memory_limit(cfg.memory_limit, backend.total_memory(), cfg.device)
         memory = cfg.memory_limit or int(backend.total_memory() * 0.8) or (8 << 30)
         return WorkerLimits(memory_limit=memory,
                             max_buffer_size=min(cfg.max_buffer_size or memory, memory),
                             max_message_size=cfg.max_message_size,
                             session_timeout=cfg.session_timeout,
-                            max_graph_work=cfg.max_graph_work)
+                            max_graph_work=cfg.max_graph_work,
+                            session_memory=min(cfg.session_memory or memory, memory))
 
     def start(self) -> str:
         """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""
@@ -270,14 +291,15 @@ class WorkerServer:
             check_security(cfg, peer_bind)
             if cfg.curve is not None:
                 self._start_zap(cfg.curve)
+            backend = make_backend(cfg.device)
+            limits = self.limits(backend)
         except BaseException:
             self.stop()
             raise
-        backend = make_backend(cfg.device)
         pair_ep = f"inproc://zmq-rpc-backend-{self._uid}"
         backend_ctl_ep = f"inproc://zmq-rpc-backend-ctl-{self._uid}"
         broker_ctl_ep = f"inproc://zmq-rpc-broker-ctl-{self._uid}"
-        self._backend_thread = BackendThread(self.ctx, backend, self.limits(backend),
+        self._backend_thread = BackendThread(self.ctx, backend, limits,
                                              (pair_ep, backend_ctl_ep), cfg.name,
                                              (peer_bind, cfg.peer_advertise), cfg.curve,
                                              cfg.worker_keys)
@@ -338,20 +360,24 @@ class WorkerServer:
         thread.ready.wait(10)
         if thread.error is not None or not thread.is_alive():
             self.stop()
-            raise RuntimeError(f"{thread.name} failed to start: {thread.error}")
+            error = thread.error
+            if isinstance(error, OSError):     # says what failed (a bind, a device)
+                raise error
+            raise RuntimeError(f"{thread.name} failed to start: {error}") from error
 
     def stop(self) -> None:
-        """Answer or fail in-flight requests, close every socket, join the threads. Idempotent."""
+        """Answer or fail in-flight requests, close every socket, join the threads. Idempotent.
+
+        A thread that already died (a bind that failed) is not waited for: stop never blocks on a
+        command nobody will read.
+        """
         if self._stopped:
             return
         self._stopped = True
-        if self._backend_ctl is not None and self._backend_thread is not None:
-            self._backend_ctl.send(b"STOP")
-            self._backend_thread.join()
-        if self._broker_ctl is not None and self._broker_thread is not None:
+        self._command(self._backend_ctl, self._backend_thread, b"STOP")
+        if self._broker_thread is not None and self._broker_thread.is_alive():
             time.sleep(0.05)  # let the proxy forward the backend's last replies
-            self._broker_ctl.send(b"TERMINATE")
-            self._broker_thread.join()
+        self._command(self._broker_ctl, self._broker_thread, b"TERMINATE")
         for sock in (self._backend_ctl, self._broker_ctl):
             if sock is not None:
                 sock.close(linger=0)
@@ -359,6 +385,24 @@ class WorkerServer:
             self._zap.stop()
         self.ctx.term()
         log.info("worker %s stopped", self.config.name)
+
+    @staticmethod
+    def _command(sock: zmq.Socket[bytes] | None, thread: threading.Thread | None,
+                 command: bytes) -> None:
+        """Send a thread its stop command (if it still runs) and join it."""
+        if thread is None:
+            return
+        if sock is not None and thread.is_alive():
+            try:
+                sock.send(command, zmq.NOBLOCK)
+            except zmq.Again:          # its end closed: the thread is on its way out
+                pass
+        thread.join()
+
+    def running(self) -> bool:
+        """Whether both threads still run (False once either died or the server stopped)."""
+        threads = (self._backend_thread, self._broker_thread)
+        return not self._stopped and all(t is not None and t.is_alive() for t in threads)
 
     def __enter__(self) -> WorkerServer:
         self.start()

@@ -33,4 +33,5 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     kept = np.zeros_like(probs)
     keep = order[before < top_p]
     kept[keep] = probs[keep]
-    return kept / kept.sum()
+    kept /= kept.sum()
+    return kept

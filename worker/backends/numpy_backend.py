@@ -37,12 +37,13 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform ==
 """Linux 5.14+; Python names it from 3.13 on."""
 
 
-def _advise(mapping: mmap.mmap, advice: int | None) -> bool:
-    """``madvise`` the whole mapping; False when the platform lacks the advice or refuses it."""
+def _advise(mapping: mmap.mmap, advice: int | None, start: int = 0, length: int = 0) -> bool:
+    """``madvise`` the mapping (or ``length`` bytes from page-aligned ``start``); False when the
+    platform lacks the advice or refuses it."""
     if advice is None:
         return False
     try:
-        mapping.madvise(advice)
+        mapping.madvise(advice, start, length or len(mapping) - start)
     except OSError:            # an older kernel (POPULATE_WRITE is Linux 5.14), THP disabled
         return False
     return True
@@ -84,10 +85,13 @@ class NumpyBackend(Backend):
         mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         raw = np.frombuffer(mapping, np.uint8)
         start = (-raw.ctypes.data) % HUGE_PAGE
-        _advise(mapping, getattr(mmap, "MADV_HUGEPAGE", None))
+        whole = size // HUGE_PAGE * HUGE_PAGE        # huge pages only where the buffer fills them
+        if whole:
+            _advise(mapping, getattr(mmap, "MADV_HUGEPAGE", None), start, whole)
         memory = raw[start:start + size]
-        if size <= POPULATE_MAX and not _advise(mapping, MADV_POPULATE_WRITE):
-            memory[::mmap.PAGESIZE] = 0                 # fault every page in now, the slow way
+        populate = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE   # the buffer's pages, not the
+        if size <= POPULATE_MAX and not _advise(mapping, MADV_POPULATE_WRITE, start, populate):
+            memory[::mmap.PAGESIZE] = 0     # alignment slack (1,000 x 1 MiB cost 3 GiB of RSS)
         return memory
 
     def scratch(self, size: int) -> np.ndarray:
@@ -99,8 +103,9 @@ class NumpyBackend(Backend):
         dtype = STORAGE_DTYPES[ref.dtype]
         if ref.numel == 0:
             return np.empty(ref.shape, dtype)
-        return np.ndarray(ref.shape, dtype, buffer=buffer.data, offset=ref.offset,
-                          strides=ref.strides)
+        view: np.ndarray = np.ndarray(ref.shape, dtype, buffer=buffer.data, offset=ref.offset,
+                                      strides=ref.strides)
+        return view
 
     def write(self, view: np.ndarray, payload: Any) -> None:
         """Copy a C-ordered payload (any buffer object) into ``view``: the one copy on receive."""

