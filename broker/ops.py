@@ -35,6 +35,7 @@ __all__ = [
     "MAX_ELEMENTS",
     "MAX_RANK",
     "OPS",
+    "PACKED_BLOCKS",
     "QUANT_BLOCKS",
     "REQUIRED",
     "OpError",
@@ -63,6 +64,14 @@ FLOAT_DTYPES: Final = frozenset({"float32", "float16", "bfloat16", "float64"})
 INDEX_DTYPES: Final = frozenset({"int32", "int64"})
 #: qtype -> (elements per block, bytes per block); ``broker.quant.BLOCK`` is a copy.
 QUANT_BLOCKS: Final[Mapping[str, tuple[int, int]]] = MappingProxyType({"q8_0": (32, 34), "q4_1": (32, 20)})
+#: qtype -> (weights per GGUF block, GGUF bytes per block, packed bytes per block and row) of the types
+#: the ``pack`` op lays out for ``mul_mat_packed`` (``worker/kernels/layout.py`` draws the packed form).
+PACKED_BLOCKS: Final[Mapping[str, tuple[int, int, int]]] = MappingProxyType({
+    "f16": (1, 2, 2), "bf16": (1, 2, 2),
+    "q8_0": (32, 34, 36), "q4_0": (32, 18, 20), "q4_1": (32, 20, 24),
+    "q5_0": (32, 22, 24), "q5_1": (32, 24, 28),
+    "q4_k": (256, 144, 152), "q5_k": (256, 176, 184), "q6_k": (256, 210, 212),
+})
 
 
 class OpError(ValueError):
@@ -469,6 +478,53 @@ def _mul_mat_q(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     return TensorMeta(x.shape[:-1] + wq.shape[:1], "float32")
 
 
+def _pack(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """GGUF weight (R, row bytes) uint8, or (R, K) float16/bfloat16 -> packed uint8 (R, packed row bytes)."""
+    w, qtype = ins[0], str(p["qtype"])
+    _need_rank(w, 2, 2, "weight (rows, row)")
+    _, gguf_bytes, packed_bytes = PACKED_BLOCKS[qtype]
+    want = {"f16": {"float16", "uint16"}, "bf16": {"bfloat16", "uint16"}}.get(qtype, {"uint8"})
+    _need_dtype(w, frozenset(want), f"{qtype} weight")
+    row = w.shape[1] * DTYPE_SIZES[w.dtype]
+    if row == 0 or row % gguf_bytes:
+        raise OpError(f"weight rows of {row} bytes are not whole {qtype} blocks of {gguf_bytes} bytes")
+    return TensorMeta((w.shape[0], row // gguf_bytes * packed_bytes), "uint8")
+
+
+def _packed_width(wp: TensorMeta, qtype: str, what: str) -> int:
+    """Inputs per row of a packed weight (uint8, 2-D, contiguous: its bytes are not row-major)."""
+    _need_dtype(wp, frozenset({"uint8"}), what)
+    _need_rank(wp, 2, 2, f"{what} (rows, packed row bytes)")
+    _need_contiguous(wp, what)
+    per_block, _, packed_bytes = PACKED_BLOCKS[qtype]
+    if wp.shape[1] == 0 or wp.shape[1] % packed_bytes:
+        raise OpError(f"{what} rows of {wp.shape[1]} bytes are not whole packed {qtype} blocks "
+                      f"of {packed_bytes} bytes")
+    return wp.shape[1] // packed_bytes * per_block
+
+
+def _unpack(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """Packed weight -> float32 (rows, K)."""
+    return TensorMeta((ins[0].shape[0], _packed_width(ins[0], str(p["qtype"]), "input 0")), "float32")
+
+
+def _get_rows_packed(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    table, idx = ins
+    _need_rank(idx, 0, MAX_RANK - 1, "idx")
+    _need_dtype(idx, INDEX_DTYPES, "idx")
+    return TensorMeta(idx.shape + (_packed_width(table, str(p["qtype"]), "table"),), "float32")
+
+
+def _mul_mat_packed(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    x, wp = ins
+    _need_dtype(x, FLOAT_DTYPES, "x")
+    _need_rank(x, 1, MAX_RANK, "x")
+    width = _packed_width(wp, str(p["qtype"]), "wp")
+    if width != x.shape[-1]:
+        raise OpError(f"x last dim {x.shape[-1]} != wp input width {width} (wp shape {wp.shape})")
+    return TensorMeta(x.shape[:-1] + wp.shape[:1], "float32")
+
+
 def _cont(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     return TensorMeta(ins[0].shape, ins[0].dtype)
 
@@ -565,6 +621,7 @@ def _set_rows(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
 
 _NO_PARAMS: Mapping[str, tuple[Validator, object]] = {}
 _QTYPE = _choice(*QUANT_BLOCKS)
+_PACKED_QTYPE = _choice(*PACKED_BLOCKS)
 _EPS = (_float(0.0), REQUIRED)
 _UNARY = ("neg", "abs", "sqr", "sqrt", "exp", "log", "tanh", "relu", "silu", "sigmoid")
 _BINARY = ("add", "sub", "mul", "div")
@@ -600,6 +657,10 @@ _SPECS = [
     _spec("diag_mask_inf", _COMPUTE, (1, 1), _diag_mask_inf, {"n_past": (_int(0, MAX_DIM), REQUIRED)}),
     _spec("dequantize", _COMPUTE, (1, 1), _dequantize, {"qtype": (_QTYPE, REQUIRED)}),
     _spec("mul_mat_q", _COMPUTE, (2, 2), _mul_mat_q, {"qtype": (_QTYPE, REQUIRED)}),
+    _spec("pack", _COMPUTE, (1, 1), _pack, {"qtype": (_PACKED_QTYPE, REQUIRED)}),
+    _spec("mul_mat_packed", _COMPUTE, (2, 2), _mul_mat_packed, {"qtype": (_PACKED_QTYPE, REQUIRED)}),
+    _spec("unpack", _COMPUTE, (1, 1), _unpack, {"qtype": (_PACKED_QTYPE, REQUIRED)}),
+    _spec("get_rows_packed", _COMPUTE, (2, 2), _get_rows_packed, {"qtype": (_PACKED_QTYPE, REQUIRED)}),
     _spec("reshape", _VIEW, (1, 1), _reshape, {"shape": (_int_list(-1, MAX_DIM - 1), REQUIRED)}),
     _spec("view", _VIEW, (1, 1), _view, {
         "shape": (_int_list(0, MAX_DIM - 1), REQUIRED),
@@ -666,11 +727,11 @@ def node_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
     spec = OPS[op]
     if spec.kind is OpKind.VIEW:
         return 0
-    if op == "get_rows":
+    if op in ("get_rows", "get_rows_packed"):
         return out.numel + inputs[1].numel
     if op == "set_rows":
         return 2 * inputs[1].numel + inputs[2].numel
     work = out.numel + sum(m.numel for m in inputs)
-    if op in ("matmul", "mul_mat_q"):
+    if op in ("matmul", "mul_mat_q", "mul_mat_packed"):
         work += out.numel * inputs[0].shape[-1] // MAC_WEIGHT
     return work

@@ -31,6 +31,7 @@ from typing import Any, Final, Literal
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from .gguf_file import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 
@@ -44,6 +45,7 @@ __all__ = [
     "LlamaGGUF",
     "RopeMode",
     "default_model_path",
+    "dequantize_rows",
     "load_gguf",
 ]
 
@@ -59,14 +61,22 @@ _QTYPES: Final[Mapping[int, str]] = MappingProxyType(
     {
         GGMLQuantizationType.F32: "f32",
         GGMLQuantizationType.F16: "f16",
+        GGMLQuantizationType.BF16: "bf16",
         GGMLQuantizationType.Q8_0: "q8_0",
+        GGMLQuantizationType.Q4_0: "q4_0",
         GGMLQuantizationType.Q4_1: "q4_1",
+        GGMLQuantizationType.Q5_0: "q5_0",
+        GGMLQuantizationType.Q5_1: "q5_1",
+        GGMLQuantizationType.Q4_K: "q4_k",
+        GGMLQuantizationType.Q5_K: "q5_k",
+        GGMLQuantizationType.Q6_K: "q6_k",
     }
 )
-_FLOAT_DTYPES: Final[Mapping[str, type[np.floating[Any]]]] = MappingProxyType(
+_FLOAT_DTYPES: Final[Mapping[str, type[np.generic]]] = MappingProxyType(
     {
         "f32": np.float32,
         "f16": np.float16,
+        "bf16": np.uint16,  # raw bfloat16 bits, the wire's storage for "bfloat16"
     }
 )
 
@@ -279,10 +289,12 @@ class GGUFTensor:
 
     Attributes:
         name: GGUF tensor name, e.g. ``blk.0.attn_q.weight``.
-        qtype: ``"f32"``, ``"f16"``, ``"q8_0"`` or ``"q4_1"``.
+        qtype: ``"f32"``, ``"f16"``, ``"bf16"``, or a block type: ``"q8_0"``, ``"q4_0"``,
+            ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q4_k"``, ``"q5_k"``, ``"q6_k"`` (each tensor's
+            own type; ``general.file_type`` is not trusted).
         shape: logical shape in numpy order (GGUF's dims reversed).
         data: read-only view of the mapped file: a ``float32``/``float16`` array of ``shape``
-            for float types, else ``uint8`` of shape ``(rows, row_bytes)``.
+            for float types (``uint16`` bits for bf16), else ``uint8`` of shape ``(rows, row_bytes)``.
         offset: absolute byte offset of the data in the file.
         nbytes: size of the data in bytes.
     """
@@ -303,6 +315,13 @@ class GGUFTensor:
     def block_size(self) -> int:
         """Elements per quantization block (1 for float types)."""
         return _block_geometry(self.qtype)[0]
+
+
+def dequantize_rows(rows: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 values of uint8 block rows of ``qtype`` (gguf's numpy dequantizer)."""
+    ggml_type = next(k for k, v in _QTYPES.items() if v == qtype)
+    return np.asarray(gguf_quants.dequantize(rows, GGMLQuantizationType(ggml_type)),
+                      np.float32).reshape(rows.shape[0], -1)
 
 
 def _block_geometry(qtype: str) -> tuple[int, int]:

@@ -253,6 +253,24 @@ class Graph:
         """``x @ dequantize(wq).T`` for a ggml-quantized weight (uint8 blocks), fused."""
         return self.op("mul_mat_q", x, wq, qtype=qtype, out=out)
 
+    def pack(self, w: Any, *, qtype: str, out: Any = None) -> GraphTensor:
+        """Repack a GGUF weight (uint8 blocks, or float16/bfloat16 rows) into the layout of
+        :meth:`mul_mat_packed`: uint8 (rows, packed row bytes), sized by ``ops.PACKED_BLOCKS``."""
+        return self.op("pack", w, qtype=qtype, out=out)
+
+    def mul_mat_packed(self, x: Any, wp: Any, *, qtype: str, out: Any = None) -> GraphTensor:
+        """``x @ W.T`` for a weight packed by :meth:`pack` (the worker's numba kernels; needs the
+        worker's ``packed-kernels`` capability)."""
+        return self.op("mul_mat_packed", x, wp, qtype=qtype, out=out)
+
+    def unpack(self, wp: Any, *, qtype: str, out: Any = None) -> GraphTensor:
+        """A packed weight (:meth:`pack`) as float32 rows."""
+        return self.op("unpack", wp, qtype=qtype, out=out)
+
+    def get_rows_packed(self, table: Any, idx: Any, *, qtype: str, out: Any = None) -> GraphTensor:
+        """Rows ``idx`` of a packed table (:meth:`pack`), dequantized to float32."""
+        return self.op("get_rows_packed", table, idx, qtype=qtype, out=out)
+
     def dequantize(self, q: Any, *, qtype: str, out: Any = None) -> GraphTensor:
         return self.op("dequantize", q, qtype=qtype, out=out)
 

@@ -22,6 +22,7 @@ from zmq_rpc.client.gguf_model import (
     LlamaConfig,
     LlamaGGUF,
     default_model_path,
+    dequantize_rows,
 )
 
 QK = 32  # weights per Q8_0 / Q4_1 block
@@ -76,7 +77,10 @@ def dequantize(tensor: GGUFTensor) -> np.ndarray:
         return dequantize_q8_0(tensor.data).reshape(tensor.shape)
     if tensor.qtype == "q4_1":
         return dequantize_q4_1(tensor.data).reshape(tensor.shape)
-    raise ValueError(f"{tensor.name}: no reference dequantization for {tensor.qtype}")
+    if tensor.qtype == "bf16":
+        return (tensor.data.astype(np.uint32) << 16).view(np.float32).reshape(tensor.shape)
+    # every other block type: gguf's own numpy dequantizer, the oracle of the packed kernels' tests
+    return dequantize_rows(tensor.data, tensor.qtype).reshape(tensor.shape)
 
 
 @dataclass(frozen=True, slots=True)

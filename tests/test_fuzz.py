@@ -138,3 +138,11 @@ def test_live_worker_survives_mutation_fuzzing(fuzz_seconds: float,
     assert report.messages > 1000 and report.replies > 1000 and report.peer_messages > 10
     assert report.rss_peak < 1 << 30, summary          # --mem 256MiB, plus the process itself
     assert report.rss_after < report.rss_before + (300 << 20), summary
+
+
+def test_report_json_round_trips() -> None:
+    import json
+    report = fuzz.Report(messages=3)
+    report.statuses["OK"] += 2
+    data = json.loads(json.dumps(fuzz.report_json(report)))
+    assert data["statuses"] == {"OK": 2} and data["messages"] == 3 and data["ok"] is True

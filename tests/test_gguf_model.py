@@ -224,15 +224,15 @@ def test_rejects_non_llama_architecture(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_rejects_unsupported_tensor_type(tmp_path: Path) -> None:
-    path = tmp_path / "q4_0.gguf"
+    path = tmp_path / "q2_k.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    q4_0_rows = np.zeros((64, 2 * 18), np.uint8)  # 64 rows of two 18-byte Q4_0 blocks
-    writer.add_tensor("blk.0.attn_q.weight", q4_0_rows, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    q2_k_rows = np.zeros((64, 84), np.uint8)  # 64 rows of one 84-byte Q2_K block
+    writer.add_tensor("blk.0.attn_q.weight", q2_k_rows, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GGUFModelError, match=r"attn_q.weight' has ggml type Q4_0"):
+    with pytest.raises(GGUFModelError, match=r"attn_q.weight' has ggml type Q2_K"):
         load_gguf(path)
 
 

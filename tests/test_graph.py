@@ -48,6 +48,7 @@ from zmq_rpc.client import (
     from_bfloat16,
     to_bfloat16,
 )
+from zmq_rpc.worker import kernels
 from zmq_rpc.worker.graph_exec import CompiledGraph, compile_graph
 from zmq_rpc.worker.server import WorkerServer
 
@@ -299,6 +300,16 @@ OP_CASES: list[OpCase] = [
            lambda x, w: x.astype(np.float64) @ quant.dequantize(w, "q4_1").T, atol=1e-4),
     OpCase("dequantize-q8_0", ((_Q8, "uint8"),), lambda g, q: g.dequantize(q, qtype="q8_0"),
            lambda q: quant.dequantize(q, "q8_0"), atol=0),
+    OpCase("pack-q4_1", ((_Q41, "uint8"),), lambda g, w: g.pack(w, qtype="q4_1"),
+           lambda w: kernels.pack(w, "q4_1"), atol=0),
+    OpCase("mul_mat_packed-q4_1", (_f(_normal(2, 64)), (kernels.pack(_Q41, "q4_1"), "uint8")),
+           lambda g, x, w: g.mul_mat_packed(x, w, qtype="q4_1"),
+           lambda x, w: x.astype(np.float64) @ quant.dequantize(_Q41, "q4_1").T, atol=1e-4),
+    OpCase("unpack-q4_1", ((kernels.pack(_Q41, "q4_1"), "uint8"),), lambda g, w: g.unpack(w, qtype="q4_1"),
+           lambda w: quant.dequantize(_Q41, "q4_1"), atol=0),
+    OpCase("get_rows_packed-q4_1", ((kernels.pack(_Q41, "q4_1"), "uint8"), _f(np.array([2, 0, 2], np.int32))),
+           lambda g, w, i: g.get_rows_packed(w, i, qtype="q4_1"),
+           lambda w, i: quant.dequantize(_Q41, "q4_1")[i], atol=0),
     OpCase("rms_norm", (_f(_X),), lambda g, a: g.rms_norm(a, eps=1e-5),
            lambda a: rms64(a, 1e-5)),
     OpCase("layer_norm", (_f(_X), _f(_ROW), _f(_normal(4))),
@@ -338,7 +349,14 @@ def test_op_table_covers_every_op() -> None:
     assert covered == set(OPS)
 
 
-@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: c.name)
+def _with_compile_time(case: OpCase) -> Any:
+    """The packed kernels compile (numba) on first use in this process: a minute on a busy CI box."""
+    if case.name.split("-")[0] in ("pack", "mul_mat_packed", "unpack", "get_rows_packed"):
+        return pytest.param(case, marks=pytest.mark.timeout(300))
+    return case
+
+
+@pytest.mark.parametrize("case", [_with_compile_time(c) for c in OP_CASES], ids=lambda c: c.name)
 def test_every_op_through_a_worker(client: Client, case: OpCase) -> None:
     remote = [put(client, array, dtype) for array, dtype in case.inputs]
     g = Graph()

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from llama_reference import ReferenceLlama
-from zmq_rpc.client import Client
+from zmq_rpc.client import Client, Graph
 from zmq_rpc.client.gguf_model import LlamaGGUF
 from zmq_rpc.client.llama import LlamaModel, file_runs, plan_stages, sample_token
 from zmq_rpc.client.tokenizer import load_tokenizer
@@ -181,11 +181,13 @@ def test_greedy_without_cache_matches(model: Callable[..., LlamaModel], prompt_i
 
 
 @pytest.mark.timeout(120)
-def test_quantized_weights_match_reference(model: Callable[..., LlamaModel],
-                                           prompt_ids: list[int], ref_logits: np.ndarray) -> None:
-    m = model(1, weights="quantized")
+def test_f32_weights_match_reference(model: Callable[..., LlamaModel],
+                                     prompt_ids: list[int], ref_logits: np.ndarray,
+                                     ref_greedy: list[int]) -> None:
+    m = model(1, weights="f32")
     m.reset()
     assert np.abs(m.prefill(prompt_ids) - ref_logits[-1]).max() <= TOLERANCE
+    assert m.generate(prompt_ids, 6, stop_ids=()) == ref_greedy[:6]
 
 
 @pytest.mark.timeout(120)
@@ -233,14 +235,23 @@ def test_file_runs_merge_neighbours_across_padding_only(gguf: LlamaGGUF) -> None
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("weights", ["quantized", "f32"])
 def test_client_embedding_matches_the_workers(model: Callable[..., LlamaModel],
-                                              gguf: LlamaGGUF) -> None:
+                                              gguf: LlamaGGUF, weights: str) -> None:
     """The first stage's input rows, dequantized here, equal the last stage's table rows."""
-    m = model(1)
-    ids = [0, 5, 300, gguf.config.vocab_size - 1]
+    m = model(1, weights=weights)
+    ids = np.array([0, 5, 300, gguf.config.vocab_size - 1], np.int32)
     table = m.stages[-1].embd
-    assert table is not None and table.qtype == "none"        # f32 mode: the dequantized head
-    np.testing.assert_array_equal(m.embed(ids), table.tensor.get()[ids])
+    assert table is not None and table.qtype == ("q8_0" if weights == "quantized" else "none")
+    client = m.stages[-1].client
+    idx = client.alloc_buffer(ids.nbytes).tensor(ids.shape, "int32")
+    client.set_tensor(idx, ids)
+    out = client.alloc_buffer(4 * len(ids) * gguf.config.d_model).tensor(
+        (len(ids), gguf.config.d_model), "float32")
+    g = Graph()
+    table.rows(g, g.input(idx), out=out)
+    client.compute(g)
+    np.testing.assert_array_equal(m.embed(ids), out.get())
 
 
 @pytest.mark.timeout(60)
@@ -322,3 +333,45 @@ def test_generate_tool_streams_the_answer(clients: list[Client],
     assert "Paris" in captured.out
     for line in ("ready in", "upload:", "prefill:", "generation:", "per token:"):
         assert line in captured.err
+
+
+# ------------------------------------------------------------ every quant type, K-quants included
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(gguf: LlamaGGUF) -> LlamaGGUF:
+    """SmolLM2 re-quantized to a mix of every packed type (ffn_down as Q4_K/Q5_K/Q6_K: the only
+    matrices whose rows hold 256-weight blocks at this width), written once into the test cache
+    outside the repository and reused."""
+    from requantize import cache_dir, write_requantized
+    from zmq_rpc.client.gguf_model import load_gguf
+    path = cache_dir() / f"smollm2-mixed-{gguf.path.stat().st_size}-v1.gguf"
+    if not path.exists():
+        write_requantized(gguf.path, path)
+    return load_gguf(path)
+
+
+@pytest.mark.timeout(900)
+def test_kquant_model_greedy_tokens_match_reference_on_1_and_2_worker_processes(
+        kquant_gguf: LlamaGGUF, prompt_ids: list[int],
+        spawn_worker: Callable[..., Any]) -> None:
+    """A file with Q4_K, Q5_K, Q6_K, Q4_0, Q5_0, Q5_1, Q8_0, Q4_1, F16 and BF16 matrices (and a
+    ``general.file_type`` that says Q4_1 for all of them) on worker subprocesses, default
+    settings: greedy tokens identical to the numpy reference forward over gguf's dequantized
+    weights."""
+    kinds = {t.qtype for t in kquant_gguf.tensors.values()}
+    assert kinds == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+                     "q4_k", "q5_k", "q6_k"}
+    expected = ReferenceLlama(kquant_gguf).generate_greedy(prompt_ids, N_NEW)
+    workers = [spawn_worker(), spawn_worker()]
+    clients = [Client(w.endpoint) for w in workers]
+    try:
+        for n in (1, 2):
+            with LlamaModel.load(kquant_gguf, clients[:n]) as m:
+                assert m.weights == "quantized"
+                assert m.generate(prompt_ids, N_NEW, stop_ids=()) == expected, f"{n} worker(s)"
+                assert m.load_stats is not None
+                assert m.load_stats.resident_bytes <= 1.3 * m.load_stats.weight_bytes
+    finally:
+        for c in clients:
+            c.close()

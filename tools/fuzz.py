@@ -34,7 +34,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -450,6 +450,12 @@ class Fuzzer:
                 self._drain(next(s for s in self.sessions if s.sock is sock))
             now = time.monotonic()
             if now >= next_probe:
+                if int(now - start) // 60 != int(next_probe - 1.0 - start) // 60:
+                    print(f"fuzz: {report.messages:,} messages, {report.replies:,} replies, "
+                          f"{report.peer_messages:,} peer, RSS {rss_of(self.pid) >> 20} MiB, "
+                          f"{dict(report.statuses).get('INTERNAL', 0)} INTERNAL, "
+                          f"{len(report.probe_failures)} probe failures", file=sys.stderr,
+                          flush=True)
                 self._probe(probe_client)
                 next_probe = time.monotonic() + 1.0
                 report.rss_peak = max(report.rss_peak, rss_of(self.pid))
@@ -590,6 +596,14 @@ def _final_probe(endpoint: str, report: Report) -> None:
         report.probe_failures.append(f"after the run: {type(exc).__name__}: {exc}"[:300])
 
 
+def report_json(report: Report) -> dict[str, Any]:
+    """The report as JSON-ready data (``asdict`` would turn the Counter's items into keys)."""
+    data = {f.name: getattr(report, f.name) for f in fields(report)}
+    data["statuses"] = dict(report.statuses)
+    data["ok"] = report.ok
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zmq-rpc-fuzz``."""
     ap = argparse.ArgumentParser(prog="zmq-rpc-fuzz", description=__doc__.splitlines()[0])
@@ -600,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="write the report here")
     args = ap.parse_args(argv)
     report = fuzz(args.seconds, args.messages, args.seed, args.mem)
-    data = {**asdict(report), "ok": report.ok}
+    data = report_json(report)
     text = json.dumps(data, indent=1, default=str)
     print(text)
     if args.json:

@@ -65,9 +65,9 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     ap.add_argument("--seed", type=int, default=None,
                     help="sampling seed (default: a fresh one each run)")
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--weights", choices=["f32", "quantized"], default="f32",
-                    help="f32: dequantize once on the workers (default, faster); quantized: "
-                         "keep Q4_1/Q8_0 blocks and dequantize inside every matmul")
+    ap.add_argument("--weights", choices=["quantized", "f32"], default="quantized",
+                    help="quantized (default): keep the blocks, repacked once on the workers for "
+                         "their numba kernels; f32: dequantize once on the workers (~5x memory)")
     ap.add_argument("--sources", choices=["auto", "upload", "cache", "file"], default="auto",
                     help="where workers get the weights: their own copy of the file "
                          "(--model-dir), their tensor cache (--cache-dir) or an upload; auto "

@@ -15,11 +15,15 @@ Module map (thread that runs it):
 - ``linked``: linked runs (one queue entry, RECEIVING -> READY -> RAN -> PUSHED) and held replies
   (backend).
 - ``outbox``: replies to the broker, zero-copy tracking, held replies first (backend).
-- ``memory``: ``MemoryBudget``, the one account of bytes handed out (backend).
+- ``memory``: ``MemoryBudget`` (bytes handed out against ``--mem``) and ``SessionMemory`` (every
+  byte a session holds, charged to its quota and the budget at once) (backend).
+- ``quotas``: per-session quotas and materialized frames in flight until sent (backend).
 - ``peer_links``: worker-to-worker sockets: the PULL, lazy PUSH links, chunks, acks, deadlines
   (backend).
+- ``stash``: chunks that arrive before their receive starts, bounded per sender (backend).
 - ``graph_exec``: graph compile (validation, arena plan) and execution (backend).
 - ``backends.base``: the ``Backend`` protocol; ``backends.numpy_backend``, ``backends.cupy_backend``
   implement it, ``backends.numpy_ops`` holds the kernels (backend).
+- ``kernels``: packed quantized matmul kernels (numba when installed) (backend).
 - ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``).
 """

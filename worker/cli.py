@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="allow listening beyond loopback without CURVE (anyone who reaches the "
                           "port can use the worker; logged loudly)")
     ap.add_argument("--threads", type=_positive(int), default=1,
-                    help="BLAS threads (default %(default)s)")
+                    help="threads per product: BLAS, and the quantized kernels split rows "
+                         "(default %(default)s)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     help="(default %(default)s)")
     ap.add_argument("--version", action="version", version=f"zmq-rpc {package_version()}")
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..broker.keys import KeyFileError, load_keypair
+    from . import kernels
     from .server import WorkerConfig, WorkerServer  # after the BLAS variables are set
 
     try:
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyFileError as exc:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
+    kernels.set_threads(args.threads)
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,

@@ -29,6 +29,7 @@ from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, ErrorCode, WireError
 from ..broker.wire import printable
+from . import kernels
 from .backends.base import Backend
 from .buffers import BufferCommands
 from .graphs import GraphCommands
@@ -125,6 +126,8 @@ class Executor:
         if self.backend.supports_graphs:
             capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
                              "scale-bias"]
+            if kernels.available():
+                capabilities.append("packed-kernels")
         if self.peers.endpoint:
             capabilities.append("peer-copy")
         return capabilities

@@ -13,9 +13,8 @@ Security (SECURITY.md): with a CURVE key pair the PULL port is a CURVE server in
 ``zmq-rpc-peer`` (only this worker's own key and ``--worker-keys`` connect), and this worker pushes
 only to endpoints that carry a key (``tcp://h:p#curve=KEY``) found among those same worker keys:
 the CURVE handshake with that key is the peer handshake, so neither data nor acknowledgements go
-to a port that is not a known worker. Chunks for transfers nobody here waits for yet are stashed
-per sender (the connection's key, or its IP address without CURVE): one sender filling its share
-drops only its own chunks, never another's.
+to a port that is not a known worker. Chunks for transfers nobody here waits for yet are kept by
+:class:`~zmq_rpc.worker.stash.Stash`, per sender.
 """
 
 from __future__ import annotations
@@ -39,20 +38,14 @@ from ..broker.wire import printable
 from ..broker.zap import PEER_DOMAIN, KeySet
 from .backends.base import Backend, Memory, View
 from .quotas import Charged
+from .stash import Stash
 
 log = logging.getLogger("zmq_rpc.worker.peer")
 
 CHUNK_BYTES = 4 << 20
 ZERO_COPY_BYTES = 64 * 1024
 """Smaller chunks are copied into zmq messages: cheaper than tracking a zero-copy one."""
-STASH_TTL = 30.0
 MAX_LINKS = 64
-MAX_STASHED_TRANSFERS = 4096
-MAX_STASHED_PER_SENDER = 1024
-"""Early transfers one sender may have stashed before any session announced them (a client with
-512 copies in flight can have that many chunks arrive ahead of their receives when the
-destination's request queue is backed up; 1,100 made-up ones from one address once denied every
-legitimate copy: now they only push out that sender's oldest)."""
 
 
 @dataclass
@@ -155,18 +148,6 @@ class Push:
     link: zmq.Socket[bytes]
 
 
-@dataclass
-class Stashed:
-    """Chunks that arrived before their PEER_RECV reached the head of its queue."""
-
-    messages: list[tuple[wire.Chunk, zmq.Frame]] = field(default_factory=list)
-    nbytes: int = 0
-    expires: float = 0.0
-    sender: str = ""
-    announced: bool = False
-    """A session queued a receive for it: never evicted for other senders' chunks."""
-
-
 class PeerLinks:
     """The backend thread's peer sockets and the transfers in progress."""
 
@@ -194,14 +175,7 @@ class PeerLinks:
         """Peer endpoints that answered our probe: the only ones pushed to without CURVE."""
         self.incoming: dict[bytes, Incoming] = {}
         self.outgoing: dict[bytes, Outgoing] = {}
-        self.stash: dict[bytes, Stashed] = {}
-        self.stash_bytes = 0
-        self.stashed_by: dict[str, dict[bytes, None]] = {}
-        """Each sender's unannounced stashed tokens, oldest first."""
-        self.announced: dict[bytes, object] = {}
-        """Tokens of receives queued in a session and not started yet."""
-        self._dropped = 0
-        self.stash_limit = stash_limit
+        self.stash = Stash(stash_limit)
 
     def close(self) -> None:
         if self.pull is not None:
@@ -213,8 +187,9 @@ class PeerLinks:
         """The earliest moment something here may time out."""
         times = [t.deadline for t in self.incoming.values()]
         times += [t.deadline for t in self.outgoing.values()]
-        if self.stash:
-            times.append(next(iter(self.stash.values())).expires)
+        expiry = self.stash.next_expiry()
+        if expiry is not None:
+            times.append(expiry)
         return min(times) if times else None
 
     # ------------------------------------------------------------- requests (from executor)
@@ -223,13 +198,8 @@ class PeerLinks:
         """A session queued a PEER_RECV (or a linked run's receives): chunks for these tokens
         that arrive before the receive starts are kept apart from unannounced ones."""
         for token in tokens:
-            if token in self.incoming or token in self.announced:
-                continue
-            self.announced[token] = owner
-            entry = self.stash.get(token)
-            if entry is not None and not entry.announced:
-                self._forget(entry.sender, token)
-                entry.announced = True
+            if token not in self.incoming:
+                self.stash.announce(owner, token)
 
     def start_recv(self, token: bytes, dst: TensorRef, view: View, timeout_ms: int,
                    owner: object, done: Done) -> None:
@@ -237,15 +207,13 @@ class PeerLinks:
         chunks stashed earlier may finish it, and call ``done``, before this returns."""
         if token in self.incoming:
             raise WireError(ErrorCode.TRANSFER_FAILED, "that transfer token is already in use")
-        if self.announced.get(token) is owner:
-            del self.announced[token]
         contiguous = dst.is_contiguous()
         staging = None if contiguous else np.empty(dst.nbytes, np.uint8)
         in_place = self.backend.alias(view) if contiguous else None
         self.incoming[token] = Incoming(
             owner, done, dst, view, time.monotonic() + timeout_ms / 1000, staging,
             None if in_place is None else memoryview(in_place))
-        stashed = self._unstash(token)
+        stashed = self.stash.claim(owner, token)
         if stashed is not None:
             for chunk, frame in stashed.messages:
                 if token in self.incoming:
@@ -414,7 +382,7 @@ class PeerLinks:
     def _on_chunk(self, chunk: wire.Chunk, frame: zmq.Frame, sender: str) -> None:
         transfer = self.incoming.get(chunk.token)
         if transfer is None:
-            self._stash(chunk, frame, sender)
+            self.stash.keep(chunk, frame, sender)
             return
         transfer.reply_to = chunk.reply_to or transfer.reply_to
         try:
@@ -446,71 +414,6 @@ class PeerLinks:
             transfer.staging[chunk.start:chunk.start + size] = np.frombuffer(frame.buffer, np.uint8)
         else:
             self.backend.write_bytes(transfer.view, chunk.start, frame.buffer)
-
-    def _stash(self, chunk: wire.Chunk, frame: zmq.Frame, sender: str) -> None:
-        """Keep a chunk whose PEER_RECV has not started yet. Chunks of announced transfers (a
-        session queued their receive) are bounded only by the stash's bytes. Others are kept
-        at most MAX_STASHED_PER_SENDER transfers per sender, a sender's oldest making room for
-        its newest, and MAX_STASHED_TRANSFERS in all, the heaviest sender's oldest making room:
-        made-up chunks never evict announced ones, nor another sender's while that sender
-        stashes less. The dict stays in expiry order, so expiring pops from the front."""
-        entry = self.stash.pop(chunk.token, None)
-        if entry is not None and entry.sender != sender:
-            self.stash[chunk.token] = entry
-            self._drop(sender, "a token another sender stashed")
-            return
-        if self.stash_bytes + len(frame) > self.stash_limit:
-            if entry is not None:
-                self.stash[chunk.token] = entry
-            self._drop(sender, "stash bytes full")
-            return
-        if entry is None:
-            announced = chunk.token in self.announced
-            if not announced and not self._make_room(sender):
-                self._drop(sender, "stash full")
-                return
-            entry = Stashed(sender=sender, announced=announced)
-            if not announced:
-                self.stashed_by.setdefault(sender, {})[chunk.token] = None
-        entry.messages.append((chunk, frame))
-        entry.nbytes += len(frame)
-        entry.expires = time.monotonic() + STASH_TTL
-        self.stash[chunk.token] = entry
-        self.stash_bytes += len(frame)
-
-    def _make_room(self, sender: str) -> bool:
-        """Room for one more unannounced transfer from ``sender``: evicts its own oldest when
-        it has its share, else the heaviest sender's oldest when the stash is full."""
-        mine = self.stashed_by.get(sender, {})
-        victim = sender if len(mine) >= MAX_STASHED_PER_SENDER else None
-        if victim is None and len(self.stash) >= MAX_STASHED_TRANSFERS:
-            victim = max(self.stashed_by, key=lambda s: len(self.stashed_by[s]), default=None)
-        if victim is None:
-            return len(self.stash) < MAX_STASHED_TRANSFERS
-        self._unstash(next(iter(self.stashed_by[victim])))
-        self._drop(victim, "its oldest early transfer evicted")
-        return True
-
-    def _forget(self, sender: str, token: bytes) -> None:
-        tokens = self.stashed_by.get(sender)
-        if tokens is not None:
-            tokens.pop(token, None)
-            if not tokens:
-                del self.stashed_by[sender]
-
-    def _unstash(self, token: bytes) -> Stashed | None:
-        entry = self.stash.pop(token, None)
-        if entry is not None:
-            self.stash_bytes -= entry.nbytes
-            if not entry.announced:
-                self._forget(entry.sender, token)
-        return entry
-
-    def _drop(self, sender: str, why: str) -> None:
-        self._dropped += 1
-        if self._dropped in (1, 10, 100, 1000) or self._dropped % 10000 == 0:
-            log.warning("dropped %d chunk(s) for unknown transfers (last from %s: %s)",
-                        self._dropped, printable(sender, 64), why)
 
     def _finish_incoming(self, token: bytes, error: str | None) -> None:
         transfer = self.incoming.pop(token)
@@ -550,18 +453,12 @@ class PeerLinks:
                 self._drop_link(out.endpoint)
                 out.done(f"{out.what}: no acknowledgement within the timeout (peer unreachable, "
                          "dead or too slow)")
-        while self.stash:
-            token, entry = next(iter(self.stash.items()))
-            if now < entry.expires:
-                break
-            self._unstash(token)
+        self.stash.expire(now)
 
     def forget(self, owner: object) -> None:
         """Drop everything of a closing session: its announced tokens' stashed chunks and its
         transfers (``done`` is not called: the executor answers their requests itself)."""
-        for token in [t for t, by in self.announced.items() if by is owner]:
-            del self.announced[token]
-            self._unstash(token)
+        self.stash.forget(owner)
         for token in [t for t, into in self.incoming.items() if into.owner is owner]:
             del self.incoming[token]
         for token in [t for t, out in self.outgoing.items() if out.owner is owner]:

@@ -155,7 +155,7 @@ class StageGraphs:
         logits = stage.lm_head.apply(g, h, out=io.logits)
         if mode != "full":
             token = g.argmax(logits, out=io.token)
-            g.get_rows(stage.embd.tensor, token, qtype=stage.embd.qtype, out=io.x_next)
+            stage.embd.rows(g, token, out=io.x_next)
 
 
 def _heads_first(cache: RemoteTensor) -> RemoteTensor:

@@ -223,13 +223,11 @@ class WeightLoader:
         placed = layout.bind(buffer)
         g = Graph()
         for name, sources in fills:
-            row = 0
-            for source in sources:
-                src = staged.tensors[source]
-                rows = src.shape[0]
-                dst = placed[name][row:row + rows] if len(sources) > 1 else placed[name]
-                self.fmt.fill(g, src, self.gguf.tensors[source].qtype, dst)
-                row += rows
+            qtype = self.gguf.tensors[sources[0]].qtype
+            if qtype == "f32":                      # the norms
+                g.cpy(staged.tensors[sources[0]], placed[name])
+            else:
+                self.fmt.fill(g, [staged.tensors[s] for s in sources], qtype, placed[name])
         built = stage.client.compute_async(g)
         self._bind_weights(stage, placed)
         return [built, staged.buffer.free_async()]

@@ -75,16 +75,17 @@ class LlamaModel:
 
     @classmethod
     def load(cls, path: str | Path | LlamaGGUF | None, clients: Sequence[Client], *,
-             n_ctx: int = 512, weights: WeightsMode = "f32", kv_dtype: KVDType = "float32",
+             n_ctx: int = 512, weights: WeightsMode = "quantized", kv_dtype: KVDType = "float32",
              prefill_chunk: int = 32, progress: Progress | None = None,
              status: Status | None = None, sources: SourceChoice = "auto",
              worker_path: str | None = None) -> LlamaModel:
         """Load the GGUF at ``path`` (None: :func:`default_model_path`; or an already opened
         :class:`LlamaGGUF`) onto ``clients``.
 
-        One pipeline stage per client, in order. ``weights="f32"`` dequantizes the uploaded
-        blocks once on each worker (faster steps, ~5x the memory); ``"quantized"`` keeps them
-        compact and dequantizes inside every matmul. ``progress(done, total)`` reports upload
+        One pipeline stage per client, in order. ``weights="quantized"`` (the default) keeps the
+        uploaded blocks quantized, repacked once on each worker for its numba kernels (workers
+        need numba: the ``packed-kernels`` capability); ``"f32"`` dequantizes them once on each
+        worker (~5x the memory, slower decoding). ``progress(done, total)`` reports upload
         bytes as they are acknowledged; ``status(line)`` each later phase as it starts.
 
         ``sources``: where each worker gets its weights (:mod:`.source`): ``"auto"`` takes the

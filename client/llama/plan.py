@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...broker.ops import QUANT_BLOCKS
 from ..client import Client, RegisteredGraph, RemoteBuffer, RemoteTensor
 from ..gguf_model import GGUFTensor, LlamaGGUF
-from .weights import LayerWeights, Linear, WeightFormat
+from .weights import MATMUL_QTYPES, LayerWeights, Linear, WeightFormat
 
 __all__ = ["FUSED", "NORMS", "ModeIO", "Stage", "make_stages", "plan_stages", "stage_sources"]
 
@@ -92,10 +91,18 @@ def stage_sources(gguf: LlamaGGUF, stage: Stage) -> list[GGUFTensor]:
 
 
 def make_stages(gguf: LlamaGGUF, fmt: WeightFormat, clients: Sequence[Client]) -> list[Stage]:
-    """One stage per client, layer ranges balanced by the bytes each holds in format ``fmt``."""
+    """One stage per client, layer ranges balanced by the bytes each holds in format ``fmt``.
+    Raises ValueError for a matmul weight of a type no format handles, and for a worker that
+    lacks what ``fmt`` needs (the packed kernels need numba on the worker)."""
+    if fmt.capability:
+        for c in clients:
+            if fmt.capability not in c.info.capabilities:
+                raise ValueError(f"worker {c.endpoint} lacks {fmt.capability!r} (weights={fmt.mode!r} "
+                                 "needs numba there: pip install 'zmq-rpc[llm]'); or load with "
+                                 "weights='f32'")
     def resident(t: GGUFTensor) -> int:
-        if t.qtype not in QUANT_BLOCKS:
-            raise ValueError(f"{t.name}: matmul weights must be one of {sorted(QUANT_BLOCKS)}, "
+        if t.qtype not in MATMUL_QTYPES:
+            raise ValueError(f"{t.name}: matmul weights must be one of {sorted(MATMUL_QTYPES)}, "
                              f"not {t.qtype}")
         return fmt.resident_bytes(t)
 

@@ -31,7 +31,7 @@ import numpy as np
 from ...broker import quant
 from ...broker.ops import QUANT_BLOCKS
 from ..client import RunResult
-from ..gguf_model import LlamaGGUF
+from ..gguf_model import LlamaGGUF, dequantize_rows
 from ..peer import HandOff
 from ..pipeline import LinkedRun, run_chain
 from .graph import Mode, StageGraphs
@@ -229,7 +229,11 @@ class StepRunner:
         rows = np.take(table.data, np.asarray(token_ids, np.intp), axis=0)
         if table.qtype in QUANT_BLOCKS:
             return quant.dequantize(rows, table.qtype)
-        return rows.astype(np.float32)
+        if table.qtype == "bf16":
+            return (rows.astype(np.uint32) << 16).view(np.float32)
+        if table.qtype in ("f32", "f16"):
+            return rows.astype(np.float32)
+        return dequantize_rows(rows, table.qtype)
 
     def _stage_run(self, stage: Stage, mode: Mode, pos: np.ndarray, mask: np.ndarray,
                    x: np.ndarray | None, n: int, fetch: str) -> LinkedRun:

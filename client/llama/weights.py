@@ -5,13 +5,16 @@ weight holds on its worker (stage planning balances on it), the shape and dtype 
 the worker-side op that lays the uploaded GGUF blocks out that way (loading), and the op a stage
 graph multiplies by it (graph building). The rest of the model never looks at the mode:
 
-- ``"f32"`` (:class:`F32Weights`): the blocks are dequantized once on the worker; every matmul
-  reads f32 (faster steps, ~5x the memory of the blocks);
-- ``"quantized"`` (:class:`QuantizedWeights`): the blocks are kept as the file has them (uint8
-  rows of ggml blocks) and dequantized inside every matmul (``mul_mat_q``).
+- ``"quantized"`` (:class:`PackedWeights`, the default): the blocks stay quantized, repacked once
+  on the worker (``pack``) into the layout of its numba kernels (``worker/kernels/layout.py``,
+  1.05-1.2x the file's bytes); every matmul runs them (``mul_mat_packed``). Any type the kernels
+  know: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. Needs the workers'
+  ``packed-kernels`` capability (numba).
+- ``"f32"`` (:class:`F32Weights`): the blocks are dequantized once on the worker (``unpack`` of
+  the packed form, or ``dequantize`` for Q8_0/Q4_1); every matmul reads f32 (~5x the memory).
 
-A new mode (a repacked block layout with its own kernel, say) is one subclass here and one entry
-in :data:`WEIGHT_FORMATS`. Plain data, no sockets: any thread.
+A new mode is one subclass here and one entry in :data:`WEIGHT_FORMATS`. Plain data, no sockets:
+any thread.
 """
 
 from __future__ import annotations
@@ -19,20 +22,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ...broker.ops import QUANT_BLOCKS
+from ...broker.ops import PACKED_BLOCKS, QUANT_BLOCKS
 from ..client import RemoteTensor
 from ..gguf_model import GGUFTensor
 from ..graph import Graph, GraphTensor
 
-__all__ = ["WEIGHT_FORMATS", "F32Weights", "LayerWeights", "Linear", "QuantizedWeights",
-           "WeightFormat", "WeightsMode", "weight_format"]
+__all__ = ["MATMUL_QTYPES", "WEIGHT_FORMATS", "F32Weights", "LayerWeights", "Linear",
+           "PackedWeights", "WeightFormat", "WeightsMode", "weight_format"]
 
 WeightsMode = Literal["f32", "quantized"]
+
+MATMUL_QTYPES = frozenset(PACKED_BLOCKS)
+"""GGUF types a matmul weight may have (F32 matmul weights are not supported)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Linear:
-    """A weight (out, in) used as ``x @ W.T``: f32 (``qtype="none"``), or ggml blocks."""
+    """A weight (out, in) used as ``x @ W.T``: f32 (``qtype="none"``), or packed blocks."""
 
     tensor: RemoteTensor
     qtype: str = "none"
@@ -41,7 +47,13 @@ class Linear:
         """``x @ W.T`` in graph ``g`` (into ``out`` if given)."""
         if self.qtype == "none":
             return g.matmul(x, self.tensor, transpose_b=True, out=out)
-        return g.mul_mat_q(x, self.tensor, qtype=self.qtype, out=out)
+        return g.mul_mat_packed(x, self.tensor, qtype=self.qtype, out=out)
+
+    def rows(self, g: Graph, idx: GraphTensor, out: RemoteTensor | None = None) -> GraphTensor:
+        """Rows ``idx`` of the weight as float32 (an embedding table's lookup)."""
+        if self.qtype == "none":
+            return g.get_rows(self.tensor, idx, out=out)
+        return g.get_rows_packed(self.tensor, idx, qtype=self.qtype, out=out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +81,13 @@ class WeightFormat:
         """The 2-d shape ``rows`` rows like ``tensor``'s are laid out in."""
         raise NotImplementedError
 
-    def fill(self, g: Graph, src: RemoteTensor, qtype: str, dst: RemoteTensor) -> None:
-        """Add to ``g`` the op laying uploaded GGUF bytes ``src`` (of ``qtype``) out in ``dst``."""
-        g.cpy(src, dst)
+    capability = ""
+    """What each worker must advertise (HELLO capabilities) for this format; "" for nothing."""
+
+    def fill(self, g: Graph, sources: list[RemoteTensor], qtype: str, dst: RemoteTensor) -> None:
+        """Add to ``g`` the ops laying uploaded GGUF weights ``sources`` (of ``qtype``, stacked by
+        rows in this order) out in ``dst``."""
+        raise NotImplementedError
 
     def linear(self, tensor: RemoteTensor, qtype: str) -> Linear:
         """The matmul weight laid out in ``tensor`` from GGUF blocks of ``qtype``."""
@@ -93,33 +109,51 @@ class F32Weights(WeightFormat):
     def resident_shape(self, tensor: GGUFTensor, rows: int) -> tuple[int, int]:
         return rows, tensor.shape[-1]
 
-    def fill(self, g: Graph, src: RemoteTensor, qtype: str, dst: RemoteTensor) -> None:
-        if qtype in QUANT_BLOCKS:
-            g.dequantize(src, qtype=qtype, out=dst)
-        else:
-            g.cpy(src, dst)
+    def fill(self, g: Graph, sources: list[RemoteTensor], qtype: str, dst: RemoteTensor) -> None:
+        row = 0
+        for src in sources:
+            part = dst[row:row + src.shape[0]] if len(sources) > 1 else dst
+            if qtype in QUANT_BLOCKS:
+                g.dequantize(src, qtype=qtype, out=part)
+            elif qtype == "f16":
+                g.cpy(src, part)
+            else:      # the kernels' dequantizer knows every other type (numba on the worker)
+                g.unpack(g.pack(src, qtype=qtype), qtype=qtype, out=part)
+            row += src.shape[0]
 
     def linear(self, tensor: RemoteTensor, qtype: str) -> Linear:
         return Linear(tensor)
 
 
-class QuantizedWeights(WeightFormat):
-    """The file's blocks as they are; each matmul dequantizes them (``mul_mat_q``)."""
+class PackedWeights(WeightFormat):
+    """Repacked once on the worker into the numba kernels' layout; each matmul runs them."""
 
     mode: WeightsMode = "quantized"
     dtype = "uint8"
+    capability = "packed-kernels"
 
     def resident_bytes(self, tensor: GGUFTensor) -> int:
-        return tensor.nbytes
+        return self.resident_shape(tensor, tensor.data.shape[0])[0] * self._row_bytes(tensor)
 
     def resident_shape(self, tensor: GGUFTensor, rows: int) -> tuple[int, int]:
-        return rows, tensor.data.shape[1]
+        return rows, self._row_bytes(tensor)
+
+    @staticmethod
+    def _row_bytes(tensor: GGUFTensor) -> int:
+        per_block, _, packed_bytes = PACKED_BLOCKS[tensor.qtype]
+        return tensor.shape[-1] // per_block * packed_bytes
+
+    def fill(self, g: Graph, sources: list[RemoteTensor], qtype: str, dst: RemoteTensor) -> None:
+        """Stacked weights are concatenated (in the graph's scratch) and packed as one: the packed
+        layout interleaves rows, so it cannot be filled a slice at a time."""
+        stacked = g.concat(*sources, axis=0) if len(sources) > 1 else sources[0]
+        g.pack(stacked, qtype=qtype, out=dst)
 
     def linear(self, tensor: RemoteTensor, qtype: str) -> Linear:
         return Linear(tensor, qtype)
 
 
-WEIGHT_FORMATS: dict[str, type[WeightFormat]] = {"f32": F32Weights, "quantized": QuantizedWeights}
+WEIGHT_FORMATS: dict[str, type[WeightFormat]] = {"quantized": PackedWeights, "f32": F32Weights}
 
 
 def weight_format(mode: str) -> WeightFormat:

@@ -17,8 +17,9 @@ is touched.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy.typing as npt
 
 from ...broker import quant
 from ...broker.ops import OPS, OpError, OpKind, TensorMeta, view_span
+from .. import kernels
 
 __all__ = [
     "OpRuntimeError",
@@ -279,6 +281,45 @@ def _dequantize(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, o
     quant.dequantize(xs[0], p["qtype"], out=out)
 
 
+def _pack(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Repack a GGUF weight into the kernels' layout (compiled with numba when it imports, else numpy),
+    then make sure the products' kernels for its type are compiled: a model's load pays the compile
+    (once per machine: numba caches it on disk; seconds per type), never its first token."""
+    kernels.pack(xs[0], p["qtype"], out=out)
+    if kernels.available():
+        kernels.warm(p["qtype"])
+
+
+def _mul_mat_packed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """out = x @ W.T for a packed W, with the numba kernels (``worker/kernels``)."""
+    x = as_float32(xs[0], ms[0].dtype).reshape(-1, ms[0].shape[-1])
+    with _kernels():
+        kernels.matmul(x, xs[1], p["qtype"], out.reshape(x.shape[0], -1))
+
+
+def _unpack(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """A packed weight dequantized into float32 rows (f32 mode's layout step for any packed type)."""
+    with _kernels():
+        kernels.dequantize(xs[0], p["qtype"], out.shape[1], out=out)
+
+
+def _get_rows_packed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Rows of a packed table (a model's embedding, for the token its last stage picked)."""
+    table, idx = xs
+    _check_index(idx, table.shape[0], "get_rows_packed")
+    with _kernels():
+        kernels.take_rows(table, p["qtype"], idx.reshape(-1), out.reshape(-1, out.shape[-1]))
+
+
+@contextlib.contextmanager
+def _kernels() -> Iterator[None]:
+    """A missing numba becomes a run-time error naming the fix."""
+    try:
+        yield
+    except kernels.KernelUnavailable as exc:
+        raise OpRuntimeError(str(exc)) from None
+
+
 def _check_index(idx: np.ndarray, n: int, what: str) -> None:
     """Reject index values outside [0, n) before they are used (no negative wraparound)."""
     if idx.size == 0:
@@ -419,7 +460,8 @@ _COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
     **{name: _binary(fn) for name, fn in (
         ("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.divide))},
     "scale": _scale, "relu": _relu, "sigmoid": _sigmoid, "silu": _silu, "gelu": _gelu,
-    "matmul": _matmul, "mul_mat_q": _mul_mat_q, "dequantize": _dequantize, "get_rows": _get_rows,
+    "matmul": _matmul, "mul_mat_q": _mul_mat_q, "pack": _pack, "mul_mat_packed": _mul_mat_packed,
+    "unpack": _unpack, "get_rows_packed": _get_rows_packed, "dequantize": _dequantize, "get_rows": _get_rows,
     "rms_norm": _rms_norm, "layer_norm": _layer_norm, "soft_max": _soft_max, "rope": _rope,
     "diag_mask_inf": _diag_mask_inf, "cont": _cont, "concat": _concat,
     "sum": _sum, "mean": _mean, "argmax": _argmax,

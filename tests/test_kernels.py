@@ -1,0 +1,246 @@
+"""The packed quantized kernels (``worker/kernels``) against gguf's numpy dequantization.
+
+No sockets: the layout, the repack, the numba matrix-vector and tile kernels, the thread split and the
+op rules. The oracle is ``gguf.quants.dequantize`` of the original GGUF bytes: the packed dequantizer
+must match it bit for bit; products must match float64 ``x @ W.T`` of those weights within
+``MV_RTOL * (|x| @ |W|.T)`` (float32 accumulation over up to a few thousand terms, reassociated).
+Random blocks: random quants, with scales drawn from zero, -0, float16 denormals, +-65504 and ordinary
+values (every row length class: one block, several, an odd count, SmolLM2's widths).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from zmq_rpc.broker.ops import PACKED_BLOCKS, OpError, TensorMeta, infer
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("numba")
+
+from gguf import GGMLQuantizationType as GT  # noqa: E402
+from zmq_rpc.worker import kernels  # noqa: E402
+from zmq_rpc.worker.backends import numpy_ops  # noqa: E402
+from zmq_rpc.worker.kernels import jit  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)  # the first call of each qtype compiles its kernels (~10 s)
+
+MV_RTOL = 1e-5
+GGUF_TYPES = {"f16": GT.F16, "bf16": GT.BF16, "q8_0": GT.Q8_0, "q4_0": GT.Q4_0, "q4_1": GT.Q4_1,
+              "q5_0": GT.Q5_0, "q5_1": GT.Q5_1, "q4_k": GT.Q4_K, "q5_k": GT.Q5_K, "q6_k": GT.Q6_K}
+# byte offsets of the float16 factors inside each GGUF block
+SCALE_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2),
+                "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+SPECIAL_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8200, 0x7BFF, 0xFBFF, 0x0400], np.uint16)
+
+
+def random_f16_scales(rng: np.random.Generator, n: int) -> np.ndarray:
+    """float16 bit patterns: a third special (zero, -0, denormal, +-max), the rest ordinary."""
+    ordinary = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 30.0], n)).astype(np.float16).view(np.uint16)
+    return np.where(rng.random(n) < 0.35, rng.choice(SPECIAL_F16, n), ordinary).astype(np.uint16)
+
+
+def random_weight(rng: np.random.Generator, qtype: str, rows: int, k: int) -> np.ndarray:
+    """A GGUF weight of ``rows`` x ``k``: uint8 blocks, float16 or bfloat16 bits (finite values)."""
+    if qtype == "f16":
+        bits = rng.integers(0, 1 << 16, (rows, k), dtype=np.uint16)
+        bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # no inf / NaN
+        return bits.view(np.float16)
+    if qtype == "bf16":
+        sign = rng.integers(0, 2, (rows, k), dtype=np.uint16) << 15
+        exponent = rng.choice(np.array([0, 1, 60, 120, 127, 130, 180], np.uint16), (rows, k)) << 7
+        return sign | exponent | rng.integers(0, 128, (rows, k), dtype=np.uint16)
+    per_block, block_bytes, _ = PACKED_BLOCKS[qtype]
+    data = rng.integers(0, 256, (rows, k // per_block, block_bytes), dtype=np.uint8)
+    for offset in SCALE_FIELDS[qtype]:
+        data[..., offset:offset + 2] = random_f16_scales(rng, rows * (k // per_block)).view(np.uint8).reshape(
+            rows, -1, 2)
+    return data.reshape(rows, -1)
+
+
+def oracle(qtype: str, data: np.ndarray) -> np.ndarray:
+    """gguf's float32 dequantization of a GGUF weight."""
+    if qtype == "bf16":
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(gguf.quants.dequantize(data if qtype != "f16" else data.view(np.uint8), GGUF_TYPES[qtype]),
+                      dtype=np.float32).reshape(data.shape[0], -1)
+
+
+def row_lengths(qtype: str) -> list[int]:
+    """One block, two, an odd count, and SmolLM2's widths where they are whole blocks."""
+    per_block = PACKED_BLOCKS[qtype][0]
+    if per_block == 1:
+        return [1, 7, 64, 576]
+    base = [per_block, 2 * per_block, 5 * per_block]
+    return base + [k for k in (576, 1536) if k % per_block == 0 and k not in base]
+
+
+def close_product(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    bad = np.abs(got - ref) > MV_RTOL * bound + 1e-30
+    assert not bad.any(), f"{bad.sum()} of {bad.size} outside tolerance; worst {np.abs(got - ref)[bad].max()}"
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    kernels.set_threads(1)
+
+
+# ------------------------------------------------------------------------------------ the layout
+
+
+@pytest.mark.parametrize("qtype", kernels.QTYPES)
+def test_packed_sizes_stay_within_1_2x_of_gguf(qtype: str) -> None:
+    per_block, gguf_bytes, packed_bytes = PACKED_BLOCKS[qtype]
+    k = per_block * 18 if per_block > 1 else 576
+    assert kernels.packed_row_bytes(qtype, k) / kernels.gguf_row_bytes(qtype, k) <= 1.2
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.packed_row_bytes(qtype, per_block + 1 if per_block > 1 else 0)
+
+
+@pytest.mark.parametrize("qtype", kernels.QTYPES)
+def test_pack_then_dequantize_is_bit_identical_to_gguf(qtype: str) -> None:
+    rng = np.random.default_rng(abs(hash(qtype)) % 2**32)
+    for k in row_lengths(qtype):
+        for rows in (1, 3, 17):
+            data = random_weight(rng, qtype, rows, k)
+            packed = kernels.pack(data, qtype)
+            assert packed.shape == (rows, kernels.packed_row_bytes(qtype, k)) and packed.dtype == np.uint8
+            got = kernels.dequantize(packed, qtype, k)
+            np.testing.assert_array_equal(got.view(np.uint32), oracle(qtype, data).view(np.uint32),
+                                          err_msg=f"{qtype} rows={rows} k={k}")
+
+
+@pytest.mark.parametrize("qtype", kernels.QTYPES)
+def test_compiled_repack_writes_the_numpy_layout_byte_for_byte(qtype: str) -> None:
+    rng = np.random.default_rng(13)
+    for k in row_lengths(qtype):
+        for rows in (1, 3, 70):   # 70: past one 64-row repack tile
+            data = random_weight(rng, qtype, rows, k)
+            np.testing.assert_array_equal(kernels.pack(data, qtype), kernels.pack(data, qtype, jit=False),
+                                          err_msg=f"{qtype} rows={rows} k={k}")
+
+
+@pytest.mark.parametrize("qtype", kernels.QTYPES)
+def test_matvec_matches_float_product_of_gguf_weights(qtype: str) -> None:
+    rng = np.random.default_rng(7)
+    sizes = [(rows, k) for k in row_lengths(qtype) for rows in (1, 17)]
+    sizes.append((jit.TILE + 19, row_lengths(qtype)[0]))   # past one accumulator tile, ragged
+    for rows, k in sizes:
+        data = random_weight(rng, qtype, rows, k)
+        w = oracle(qtype, data)
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        out = np.full((1, rows), np.nan, np.float32)
+        kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
+        close_product(out, x, w)
+
+
+@pytest.mark.parametrize("qtype", kernels.QTYPES)
+def test_prefill_tiles_match_float_product(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(11)
+    k = row_lengths(qtype)[1]
+    rows = 83
+    monkeypatch.setattr(kernels, "TILE_BYTES", 4 * k * 32)   # 32-row tiles: 3 of them and a ragged one
+    data = random_weight(rng, qtype, rows, k)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    out = np.full((9, rows), np.nan, np.float32)
+    kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
+    close_product(out, x, oracle(qtype, data))
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q6_k", "f16"])
+@pytest.mark.parametrize("n_rows", [1, 5])
+def test_two_threads_give_the_same_rows(qtype: str, n_rows: int) -> None:
+    rng = np.random.default_rng(3)
+    k = row_lengths(qtype)[-1]
+    data = random_weight(rng, qtype, 1000, k)
+    packed, x = kernels.pack(data, qtype), rng.standard_normal((n_rows, k)).astype(np.float32)
+    outs = []
+    for n in (1, 2):
+        kernels.set_threads(n)
+        out = np.full((n_rows, 1000), np.nan, np.float32)
+        kernels.matmul(x, packed, qtype, out)
+        outs.append(out)
+    close_product(outs[1], x, oracle(qtype, data))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6 * np.abs(outs[0]).max())
+
+
+@pytest.mark.parametrize("n_rows", [1, 5])
+def test_nan_activations_propagate(n_rows: int) -> None:
+    """fastmath here never assumes "no NaN": a NaN input makes every output of its row NaN.
+    (An infinite input may give NaN where numpy gives +-inf: the scales are factored out of the sums.)"""
+    rng = np.random.default_rng(5)
+    data = random_weight(rng, "q4_1", 4, 64)
+    x = rng.standard_normal((n_rows, 64)).astype(np.float32)
+    x[0, 3] = np.nan
+    out = np.empty((n_rows, 4), np.float32)
+    kernels.matmul(x, kernels.pack(data, "q4_1"), "q4_1", out)
+    assert np.isnan(out[0]).all() and not np.isnan(out[1:]).any()
+
+
+def test_pack_refuses_ragged_rows() -> None:
+    with pytest.raises(ValueError, match="whole blocks"):
+        kernels.pack(np.zeros((2, 35), np.uint8), "q8_0")
+    with pytest.raises(ValueError, match="2-D"):
+        kernels.pack(np.zeros(34, np.uint8), "q8_0")
+
+
+def test_set_threads_refuses_zero() -> None:
+    with pytest.raises(ValueError, match=">= 1"):
+        kernels.set_threads(0)
+
+
+# ----------------------------------------------------------------------------------- ops, kernels
+
+
+def run_op(op: str, inputs: list[np.ndarray], metas: list[TensorMeta], params: dict[str, object]) -> np.ndarray:
+    meta, normalized = infer(op, metas, params)
+    out = np.full(meta.shape, np.nan, np.float32) if meta.dtype == "float32" else np.zeros(meta.shape, np.uint8)
+    numpy_ops.run_compute(op, inputs, metas, normalized, out)
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["q6_k", "bf16", "q5_1"])
+def test_pack_unpack_get_rows_ops_match_gguf(qtype: str) -> None:
+    rng = np.random.default_rng(17)
+    k = row_lengths(qtype)[1]
+    data = random_weight(rng, qtype, 21, k)
+    dtype = {"f16": "float16", "bf16": "bfloat16"}.get(qtype, "uint8")
+    packed = run_op("pack", [data], [TensorMeta(data.shape, dtype)], {"qtype": qtype})
+    wmeta = TensorMeta(packed.shape, "uint8")
+    ref = oracle(qtype, data)
+    np.testing.assert_array_equal(run_op("unpack", [packed], [wmeta], {"qtype": qtype}), ref)
+    idx = np.array([[20, 0], [3, 3]], np.int32)
+    rows = run_op("get_rows_packed", [packed, idx], [wmeta, TensorMeta(idx.shape, "int32")], {"qtype": qtype})
+    np.testing.assert_array_equal(rows, ref[idx])
+    with pytest.raises(numpy_ops.OpRuntimeError, match=r"index 21 is out of range \[0, 21\)"):
+        run_op("get_rows_packed", [packed, idx + 1], [wmeta, TensorMeta(idx.shape, "int32")], {"qtype": qtype})
+
+
+# -------------------------------------------------------------------------------------- op rules
+
+
+def test_pack_rule_sizes_the_packed_weight() -> None:
+    out, _ = infer("pack", [TensorMeta((7, 2 * 144), "uint8")], {"qtype": "q4_k"})
+    assert out == TensorMeta((7, 2 * 152), "uint8")
+    out, _ = infer("pack", [TensorMeta((3, 10), "bfloat16")], {"qtype": "bf16"})
+    assert out == TensorMeta((3, 20), "uint8")
+    with pytest.raises(OpError, match="not whole q4_k blocks"):
+        infer("pack", [TensorMeta((7, 145), "uint8")], {"qtype": "q4_k"})
+    with pytest.raises(OpError, match="dtype uint8 is not allowed"):
+        infer("pack", [TensorMeta((7, 10), "uint8")], {"qtype": "f16"})
+    with pytest.raises(OpError, match="qtype"):
+        infer("pack", [TensorMeta((7, 36), "uint8")], {"qtype": "q2_k"})
+
+
+def test_mul_mat_packed_rule_checks_widths() -> None:
+    wp = TensorMeta((5, 3 * 24), "uint8")                    # q4_1, 96 inputs
+    out, _ = infer("mul_mat_packed", [TensorMeta((2, 3, 96), "float32"), wp], {"qtype": "q4_1"})
+    assert out == TensorMeta((2, 3, 5), "float32")
+    with pytest.raises(OpError, match="x last dim 64 != wp input width 96"):
+        infer("mul_mat_packed", [TensorMeta((64,), "float32"), wp], {"qtype": "q4_1"})
+    with pytest.raises(OpError, match="not whole packed q4_1 blocks"):
+        infer("mul_mat_packed", [TensorMeta((96,), "float32"), TensorMeta((5, 70), "uint8")], {"qtype": "q4_1"})
+    with pytest.raises(OpError, match="contiguous"):
+        infer("mul_mat_packed", [TensorMeta((96,), "float32"), TensorMeta((5, 72), "uint8", False)],
+              {"qtype": "q4_1"})
