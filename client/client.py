@@ -312,9 +312,7 @@ class Client:
     def _sync(self, issue: Callable[P, Future[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """A blocking call: ``issue(...)`` and wait. On an idle connection the request goes out
         and its reply comes back on this thread, with no hop through the I/O thread."""
-        with self._engine.inline():
-            future = issue(*args, **kwargs)
-        return future.result()
+        return cast(T, self._engine.call(issue, *args, **kwargs))
 
     def _new_handle(self) -> int:
         with self._handle_lock:
