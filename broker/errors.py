@@ -15,8 +15,11 @@
     │   └── ModelFileError            a worker-side file read refused (path, identity, header)
     ├── TransportError                the connection failed us
     │   ├── Timeout                   no reply within the request's timeout
-    │   ├── ConnectionLost            the worker went away (or forgot our session)
+    │   ├── ConnectionLost            the worker went away, froze, or cannot be reached
+    │   │   └── SessionLost           the worker answers but no longer knows our session
+    │   │                             (restarted, or it expired): its buffers are gone
     │   └── AuthenticationFailed      the worker refused our CURVE key, or we its key
+    ├── BadEndpoint                   an address the client cannot use (also a ValueError)
     └── ClientClosed                  you closed the client; pending and new calls fail with this
 
 Remote failures travel as an :class:`~zmq_rpc.broker.protocol.ErrorCode` and a message; the client
@@ -41,7 +44,9 @@ __all__ = [
     "TransportError",
     "Timeout",
     "ConnectionLost",
+    "SessionLost",
     "AuthenticationFailed",
+    "BadEndpoint",
     "ClientClosed",
 ]
 
@@ -113,7 +118,20 @@ class Timeout(TransportError):
 
 
 class ConnectionLost(TransportError):
-    """The worker went away, or no longer knows this client's session."""
+    """The worker went away, froze, or cannot be reached; or it no longer knows our session.
+
+    Requests in flight when the connection dropped may or may not have run.
+    """
+
+
+class SessionLost(ConnectionLost):
+    """The worker answers but no longer knows this client's session (it was restarted, or the
+    session expired): every buffer and graph of the session is gone. The client stays unusable;
+    open a new one."""
+
+
+class BadEndpoint(RpcError, ValueError):
+    """An endpoint the client cannot use: no scheme, a scheme zmq-rpc does not speak, no port."""
 
 
 class AuthenticationFailed(TransportError):

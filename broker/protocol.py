@@ -50,6 +50,7 @@ from .errors import (
     OutOfMemory,
     RemoteError,
     RpcError,
+    SessionLost,
     TransferError,
     VersionMismatch,
 )
@@ -148,7 +149,7 @@ _ERROR_CLASSES: dict[int, type[RpcError]] = {
     ErrorCode.BAD_REQUEST: BadRequest,
     ErrorCode.UNKNOWN_COMMAND: BadRequest,
     ErrorCode.VERSION_MISMATCH: VersionMismatch,
-    ErrorCode.NO_SESSION: ConnectionLost,
+    ErrorCode.NO_SESSION: SessionLost,
     ErrorCode.INVALID_HANDLE: InvalidHandle,
     ErrorCode.OUT_OF_BOUNDS: OutOfBounds,
     ErrorCode.OUT_OF_MEMORY: OutOfMemory,

@@ -7,6 +7,7 @@ Public API: :class:`Client` (blocking methods and ``_async`` twins returning
 
 from ..broker.errors import (
     AuthenticationFailed,
+    BadEndpoint,
     BadRequest,
     ClientClosed,
     ConnectionLost,
@@ -18,6 +19,7 @@ from ..broker.errors import (
     ProtocolError,
     RemoteError,
     RpcError,
+    SessionLost,
     Timeout,
     TransferError,
     TransportError,
@@ -41,7 +43,8 @@ from .peer import HandOff, hand_off
 __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
     "RegisteredGraph", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
-    "to_bfloat16", "BadRequest", "ClientClosed", "ConnectionLost", "GraphError", "InvalidHandle",
-    "ModelFileError", "OutOfBounds", "OutOfMemory", "ProtocolError", "RemoteError", "RpcError",
-    "Timeout", "TransferError", "TransportError", "VersionMismatch", "AuthenticationFailed",
+    "to_bfloat16", "AuthenticationFailed", "BadEndpoint", "BadRequest", "ClientClosed",
+    "ConnectionLost", "GraphError", "InvalidHandle", "ModelFileError", "OutOfBounds", "OutOfMemory", "ProtocolError",
+    "RemoteError", "RpcError", "SessionLost", "Timeout", "TransferError", "TransportError",
+    "VersionMismatch",
 ]

@@ -2,8 +2,9 @@
 
 Every command has a blocking method and an ``_async`` twin that returns a
 ``concurrent.futures.Future`` at once; requests pipeline and run on the worker in the order they
-were issued. All socket work happens on the engine's I/O thread (:mod:`zmq_rpc.client.engine`); the
-objects here are plain descriptions and may be used from any thread.
+were issued. Socket work belongs to the engine (:mod:`zmq_rpc.client.engine`): its I/O thread, or
+the caller's own thread for a blocking call on an idle connection. The objects here are plain
+descriptions and may be used from any thread.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, ParamSpec, TypeVar, cast
 
 import numpy as np
 import zmq
@@ -31,7 +32,12 @@ from ..broker.errors import (
 )
 from ..broker.keys import KeyPair
 from ..broker.protocol import Cmd, DType, TensorRef, contiguous_strides
+from .arrays import RunResult as RunResult
+from .arrays import fetched as _fetched
+from .arrays import from_bfloat16 as from_bfloat16
+from .arrays import to_bfloat16 as to_bfloat16
 from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions
+from .futures import all_of, then
 from .graph import Graph
 from .peer import HandOff, Routes, copy_between, run_linked
 from .peer import receive as receive_hand_off
@@ -40,6 +46,7 @@ from .security import resolve_curve
 log = logging.getLogger("zmq_rpc.client")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 DEFAULT_CHUNK = 4 << 20
 """Large tensors travel as requests of at most this many bytes (received straight into place)."""
@@ -54,23 +61,6 @@ def as_dtype(dtype: DTypeLike) -> DType:
     if isinstance(dtype, str):
         return DType.from_name(dtype)
     return DType.from_name(np.dtype(dtype).name)
-
-
-def to_bfloat16(values: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), rounding to nearest even."""
-    values = np.asarray(values, dtype=np.float32)
-    bits = values.view(np.uint32)
-    rounded = bits + (0x7FFF + ((bits >> 16) & 1))
-    out = (rounded >> 16).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
-
-def from_bfloat16(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bits (uint16) -> float32, exactly."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 class MemoryInfo(NamedTuple):
@@ -217,17 +207,18 @@ class RemoteBuffer:
         return RemoteTensor(self, ref)
 
     def free(self) -> None:
-        self.free_async().result()
+        """``client.free_buffer(self)``."""
+        self.client.free_buffer(self)
 
     def free_async(self) -> Future[None]:
-        return self.client._call(Cmd.FREE_BUFFER, p.BufferOp(handle=self.handle))
+        return self.client.free_buffer_async(self)
 
     def clear(self, value: int = 0) -> None:
-        self.clear_async(value).result()
+        """``client.clear_buffer(self, value)``."""
+        self.client.clear_buffer(self, value)
 
     def clear_async(self, value: int = 0) -> Future[None]:
-        """Set every byte of the buffer to ``value`` (0..255)."""
-        return self.client._call(Cmd.CLEAR_BUFFER, p.ClearBuffer(handle=self.handle, value=value))
+        return self.client.clear_buffer_async(self, value)
 
 
 class Client:
@@ -235,6 +226,14 @@ class Client:
 
     ``with Client("tcp://127.0.0.1:50052") as c: ...`` — ``close()`` frees the session's buffers on
     the worker and fails anything still pending with ``ClientClosed``.
+
+    ``endpoint`` is ``tcp://host:port``, ``ipc://path`` or ``inproc://name`` (else
+    :class:`BadEndpoint`). ``connect_timeout``: seconds to reach the worker and say HELLO (else
+    ``ConnectionLost``). ``timeout``: seconds each request may take. A worker that dies, freezes
+    or becomes unreachable fails every pending and new request with ``ConnectionLost`` within
+    about 6 s (the heartbeat timeout + 1 s; at once when its process dies on this host); a worker
+    that lost this session (restarted at the same address) fails them with ``SessionLost``. A
+    failed constructor leaves no socket, thread or context behind.
 
     A worker run with ``--curve-secret-key`` needs ``curve_key`` (this client's ``.key_secret``
     file, or ``$ZMQ_RPC_CURVE_SECRET_KEY``) and the worker's public key: in the endpoint
@@ -271,7 +270,9 @@ class Client:
         major, minor = p.PROTOCOL_VERSION
         hello = p.Hello(major=major, minor=minor, client=self.name)
         try:
-            info: p.HelloReply = self._engine.submit(Cmd.HELLO, hello, timeout=timeout).result()
+            with self._engine.inline():
+                future = self._engine.submit(Cmd.HELLO, hello, timeout=timeout)
+            info: p.HelloReply = future.result()
         except RpcError as exc:
             if isinstance(exc, (VersionMismatch, AuthenticationFailed)):
                 raise
@@ -306,14 +307,20 @@ class Client:
     def _call(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any] = (),
               on_reply: Callable[[p.Message, list[zmq.Frame]], Any] | None = None,
               timeout: float | None = None, reply_bytes: int = 0) -> Future[Any]:
-        if on_reply is None:
-            def on_reply(reply: p.Message, frames: list[zmq.Frame]) -> None:
-                return None
-        return self._engine.submit(cmd, msg, payload, on_reply, timeout, reply_bytes)
+        return self._engine.submit(cmd, msg, payload, on_reply or _no_result, timeout, reply_bytes)
+
+    def _sync(self, issue: Callable[P, Future[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """A blocking call: ``issue(...)`` and wait. On an idle connection the request goes out
+        and its reply comes back on this thread, with no hop through the I/O thread."""
+        return cast(T, self._engine.call(issue, *args, **kwargs))
 
     def _new_handle(self) -> int:
         with self._handle_lock:
             return next(self._handles)
+
+    def _own_buffer(self, buffer: RemoteBuffer) -> None:
+        if buffer.client is not self:
+            raise BadRequest(f"{buffer!r} lives on {buffer.client.endpoint}, not on {self.endpoint}")
 
     def _own(self, tensor: RemoteTensor) -> None:
         if tensor.buffer.client is not self:
@@ -323,12 +330,12 @@ class Client:
 
     def alloc_buffer(self, size: int) -> RemoteBuffer:
         """Allocate ``size`` bytes on the worker (raises OutOfMemory beyond its limits)."""
-        return self.alloc_buffer_async(size).result()
+        return self._sync(self.alloc_buffer_async, size)
 
     def alloc_buffer_async(self, size: int) -> Future[RemoteBuffer]:
         """Allocate without waiting; the future resolves to the buffer."""
         buffer = self.alloc_buffer_nowait(size)
-        return _then(buffer.allocation, lambda _: buffer)
+        return then(buffer.allocation, lambda _: buffer)
 
     def alloc_buffer_nowait(self, size: int) -> RemoteBuffer:
         """The buffer object at once, for pipelining: later requests may use it immediately;
@@ -339,9 +346,25 @@ class Client:
         future = self._call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=handle, size=size))
         return RemoteBuffer(self, handle, size, future)
 
+    def free_buffer(self, buffer: RemoteBuffer) -> None:
+        """Free a buffer now (the session frees the rest when the client closes)."""
+        self._sync(self.free_buffer_async, buffer)
+
+    def free_buffer_async(self, buffer: RemoteBuffer) -> Future[None]:
+        self._own_buffer(buffer)
+        return self._call(Cmd.FREE_BUFFER, p.BufferOp(handle=buffer.handle))
+
+    def clear_buffer(self, buffer: RemoteBuffer, value: int = 0) -> None:
+        """Set every byte of the buffer to ``value`` (0..255)."""
+        self._sync(self.clear_buffer_async, buffer, value)
+
+    def clear_buffer_async(self, buffer: RemoteBuffer, value: int = 0) -> Future[None]:
+        self._own_buffer(buffer)
+        return self._call(Cmd.CLEAR_BUFFER, p.ClearBuffer(handle=buffer.handle, value=value))
+
     def set_tensor(self, tensor: RemoteTensor, values: Any) -> None:
         """Upload ``values`` (same shape; same dtype, or float32 into bfloat16) into the view."""
-        self.set_tensor_async(tensor, values).result()
+        self._sync(self.set_tensor_async, tensor, values)
 
     def set_tensor_async(self, tensor: RemoteTensor, values: Any) -> Future[None]:
         """Pipelined upload. Do not modify ``values`` until the future is done (zero-copy send)."""
@@ -351,7 +374,7 @@ class Client:
         parts = [self._call(Cmd.SET_TENSOR, p.SetTensor(tensor=sub),
                             [flat[start:start + sub.nbytes]])
                  for start, sub in p.split_tensor(tensor.ref, self.chunk_bytes)]
-        return _gather(parts, lambda: None)
+        return all_of(parts, lambda: None)
 
     def get_tensor(self, tensor: RemoteTensor, out: np.ndarray | None = None) -> np.ndarray:
         """Download the view into a new C-ordered numpy array, or into ``out``.
@@ -360,7 +383,7 @@ class Client:
         float32 or uint16 bits for bfloat16) receives the bytes straight from the reply frames,
         which saves the allocation and first touch of a fresh array on every large download.
         """
-        return self.get_tensor_async(tensor, out).result()
+        return self._sync(self.get_tensor_async, tensor, out)
 
     def get_tensor_async(self, tensor: RemoteTensor,
                          out: np.ndarray | None = None) -> Future[np.ndarray]:
@@ -392,12 +415,12 @@ class Client:
             out[...] = from_bfloat16(target)
             return out
 
-        return _gather(parts, result)
+        return all_of(parts, result)
 
     def memset_tensor(self, tensor: RemoteTensor, value: int, offset: int = 0,
                       size: int | None = None) -> None:
         """Set bytes [offset, offset+size) of the tensor's data to ``value`` (0..255)."""
-        self.memset_tensor_async(tensor, value, offset, size).result()
+        self._sync(self.memset_tensor_async, tensor, value, offset, size)
 
     def memset_tensor_async(self, tensor: RemoteTensor, value: int, offset: int = 0,
                             size: int | None = None) -> Future[None]:
@@ -411,7 +434,7 @@ class Client:
         Across workers, src's worker pushes the bytes straight to dst's worker (the client never
         touches them) and dst's worker runs nothing else of this client's until they have landed.
         """
-        self.copy_tensor_async(src, dst).result()
+        self._sync(self.copy_tensor_async, src, dst)
 
     def copy_tensor_async(self, src: RemoteTensor, dst: RemoteTensor) -> Future[None]:
         if src.client is not dst.client:
@@ -420,7 +443,7 @@ class Client:
 
     def device_memory(self) -> MemoryInfo:
         """Free and total bytes this worker may hand out (all sessions together)."""
-        return self.device_memory_async().result()
+        return self._sync(self.device_memory_async)
 
     def device_memory_async(self) -> Future[MemoryInfo]:
         return self._call(Cmd.DEVICE_MEMORY, p.Empty(),
@@ -428,14 +451,14 @@ class Client:
 
     def synchronize(self) -> None:
         """Return once every request issued before it to this worker has run."""
-        self.synchronize_async().result()
+        self._sync(self.synchronize_async)
 
     def synchronize_async(self) -> Future[None]:
         return self._call(Cmd.SYNCHRONIZE, p.Empty())
 
     def ping(self) -> None:
         """One tiny round trip (what the latency benchmark measures)."""
-        self.ping_async().result()
+        self._sync(self.ping_async)
 
     def ping_async(self) -> Future[None]:
         return self._call(Cmd.PING, p.Empty())
@@ -445,7 +468,7 @@ class Client:
     def compute(self, graph: Graph, inputs: Inputs = None,
                 fetch: Sequence[RemoteTensor] = ()) -> RunResult:
         """Validate and run ``graph`` once on the worker (one message); see :meth:`run`."""
-        return self.compute_async(graph, inputs, fetch).result()
+        return self._sync(self.compute_async, graph, inputs, fetch)
 
     def compute_async(self, graph: Graph, inputs: Inputs = None,
                       fetch: Sequence[RemoteTensor] = ()) -> Future[RunResult]:
@@ -457,14 +480,14 @@ class Client:
 
     def register(self, graph: Graph) -> RegisteredGraph:
         """Validate ``graph`` on the worker and keep it (and its scratch arena) for :meth:`run`."""
-        return self.register_async(graph).result()
+        return self._sync(self.register_async, graph)
 
     def register_async(self, graph: Graph) -> Future[RegisteredGraph]:
         self._own_graph(graph)
         handle = RegisteredGraph(self, self._new_handle(), graph)
         future = self._call(Cmd.GRAPH_REGISTER,
                             wire_graph.GraphRegister(handle=handle.handle, graph=graph.spec()))
-        return _then(future, lambda _: handle)
+        return then(future, lambda _: handle)
 
     def run(self, graph: RegisteredGraph, inputs: Inputs = None,
             fetch: Sequence[RemoteTensor] = (), *, receive: Sequence[HandOff] = (),
@@ -483,8 +506,8 @@ class Client:
         keeps the reply's wake-ups (broker, network, this process) off the CPUs the hand-off
         needs next. Workers without the ``held-replies`` capability reply at once.
         """
-        return self.run_async(graph, inputs, fetch, receive=receive, send=send,
-                              hold_reply=hold_reply).result()
+        return self._sync(self.run_async, graph, inputs, fetch, receive=receive, send=send,
+                              hold_reply=hold_reply)
 
     def run_async(self, graph: RegisteredGraph, inputs: Inputs = None,
                   fetch: Sequence[RemoteTensor] = (), *, receive: Sequence[HandOff] = (),
@@ -498,9 +521,18 @@ class Client:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
         return self._call(Cmd.GRAPH_RUN, msg, frames, on_reply=_fetched(fetch))
 
+    def free_graph(self, graph: RegisteredGraph) -> None:
+        """Release a registered graph and its scratch arena on the worker."""
+        self._sync(self.free_graph_async, graph)
+
+    def free_graph_async(self, graph: RegisteredGraph) -> Future[None]:
+        if graph.client is not self:
+            raise BadRequest("that graph is registered on another worker")
+        return self._call(Cmd.GRAPH_FREE, p.BufferOp(handle=graph.handle))
+
     def receive(self, hand_off: HandOff) -> None:
         """Land a hand-off that no run of this worker receives (see :meth:`run`)."""
-        self.receive_async(hand_off).result()
+        self._sync(self.receive_async, hand_off)
 
     def receive_async(self, hand_off: HandOff) -> Future[None]:
         return receive_hand_off(self, hand_off)
@@ -539,34 +571,19 @@ class RegisteredGraph:
         return f"RegisteredGraph(handle={self.handle}, nodes={len(self.graph)})"
 
     def free(self) -> None:
-        self.free_async().result()
+        """``client.free_graph(self)``."""
+        self.client.free_graph(self)
 
     def free_async(self) -> Future[None]:
-        """Release the graph and its scratch arena on the worker."""
-        return self.client._call(Cmd.GRAPH_FREE, p.BufferOp(handle=self.handle))
+        return self.client.free_graph_async(self)
 
 
 Inputs = dict[RemoteTensor, Any] | Sequence[tuple[RemoteTensor, Any]] | None
 
 
-class RunResult(list[np.ndarray]):
-    """The arrays a graph run fetched, in ``fetch`` order, and how long the worker computed."""
-
-    compute_seconds: float = 0.0
-
-
-def _fetched(fetch: Sequence[RemoteTensor]) -> Callable[[p.Message, list[zmq.Frame]], Any]:
-    shapes = [(t.shape, t.ref.dtype) for t in fetch]
-
-    def land(reply: p.Message, frames: list[zmq.Frame]) -> RunResult:
-        arrays = RunResult()
-        for (shape, dtype), frame in zip(shapes, frames):
-            array = np.frombuffer(frame.buffer, dtype.storage).reshape(shape).copy()
-            arrays.append(from_bfloat16(array) if dtype is DType.BFLOAT16 else array)
-        arrays.compute_seconds = cast(wire_graph.GraphReply, reply).compute_ns / 1e9
-        return arrays
-
-    return land
+def _no_result(reply: p.Message, frames: list[zmq.Frame]) -> None:
+    """The result of a request that returns nothing."""
+    return None
 
 
 def _payload_array(tensor: RemoteTensor, values: Any) -> np.ndarray:
@@ -589,49 +606,3 @@ def _check_out(tensor: RemoteTensor, out: np.ndarray, storage: np.dtype[Any]) ->
                          f"{' or '.join(sorted(d.name for d in allowed))}, got {out.shape} {out.dtype}")
     if not (out.flags.c_contiguous and out.flags.writeable):
         raise BadRequest("out= must be a writeable C-contiguous array")
-
-
-def _then(future: Future[Any], fn: Callable[[Any], T]) -> Future[T]:
-    out: Future[T] = Future()
-    out.set_running_or_notify_cancel()
-
-    def done(f: Future[Any]) -> None:
-        exc = f.exception()
-        if exc is not None:
-            out.set_exception(exc)
-            return
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as err:
-            out.set_exception(err)
-
-    future.add_done_callback(done)
-    return out
-
-
-def _gather(parts: list[Future[Any]], result: Callable[[], T]) -> Future[T]:
-    """One future for several requests: the first error in issue order, else ``result()``."""
-    if len(parts) == 1:
-        return _then(parts[0], lambda _: result())
-    out: Future[T] = Future()
-    out.set_running_or_notify_cancel()
-    remaining = [len(parts)]
-    lock = threading.Lock()
-
-    def done(_: Future[Any]) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        errors = [f.exception() for f in parts if f.exception() is not None]
-        if errors:
-            out.set_exception(errors[0])
-        else:
-            try:
-                out.set_result(result())
-            except BaseException as err:
-                out.set_exception(err)
-
-    for part in parts:
-        part.add_done_callback(done)
-    return out

@@ -1,11 +1,26 @@
-"""The client engine: one I/O thread that alone owns a worker connection's DEALER socket.
+"""The client engine: one worker connection, its DEALER socket, and the futures of its requests.
 
-Callers (any thread) encode their request and hand it over with :meth:`Engine.submit`, which returns
-a ``concurrent.futures.Future`` at once. The I/O thread sends requests in submission order while
-keeping at most ``window`` requests and ``window_bytes`` payload bytes in flight (so no high-water
-mark anywhere ever drops a reply), matches replies to futures by request id, lands reply payloads
-where the caller asked (the one copy on receive), and fails futures on timeout, on connection loss,
-and on close. No future is left hanging.
+Threads: callers (any thread) hand requests over with :meth:`Engine.submit`, which returns a
+``concurrent.futures.Future`` at once. The connection's state (:class:`_IoLoop`: the DEALER, its
+monitor, the calls in flight and their deadlines) has one owner at a time, whoever holds
+``Engine._socket_lock`` (the lock's acquire and release are the full memory barrier zmq asks for
+when a socket changes threads):
+
+- the **I/O thread** (``zmq-rpc-client-io``), which sends requests in submission order while
+  keeping at most ``window`` requests and ``window_bytes`` payload bytes in flight (so no
+  high-water mark anywhere drops a reply), matches replies to futures, lands reply payloads
+  where the caller asked, and fails futures on timeout, connection loss and close. When nothing
+  is in flight it lets go of the lock and sleeps on its wake-up socket;
+- a **caller in a synchronous call** (:meth:`Engine.inline`) that finds the engine idle: it takes
+  the lock, sends its requests and reads their replies itself, with no hop through the I/O
+  thread (half the latency of a tiny call), then gives the lock back.
+
+Failure detection (the README's contract): a worker that dies, freezes or becomes unreachable
+fails every request in flight and every new one with ``ConnectionLost`` once libzmq's heartbeat
+(``zmq_heartbeat_ms``/``zmq_heartbeat_timeout_ms``, 0.5 s/5 s) or the kernel (a closed socket)
+says so; while the connection is down new requests fail at once. A worker that answers but no
+longer knows our session (restarted at the same address, or the session expired) fails them with
+``SessionLost``, for good. No future is left hanging.
 """
 
 from __future__ import annotations
@@ -15,13 +30,16 @@ import itertools
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
+from urllib.parse import urlsplit
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -29,19 +47,22 @@ from zmq.utils.monitor import recv_monitor_message
 from ..broker import protocol as p
 from ..broker.errors import (
     AuthenticationFailed,
+    BadEndpoint,
     BadRequest,
     ClientClosed,
     ConnectionLost,
     RpcError,
+    SessionLost,
     Timeout,
 )
-from ..broker.protocol import Cmd
+from ..broker.protocol import Cmd, ErrorCode
 from .security import CurveClient
 
 log = logging.getLogger("zmq_rpc.client")
 
 OnReply = Callable[[p.Message, list[zmq.Frame]], Any]
-"""Turns a decoded reply and its payload frames into the future's result (runs on the I/O thread)."""
+"""Turns a decoded reply and its payload frames into the future's result (runs on the thread that
+owns the connection at that moment)."""
 
 
 DEFAULT_WINDOW_BYTES = 64 << 20
@@ -50,8 +71,33 @@ on loopback as fast within this machine's noise; each byte in flight is a messag
 until its backend thread copies it out, so a client that shares a worker with many others can pass
 a smaller ``window_bytes``."""
 
+SCHEMES = ("tcp", "ipc", "inproc")
 
-@dataclass
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if zmq-rpc can connect to it, else :class:`BadEndpoint` saying why."""
+    if not isinstance(endpoint, str):
+        raise BadEndpoint(f"an endpoint is a string like 'tcp://host:port', not {endpoint!r}")
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        raise BadEndpoint(f"endpoint {endpoint!r} has no scheme: write 'tcp://{endpoint}'")
+    if scheme not in SCHEMES:
+        raise BadEndpoint(f"endpoint {endpoint!r}: scheme {scheme!r} is not one of "
+                          f"{', '.join(s + '://' for s in SCHEMES)}")
+    if not rest:
+        raise BadEndpoint(f"endpoint {endpoint!r} names no address")
+    if scheme == "tcp":
+        try:
+            port = urlsplit(endpoint).port
+        except ValueError:
+            port = None
+        if port is None or not urlsplit(endpoint).hostname:
+            raise BadEndpoint(f"endpoint {endpoint!r} needs a host and a port "
+                              "('tcp://host:port')")
+    return endpoint
+
+
+@dataclass(eq=False)
 class Call:
     """One request on its way: its frames, its future and its deadline."""
 
@@ -65,6 +111,19 @@ class Call:
     sent: bool = False
 
 
+@dataclass(eq=False)
+class Reservation:
+    """A place in the send order for requests decided later (:meth:`Engine.reserve`): requests
+    submitted after it wait until it is filled, then go out behind what filled it."""
+
+    req_id: int
+    deadline: float
+    calls: list[Call] | None = None
+    """What filled it, once :meth:`Engine.filling` is done; None while open."""
+    error: RpcError | None = None
+    """Why it can no longer be filled (the connection failed, it expired)."""
+
+
 @dataclass
 class EngineOptions:
     """How the engine paces and guards its requests."""
@@ -73,8 +132,10 @@ class EngineOptions:
     window: int = 512
     window_bytes: int = DEFAULT_WINDOW_BYTES
     heartbeat: float = 2.0
-    zmq_heartbeat_ms: int = 1000
+    """Seconds of silence after which the client pings the worker (keeps the session alive)."""
+    zmq_heartbeat_ms: int = 500
     zmq_heartbeat_timeout_ms: int = 5000
+    """libzmq's ZMTP heartbeat: a worker silent this long after a heartbeat is declared lost."""
     identity: bytes = field(default_factory=lambda: b"z" + os.urandom(15))
     """The routing id workers key this client's session by: random, never starting with 0x00."""
     curve: CurveClient | None = None
@@ -82,28 +143,43 @@ class EngineOptions:
 
 
 class Engine:
-    """One connection to one worker, driven by a background I/O thread."""
+    """One connection to one worker: an I/O thread, and the caller's thread when it is idle."""
 
     def __init__(self, endpoint: str, options: EngineOptions | None = None,
                  ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
-        self.endpoint = endpoint
+        self.endpoint = check_endpoint(endpoint)
         self.options = options or EngineOptions()
         self._own_ctx = ctx is None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = ctx or zmq.Context()
         self._ids = itertools.count(1)
-        self._inbox: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._inbox: queue.SimpleQueue[Call | Reservation | None] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
         self._io_sleeping = False
         """Set by the I/O thread just before it blocks; submitters wake it only then."""
+        self._pump_sleeping = False
+        """The same for a caller driving the connection inline."""
         self._closed = False
-        self._close_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
+        """Orders submissions against close(): nothing is queued after the close marker."""
+        self._socket_lock = threading.Lock()
+        """Held by whoever drives the connection (see the module docstring)."""
+        self._local = _Local()
+        self._io: _IoLoop | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="zmq-rpc-client-io", daemon=True)
         self._thread.start()
         self._started.wait()
-        if self._start_error is not None:
-            raise self._start_error
+        error = self._failed_start()
+        if error is not None:
+            self._thread.join()
+            raise error
+
+    def _failed_start(self) -> BaseException | None:
+        """What stopped the I/O thread from opening the connection, if anything."""
+        return self._start_error
 
     # ------------------------------------------------------------------ any thread
 
@@ -117,35 +193,138 @@ class Engine:
         """
         future: Future[Any] = Future()
         future.set_running_or_notify_cancel()
-        if self._closed:
-            future.set_exception(ClientClosed("the client is closed"))
-            return future
         req_id = next(self._ids)
         frames = [p.encode_request(cmd, req_id, msg), *payload]
         wait = self.options.timeout if timeout is None else timeout
-        nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
-        self._inbox.put(Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply,
-                             nbytes))
-        if self._io_sleeping:
-            os.eventfd_write(self._wake_fd, 1)
+        nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes if payload \
+            else reply_bytes
+        call = Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply, nbytes)
+        self._enqueue(call)
         return future
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Fail what is pending with ClientClosed, close the socket, join the thread. Idempotent."""
-        with self._close_lock:
+    def reserve(self, timeout: float | None = None) -> Reservation:
+        """Hold a place in the send order; fill it with :meth:`filling` (from any thread).
+
+        Until it is filled nothing submitted after it is sent. Unfilled after ``timeout`` (the
+        request timeout by default), what fills it fails with ``Timeout``.
+        """
+        wait = self.options.timeout if timeout is None else timeout
+        slot = Reservation(next(self._ids), time.monotonic() + wait)
+        self._enqueue(slot)
+        return slot
+
+    @contextmanager
+    def filling(self, slot: Reservation) -> Iterator[None]:
+        """Requests this thread submits to this engine inside the block fill ``slot``."""
+        calls: list[Call] = []
+        outer = self._local.filling
+        self._local.filling = calls
+        try:
+            yield
+        finally:
+            self._local.filling = outer
+            with self._submit_lock:
+                error = slot.error
+                if error is None:
+                    slot.calls = calls
+            if error is not None:
+                for call in calls:
+                    _fail(call.future, error)
+            self._wake()
+
+    @contextmanager
+    def inline(self) -> Iterator[None]:
+        """Run the requests submitted from this thread inside the block on this thread, when the
+        engine is idle: sent at once, their replies read here when the block ends (no thread
+        hop). Otherwise (the I/O thread is busy, or this is a future callback) a no-op."""
+        io = self._take_idle()
+        if io is None:
+            yield
+            return
+        calls: list[Call] = []
+        self._local.io, self._local.calls = io, calls
+        try:
+            yield
+            io.pump(calls)
+        finally:
+            self._give_back(io)
+
+    def call(self, issue: Callable[..., Future[Any]], *args: Any, **kwargs: Any) -> Any:
+        """``issue(*args, **kwargs).result()``, inline when the engine is idle (what
+        :meth:`inline` does, without a generator in the way of every blocking call)."""
+        io = self._take_idle()
+        if io is None:
+            return issue(*args, **kwargs).result()
+        calls: list[Call] = []
+        local = self._local
+        local.io, local.calls = io, calls
+        try:
+            future = issue(*args, **kwargs)
+            io.pump(calls)
+        finally:
+            self._give_back(io)
+        return future.result()
+
+    def _give_back(self, io: _IoLoop) -> None:
+        """End of an inline call: the connection back to the I/O thread, woken if it has work."""
+        self._local.io = None
+        self._socket_lock.release()
+        if io.busy() or io.closing or not self._inbox.empty():
+            self._wake()
+
+    def _take_idle(self) -> _IoLoop | None:
+        """The connection, locked, if nothing else is using or waiting for it."""
+        io = self._io
+        if (io is None or self._local.io is not None or on_io_thread()
+                or not self._socket_lock.acquire(blocking=False)):
+            return None
+        if self._closed or io.closing or io.busy() or not self._inbox.empty():
+            self._socket_lock.release()
+            return None
+        return io
+
+    def close(self, timeout: float | None = None) -> None:
+        """Fail what is pending with ClientClosed, say goodbye, close the socket and the context,
+        join the I/O thread. Idempotent; from a future callback it returns without joining."""
+        with self._submit_lock:
             if self._closed:
                 return
             self._closed = True
-        self._inbox.put(None)
-        os.eventfd_write(self._wake_fd, 1)
-        self._thread.join(timeout)
-        os.close(self._wake_fd)
-        if self._own_ctx:
-            self.ctx.term()
+            self._inbox.put(None)
+        self._wake()
+        if not on_io_thread():        # a callback on a thread that drives the connection
+            self._thread.join(timeout)
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _enqueue(self, item: Call | Reservation) -> None:
+        local = self._local
+        filling = local.filling
+        if filling is not None and isinstance(item, Call):
+            filling.append(item)
+            return
+        io = local.io
+        if io is not None:          # in an inline block: this thread owns the connection
+            if isinstance(item, Call):
+                self._local.calls.append(item)
+            io.admit(item)
+            io.send_backlog()
+            return
+        with self._submit_lock:
+            if not self._closed:
+                self._inbox.put(item)
+                if self._io_sleeping or self._pump_sleeping:
+                    self._wake()
+                return
+        _fail_item(item, ClientClosed("the client is closed"))
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass      # full: a wake-up is already pending; closed: nobody to wake
 
     # ------------------------------------------------------------------ I/O thread only
 
@@ -154,18 +333,72 @@ class Engine:
         try:
             io = _IoLoop(self)
         except BaseException as exc:
-            self._start_error = exc
+            self._start_error = _as_rpc_error(self.endpoint, exc)
+            self._finish(None)
             self._started.set()
             return
+        self._io = io
         self._started.set()
         try:
-            io.loop()
+            self._serve(io)
         except BaseException as exc:  # never leave futures hanging, even on a bug
             log.exception("client I/O thread failed")
-            io.fail_all(ConnectionLost(f"client I/O thread failed: {exc}"))
+            with self._socket_lock:
+                io.fail_all(ConnectionLost(f"client I/O thread failed: {exc}"))
         finally:
-            io.fail_all(ClientClosed("the client was closed"))
-            io.close()
+            self._finish(io)
+
+    def _serve(self, io: _IoLoop) -> None:
+        while True:
+            with self._socket_lock:
+                while True:
+                    if not io.step():
+                        return
+                    if not io.busy() and self._inbox.empty():
+                        break
+            self._park(io)
+
+    def _park(self, io: _IoLoop) -> None:
+        """Nothing in flight: sleep on the wake-up socket only (an inline caller may drive the
+        connection meanwhile); the heartbeat interval wakes us for the keep-alive ping."""
+        self._io_sleeping = True
+        if self._inbox.empty():
+            io.wake_poller.poll(int(self.options.heartbeat * 1000))
+        self._io_sleeping = False
+        self._drain_wake()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _finish(self, io: _IoLoop | None) -> None:
+        """Every path out of the I/O thread: fail what is left, close sockets and context."""
+        with self._submit_lock:
+            self._closed = True
+        with self._socket_lock:
+            if io is not None:
+                io.fail_all(ClientClosed("the client was closed"))
+                io.close()
+            else:
+                _drain_inbox(self._inbox, ClientClosed("the client failed to start"))
+        self._wake_r.close()
+        self._wake_w.close()
+        if self._own_ctx:
+            self.ctx.term()
+
+
+class _Local(threading.local):
+    """Per thread, per engine: where this thread's submissions go (see ``_enqueue``)."""
+
+    io: _IoLoop | None = None
+    """The connection, while this thread drives it inline."""
+    calls: list[Call] = []
+    """The calls this thread submitted inline (reset per inline call)."""
+    filling: list[Call] | None = None
+    """The calls filling a reservation (see :meth:`Engine.filling`)."""
 
 
 _io_thread = threading.local()
@@ -176,103 +409,222 @@ def on_io_thread() -> bool:
     return getattr(_io_thread, "active", False)
 
 
+def _fail(future: Future[Any], error: BaseException) -> None:
+    if not future.done():
+        try:
+            future.set_exception(error)
+        except Exception:  # noqa: BLE001 - settled meanwhile by another thread
+            pass
+
+
+def _fail_item(item: Call | Reservation | None, error: RpcError) -> None:
+    if isinstance(item, Call):
+        _fail(item.future, error)
+    elif isinstance(item, Reservation):
+        item.error = item.error or error
+
+
+def _drain_inbox(inbox: queue.SimpleQueue[Call | Reservation | None], error: RpcError) -> None:
+    while True:
+        try:
+            _fail_item(inbox.get_nowait(), error)
+        except queue.Empty:
+            return
+
+
+def _as_rpc_error(endpoint: str, exc: BaseException) -> BaseException:
+    if isinstance(exc, zmq.ZMQError):
+        return BadEndpoint(f"cannot connect to {endpoint!r}: {exc}")
+    return exc
+
+
 class _IoLoop:
-    """State of the I/O thread: the DEALER, the monitor, the calls in flight and their deadlines."""
+    """The connection's state: the DEALER, the monitor, the calls in flight, their deadlines.
+
+    Touched only by the holder of ``Engine._socket_lock``.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         opts = engine.options
         self.dealer = engine.ctx.socket(zmq.DEALER)
+        self.monitor: zmq.Socket[bytes] | None = None
+        try:
+            self._configure(opts)
+            self.monitor = self.dealer.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
+            self.dealer.connect(engine.endpoint)
+        except BaseException:
+            self.close()
+            raise
+        self.backlog: deque[Call | Reservation] = deque()
+        self.in_flight: dict[int, Call] = {}
+        self.in_flight_bytes = 0
+        self.deadlines: list[tuple[float, int]] = []
+        self.last_sent = time.monotonic()
+        self.up = False
+        self.ever_up = False
+        self.lost: RpcError | None = None
+        """Set for good when the worker no longer knows our session."""
+        self.closing = False
+        """close() was asked for (whoever drove the connection then saw it)."""
+        self.poller = zmq.Poller()
+        self.poller.register(self.dealer, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.poller.register(engine._wake_r, zmq.POLLIN)
+        self.wake_poller = zmq.Poller()
+        self.wake_poller.register(engine._wake_r, zmq.POLLIN)
+
+    def _configure(self, opts: EngineOptions) -> None:
+        self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.ROUTING_ID, opts.identity)
         self.dealer.setsockopt(zmq.SNDHWM, 0)
         self.dealer.setsockopt(zmq.RCVHWM, 0)
         self.dealer.setsockopt(zmq.HEARTBEAT_IVL, opts.zmq_heartbeat_ms)
         self.dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmq_heartbeat_timeout_ms)
         self.dealer.setsockopt(zmq.HEARTBEAT_TTL, opts.zmq_heartbeat_timeout_ms)
-        self.dealer.setsockopt(zmq.LINGER, 0)
         if opts.curve is not None:
             self.dealer.setsockopt(zmq.CURVE_SERVERKEY, opts.curve.server_key)
             self.dealer.setsockopt(zmq.CURVE_PUBLICKEY, opts.curve.keys.public)
             self.dealer.setsockopt(zmq.CURVE_SECRETKEY, opts.curve.keys.secret)
-        self.monitor = self.dealer.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | _HANDSHAKE_FAILED)
-        self.dealer.connect(engine.endpoint)
-        self.backlog: deque[Call] = deque()
-        self.in_flight: dict[int, Call] = {}
-        self.in_flight_bytes = 0
-        self.deadlines: list[tuple[float, int]] = []
-        self.last_sent = time.monotonic()
-        self.connected = False
-        self.poller = zmq.Poller()
-        self.poller.register(self.dealer, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
-        self.poller.register(engine._wake_fd, zmq.POLLIN)
 
-    def loop(self) -> None:
+    def busy(self) -> bool:
+        return bool(self.in_flight or self.backlog)
+
+    # ------------------------------------------------------------------------ one round
+
+    def step(self) -> bool:
+        """One round of the I/O thread; False once close() was asked for."""
         engine = self.engine
-        while True:
-            engine._io_sleeping = True      # then look again: a submit may have raced us
-            timeout = 0 if not engine._inbox.empty() else self._poll_timeout_ms()
-            events = dict(self.poller.poll(timeout))
-            engine._io_sleeping = False
-            if engine._wake_fd in events:
-                os.eventfd_read(engine._wake_fd)
-            if not self._take_inbox():
-                return
-            if self.dealer in events:
-                self._receive()
-            if self.monitor in events:
-                self._on_monitor()
-            self._send_backlog()
-            self._expire(time.monotonic())
-            self._heartbeat()
+        engine._io_sleeping = True          # then look again: a submit may have raced us
+        idle = not self.busy() or not engine._inbox.empty()
+        timeout = 0 if idle else self._poll_timeout_ms()   # idle: look, then park
+        events = dict(self.poller.poll(timeout))
+        engine._io_sleeping = False
+        return self._round(events)
+
+    def _round(self, events: dict[Any, int]) -> bool:
+        """Handle what ``poll`` reported: replies before a disconnect (they made it), then
+        connection events, then new requests; False once close() was asked for."""
+        if self.engine._wake_r in events:
+            self.engine._drain_wake()
+        if self.dealer in events or self.monitor in events:
+            self._receive()
+        if self.monitor in events:
+            self._on_monitor()
+        if not self._take_inbox():
+            return False
+        self.send_backlog()
+        self._expire(time.monotonic())
+        self._heartbeat()
+        return True
+
+    def pump(self, calls: list[Call]) -> None:
+        """An inline caller drives the connection until its ``calls`` are done; it also sends
+        what other threads submit meanwhile (its calls may wait on theirs)."""
+        engine = self.engine
+        _io_thread.active = True
+        try:
+            while not all(c.future.done() for c in calls):
+                engine._pump_sleeping = True
+                timeout = 0 if not engine._inbox.empty() else self._poll_timeout_ms()
+                events = dict(self.poller.poll(timeout))
+                engine._pump_sleeping = False
+                if not self._round(events):
+                    for call in calls:
+                        _fail(call.future, ClientClosed("the client was closed"))
+                    return
+        finally:
+            _io_thread.active = False
 
     def _poll_timeout_ms(self) -> int:
+        beat = int(self.engine.options.heartbeat * 1000)
         if not self.deadlines:
-            return int(self.engine.options.heartbeat * 1000)
+            return beat
         wait = self.deadlines[0][0] - time.monotonic()
-        return max(0, min(int(wait * 1000) + 1, int(self.engine.options.heartbeat * 1000)))
+        return max(0, min(int(wait * 1000) + 1, beat))
+
+    # ------------------------------------------------------------------------- sending
 
     def _take_inbox(self) -> bool:
         """Move submitted calls to the backlog; False when close() was asked for."""
-        while True:
-            try:
-                call = self.engine._inbox.get_nowait()
-            except queue.Empty:
-                return True
-            if call is None:
+        if self.closing:
+            return False
+        inbox = self.engine._inbox
+        while not inbox.empty():            # one consumer: what empty() says holds
+            item = inbox.get_nowait()
+            if item is None:
                 self._goodbye()
+                self.closing = True
                 return False
-            self.backlog.append(call)
-            heapq.heappush(self.deadlines, (call.deadline, call.req_id))
-            if len(self.deadlines) > 2 * (len(self.in_flight) + len(self.backlog)) + 4096:
-                self._compact_deadlines()
+            self.admit(item)
+        return True
 
-    def _send_backlog(self) -> None:
+    def admit(self, item: Call | Reservation) -> None:
+        """Queue a call (or reservation) to be sent, or fail it at once if the connection is
+        known to be down."""
+        refusal = self._refusal(item)
+        if refusal is not None:
+            _fail_item(item, refusal)
+            return
+        self.backlog.append(item)
+        heapq.heappush(self.deadlines, (item.deadline, item.req_id))
+        if len(self.deadlines) > 2 * (len(self.in_flight) + len(self.backlog)) + 4096:
+            self._compact_deadlines()
+
+    def _refusal(self, item: Call | Reservation) -> RpcError | None:
+        if self.lost is not None:
+            return self.lost
+        if self.ever_up and not self.up:
+            return ConnectionLost(f"the connection to {self.engine.endpoint} is down "
+                                  "(zmq keeps reconnecting); the request was not sent")
+        return None
+
+    def send_backlog(self) -> None:
         opts = self.engine.options
-        while self.backlog:
-            call = self.backlog[0]
+        backlog = self.backlog
+        while backlog:
+            call = backlog[0]
+            if isinstance(call, Reservation):
+                if not self._open_reservation(call):
+                    return
+                continue
             if self.in_flight and (len(self.in_flight) >= opts.window or
                                    self.in_flight_bytes + call.nbytes > opts.window_bytes):
                 return
-            self.backlog.popleft()
+            backlog.popleft()
             if call.future.done():
                 continue
-            self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
+            if len(call.frames) == 1:
+                self.dealer.send(call.frames[0])
+            else:
+                self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
             call.frames = []
             call.sent = True
             self.in_flight[call.req_id] = call
             self.in_flight_bytes += call.nbytes
             self.last_sent = time.monotonic()
 
+    def _open_reservation(self, slot: Reservation) -> bool:
+        """Replace a filled reservation at the head by its calls; False while it is open."""
+        with self.engine._submit_lock:
+            calls = slot.calls
+        if calls is None:
+            return False
+        self.backlog.popleft()
+        for call in reversed(calls):
+            self.backlog.appendleft(call)
+            heapq.heappush(self.deadlines, (call.deadline, call.req_id))
+        return True
+
+    # ------------------------------------------------------------------------ receiving
+
     def _receive(self) -> None:
+        dealer = self.dealer
         for _ in range(1024):
-            try:
-                frames = self.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not cast(int, dealer.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
-            self._on_reply(frames)
+            self._on_reply(dealer.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -280,6 +632,8 @@ class _IoLoop:
         except RpcError as exc:
             log.warning("dropping an unreadable reply: %s", exc)
             return
+        if header[0] == ErrorCode.NO_SESSION:
+            self._session_lost(header[2] if len(header) > 2 else "")
         call = self.in_flight.pop(header[1], None)
         if call is None:
             return  # a reply to a request that already timed out, or a heartbeat
@@ -295,12 +649,25 @@ class _IoLoop:
                 value = call.on_reply(result, frames[1:]) if call.on_reply else result
                 call.future.set_result(value)
         except BaseException as exc:
-            call.future.set_exception(exc)
+            _fail(call.future, exc)
+
+    def _session_lost(self, said: object) -> None:
+        if self.lost is not None:
+            return
+        self.lost = SessionLost(
+            f"the worker at {self.engine.endpoint} no longer knows this client's session "
+            "(it was restarted, or the session expired): its buffers and graphs are gone; "
+            f"open a new Client (the worker said: {str(said)[:200]})", code=ErrorCode.NO_SESSION)
+        log.warning("%s", self.lost.message)
+        self.fail_pending(self.lost)
+
+    # ------------------------------------------------------------------- time and health
 
     def _compact_deadlines(self) -> None:
         """Drop heap entries of answered calls (they otherwise stay until their deadline)."""
         live = [*self.in_flight.values(), *self.backlog]
-        self.deadlines = [(c.deadline, c.req_id) for c in live if not c.future.done()]
+        self.deadlines = [(c.deadline, c.req_id) for c in live
+                          if not (isinstance(c, Call) and c.future.done())]
         heapq.heapify(self.deadlines)
 
     def _expire(self, now: float) -> None:
@@ -309,37 +676,57 @@ class _IoLoop:
             call = self.in_flight.pop(req_id, None)
             if call is not None:
                 self.in_flight_bytes -= call.nbytes  # its late reply, if any, is dropped
-            else:
-                call = next((c for c in self.backlog if c.req_id == req_id), None)
-            if call is not None and not call.future.done():
-                where = "waiting to be sent" if not call.sent else "sent, no reply"
-                call.future.set_exception(Timeout(
-                    f"{call.cmd.name} to {self.engine.endpoint}: no reply within the timeout "
-                    f"({where})"))
+                self._time_out(call)
+                continue
+            item = next((c for c in self.backlog if c.req_id == req_id), None)
+            if isinstance(item, Call):
+                self._time_out(item)
+            elif isinstance(item, Reservation):
+                self._expire_reservation(item)
+
+    def _time_out(self, call: Call) -> None:
+        where = "waiting to be sent" if not call.sent else "sent, no reply"
+        _fail(call.future, Timeout(f"{call.cmd.name} to {self.engine.endpoint}: no reply "
+                                   f"within the timeout ({where})"))
+
+    def _expire_reservation(self, slot: Reservation) -> None:
+        with self.engine._submit_lock:
+            if slot.calls is None:
+                slot.error = Timeout(f"a request to {self.engine.endpoint} was not decided "
+                                     "within the timeout")
+                slot.calls = []
+        self.backlog.remove(slot)
 
     def _heartbeat(self) -> None:
-        if time.monotonic() - self.last_sent >= self.engine.options.heartbeat:
-            self.dealer.send(p.encode_request(Cmd.PING, 0, p.Empty()))
-            self.last_sent = time.monotonic()
+        if self.up and time.monotonic() - self.last_sent >= self.engine.options.heartbeat:
+            self._ping()
+
+    def _ping(self) -> None:
+        self.dealer.send(p.encode_request(Cmd.PING, 0, p.Empty()))
+        self.last_sent = time.monotonic()
 
     def _on_monitor(self) -> None:
+        assert self.monitor is not None
         while self.monitor.poll(0):
             message = recv_monitor_message(self.monitor)
             event = message["event"]
             if event & _HANDSHAKE_FAILED:
                 self._handshake_failed(event, message["value"])
-            elif event == zmq.EVENT_DISCONNECTED and self.connected:
-                self.connected = False
+            elif event == zmq.EVENT_DISCONNECTED and self.up:
+                self.up = False
                 self.fail_pending(ConnectionLost(
                     f"connection to {self.engine.endpoint} lost; requests in flight may or may "
                     "not have run, queued ones were not sent"))
-            elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
-                self.connected = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                again = self.ever_up and not self.up
+                self.up = self.ever_up = True
+                if again and self.lost is None:
+                    self._ping()        # a restarted worker answers NO_SESSION: we learn it now
 
     def _handshake_failed(self, event: int, value: int) -> None:
         """The worker refused us (ZAP said no), or the handshake broke (a wrong server key, one
         side without CURVE): fail what waits now rather than at its timeout. libzmq retries."""
-        self.connected = False
+        self.up = False
         where = self.engine.endpoint.partition("#")[0]
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             why = (f"the worker at {where} refused this client's CURVE key (ZAP status {value}): "
@@ -353,40 +740,42 @@ class _IoLoop:
                    "may require CURVE (pass curve_key= and the worker's key)")
         self.fail_pending(AuthenticationFailed(why))
 
+    # ------------------------------------------------------------------------- failing
+
     def fail_in_flight(self, exc: RpcError) -> None:
-        for call in self.in_flight.values():
-            if not call.future.done():
-                call.future.set_exception(exc)
-        self.in_flight.clear()
+        calls, self.in_flight = list(self.in_flight.values()), {}
         self.in_flight_bytes = 0
+        for call in calls:
+            _fail(call.future, exc)
 
     def fail_pending(self, exc: RpcError) -> None:
-        """Fail what is in flight and what waits to be sent."""
+        """Fail what is in flight and what waits to be sent (callbacks run outside any lock:
+        they may submit again)."""
         self.fail_in_flight(exc)
-        for call in self.backlog:
-            if not call.future.done():
-                call.future.set_exception(exc)
-        self.backlog.clear()
+        items, self.backlog = list(self.backlog), deque()
+        calls = [c for c in items if isinstance(c, Call)]
+        with self.engine._submit_lock:
+            for slot in items:
+                if isinstance(slot, Reservation):
+                    slot.error = slot.error or exc
+                    calls.extend(slot.calls or ())
+        for call in calls:
+            _fail(call.future, exc)
 
     def fail_all(self, exc: RpcError) -> None:
         self.fail_pending(exc)
-        while True:
-            try:
-                call = self.engine._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if call is not None and not call.future.done():
-                call.future.set_exception(exc)
+        _drain_inbox(self.engine._inbox, exc)
 
     def _goodbye(self) -> None:
         """Tell the worker to free our session now (best effort, not waited for)."""
-        if self.connected:
+        if self.up and self.lost is None:
             self.dealer.send(p.encode_request(Cmd.GOODBYE, 0, p.Empty()))
 
     def close(self) -> None:
-        self.dealer.disable_monitor()
-        self.monitor.close(linger=0)
-        self.dealer.close(linger=200 if self.connected else 0)
+        if self.monitor is not None:
+            self.dealer.disable_monitor()
+            self.monitor.close(linger=0)
+        self.dealer.close(linger=200 if getattr(self, "up", False) else 0)
 
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

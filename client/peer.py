@@ -4,11 +4,14 @@
 session until the bytes have landed, so later requests to B see them) and PEER_SEND on A (which
 runs after A's earlier requests, so it reads what they wrote). The client never touches the bytes.
 
-The first copy between two workers asks A to probe B's peer endpoint. Until the probe has answered
-(and for good when it fails, or when a worker has no peer endpoint) copies are relayed: PEER_RECV on
-B as above, a GET on A, and, when its reply arrives, PEER_FILL requests that hand the bytes to B's
-waiting receive. Nothing in here blocks, so copies may be issued from future callbacks too; the
-ordering guarantees are the same either way. Any thread may call in; route state is under a lock.
+The first copy between two workers asks A to probe B's peer endpoint; the copy's half on A takes a
+place reserved in A's send order (:meth:`Engine.reserve`) and is decided when the probe answers, so
+nothing waits and later requests to A still run after it. When the probe fails, or a worker has no
+peer endpoint, copies are relayed: PEER_RECV on B as above, a GET on A, and, when its reply
+arrives, PEER_FILL requests that hand the bytes to B's waiting receive. Nothing in here blocks, so
+copies may be issued from future callbacks too; the ordering guarantees are the same either way.
+Any thread may call in; route state is under a lock. A copy fails as soon as either half fails;
+a failed send aborts B's waiting receive at once.
 
 A pipeline does better with hand-offs (:func:`hand_off`) folded into its graph runs
 (``client.run_async(graph, ..., receive=[h], send=[h])``, one GRAPH_RUN_LINKED each): the stage
@@ -23,9 +26,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -34,9 +37,12 @@ from ..broker import graph as wire_graph
 from ..broker import peer as wire
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, DType, TensorRef, split_tensor
+from .arrays import fetched, to_bfloat16
+from .futures import all_of, first_error, forward, new_future, resolved
 
 if TYPE_CHECKING:
-    from .client import Client, RegisteredGraph, RemoteTensor, RunResult
+    from .arrays import RunResult
+    from .client import Client, RegisteredGraph, RemoteTensor
 
 log = logging.getLogger("zmq_rpc.client.peer")
 
@@ -50,56 +56,48 @@ order, the earliest unfinished copy can always proceed."""
 
 
 class Routes:
-    """Which destination peer endpoints one source worker can reach (probed once each)."""
+    """Which destination peer endpoints one source worker can reach (probed once each).
+
+    Nothing here waits: a route still being probed is a future of the answer, which the probe's
+    own request timeout bounds.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reachable: dict[str, bool] = {}
-        self._probing: dict[str, Future[Any]] = {}
+        self._probing: dict[str, Future[bool]] = {}
 
-    def reachable(self, source: Client, endpoint: str, wait: bool) -> bool:
-        """True once a probe from ``source`` reached ``endpoint``; while it is pending, waits for
-        it if ``wait`` (else answers False: relay this copy)."""
-        started = False
+    def route(self, source: Client, endpoint: str) -> bool | Future[bool]:
+        """Whether ``source``'s worker reaches ``endpoint``, or the future answer of the probe
+        (started by the first caller)."""
         with self._lock:
             known = self._reachable.get(endpoint)
-            probe = self._probing.get(endpoint)
-            if known is None and probe is None:
-                probe = self._probing[endpoint] = self._send_probe(source, endpoint)
-                started = True
-        if started:
-            # Outside the lock: a probe that has already finished runs the callback right here.
-            assert probe is not None
-            probe.add_done_callback(lambda f: self._record(source, endpoint, f))
-        if known is not None:
-            return known
-        assert probe is not None
-        if not wait:
-            return False
-        return _reached(probe, timeout=None)
+            if known is not None:
+                return known
+            decided = self._probing.get(endpoint)
+            if decided is not None:
+                return decided
+            decided = self._probing[endpoint] = new_future()
+        probe = self._send_probe(source, endpoint)
+        # Outside the lock: a probe that has already finished runs the callback right here.
+        probe.add_done_callback(lambda f: self._record(source, endpoint, f, decided))
+        return decided
 
     @staticmethod
     def _send_probe(source: Client, endpoint: str) -> Future[Any]:
         msg = wire.PeerProbe(endpoint=endpoint, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
         return source._call(Cmd.PEER_PROBE, msg, timeout=PROBE_TIMEOUT_S + 5)
 
-    def _record(self, source: Client, endpoint: str, probe: Future[Any]) -> None:
-        ok = _reached(probe, timeout=0)
-        if not ok:
+    def _record(self, source: Client, endpoint: str, probe: Future[Any],
+                decided: Future[bool]) -> None:
+        error = probe.exception()
+        if error is not None:
             log.warning("%s cannot reach peer %s (%s): copies to it are relayed through this "
-                        "client", source.endpoint, endpoint, probe.exception())
+                        "client", source.endpoint, endpoint, error)
         with self._lock:
-            self._reachable[endpoint] = ok
+            self._reachable[endpoint] = error is None
             self._probing.pop(endpoint, None)
-
-
-def _reached(probe: Future[Any], timeout: float | None) -> bool:
-    """The outcome of a finished (or, with ``timeout=None``, awaited) probe."""
-    try:
-        probe.result(timeout)
-    except Exception:
-        return False
-    return True
+        decided.set_result(error is None)
 
 
 def _check_pair(src: RemoteTensor, dst: RemoteTensor) -> None:
@@ -116,93 +114,103 @@ def _transfer_ms(wait: float) -> int:
     return max(1, int(wait * TRANSFER_SHARE * 1000))
 
 
-def _direct(a: Client, b: Client) -> bool:
-    """Whether worker ``a`` pushes straight to worker ``b`` (probed once per pair)."""
-    from .engine import on_io_thread
-
+def _direct(a: Client, b: Client) -> bool | Future[bool]:
+    """Whether worker ``a`` pushes straight to worker ``b`` (probed once per pair), or the
+    future answer while the probe is out."""
     target = b.info.peer_endpoint
-    return bool(target and a.info.peer_endpoint and a.peer_copy and
-                a._routes.reachable(a, target, wait=not on_io_thread()))
+    if not (target and a.info.peer_endpoint and a.peer_copy):
+        return False
+    return a._routes.route(a, target)
+
+
+def route(a: Client, b: Client) -> Future[bool]:
+    """Whether worker ``a`` pushes straight to worker ``b``: starts the probe if none has run,
+    never waits (for hand-offs planned after it has answered to go worker to worker)."""
+    decision = _direct(a, b)
+    return resolved(decision) if isinstance(decision, bool) else decision
+
+
+def _on_route(a: Client, decision: bool | Future[bool],
+              issue: Callable[[bool], Future[Any]]) -> Future[Any]:
+    """``issue(direct)`` on ``a`` now if the route is known; else in a place reserved in
+    ``a``'s send order now and filled when the probe answers (so requests issued to ``a``
+    later still run after it). Never waits."""
+    if isinstance(decision, bool):
+        return issue(decision)
+    return _later(a, decision, lambda: issue(decision.result()))
+
+
+def _later(a: Client, ready: Future[Any], issue: Callable[[], Future[Any]]) -> Future[Any]:
+    """``issue()`` once ``ready`` is done, its requests to ``a`` in a place reserved in ``a``'s
+    send order now (requests issued to ``a`` meanwhile wait behind it). Never waits."""
+    slot = a._engine.reserve(PROBE_TIMEOUT_S + 10)
+    out: Future[Any] = new_future()
+
+    def go(_: Future[Any]) -> None:
+        with a._engine.filling(slot):
+            try:
+                issued = issue()
+            except BaseException as exc:  # noqa: BLE001 - the caller's future reports it
+                out.set_exception(exc)
+                return
+        forward(issued, out)
+
+    ready.add_done_callback(go)
+    return out
 
 
 def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = None) -> Future[Any]:
-    """dst[...] = src across workers; see the module docstring for ordering and fallback."""
+    """dst[...] = src across workers; see the module docstring for ordering and fallback.
+
+    Fails as soon as either half fails (a dead worker on either side is reported within the
+    connection's detection bound); a failed send aborts the destination's waiting receive.
+    """
     _check_pair(src, dst)
     a, b = src.client, dst.client
     wait = min(a.timeout, b.timeout) if timeout is None else timeout
     transfer_ms = _transfer_ms(wait)
     target = b.info.peer_endpoint
-    direct = _direct(a, b)
     token = os.urandom(wire.TOKEN_BYTES)
+
+    def send_half(direct: bool) -> Future[Any]:
+        if not direct:
+            return _relay(src, dst, token)
+        return a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
+                                                    timeout_ms=transfer_ms), timeout=wait)
+
     with _ISSUE_LOCK:   # every worker queues the halves of all copies in one global order
+        route = _direct(a, b)
         landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
                                                       timeout_ms=transfer_ms), timeout=wait)
-        if direct:
-            acked = "unacked-sends" not in a.info.capabilities
-            sent = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
-                                                        timeout_ms=transfer_ms, acked=acked),
-                           timeout=wait)
-        else:
-            sent = _relay(src, dst, token)
-    if direct:
-        return _done_when_landed(landed, sent, b, token)
-    from .client import _gather
-    return _gather([landed, sent], lambda: None)
+        sent = _on_route(a, route, send_half)
+    sent.add_done_callback(lambda f: _abort_if_failed(f, landed, b, token))
+    return first_error([landed, sent], lambda: None)
 
 
-def _done_when_landed(landed: Future[Any], sent: Future[Any], b: Client,
-                      token: bytes) -> Future[None]:
-    """A direct copy is done when B says the bytes have landed: A's own reply (sent after B's
-    acknowledgement travels back to A) would add a hop to every copy (~0.2 ms at 64 KiB). A's
-    failure still fails the copy at once, and aborts B's receive instead of leaving B's queue
-    held until the transfer deadline."""
-    out: Future[None] = Future()
-    out.set_running_or_notify_cancel()
-    lock = threading.Lock()
+def _abort_if_failed(sent: Future[Any], landed: Future[Any], b: Client, token: bytes) -> None:
+    """The sending half failed (its worker died, or refused): release the receiving worker's
+    queue now rather than at its transfer deadline."""
+    error = sent.exception()
+    if error is not None and not landed.done() and not b.closed:
+        _abort(b, token, str(error))
 
-    def settle(error: BaseException | None) -> bool:
-        with lock:
-            if out.done():
-                return False
-            if error is None:
-                out.set_result(None)
-            else:
-                out.set_exception(error)
-            return True
 
-    def on_landed(f: Future[Any]) -> None:
-        settle(f.exception())
-
-    def on_sent(f: Future[Any]) -> None:
-        error = f.exception()
-        if error is None:
-            return
-        if settle(error):
-            b._call(Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0, total=0,
-                                                 error=f"the sending worker failed: {error}"[:512]),
-                    [b""])
-        else:
-            log.warning("a copy's bytes landed, but its sender then reported: %s", error)
-
-    landed.add_done_callback(on_landed)
-    sent.add_done_callback(on_sent)
-    return out
+def _abort(b: Client, token: bytes, why: str) -> Future[Any]:
+    return b._call(Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0, total=0,
+                                                error=why[:512]), [b""])
 
 
 def _relay(src: RemoteTensor, dst: RemoteTensor, token: bytes) -> Future[Any]:
     """GET on A; when it arrives, PEER_FILL chunks into B's waiting receive (or abort it)."""
     log.info("relaying %d bytes %s -> %s through the client", src.nbytes, src.client.endpoint,
              dst.client.endpoint)
-    from .client import to_bfloat16
-
     fetched = src.client.get_tensor_async(src)
     b = dst.client
 
-    def forward(f: Future[Any]) -> None:
+    def pass_on(f: Future[Any]) -> None:
         error = f.exception()
         if error is not None:
-            b._call(Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0, total=0,
-                                                 error=str(error)[:512]), [b""])
+            _abort(b, token, str(error))
             return
         values = f.result()
         if dst.ref.dtype is DType.BFLOAT16:   # get_tensor widened it to float32: send raw bits
@@ -214,7 +222,7 @@ def _relay(src: RemoteTensor, dst: RemoteTensor, token: bytes) -> Future[Any]:
                                                  start=start, total=dst.nbytes, error=""),
                     [flat[start:start + sub.nbytes]])
 
-    fetched.add_done_callback(forward)
+    fetched.add_done_callback(pass_on)
     return fetched
 
 
@@ -227,7 +235,10 @@ def _flat_ref(tensor: RemoteTensor) -> TensorRef:
 
 # ------------------------------------------------------------------------------ hand-offs
 
-Route = Literal["local", "direct", "relay"]
+Route = Literal["local", "direct", "relay", "probing"]
+"""How a hand-off travels: a copy on one worker, worker to worker, through the client, or (the
+first between two workers) decided when the sending run is issued and the route's probe has
+answered."""
 
 
 @dataclass(frozen=True)
@@ -239,17 +250,46 @@ class HandOff:
     src: RemoteTensor
     dst: RemoteTensor
     token: bytes
-    route: Route
+    planned: Route
+    """The route when planned ("probing" for the first hand-off between two workers)."""
     timeout_ms: int
+    probe: Future[bool] | None = None
+    """While ``planned`` is "probing": the answer (True: worker to worker)."""
+
+    @property
+    def route(self) -> Route:
+        """How it travels: "local", "direct" or "relay". While the route's probe is still out
+        (``planned`` is "probing") this says "direct", what a probe between working peers
+        answers; it says "relay" once a probe found the peer unreachable."""
+        if self.planned != "probing" or self.probe is None:
+            return self.planned
+        if not self.probe.done():
+            return "direct"
+        return "direct" if self.probe.exception() is None and self.probe.result() else "relay"
+
+    def decided(self) -> HandOff:
+        """This hand-off with its probed route (call once ``probe`` is done)."""
+        if self.planned != "probing":
+            return self
+        return replace(self, planned=self.route, probe=None)
 
 
 def hand_off(src: RemoteTensor, dst: RemoteTensor) -> HandOff:
-    """Plan a hand-off of ``src`` into ``dst`` (equal shapes and dtypes) and pick its route."""
+    """Plan a hand-off of ``src`` into ``dst`` (equal shapes and dtypes) and pick its route.
+
+    Never waits: the first hand-off between two workers starts the probe of their route; its
+    sending run is then issued in a place reserved in its worker's send order and decided when
+    the probe answers (worker to worker, or relayed through the client)."""
     _check_pair(src, dst)
     a, b = src.client, dst.client
-    route: Route = "local" if a is b else "direct" if _direct(a, b) else "relay"
-    return HandOff(src, dst, os.urandom(wire.TOKEN_BYTES), route,
-                   _transfer_ms(min(a.timeout, b.timeout)))
+    timeout_ms = _transfer_ms(min(a.timeout, b.timeout))
+    token = os.urandom(wire.TOKEN_BYTES)
+    if a is b:
+        return HandOff(src, dst, token, "local", timeout_ms)
+    decision = _direct(a, b)
+    if isinstance(decision, bool):
+        return HandOff(src, dst, token, "direct" if decision else "relay", timeout_ms)
+    return HandOff(src, dst, token, "probing", timeout_ms, decision)
 
 
 def receive(client: Client, h: HandOff) -> Future[None]:
@@ -269,8 +309,6 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
     """One GRAPH_RUN_LINKED (or a GRAPH_RUN when every hand-off is local), then the copies or
     relays of the sends that do not go worker to worker; the future carries the run's result
     or the first error of any part. ``hold_reply``: see :meth:`Client.run`."""
-    from .client import _fetched, _gather
-
     if not 0 <= hold_reply <= wire_graph.MAX_HOLD_REPLY_US / 1e6:
         raise BadRequest(f"hold_reply must lie in [0, {wire_graph.MAX_HOLD_REPLY_US / 1e6}] "
                          f"seconds, not {hold_reply}")
@@ -284,6 +322,11 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
     for h in send:
         if h.src.client is not client:
             raise BadRequest(f"a run sends its own worker's tensors, not {h.src!r}")
+    probes = [h.probe for h in send if h.probe is not None and not h.probe.done()]
+    if probes:      # issued in its place in the send order once the routes are known
+        return _later(client, all_of(probes, lambda: None), lambda: run_linked(
+            client, graph, refs, frames, fetch, receive, [h.decided() for h in send],
+            hold_reply))
     receives = tuple(wire.Receive(h.token, h.dst.ref) for h in receive if h.route != "local")
     sends = tuple(wire.Send(h.token, h.src.ref, h.dst.client.info.peer_endpoint)
                   for h in send if h.route == "direct")
@@ -297,10 +340,10 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
         msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
                                              receive=receives, send=sends, timeout_ms=timeout_ms,
                                              hold_reply_us=hold_us)
-        run = client._call(Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=_fetched(fetch))
+        run = client._call(Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch))
     else:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
-        run = client._call(Cmd.GRAPH_RUN, msg, frames, on_reply=_fetched(fetch))
+        run = client._call(Cmd.GRAPH_RUN, msg, frames, on_reply=fetched(fetch))
     after = [client.copy_tensor_async(h.src, h.dst) if h.route == "local"
              else _relay(h.src, h.dst, h.token) for h in send if h.route != "direct"]
-    return run if not after else _gather([run, *after], run.result)
+    return run if not after else first_error([run, *after], run.result)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from zmq_rpc.client import Client
+from zmq_rpc.client import peer as client_peer
 from zmq_rpc.tools import netlab
 from zmq_rpc.tools.netlab import NetLab, NetLabError, rate_bits, tbf_args
 
@@ -204,7 +205,7 @@ def test_workers_on_separate_hosts_copy_directly_to_each_other() -> None:
             dst = b.alloc_buffer(data.nbytes).tensor(data.shape, "float32")
             a.set_tensor(src, data)
             a.copy_tensor(src, dst)
-            assert a._routes.reachable(a, b.info.peer_endpoint, wait=True)
+            assert client_peer.route(a, b).result(timeout=10)     # probed: worker to worker
             np.testing.assert_array_equal(b.get_tensor(dst), data)
         finally:
             a.close()

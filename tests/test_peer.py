@@ -551,14 +551,16 @@ def test_probe_answered_before_its_callback_is_added(outcome: str) -> None:
             return probe
 
     routes = client_peer.Routes()
-    answers: list[bool] = []
-    for wait in (True, False):                  # the second call answers from the record
-        asked = threading.Thread(target=lambda w=wait: answers.append(
-            routes.reachable(Source(), "tcp://127.0.0.1:2", w)), daemon=True)  # type: ignore
+    answers: list[bool | Future[bool]] = []
+    for _ in range(2):                          # the second call answers from the record
+        asked = threading.Thread(target=lambda: answers.append(
+            routes.route(Source(), "tcp://127.0.0.1:2")), daemon=True)  # type: ignore
         asked.start()
         asked.join(timeout=2)
-        assert not asked.is_alive(), "reachable() deadlocked on its own lock"
-    assert answers == [outcome == "reached"] * 2
+        assert not asked.is_alive(), "route() deadlocked on its own lock"
+    first, second = answers
+    assert isinstance(first, Future) and first.result(timeout=0) is (outcome == "reached")
+    assert second is (outcome == "reached")
 
 
 @pytest.mark.parametrize("total", [64, 128], ids=["landed", "refused"])
@@ -656,6 +658,7 @@ def test_linked_runs_chain_a_ring_with_one_message_per_stage(
     first_x = stages[0][1]
     trio[0].set_tensor(first_x, np.arange(n, dtype=np.float32))
     for k in range(3):                          # routes are probed once, before counting
+        assert client_peer.route(trio[k], trio[(k + 1) % 3]).result(timeout=10)
         assert client_peer.hand_off(stages[k][2], stages[(k + 1) % 3][1]).route == "direct"
     sent = count_commands(monkeypatch, trio)
     futures, rounds = [], 200
@@ -692,6 +695,7 @@ def test_linked_run_big_strided_and_local_hand_offs(trio: list[Client]) -> None:
     h = Graph()
     h.add(mid, mid, out=mid)                    # mid *= 2 on B, then handed to dst on B
     again = b.register(h)
+    assert client_peer.route(a, b).result(timeout=10)
     across, local = client_peer.hand_off(src, mid), client_peer.hand_off(mid, dst)
     assert (across.route, local.route) == ("direct", "local")
     a.run_async(double, send=[across])
@@ -820,6 +824,7 @@ def test_held_reply_waits_and_carries_the_values_of_its_run(trio: list[Client]) 
 
 def test_held_reply_leaves_by_itself_and_big_fetches_are_not_held(trio: list[Client]) -> None:
     a, b, _ = trio
+    assert client_peer.route(a, b).result(timeout=10)
     for n, hold in ((100, 0.3), (40_000, 1.0)):      # 160 KB fetched: replied at once
         ga, xa, ya = stage(a, n, 1.0)
         gb, xb, _yb = stage(b, n, 1.0)
@@ -837,6 +842,7 @@ def test_held_reply_goes_out_when_the_worker_stops(make_worker: Callable[..., Wo
     server = make_worker()
     a, b = make_client(server.endpoint, timeout=10), make_client(make_worker().endpoint)
     ga, _xa, ya = stage(a, 8, 1.0)
+    assert client_peer.route(a, b).result(timeout=10)
     h = client_peer.hand_off(ya, tensor(b, (8,)))
     run = a.run_async(ga, fetch=[ya], send=[h], hold_reply=1.0)
     time.sleep(0.1)                             # the run is done, its reply held
@@ -855,6 +861,7 @@ def test_held_replies_are_capped_in_bytes(trio: list[Client],
     monkeypatch.setattr(linked, "MAX_HELD_TOTAL", 1000)
     a, b, _ = trio
     ga, _xa, ya = stage(a, 100, 1.0)            # 400 bytes fetched per run
+    assert client_peer.route(a, b).result(timeout=10)
     started = time.monotonic()
     runs = []
     for _ in range(3):
@@ -874,3 +881,42 @@ def test_hold_reply_is_bounded(trio: list[Client]) -> None:
     a.timeout = 1.0
     with pytest.raises(BadRequest, match="half of the client's 1.0 s timeout"):
         a.run_async(ga, send=[h], hold_reply=0.5)
+
+
+def test_first_copy_and_hand_off_wait_for_their_probe_without_blocking(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
+        relay_log: RelayLog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route probe is held back: the first copy and hand-off return at once, requests issued
+    after them still run after them, and once the probe answers they go worker to worker."""
+    from zmq_rpc.client.futures import forward, new_future
+    a, b = (make_client(make_worker().endpoint) for _ in range(2))
+    gate: Future[None] = new_future()
+    real = client_peer.Routes._send_probe
+
+    def held(source: Client, endpoint: str) -> Future[Any]:
+        out: Future[Any] = new_future()
+        probe = real(source, endpoint)          # sent now; its answer is held back
+        gate.add_done_callback(lambda _: forward(probe, out))
+        return out
+    monkeypatch.setattr(client_peer.Routes, "_send_probe", staticmethod(held))
+    ga, xa, ya = stage(a, 64, 1.0)
+    gb, xb, yb = stage(b, 64, 10.0)
+    src, dst = tensor(a, (64,)), tensor(b, (64,))
+    a.set_tensor(src, np.arange(64, dtype=np.float32))
+    copy = a.copy_tensor_async(src, dst)
+    overwrite = a.set_tensor_async(src, np.zeros(64, np.float32))   # after the copy read src
+    h = client_peer.hand_off(ya, xb)
+    assert h.planned == "probing" and h.probe is not None and not h.probe.done()
+    a.set_tensor_async(xa, np.full(64, 5.0, np.float32))
+    sent = a.run_async(ga, send=[h])
+    got = b.run_async(gb, receive=[h], fetch=[yb])
+    time.sleep(0.2)
+    assert not copy.done() and not overwrite.done() and not sent.done()
+    gate.set_result(None)
+    copy.result(timeout=10)
+    overwrite.result(timeout=10)
+    np.testing.assert_array_equal(b.get_tensor(dst), np.arange(64))
+    (y,) = got.result(timeout=10)
+    np.testing.assert_array_equal(y, np.full(64, 16.0))
+    assert relay_log.relayed() == 0
+    assert client_peer.hand_off(ya, xb).route == "direct"

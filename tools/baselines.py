@@ -6,7 +6,8 @@ workers):
 - **Servers** (``python -m zmq_rpc.tools.baselines echo|bulk-zmq|bulk-tcp --bind tcp://127.0.0.1:*``):
   one single-threaded loop each, in its own subprocess; the first stdout line is
   ``baseline KIND listening on ENDPOINT``; SIGTERM/SIGINT stop it cleanly (sockets closed, exit 0).
-- **Client helpers** (:func:`echo_once`, :func:`echo_pipelined`, :class:`ZmqBulk`, :class:`TcpBulk`),
+- **Client helpers** (:func:`echo_once`, :func:`echo_pipelined`, :class:`ZmqBulk`, :class:`TcpBulk`,
+  and :class:`ProtocolDealer`, a bare DEALER speaking our protocol to a worker),
   called from the benchmark's main thread, and :class:`ServerProcess`, which spawns and stops any
   such server (workers included).
 
@@ -297,6 +298,52 @@ def dealer(ctx: ZmqContext, endpoint: str,
         sock.setsockopt(zmq.CURVE_SECRETKEY, curve[0].secret)
     sock.connect(endpoint)
     return sock
+
+
+class ProtocolDealer:
+    """A bare DEALER speaking zmq-rpc's protocol to a worker: HELLO once, then PINGs with their
+    own request ids, replies read and matched by nothing but their count (what our client does,
+    minus everything that makes it a client)."""
+
+    def __init__(self, ctx: ZmqContext, endpoint: str) -> None:
+        from ..broker import protocol as p
+
+        self.sock = dealer(ctx, endpoint)
+        self.sock.setsockopt(zmq.ROUTING_ID, b"z" + os.urandom(15))
+        self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        major, minor = p.PROTOCOL_VERSION
+        self.sock.send(p.encode_request(p.Cmd.HELLO, 1, p.Hello(major=major, minor=minor,
+                                                                client="raw-protocol")))
+        self.sock.recv()
+        self._encode, self._ping, self._empty = p.encode_request, p.Cmd.PING, p.Empty()
+        self._next = 2
+
+    def ping(self) -> None:
+        """One synchronous PING."""
+        self.sock.send(self._encode(self._ping, self._next, self._empty))
+        self._next += 1
+        self.sock.recv()
+
+    def pipelined(self, count: int, window: int) -> None:
+        """``count`` PINGs with up to ``window`` in flight, all from this thread."""
+        sent = received = 0
+        sock, encode, ping, empty = self.sock, self._encode, self._ping, self._empty
+        while received < count:
+            while sent < count and sent - received < window:
+                sock.send(encode(ping, self._next + sent, empty))
+                sent += 1
+            sock.recv()
+            received += 1
+            while received < sent:
+                try:
+                    sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                received += 1
+        self._next += count
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
 
 
 class ZmqBulk:

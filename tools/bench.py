@@ -64,7 +64,7 @@ class Target:
 class CaseResult:
     """One row of the report: our samples, each baseline's samples, and the target.
 
-    ``stat`` says how samples are summarized into the headline figure ("median" or "p99"); the row
+    ``stat`` says how samples are summarized into the headline figure ("median", "p99" or "max"); the row
     is compared with the baseline whose headline is best (by the target's direction).
     """
 
@@ -82,6 +82,8 @@ class CaseResult:
         """The summary figure of ``samples`` (median or p99)."""
         if self.stat == "p99":
             return float(np.percentile(samples, 99))
+        if self.stat == "max":
+            return float(max(samples))
         return float(statistics.median(samples))
 
     def best_baseline(self) -> str:
@@ -118,7 +120,7 @@ CASES: dict[str, Case] = {}
 CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.bench_peer",
                                  "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_kernels",
                                  "zmq_rpc.tools.bench_links", "zmq_rpc.tools.bench_security",
-                                 "zmq_rpc.tools.bench_weights")
+                                 "zmq_rpc.tools.bench_faults", "zmq_rpc.tools.bench_weights")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)
@@ -239,19 +241,33 @@ WINDOW = 512
 """Requests kept in flight by the pipelined baseline (the client's default window)."""
 
 
-@register_case("rtt", "tiny request round trip (ping) vs a raw DEALER->ROUTER echo")
+def _raw_protocol(ctx: BenchContext) -> bl.ProtocolDealer:
+    """A bare DEALER speaking our protocol to the first worker, closed when the run ends."""
+    raw = bl.ProtocolDealer(ctx.zmq_ctx, ctx.client.endpoint)
+    ctx.resources.callback(raw.close)
+    return raw
+
+
+@register_case("rtt", "tiny request round trip (ping) vs a raw DEALER speaking our protocol to "
+               "the same worker, and vs a raw DEALER->ROUTER echo")
 def case_rtt(ctx: BenchContext) -> list[CaseResult]:
-    """Per-call latency in µs, ours and the echo's calls alternating; median and p99 rows."""
+    """Per-call latency in µs, ours, the raw protocol's and the echo's calls alternating."""
     client = ctx.client
     sock = ctx.baseline_socket("echo")
+    raw = _raw_protocol(ctx)
     runners = {"ours": lambda: elapsed(client.ping) * 1e6,
+               "raw-protocol": lambda: elapsed(raw.ping) * 1e6,
                "zmq-echo": lambda: elapsed(lambda: bl.echo_once(sock, TINY)) * 1e6}
     reps = ctx.reps(2000, 300)
     with ctx.progress(reps, "rtt") as bar:
         samples = interleave(runners, reps, bar, warmup=200)
-    rows = [("rtt", "median", Target(1.5, higher_is_better=False)), ("rtt p99", "p99", None)]
-    return [CaseResult("rtt", label, "µs", samples["ours"], {"zmq-echo": samples["zmq-echo"]},
-                       target, higher_is_better=False, stat=stat) for label, stat, target in rows]
+    rows = [("rtt", "median", "zmq-echo", Target(1.5, higher_is_better=False)),
+            ("rtt p99", "p99", "zmq-echo", None),
+            ("rtt vs raw protocol", "median", "raw-protocol", Target(1.2, higher_is_better=False)),
+            ("rtt p99 vs raw protocol", "p99", "raw-protocol", None)]
+    return [CaseResult("rtt", label, "µs", samples["ours"], {base: samples[base]},
+                       target, higher_is_better=False, stat=stat)
+            for label, stat, base, target in rows]
 
 
 def _ours_pipelined(client: Client, count: int) -> None:
@@ -265,15 +281,19 @@ def _ours_sync(client: Client, count: int) -> None:
         client.ping()
 
 
-@register_case("pipelined", "10,000 pipelined pings vs a raw DEALER echo with a 512 window")
+@register_case("pipelined", "10,000 pipelined pings vs a raw DEALER speaking our protocol to the "
+               "same worker and vs a raw DEALER echo, both with a 512 window")
 def case_pipelined(ctx: BenchContext) -> list[CaseResult]:
-    """Calls/s: ours pipelined, the echo pipelined, and ours synchronous (for the 5x check)."""
+    """Calls/s: ours pipelined, the raw protocol and the echo pipelined, and ours synchronous
+    (for the 5x check)."""
     client = ctx.client
     sock = ctx.baseline_socket("echo")
+    raw = _raw_protocol(ctx)
     count = ctx.reps(10_000, 2_000)
     sync_count = ctx.reps(1_000, 200)
     runners = {
         "ours": lambda: count / elapsed(lambda: _ours_pipelined(client, count)) / 1e3,
+        "raw-protocol": lambda: count / elapsed(lambda: raw.pipelined(count, WINDOW)) / 1e3,
         "zmq-echo": lambda: count / elapsed(
             lambda: bl.echo_pipelined(sock, count, WINDOW, TINY)) / 1e3,
         "ours-sync": lambda: sync_count / elapsed(lambda: _ours_sync(client, sync_count)) / 1e3,
@@ -284,6 +304,9 @@ def case_pipelined(ctx: BenchContext) -> list[CaseResult]:
     return [
         CaseResult("pipelined", "pipelined", "kcalls/s", samples["ours"],
                    {"zmq-echo": samples["zmq-echo"]}, Target(0.8, higher_is_better=True),
+                   higher_is_better=True),
+        CaseResult("pipelined", "pipelined vs raw protocol", "kcalls/s", samples["ours"],
+                   {"raw-protocol": samples["raw-protocol"]}, Target(0.6, higher_is_better=True),
                    higher_is_better=True),
         CaseResult("pipelined", "pipelined vs own sync", "kcalls/s", samples["ours"],
                    {"ours-sync": samples["ours-sync"]}, Target(5.0, higher_is_better=True),

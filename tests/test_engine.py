@@ -1,0 +1,245 @@
+"""The client engine's lifecycle: close against submit, failed construction, bad endpoints, the
+inline (caller's thread) path, and the two faces of the client kept in step."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import zmq
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.protocol import Cmd
+from zmq_rpc.client import (
+    AsyncClient,
+    BadEndpoint,
+    Client,
+    ClientClosed,
+    ConnectionLost,
+    RpcError,
+)
+from zmq_rpc.client.engine import Engine, check_endpoint
+from zmq_rpc.worker.server import WorkerServer
+
+
+def _client_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "zmq-rpc-client-io"]
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:50052", "http://127.0.0.1:50052",
+                                      "tcp://127.0.0.1", "tcp://:50052", "tcp://", "",
+                                      "tcp://127.0.0.1:notaport"])
+def test_bad_endpoints_raise_inside_the_error_tree(endpoint: str) -> None:
+    before = len(_client_threads())
+    with pytest.raises(BadEndpoint) as info:
+        Client(endpoint)
+    assert isinstance(info.value, RpcError) and isinstance(info.value, ValueError)
+    assert not isinstance(info.value, zmq.ZMQError)
+    assert len(_client_threads()) == before
+
+
+def test_endpoint_check_accepts_what_zmq_rpc_speaks() -> None:
+    for ok in ("tcp://127.0.0.1:1", "tcp://localhost:50052", "tcp://[::1]:5", "ipc:///tmp/x",
+               "inproc://w"):
+        assert check_endpoint(ok) == ok
+
+
+def test_failed_client_leaves_nothing_that_blocks_later() -> None:
+    """Nothing listens: HELLO times out; the socket, the thread and the context are gone, so a
+    later garbage collection has nothing to terminate (it used to block in ``term()``)."""
+    before = len(_client_threads())
+    with pytest.raises(ConnectionLost, match="cannot reach"):
+        Client("tcp://127.0.0.1:9", connect_timeout=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # an unclosed context would warn here
+        done = threading.Event()
+
+        def collect() -> None:
+            gc.collect()
+            done.set()
+        threading.Thread(target=collect, daemon=True).start()
+        assert done.wait(5), "gc.collect() blocked"
+    assert len(_client_threads()) == before
+
+
+def test_failed_engine_start_closes_its_context() -> None:
+    ctx_seen: list[zmq.Context[Any]] = []
+    real = zmq.Context.__init__
+
+    def spy(self: zmq.Context[Any], *args: Any, **kw: Any) -> None:
+        real(self, *args, **kw)
+        ctx_seen.append(self)
+    zmq.Context.__init__ = spy  # type: ignore[method-assign]
+    try:
+        with pytest.raises(BadEndpoint):
+            Engine("ipc:///tmp/" + "x" * 200)       # zmq refuses it at connect()
+    finally:
+        zmq.Context.__init__ = real  # type: ignore[method-assign]
+    assert ctx_seen and all(c.closed for c in ctx_seen)
+
+
+def test_close_joins_the_io_thread_and_closes_the_context(worker: WorkerServer) -> None:
+    client = Client(worker.endpoint)
+    engine = client._engine
+    client.close()
+    assert not engine._thread.is_alive()
+    assert engine.ctx.closed
+
+
+def _submit_while_closing(endpoint: str) -> list[Future[Any]]:
+    client = Client(endpoint)
+    futures: list[Future[Any]] = []
+    lock = threading.Lock()
+    go = threading.Barrier(9)
+
+    def submit() -> None:
+        go.wait()
+        for _ in range(200):
+            future = client.ping_async()
+            with lock:
+                futures.append(future)
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    go.wait()
+    time.sleep(0.002)
+    client.close()
+    for thread in threads:
+        thread.join(10)
+    return futures
+
+
+def test_close_races_eight_submitting_threads(worker: WorkerServer) -> None:
+    """Every future resolves (a result, or ClientClosed), none hangs, whatever the timing."""
+    for _ in range(5):
+        futures = _submit_while_closing(worker.endpoint)
+        for future in futures:
+            error = future.exception(timeout=10)
+            assert error is None or isinstance(error, ClientClosed), error
+        assert len(futures) == 8 * 200
+
+
+def test_sync_call_on_an_idle_engine_runs_on_the_callers_thread(
+        worker: WorkerServer, make_client: Callable[..., Client]) -> None:
+    client = make_client(worker.endpoint)
+    seen: list[str] = []
+    real = client._engine.submit
+
+    def submit(*args: Any, **kw: Any) -> Future[Any]:
+        future = real(*args, **kw)
+        future.add_done_callback(lambda _: seen.append(threading.current_thread().name))
+        return future
+    client._engine.submit = submit  # type: ignore[method-assign]
+    client.ping()
+    assert seen == [threading.current_thread().name]
+    pending = [client.ping_async() for _ in range(50)]   # pipelined: the I/O thread's
+    client.ping()
+    for future in pending:
+        future.result(timeout=10)
+    assert "zmq-rpc-client-io" in seen
+
+
+def test_sync_and_async_calls_from_many_threads_keep_order(
+        worker: WorkerServer, make_client: Callable[..., Client]) -> None:
+    """Inline calls and I/O-thread calls interleave without losing or mixing replies."""
+    client = make_client(worker.endpoint)
+    t = client.alloc_buffer(4096).tensor(1024, "int32")
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for i in range(50):
+                if i % 2:
+                    client.device_memory()
+                else:
+                    client.ping_async().result(10)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    client.set_tensor(t, list(range(1024)))
+    assert client.get_tensor(t)[-1] == 1023
+
+
+def test_reservation_holds_later_requests_until_filled(
+        worker: WorkerServer, make_client: Callable[..., Client]) -> None:
+    client = make_client(worker.endpoint)
+    engine = client._engine
+    t = client.alloc_buffer(64).tensor(16, "float32")
+    slot = engine.reserve()
+    later = client.get_tensor_async(t)
+    time.sleep(0.2)
+    assert not later.done()                       # held behind the open reservation
+    with engine.filling(slot):
+        write = client.set_tensor_async(t, [7.0] * 16)
+    write.result(timeout=10)
+    assert later.result(timeout=10)[0] == 7.0     # ran after what filled the slot
+
+
+def test_reservation_that_is_never_filled_times_out(
+        worker: WorkerServer, make_client: Callable[..., Client]) -> None:
+    client = make_client(worker.endpoint)
+    slot = client._engine.reserve(timeout=0.3)
+    later = client.ping_async()
+    later.result(timeout=5)                        # released at the reservation's deadline
+    with client._engine.filling(slot):
+        late = client.ping_async()
+    with pytest.raises(RpcError):
+        late.result(timeout=5)
+
+
+def test_no_session_reply_is_session_lost_for_good(worker: WorkerServer,
+                                                   make_client: Callable[..., Client]) -> None:
+    from zmq_rpc.client import SessionLost
+    client = make_client(worker.endpoint)
+    client._engine.submit(Cmd.GOODBYE, p.Empty())  # the worker forgets us
+    with pytest.raises(SessionLost):
+        for _ in range(100):
+            client.ping()
+            time.sleep(0.01)
+    with pytest.raises(SessionLost):
+        client.alloc_buffer(16)
+
+
+# ------------------------------------------------------------------------- the two faces
+
+
+def _public(cls: type) -> dict[str, Any]:
+    return {name: member for name, member in inspect.getmembers(cls)
+            if not name.startswith("_") and (callable(member) or isinstance(member, property))}
+
+
+def test_async_face_matches_the_sync_face() -> None:
+    """Every public method of Client has an AsyncClient twin with the same parameters (the
+    ``_async`` twins are the sync face's futures), and the other way round."""
+    sync, aio = _public(Client), _public(AsyncClient)
+    twins = {n for n in sync if n.endswith("_async")}
+    expected = ({n for n in sync if n not in twins}
+                | {"connect", "sync"})              # how an AsyncClient is made, and its Client
+    attributes = {"endpoint", "info"}               # plain attributes of a Client instance
+    assert set(aio) - {"sync"} - attributes == expected - {"sync"}, (set(aio) ^ expected)
+    for name in sorted(expected - {"connect", "sync"}):
+        a, s = aio[name], sync[name]
+        if isinstance(s, property):
+            assert isinstance(a, property), name
+            continue
+        assert list(inspect.signature(a).parameters.items()) == \
+            list(inspect.signature(s).parameters.items()), name
+        if f"{name}_async" in twins:
+            assert inspect.iscoroutinefunction(a), f"AsyncClient.{name} is not a coroutine"
+            params = inspect.signature(sync[f"{name}_async"]).parameters
+            assert list(params) == list(inspect.signature(s).parameters), f"{name}_async"
+    for name in twins:
+        assert name[:-len("_async")] in sync, f"{name} has no blocking twin"

@@ -1,0 +1,166 @@
+"""Faults as users meet them: real worker subprocesses, real signals, real ports, and clients with
+their DEFAULT settings (a fault test that passes only with a short timeout hides a long wait).
+
+The bound under test is the README's failure-detection contract: a worker that dies, freezes or
+becomes unreachable fails every in-flight and new request with ConnectionLost within the
+heartbeat timeout (5 s) + 1 s; at once when its process dies on this host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import WorkerProcess
+from zmq_rpc.client import Client, ConnectionLost, SessionLost, TransferError
+
+MiB = 1 << 20
+BOUND_S = 5.0 + 1.0
+"""The heartbeat timeout + 1 s."""
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def failures(futures: list[Future[Any]], within: float) -> list[BaseException]:
+    """Every future's exception; each must resolve within ``within`` seconds from now."""
+    deadline = time.monotonic() + within
+    out = []
+    for future in futures:
+        out.append(future.exception(timeout=max(0.0, deadline - time.monotonic())))
+    return [e for e in out if e is not None]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_killed_worker_fails_in_flight_and_new_requests_at_once(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    proc = spawn_worker()
+    with Client(proc.endpoint) as client:
+        t = client.alloc_buffer(64 * MiB).tensor(16 * MiB, "float32")
+        values = np.ones(16 * MiB, np.float32)
+        pending = [client.set_tensor_async(t, values) for _ in range(4)]   # an upload under way
+        pending += [client.get_tensor_async(t) for _ in range(4)]          # and downloads
+        time.sleep(0.05)
+        killed = time.monotonic()
+        proc.terminate(signal.SIGKILL)
+        errors = failures(pending, BOUND_S)
+        assert errors and all(isinstance(e, ConnectionLost) for e in errors), errors
+        for _ in range(3):                      # new requests: failed at once, not queued
+            started = time.monotonic()
+            with pytest.raises(ConnectionLost):
+                client.alloc_buffer(1024)
+            assert time.monotonic() - started < 1.0
+        assert time.monotonic() - killed < BOUND_S
+
+
+def test_frozen_worker_fails_in_flight_then_serves_after_sigcont(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    proc = spawn_worker()
+    with Client(proc.endpoint) as client:
+        t = client.alloc_buffer(4 * MiB).tensor(MiB, "float32")
+        client.ping()
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        try:
+            frozen = time.monotonic()
+            pending = [client.get_tensor_async(t), client.ping_async()]
+            errors = failures(pending, BOUND_S + 1.0)
+            waited = time.monotonic() - frozen
+            assert len(errors) == 2 and all(isinstance(e, ConnectionLost) for e in errors)
+            assert waited < BOUND_S, waited
+            with pytest.raises(ConnectionLost):
+                client.ping()                   # new requests fail at once while it is down
+        finally:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        with Client(proc.endpoint) as fresh:    # the worker serves new clients
+            fresh.ping()
+            assert fresh.alloc_buffer(1024).size == 1024
+        deadline = time.monotonic() + 10        # the old client reconnects; its session lived
+        while True:
+            try:
+                client.ping()
+                break
+            except ConnectionLost:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert client.get_tensor(t).shape == (MiB,)
+
+
+def test_restarted_worker_answers_the_old_session_with_session_lost(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    bind = f"tcp://127.0.0.1:{free_port()}"
+    proc = spawn_worker("--bind", bind)
+    with Client(proc.endpoint) as client:
+        t = client.alloc_buffer(1024).tensor(256, "float32")
+        client.set_tensor(t, np.arange(256, dtype=np.float32))
+        proc.terminate(signal.SIGKILL)
+        spawn_worker("--bind", bind)
+        deadline = time.monotonic() + 10
+        while True:                             # down (ConnectionLost) until it reconnects
+            try:
+                client.get_tensor(t)
+            except SessionLost as exc:
+                assert "session" in str(exc)
+                break
+            except ConnectionLost:
+                assert time.monotonic() < deadline, "never reconnected"
+                time.sleep(0.05)
+            else:
+                pytest.fail("the restarted worker answered the old session with fresh memory")
+        for call in (client.ping, lambda: client.alloc_buffer(16), lambda: client.get_tensor(t)):
+            with pytest.raises(SessionLost):   # for good: its buffers are gone
+                call()
+
+
+def test_peer_copy_whose_destination_dies_fails_quickly(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    wa, wb, wc = spawn_worker(), spawn_worker(), spawn_worker()
+    with Client(wa.endpoint) as a, Client(wb.endpoint) as b, Client(wc.endpoint) as c:
+        src, dst = a.alloc_buffer(256 * MiB).tensor(64 * MiB), b.alloc_buffer(256 * MiB).tensor(
+            64 * MiB)
+        a.copy_tensor(src[:16], dst[:16])       # the route is known
+        copy = a.copy_tensor_async(src, dst)
+        time.sleep(0.05)
+        killed = time.monotonic()
+        wb.terminate(signal.SIGKILL)
+        with pytest.raises((ConnectionLost, TransferError)):
+            copy.result(timeout=BOUND_S)
+        assert time.monotonic() - killed < 3.0
+        head = src[:1024]                        # A goes on: its buffer is writable and sent
+        a.set_tensor(head, np.arange(1024, dtype=np.float32))
+        fresh = c.alloc_buffer(4096).tensor(1024)
+        a.copy_tensor(head, fresh)
+        np.testing.assert_array_equal(c.get_tensor(fresh), np.arange(1024))
+
+
+def test_peer_copy_whose_source_dies_fails_quickly_and_frees_the_destination(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    wa, wb = spawn_worker(), spawn_worker()
+    with Client(wa.endpoint) as a, Client(wb.endpoint) as b:
+        src, dst = a.alloc_buffer(256 * MiB).tensor(64 * MiB), b.alloc_buffer(256 * MiB).tensor(
+            64 * MiB)
+        small = b.alloc_buffer(16).tensor(4)
+        b.set_tensor(small, np.arange(4, dtype=np.float32))
+        a.copy_tensor(src[:16], dst[:16])
+        copy = a.copy_tensor_async(src, dst)
+        queued = b.get_tensor_async(small)       # behind the receive in B's queue
+        time.sleep(0.05)
+        killed = time.monotonic()
+        wa.terminate(signal.SIGKILL)
+        with pytest.raises((ConnectionLost, TransferError)):
+            copy.result(timeout=BOUND_S)
+        assert time.monotonic() - killed < 3.0
+        with pytest.raises(TransferError, match="earlier transfer"):
+            queued.result(timeout=3.0)           # B's queue was released, not held 48 s
+        assert time.monotonic() - killed < 3.0
+        np.testing.assert_array_equal(b.get_tensor(small), np.arange(4))

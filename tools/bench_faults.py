@@ -1,0 +1,181 @@
+"""``zmq-rpc-bench`` fault cases: how long a client with DEFAULT settings takes to report a worker
+that died, froze or was restarted, each row against the README's stated bound.
+
+What runs where: this process's main thread times each trial; worker subprocesses (started per
+trial, so that each can be killed) run on random loopback ports; every trial's clients are closed
+and its workers stopped or killed before the next begins.
+
+Cases:
+- ``faults`` (default): SIGKILL to ConnectionLost of a request in flight; SIGKILL of a copy's
+  destination, and of its source, to the copy's failure; a worker restarted at the same address
+  to SessionLost on the old client.
+- ``freeze`` (not default: about 6 s a trial): SIGSTOP to ConnectionLost of a request in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import numpy as np
+
+from ..client import Client, ConnectionLost, SessionLost
+from . import baselines as bl
+from .bench import BenchContext, CaseResult, Target, register_case, worker_argv
+
+DETECT_BOUND_S = 6.0
+"""The heartbeat timeout (5 s) + 1 s: the README's bound for a dead, frozen or unreachable
+worker."""
+COPY_BOUND_S = 3.0
+"""A copy whose other side dies fails within this."""
+RESTART_BOUND_S = 1.0
+"""A restarted worker's NO_SESSION reaches the old client within this once it listens (zmq
+reconnects every 0.1 s)."""
+MiB = 1 << 20
+
+
+def _worker(stack: ExitStack, bind: str = "tcp://127.0.0.1:*") -> bl.ServerProcess:
+    server = bl.ServerProcess(worker_argv(bind))
+    stack.callback(_reap, server)
+    server.wait_ready()
+    return server
+
+
+def _reap(server: bl.ServerProcess) -> None:
+    if server.proc.poll() is None:
+        server.proc.kill()
+    server.stop(timeout=5)
+
+
+def _client(stack: ExitStack, endpoint: str) -> Client:
+    client = Client(endpoint)
+    stack.callback(client.close)
+    return client
+
+
+def _failed_after(future: object, since: float, limit: float = 60.0) -> float:
+    """Seconds from ``since`` until ``future`` failed (it must fail, and within ``limit``)."""
+    error = future.exception(timeout=limit)  # type: ignore[attr-defined]
+    if error is None:
+        raise RuntimeError("the request succeeded although its worker was gone")
+    return time.monotonic() - since
+
+
+def trial_kill() -> float:
+    """A 64 MiB upload in flight; SIGKILL; seconds until it fails with ConnectionLost."""
+    with ExitStack() as stack:
+        server = _worker(stack)
+        client = _client(stack, server.endpoint)
+        t = client.alloc_buffer(64 * MiB).tensor(16 * MiB)
+        upload = client.set_tensor_async(t, np.ones(16 * MiB, np.float32))
+        time.sleep(0.01)
+        killed = time.monotonic()
+        server.proc.kill()
+        seconds = _failed_after(upload, killed)
+        if not isinstance(upload.exception(), ConnectionLost):
+            raise RuntimeError(f"expected ConnectionLost, got {upload.exception()!r}")
+        return seconds
+
+
+def trial_copy(kill: str) -> float:
+    """A 256 MiB worker-to-worker copy; SIGKILL its ``kill`` side ("src" or "dst"); seconds
+    until the copy fails."""
+    with ExitStack() as stack:
+        servers = {"src": _worker(stack), "dst": _worker(stack)}
+        a, b = (_client(stack, servers[k].endpoint) for k in ("src", "dst"))
+        src, dst = a.alloc_buffer(256 * MiB).tensor(64 * MiB), b.alloc_buffer(256 * MiB).tensor(
+            64 * MiB)
+        a.copy_tensor(src[:16], dst[:16])
+        copy = a.copy_tensor_async(src, dst)
+        time.sleep(0.02)
+        killed = time.monotonic()
+        servers[kill].proc.kill()
+        return _failed_after(copy, killed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def trial_restart() -> float:
+    """SIGKILL, restart at the same address; seconds from the new worker's readiness until the
+    old client's request fails with SessionLost (never answered with fresh memory)."""
+    bind = f"tcp://127.0.0.1:{_free_port()}"
+    with ExitStack() as stack:
+        first = _worker(stack, bind)
+        client = _client(stack, first.endpoint)
+        t = client.alloc_buffer(1024).tensor(256)
+        first.proc.kill()
+        first.proc.wait()
+        _worker(stack, bind)
+        ready = time.monotonic()
+        while True:
+            try:
+                client.get_tensor(t)
+            except SessionLost:
+                return time.monotonic() - ready
+            except ConnectionLost:
+                if time.monotonic() - ready > 30:
+                    raise
+                time.sleep(0.005)
+            else:
+                raise RuntimeError("the restarted worker answered the old session")
+
+
+def trial_freeze() -> float:
+    """SIGSTOP a worker under a request; seconds until the request fails with ConnectionLost."""
+    with ExitStack() as stack:
+        server = _worker(stack)
+        client = _client(stack, server.endpoint)
+        client.ping()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        stack.callback(os.kill, server.proc.pid, signal.SIGCONT)
+        frozen = time.monotonic()
+        return _failed_after(client.ping_async(), frozen)
+
+
+def _rows(case: str, label: str, samples: list[float], bound: float) -> list[CaseResult]:
+    budget = {f"{bound:g} s bound": [bound]}
+    return [CaseResult(case, f"{label} (median)", "s", samples, budget,
+                       Target(1.0, higher_is_better=False), higher_is_better=False),
+            CaseResult(case, f"{label} (max)", "s", samples, budget,
+                       Target(1.0, higher_is_better=False), higher_is_better=False, stat="max")]
+
+
+def _trials(ctx: BenchContext, name: str, trial: Callable[[], float], full: int = 10,
+            quick: int = 3) -> list[float]:
+    reps = ctx.reps(full, quick)
+    samples = []
+    with ctx.progress(reps, name) as bar:
+        for _ in range(reps):
+            samples.append(trial())
+            bar.update(1)
+    return samples
+
+
+@register_case("faults", "SIGKILL (in flight, copy source, copy destination) and restart at the "
+               "same address to the client's error, default client settings, vs the bounds")
+def case_faults(ctx: BenchContext) -> list[CaseResult]:
+    rows = _rows("faults", "SIGKILL -> ConnectionLost", _trials(ctx, "kill", trial_kill),
+                 DETECT_BOUND_S)
+    rows += _rows("faults", "copy dst SIGKILL -> failed",
+                  _trials(ctx, "copy dst", lambda: trial_copy("dst")), COPY_BOUND_S)
+    rows += _rows("faults", "copy src SIGKILL -> failed",
+                  _trials(ctx, "copy src", lambda: trial_copy("src")), COPY_BOUND_S)
+    rows += _rows("faults", "restart -> SessionLost", _trials(ctx, "restart", trial_restart),
+                  RESTART_BOUND_S)
+    return rows
+
+
+@register_case("freeze", "SIGSTOP to ConnectionLost of a request in flight, default client "
+               "settings, vs the 6 s bound (about 6 s a trial)", default=False)
+def case_freeze(ctx: BenchContext) -> list[CaseResult]:
+    return _rows("freeze", "SIGSTOP -> ConnectionLost", _trials(ctx, "freeze", trial_freeze),
+                 DETECT_BOUND_S)
+
