@@ -59,7 +59,7 @@ def query_file(client: Client, path: str) -> Future[wire.FileQueryReply]:
 def read_file(client: Client, path: str, file_digest: bytes,
               reads: Sequence[wire.FileRead]) -> Future[None]:
     """READ_FILE in batches of about :data:`READ_BATCH` bytes; one future for all of them."""
-    from .client import _gather
+    from .futures import first_error
 
     batches: list[list[wire.FileRead]] = [[]]
     size = 0
@@ -72,7 +72,7 @@ def read_file(client: Client, path: str, file_digest: bytes,
     parts = [client._call(Cmd.READ_FILE, wire.ReadFile(path=path, digest=file_digest,
                                                        reads=tuple(batch)))
              for batch in batches if batch]
-    return _gather(parts, lambda: None)
+    return first_error(parts, lambda: None)
 
 
 def named_read(tensor: RemoteTensor, name: str, kind: str, file_shape: Sequence[int]) -> \
