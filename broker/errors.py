@@ -11,7 +11,8 @@
     │   ├── OutOfBounds               a view reaches outside its buffer
     │   ├── OutOfMemory               allocation over the worker's memory or size limit
     │   ├── GraphError                invalid graph, or a graph that failed while running
-    │   └── TransferError             a worker-to-worker transfer failed or timed out
+    │   ├── TransferError             a worker-to-worker transfer failed or timed out
+    │   └── ModelFileError            a worker-side file read refused (path, identity, header)
     ├── TransportError                the connection failed us
     │   ├── Timeout                   no reply within the request's timeout
     │   ├── ConnectionLost            the worker went away, froze, or cannot be reached
@@ -39,6 +40,7 @@ __all__ = [
     "OutOfMemory",
     "GraphError",
     "TransferError",
+    "ModelFileError",
     "TransportError",
     "Timeout",
     "ConnectionLost",
@@ -99,6 +101,12 @@ class GraphError(RemoteError):
 
 class TransferError(RemoteError):
     """A worker-to-worker transfer failed, was refused, or timed out."""
+
+
+class ModelFileError(RemoteError):
+    """A worker would not read a model file from its disk: the path is outside its
+    ``--model-dir`` directories (or leads out, or is not a regular file), the file there is a
+    different one (its hash differs), or a read contradicts the file's own header."""
 
 
 class TransportError(RpcError):

@@ -8,7 +8,9 @@ Client requests (ordinary DEALER→ROUTER requests, see :mod:`zmq_rpc.broker.pro
   the client's session on B and *holds that session's queue* until the bytes have landed, so later
   requests of the session (a graph reading ``dst``) never see half a copy; other sessions go on.
 - PEER_SEND on the source worker A: read ``src`` (in order in the client's session on A) and push it
-  to B's peer endpoint; the reply comes when B has acknowledged the whole transfer.
+  to B's peer endpoint; the reply comes when B has acknowledged the whole transfer, or (1.4,
+  ``acked`` false) as soon as the chunks are handed to the link, B sending no ack: the client then
+  learns of the landing from B's PEER_RECV reply alone, one hop and two wake-ups sooner.
 - PEER_PROBE on A: can A reach the peer endpoint? (B answers a probe with an ack.)
 - PEER_FILL on B: a chunk of transfer ``token`` relayed by the client itself (when A cannot reach
   B): it bypasses the session's queue, which the PEER_RECV holds. A non-empty ``error`` aborts the
@@ -99,6 +101,10 @@ class PeerSend(Message):
     src: TensorRef = _f(check_tensor)
     endpoint: str = _f(check_str)
     timeout_ms: int = _f(check_timeout)
+    acked: bool = _f(lambda v, f: check_flag(v, f), since=(1, 4), default=True)
+    """False (1.4, capability ``unacked-sends``): reply once the chunks are handed to the peer
+    link and ask the peer for no acknowledgement; B's PEER_RECV reply reports the landing (a
+    copy then costs no ack and no wait for it). Off the wire when True."""
 
 
 @wire_message

@@ -45,6 +45,7 @@ from .errors import (
     ConnectionLost,
     GraphError,
     InvalidHandle,
+    ModelFileError,
     OutOfBounds,
     OutOfMemory,
     RemoteError,
@@ -53,6 +54,7 @@ from .errors import (
     TransferError,
     VersionMismatch,
 )
+from .files import CacheReply, FileQuery, FileQueryReply, ReadFile, SetFromCache, check_cache_key
 from .graph import (
     GraphCompute,
     GraphRegister,
@@ -104,12 +106,15 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 4)
+PROTOCOL_VERSION = (1, 5)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
-``scale`` op's optional bias ``b`` (``scale-bias``: x * s + b, how graphs add scalars); 1.4 STATUS (``status``) and the
-worker's share of each request's time in its reply, for sessions that ask (``timing``)."""
+``scale`` op's optional bias ``b`` (``scale-bias``: x * s + b, how graphs add scalars); 1.4
+FILE_QUERY, READ_FILE, SET_FROM_CACHE and SET_TENSOR's ``cache_key`` (``model-files`` /
+``tensor-cache`` when the worker has ``--model-dir`` / ``--cache-dir``), PEER_SEND's ``acked``
+(``unacked-sends``).; 1.5 STATUS (``status``)
+and the worker's share of each request's time in its reply, for sessions that ask (``timing``)."""
 
 
 class Cmd(enum.IntEnum):
@@ -136,8 +141,11 @@ class Cmd(enum.IntEnum):
     PEER_PROBE = 19
     PEER_FILL = 20
     GRAPH_RUN_LINKED = 21
-    STATUS = 22
-    """1.4: what the worker is doing (sessions, memory, queue, uptime); capability ``status``."""
+    FILE_QUERY = 22
+    READ_FILE = 23
+    SET_FROM_CACHE = 24
+    STATUS = 25
+    """1.5: what the worker is doing (sessions, memory, queue, uptime); capability ``status``."""
 
 
 
@@ -156,6 +164,7 @@ _ERROR_CLASSES: dict[int, type[RpcError]] = {
     ErrorCode.TRANSFER_FAILED: TransferError,
     ErrorCode.SHUTTING_DOWN: ConnectionLost,
     ErrorCode.INTERNAL: RemoteError,
+    ErrorCode.FILE_REFUSED: ModelFileError,
 }
 
 
@@ -194,9 +203,9 @@ class Hello(Message):
     major: int = _f(check_u32)
     minor: int = _f(check_u32)
     client: str = _f(check_str)
-    timing: bool = _f(_check_bool, since=(1, 4), default=False)
-    """1.4: put the worker's share of each request's time in its reply (``timing``). A client
-    asks in a second HELLO once the first has shown a worker of 1.4 or later."""
+    timing: bool = _f(_check_bool, since=(1, 5), default=False)
+    """1.5: put the worker's share of each request's time in its reply (``timing``). A client
+    asks in a second HELLO once the first has shown a worker of 1.5 or later."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,6 +293,9 @@ class SetTensor(Message):
     """Write the payload frame (``tensor.nbytes`` bytes, C order) into the view."""
 
     tensor: TensorRef = _f(check_tensor)
+    cache_key: bytes = _f(check_cache_key, since=(1, 4), default=b"")
+    """BLAKE3-256 of the payload: the worker also keeps it in its tensor cache (see
+    :mod:`.files`). Off the wire when empty."""
 
     def payload_sizes(self) -> list[int]:
         return [self.tensor.nbytes]
@@ -368,7 +380,7 @@ def _check_sessions(value: Any, field: str) -> tuple[SessionInfo, ...]:
 @wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatusReply(Message):
-    """STATUS (1.4): the worker's state now. Counts cover every session but the asker's."""
+    """STATUS (1.5): the worker's state now. Counts cover every session but the asker's."""
 
     server: str = _f(check_str)
     version: str = _f(check_str)
@@ -412,6 +424,9 @@ REQUESTS: dict[Cmd, type[Message]] = {
     Cmd.PEER_PROBE: PeerProbe,
     Cmd.PEER_FILL: PeerFill,
     Cmd.GRAPH_RUN_LINKED: GraphRunLinked,
+    Cmd.FILE_QUERY: FileQuery,
+    Cmd.READ_FILE: ReadFile,
+    Cmd.SET_FROM_CACHE: SetFromCache,
     Cmd.STATUS: Empty,
 }
 """The request class of every command (graph and peer messages live beside their encodings in
@@ -425,6 +440,8 @@ REPLIES: dict[Cmd, type[Message]] = {
     Cmd.GRAPH_RUN: GraphReply,
     Cmd.GRAPH_COMPUTE: GraphReply,
     Cmd.GRAPH_RUN_LINKED: GraphReply,
+    Cmd.FILE_QUERY: FileQueryReply,
+    Cmd.SET_FROM_CACHE: CacheReply,
     Cmd.STATUS: StatusReply,
 }
 """The reply class of every command."""

@@ -50,6 +50,7 @@ class ErrorCode(enum.IntEnum):
     TRANSFER_FAILED = 11
     SHUTTING_DOWN = 12
     INTERNAL = 13
+    FILE_REFUSED = 14
 
 
 
@@ -208,10 +209,10 @@ def _check_timing(value: Any, field: str) -> tuple[int, ...]:
 
 
 def timing_field() -> Any:
-    """A reply's ``timing`` (1.4): ``(queued_ns, run_ns)``, the worker's share of the request
+    """A reply's ``timing`` (1.5): ``(queued_ns, run_ns)``, the worker's share of the request
     (waiting in its session's queue, then running until the reply left). Sent only to sessions
     that asked in HELLO; ``()`` otherwise, and then never on the wire."""
-    return _f(_check_timing, since=(1, 4), default=())
+    return _f(_check_timing, since=(1, 5), default=())
 
 
 # ---------------------------------------------------------------------------------- tensors

@@ -13,6 +13,7 @@ from ..broker.errors import (
     ConnectionLost,
     GraphError,
     InvalidHandle,
+    ModelFileError,
     OutOfBounds,
     OutOfMemory,
     ProtocolError,
@@ -44,7 +45,7 @@ __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
     "RegisteredGraph", "RequestTiming", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
     "to_bfloat16", "AuthenticationFailed", "BadEndpoint", "BadRequest", "ClientClosed",
-    "ConnectionLost", "GraphError", "InvalidHandle", "OutOfBounds", "OutOfMemory", "ProtocolError",
+    "ConnectionLost", "GraphError", "InvalidHandle", "ModelFileError", "OutOfBounds", "OutOfMemory", "ProtocolError",
     "RemoteError", "RpcError", "SessionLost", "Timeout", "TransferError", "TransportError",
     "VersionMismatch",
 ]

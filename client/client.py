@@ -242,7 +242,7 @@ class Client:
 
     ``trace=True`` records where each request's time went (:meth:`timings`): queued on the
     client, on the wire, queued on the worker, running there, and back; the worker reports its
-    part in each reply (protocol 1.4; an older worker's requests are not traced).
+    part in each reply (protocol 1.5; an older worker's requests are not traced).
     """
 
     def __init__(self, endpoint: str, *, timeout: float = 60.0, connect_timeout: float = 10.0,
@@ -290,11 +290,11 @@ class Client:
         return info
 
     def _ask_for_timing(self, info: p.HelloReply, timeout: float) -> None:
-        """A second HELLO asking for the worker's timing in replies (a worker older than 1.4
+        """A second HELLO asking for the worker's timing in replies (a worker older than 1.5
         would refuse the field, so it is sent only once the first HELLO showed the capability)."""
         if "timing" not in info.capabilities:
             log.warning("%s speaks protocol %d.%d: its replies carry no timing (trace needs "
-                        "1.4)", self.endpoint, info.major, info.minor)
+                        "1.5)", self.endpoint, info.major, info.minor)
             return
         major, minor = p.PROTOCOL_VERSION
         hello = p.Hello(major=major, minor=minor, client=self.name, timing=True)
@@ -333,9 +333,7 @@ class Client:
     def _sync(self, issue: Callable[P, Future[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """A blocking call: ``issue(...)`` and wait. On an idle connection the request goes out
         and its reply comes back on this thread, with no hop through the I/O thread."""
-        with self._engine.inline():
-            future = issue(*args, **kwargs)
-        return future.result()
+        return cast(T, self._engine.call(issue, *args, **kwargs))
 
     def _new_handle(self) -> int:
         with self._handle_lock:
@@ -474,7 +472,7 @@ class Client:
 
     def status(self) -> p.StatusReply:
         """What the worker is doing: sessions (other than this one), memory, queue depth,
-        uptime, version, capabilities (protocol 1.4; an older worker raises BadRequest)."""
+        uptime, version, capabilities (protocol 1.5; an older worker raises BadRequest)."""
         return self.status_async().result()
 
     def status_async(self) -> Future[p.StatusReply]:
@@ -482,7 +480,7 @@ class Client:
             future: Future[p.StatusReply] = Future()
             future.set_exception(BadRequest(
                 f"{self.endpoint} speaks protocol {self.info.major}.{self.info.minor}: STATUS "
-                "needs 1.4 (capability 'status')"))
+                "needs 1.5 (capability 'status')"))
             return future
         return self._call(Cmd.STATUS, p.Empty(), on_reply=lambda reply, frames: reply)
 

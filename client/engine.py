@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import zmq
@@ -76,7 +76,7 @@ SCHEMES = ("tcp", "ipc", "inproc")
 @dataclass(frozen=True)
 class RequestTiming:
     """Where one request's time went, in seconds: the client's clock for its own parts, the
-    worker's report (protocol 1.4, ``EngineOptions.trace``) for its share. ``wire`` is the round
+    worker's report (protocol 1.5, ``EngineOptions.trace``) for its share. ``wire`` is the round
     trip minus the worker's share: both directions, the broker hop and the reply's decoding."""
 
     cmd: str
@@ -196,7 +196,7 @@ class Engine:
         """Orders submissions against close(): nothing is queued after the close marker."""
         self._socket_lock = threading.Lock()
         """Held by whoever drives the connection (see the module docstring)."""
-        self._local = threading.local()
+        self._local = _Local()
         self._io: _IoLoop | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -251,7 +251,7 @@ class Engine:
     def filling(self, slot: Reservation) -> Iterator[None]:
         """Requests this thread submits to this engine inside the block fill ``slot``."""
         calls: list[Call] = []
-        outer = getattr(self._local, "filling", None)
+        outer = self._local.filling
         self._local.filling = calls
         try:
             yield
@@ -278,19 +278,38 @@ class Engine:
         calls: list[Call] = []
         self._local.io, self._local.calls = io, calls
         try:
-            io.prepare()
             yield
             io.pump(calls)
         finally:
-            self._local.io = None
-            self._socket_lock.release()
-            if io.busy() or io.closing or not self._inbox.empty():
-                self._wake()
+            self._give_back(io)
+
+    def call(self, issue: Callable[..., Future[Any]], *args: Any, **kwargs: Any) -> Any:
+        """``issue(*args, **kwargs).result()``, inline when the engine is idle (what
+        :meth:`inline` does, without a generator in the way of every blocking call)."""
+        io = self._take_idle()
+        if io is None:
+            return issue(*args, **kwargs).result()
+        calls: list[Call] = []
+        local = self._local
+        local.io, local.calls = io, calls
+        try:
+            future = issue(*args, **kwargs)
+            io.pump(calls)
+        finally:
+            self._give_back(io)
+        return future.result()
+
+    def _give_back(self, io: _IoLoop) -> None:
+        """End of an inline call: the connection back to the I/O thread, woken if it has work."""
+        self._local.io = None
+        self._socket_lock.release()
+        if io.busy() or io.closing or not self._inbox.empty():
+            self._wake()
 
     def _take_idle(self) -> _IoLoop | None:
         """The connection, locked, if nothing else is using or waiting for it."""
         io = self._io
-        if (io is None or getattr(self._local, "io", None) is not None or on_io_thread()
+        if (io is None or self._local.io is not None or on_io_thread()
                 or not self._socket_lock.acquire(blocking=False)):
             return None
         if self._closed or io.closing or io.busy() or not self._inbox.empty():
@@ -322,11 +341,12 @@ class Engine:
         return self._closed
 
     def _enqueue(self, item: Call | Reservation) -> None:
-        filling = getattr(self._local, "filling", None)
+        local = self._local
+        filling = local.filling
         if filling is not None and isinstance(item, Call):
             filling.append(item)
             return
-        io = getattr(self._local, "io", None)
+        io = local.io
         if io is not None:          # in an inline block: this thread owns the connection
             if isinstance(item, Call):
                 self._local.calls.append(item)
@@ -409,6 +429,17 @@ class Engine:
         self._wake_w.close()
         if self._own_ctx:
             self.ctx.term()
+
+
+class _Local(threading.local):
+    """Per thread, per engine: where this thread's submissions go (see ``_enqueue``)."""
+
+    io: _IoLoop | None = None
+    """The connection, while this thread drives it inline."""
+    calls: list[Call] = []
+    """The calls this thread submitted inline (reset per inline call)."""
+    filling: list[Call] | None = None
+    """The calls filling a reservation (see :meth:`Engine.filling`)."""
 
 
 _io_thread = threading.local()
@@ -529,12 +560,6 @@ class _IoLoop:
         self._heartbeat()
         return True
 
-    def prepare(self) -> None:
-        """Before an inline caller sends: learn of a lost connection first."""
-        if self.monitor is not None and self.monitor.poll(0):
-            self._receive()
-            self._on_monitor()
-
     def pump(self, calls: list[Call]) -> None:
         """An inline caller drives the connection until its ``calls`` are done; it also sends
         what other threads submit meanwhile (its calls may wait on theirs)."""
@@ -567,16 +592,14 @@ class _IoLoop:
         if self.closing:
             return False
         inbox = self.engine._inbox
-        while True:
-            try:
-                item = inbox.get_nowait()
-            except queue.Empty:
-                return True
+        while not inbox.empty():            # one consumer: what empty() says holds
+            item = inbox.get_nowait()
             if item is None:
                 self._goodbye()
                 self.closing = True
                 return False
             self.admit(item)
+        return True
 
     def admit(self, item: Call | Reservation) -> None:
         """Queue a call (or reservation) to be sent, or fail it at once if the connection is
@@ -614,7 +637,10 @@ class _IoLoop:
             if call.future.done():
                 continue
             call.sent_ns = time.perf_counter_ns()
-            self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
+            if len(call.frames) == 1:
+                self.dealer.send(call.frames[0])
+            else:
+                self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
             call.frames = []
             call.sent = True
             self.in_flight[call.req_id] = call
@@ -636,12 +662,11 @@ class _IoLoop:
     # ------------------------------------------------------------------------ receiving
 
     def _receive(self) -> None:
+        dealer = self.dealer
         for _ in range(1024):
-            try:
-                frames = self.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not cast(int, dealer.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
-            self._on_reply(frames)
+            self._on_reply(dealer.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:

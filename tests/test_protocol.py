@@ -143,14 +143,14 @@ def test_error_message_is_capped() -> None:
 # PROTOCOL_VERSION (the major: old peers would misread it) and only then update the literals.
 # The enums are append-only: a new member must take a value above every pinned one; a new command
 # bumps the minor (1.1: GRAPH_RUN_LINKED), and so does a field added at the end of a message
-# (1.2: GRAPH_RUN_LINKED's hold_reply_us), which older peers never see while it holds its default,
-# and so does an optional op param (1.3: scale's bias b, sent only when it is not 0; see
-# test_graph.py's golden bytes).
-# 1.4: STATUS (22); HELLO's timing and every reply's timing (the Ack reply class).
+# (1.2: GRAPH_RUN_LINKED's hold_reply_us; 1.4: SET_TENSOR's cache_key, PEER_SEND's acked), which
+# older peers never see while it holds its default, and so does an optional op param (1.3:
+# scale's bias b, sent only when it is not 0; see test_graph.py's golden bytes).
+# 1.5: STATUS (25); HELLO's timing and every reply's timing (the Ack reply class).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 4)
+    assert p.PROTOCOL_VERSION == (1, 5)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -687,8 +687,8 @@ def test_the_broker_modules_import_without_cycles() -> None:
 
 
 def test_golden_status() -> None:
-    """1.4's STATUS: an empty request; the reply's fields in order."""
-    assert p.encode_request(Cmd.STATUS, 4, p.Empty()).hex() == "921604"
+    """1.5's STATUS: an empty request; the reply's fields in order."""
+    assert p.encode_request(Cmd.STATUS, 4, p.Empty()).hex() == "921904"
     reply = p.StatusReply(
         server="w", version="0.1.0", uptime_ms=1500,
         devices=(p.Device(name="cpu", kind="cpu", total_memory=100, free_memory=60),),
@@ -738,3 +738,73 @@ def test_reply_timing_is_checked(timing: Any) -> None:
 
 def test_hello_timing_must_be_a_bool() -> None:
     bad([pack(Cmd.HELLO, 1, 1, 4, "c", 1)], match="timing")
+# ------------------------------------------------------------------ 1.4: files and the cache
+
+
+U8 = ref((8,), dtype=DType.UINT8, buffer=1)
+
+
+def test_golden_file_and_cache_commands() -> None:
+    from zmq_rpc.broker import files as f
+    assert p.encode_request(Cmd.FILE_QUERY, 3, f.FileQuery(path="m.gguf")).hex() == \
+        "931603a66d2e67677566"
+    read = f.ReadFile(path="m.gguf", digest=bytes(range(32)), reads=(
+        f.FileRead("w", "Q8_0", (32, 1), 0, 8, U8), f.FileRead("", "", (), 16, 8, U8)))
+    # [23, 4, "m.gguf", digest, [["w", "Q8_0", [32, 1], 0, 8, U8], ["", "", [], 16, 8, U8]]]
+    assert p.encode_request(Cmd.READ_FILE, 4, read).hex() == (
+        "951704a66d2e67677566c420" + bytes(range(32)).hex() +
+        "9296a177a451385f309220010008950105910891010096a0a09010089501059108910100")
+    assert p.decode_request([p.encode_request(Cmd.READ_FILE, 4, read)]) == \
+        (Cmd.READ_FILE, 4, read)
+    fill = f.SetFromCache(tensor=U8, key=bytes(32))
+    assert p.encode_request(Cmd.SET_FROM_CACHE, 5, fill).hex() == \
+        "9418059501059108910100c420" + "00" * 32
+    assert p.encode_reply(7, f.CacheReply(hit=True, note="hit")).hex() == "940007c3a3686974"
+    assert p.encode_reply(8, f.FileQueryReply(found=False, reason="no", size=0, format="",
+                                              digest=b"")).hex() == "970008c2a26e6f00a0c400"
+    assert p.decode_reply(Cmd.SET_FROM_CACHE, p.unpack_header(bytes.fromhex(
+        "940007c3a3686974"))) == f.CacheReply(hit=True, note="hit")
+
+
+def test_golden_set_tensor_cache_key_is_off_the_wire_when_empty() -> None:
+    keyed = p.SetTensor(tensor=U8, cache_key=b"\x01" * 32)
+    header = p.encode_request(Cmd.SET_TENSOR, 6, keyed)
+    assert header.hex() == "9408069501059108910100c420" + "01" * 32
+    plain = p.encode_request(Cmd.SET_TENSOR, 6, p.SetTensor(tensor=U8))
+    assert plain == b"\x93" + header[1:-34]                    # what a 1.2 peer sends and reads
+    assert p.decode_request([header, bytes(8)])[2] == keyed
+    assert p.decode_request([plain, bytes(8)])[2].cache_key == b""
+
+
+@pytest.mark.parametrize("header, match", [
+    (pack(Cmd.SET_TENSOR, 1, wire(U8), b"short"), "cache_key"),
+    (pack(Cmd.SET_FROM_CACHE, 1, wire(U8), b"k" * 31), "32 bytes"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, []), "1 to 65536 reads"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F32", [2], 0, 8]]), "a read is"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F32", [2], 0, 7, wire(U8)]]),
+     "exactly 7 bytes"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F32", [-2], 0, 8, wire(U8)]]), "shape"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F" * 33, [2], 0, 8, wire(U8)]]), "kind"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32,
+          [["", "", [], 0, 8, wire(ref((2, 2), (8, 2), dtype=DType.UINT16, buffer=1))]]),
+     "contiguous"),
+    (pack(Cmd.FILE_QUERY, 1, 5), "path"),
+])
+def test_file_and_cache_requests_are_validated(header: bytes, match: str) -> None:
+    payload = [bytes(8)] if header[1] == Cmd.SET_TENSOR else []
+    bad([header, *payload], match=match)
+
+
+def test_golden_peer_send_unacked() -> None:
+    """1.4's trailing PEER_SEND field: on the wire only when false."""
+    from zmq_rpc.broker import peer
+    unacked = peer.PeerSend(token=b"t" * 16, src=U8, endpoint="tcp://h:1", timeout_ms=1000,
+                            acked=False)
+    header = p.encode_request(Cmd.PEER_SEND, 2, unacked)
+    assert header.hex() == ("971102c410" + "74" * 16 + "9501059108910100a9" +
+                            b"tcp://h:1".hex() + "cd03e8c2")
+    acked = p.encode_request(Cmd.PEER_SEND, 2, peer.PeerSend(
+        token=b"t" * 16, src=U8, endpoint="tcp://h:1", timeout_ms=1000))
+    assert acked == b"\x96" + header[1:-1]
+    assert p.decode_request([header])[2] == unacked
+    assert p.decode_request([acked])[2].acked is True

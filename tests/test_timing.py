@@ -1,5 +1,5 @@
 """Where the time went: ``Client(trace=True)`` records each request's client queue, wire, worker
-queue, worker run and way back (the worker's share from its reply, protocol 1.4), and
+queue, worker run and way back (the worker's share from its reply, protocol 1.5), and
 tools/timing.py splits a decoded token's time from such traces."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_an_older_worker_is_not_traced(worker: WorkerServer, make_client: Callab
 
     def old_hello(self: executor.Executor) -> p.HelloReply:
         reply = original(self)
-        return p.HelloReply(**{**{f: getattr(reply, f) for f in reply.__slots__}, "minor": 3,
+        return p.HelloReply(**{**{f: getattr(reply, f) for f in reply.__slots__}, "minor": 4,
                                "capabilities": tuple(c for c in reply.capabilities
                                                      if c != "timing")})
     monkeypatch.setattr(executor.Executor, "hello_reply", old_hello)

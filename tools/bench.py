@@ -120,7 +120,7 @@ CASES: dict[str, Case] = {}
 CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.bench_peer",
                                  "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_kernels",
                                  "zmq_rpc.tools.bench_links", "zmq_rpc.tools.bench_security",
-                                 "zmq_rpc.tools.bench_faults",
+                                 "zmq_rpc.tools.bench_faults", "zmq_rpc.tools.bench_weights",
                                  "zmq_rpc.tools.bench_observe")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
@@ -172,6 +172,8 @@ class BenchContext:
     zmq_ctx: zmq.Context[zmq.Socket[bytes]]
     show_progress: bool = True
     link: str = ""
+    synthetic: int = 0
+    """``--synthetic-model SIZE``: the ``links`` case also loads a synthetic GGUF this big."""
     """``--link RATE``: the rate of the shaped links of the ``links`` case (default 1gbit)."""
     resources: ExitStack = field(default_factory=ExitStack)
 
@@ -537,7 +539,8 @@ def bench(args: argparse.Namespace, endpoints: list[str]) -> tuple[list[CaseResu
         with ExitStack() as stack:
             clients = [stack.enter_context(Client(ep)) for ep in endpoints]
             ctx = BenchContext(endpoints, clients, args.quick, args.sizes, baselines, zctx,
-                               show_progress=not args.no_progress, link=args.link)
+                               show_progress=not args.no_progress, link=args.link,
+                               synthetic=args.synthetic_model)
             with ctx.resources:
                 return run_cases(ctx, args.cases)
     finally:
@@ -591,6 +594,9 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
     ap.add_argument("--link", metavar="RATE", default="",
                     help="rate of the simulated links of the 'links' case (e.g. 100mbit, 1gbit, "
                          "2.5gbit; tc units); alone, runs that case only (needs root, iproute2)")
+    ap.add_argument("--synthetic-model", type=parse_size, default=0, metavar="SIZE",
+                    help="the links case also loads a synthetic GGUF of random quantized blocks "
+                         "this big (e.g. 2GiB; written to a temporary directory, deleted after)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
     ap.add_argument("--json", metavar="FILE", help="write every sample to FILE")
     ap.add_argument("--report", metavar="DIR",

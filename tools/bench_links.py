@@ -12,6 +12,9 @@ latency is added (netem is not available here). Rows:
   links and the client behind its own shaped link (the case the direct copy exists for).
 - ``links llm generate`` / ``links llm load``: SmolLM2-135M on two workers on separate hosts vs
   two workers on the client host's loopback (same machine, same cores), alternated.
+- ``links load SmolLM2 ... cache cold|cache warm|file``: seconds until the weights are in place
+  and bytes on the wire, against a plain upload in the same round (:mod:`.bench_weights`); with
+  ``--synthetic-model 2GiB`` the same for a synthetic GGUF of random quantized blocks.
 
 Runs in the bench's main thread, which moves into the client's namespace for each measurement
 (:meth:`NetLab.inside`): the clients and zmq contexts made there, with their I/O threads, live in
@@ -41,6 +44,7 @@ from .bench import (
     register_case,
 )
 from .bench_peer import _copy_row, floats, free_all
+from .bench_weights import llama_load_rows, synthetic_load_rows
 
 LINK_SIZES = (1 << 20, 16 << 20, 64 << 20)
 COPY_SIZES = (64 << 10, 1 << 20, 16 << 20)
@@ -49,14 +53,16 @@ HOSTS = ("client", "w0", "w1")
 
 
 @contextmanager
-def lab_workers(lab: netlab.NetLab, hosts: Sequence[str]) -> Iterator[list[Client]]:
+def lab_workers(lab: netlab.NetLab, hosts: Sequence[str],
+                extra: Sequence[str] = ()) -> Iterator[list[Client]]:
     """Clients (made inside the client host) of workers started on ``hosts``; "lo" puts a worker
     on the client host's own loopback. Workers are stopped and clients closed on exit."""
     endpoints = []
     servers = []
     for host in hosts:
         on = "client" if host == "lo" else host
-        argv = netlab.worker_argv(lab, on, bind="tcp://127.0.0.1:*" if host == "lo" else None)
+        argv = netlab.worker_argv(lab, on, *extra,
+                                  bind="tcp://127.0.0.1:*" if host == "lo" else None)
         servers.append(lab.serve(on, argv))
         endpoints.append(servers[-1].endpoint)
     with ExitStack() as stack:
@@ -175,8 +181,14 @@ def case_links(ctx: BenchContext) -> list[CaseResult]:
             rows += copy_rows(ctx, a, b, f"client {rate}, workers {FAST_WORKER_LINK}")
             for host in ("w0", "w1"):
                 lab.shape(host, rate)
+        def start(extra: Sequence[str]) -> Any:
+            return lab_workers(lab, ("w0", "w1"), extra)
         if _have_model():
             rows += llm_rows(ctx, lab, rate)
+            rows += llama_load_rows(ctx, start, f"links load SmolLM2 2 hosts {rate}")
+        if ctx.synthetic:
+            rows += synthetic_load_rows(ctx, start, ctx.synthetic,
+                                        f"links load synthetic 2 hosts {rate}")
     return rows
 
 

@@ -41,6 +41,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from ..broker import files
 from ..broker import peer as wire
 from ..broker import protocol as p
 from ..broker.errors import RpcError
@@ -89,7 +90,13 @@ def record_corpus(endpoint: str) -> list[Seed]:
             (Cmd.GOODBYE, p.Empty(), ()),
             (Cmd.PEER_RECV, wire.PeerRecv(token=b"t" * 16, dst=tensor, timeout_ms=300), ()),
             (Cmd.PEER_FILL, wire.PeerFill(token=b"t" * 16, seq=0, nchunks=1, start=0, total=64,
-                                          error=""), (bytes(64),))):
+                                          error=""), (bytes(64),)),
+            (Cmd.FILE_QUERY, files.FileQuery(path="model.gguf"), ()),
+            (Cmd.READ_FILE, files.ReadFile(path="model.gguf", digest=bytes(32), reads=(
+                files.FileRead("blk.0.attn_q.weight", "Q8_0", (32, 2), 0, 64, tensor),
+                files.FileRead("", "", (), 0, 64, tensor))), ()),
+            (Cmd.SET_FROM_CACHE, files.SetFromCache(tensor=tensor, key=bytes(32)), ()),
+            (Cmd.SET_TENSOR, p.SetTensor(tensor=tensor, cache_key=bytes(32)), (bytes(64),))):
         seeds.append(Seed(int(cmd), tuple(msg.to_fields()), payload))
     return seeds
 

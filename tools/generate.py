@@ -68,6 +68,13 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     ap.add_argument("--weights", choices=["quantized", "f32"], default="quantized",
                     help="quantized (default): keep the blocks, repacked once on the workers for "
                          "their numba kernels; f32: dequantize once on the workers (~5x memory)")
+    ap.add_argument("--sources", choices=["auto", "upload", "cache", "file"], default="auto",
+                    help="where workers get the weights: their own copy of the file "
+                         "(--model-dir), their tensor cache (--cache-dir) or an upload; auto "
+                         "(default) takes the first each worker has")
+    ap.add_argument("--worker-path", default=None,
+                    help="the model file's path under the workers' --model-dir (default: its "
+                         "file name)")
     ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
                     help="KV cache element type (default %(default)s)")
     ap.add_argument("--n-ctx", type=int, default=512, help="context length (default %(default)s)")
@@ -246,7 +253,8 @@ def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
     try:
         model = LlamaModel.load(gguf, clients, n_ctx=args.n_ctx, weights=args.weights,
                                 kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
-                                progress=progress, status=_status)
+                                progress=progress, status=_status, sources=args.sources,
+                                worker_path=args.worker_path)
     finally:
         if bar is not None:
             bar.close()
@@ -286,6 +294,7 @@ def _summary(model: LlamaModel, args: argparse.Namespace, clock: _Clock) -> str:
         *_wrap(f"ready in {ready:.2f} s = " + _parts(clock.parts, ".2f") + " s"),
         f"upload: {load.upload_bytes / MIB:.1f} MiB in {load.upload_seconds:.2f} s = "
         f"{load.upload_bytes / MIB / max(load.upload_seconds, 1e-9):.0f} MiB/s",
+        *(f"weights from {s.describe(width=87)}" for s in load.sources),
         f"weights: {load.weight_bytes / MIB:.1f} MiB in the file; on {len(model.stages)} "
         f"worker(s) {load.resident_bytes / MIB:.1f} MiB ({args.weights}) + KV cache "
         f"{load.kv_bytes / MIB:.1f} MiB",

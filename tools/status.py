@@ -1,7 +1,7 @@
 """``zmq-rpc-worker status tcp://a:50052[,tcp://b:50052]``: ask running workers what they are doing.
 
 Runs on the main thread of its own process (plus one client I/O thread per worker). It opens a
-:class:`~zmq_rpc.client.Client` per worker, sends STATUS over the protocol itself (1.4), and prints
+:class:`~zmq_rpc.client.Client` per worker, sends STATUS over the protocol itself (1.5), and prints
 one table: a row per worker (version, protocol, uptime, sessions, queued requests, memory, graphs,
 transfers in progress, device, capabilities), then a row per session when ``--sessions`` is given.
 ``--json`` prints the same as one JSON document for scripts; ``--watch [SECONDS]`` refreshes until

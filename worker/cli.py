@@ -149,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-advertise", type=partial(endpoint, wildcard_port=False), default=None,
                     help="peer endpoint to tell clients, when it differs from what is bound "
                          "(NAT, multi-host)")
+    ap.add_argument("--model-dir", action="append", default=[], metavar="DIR",
+                    help="a directory whose GGUF/safetensors files clients may have this worker "
+                         "read into its buffers (repeatable; paths out of it are refused)")
+    ap.add_argument("--cache-dir", default="", metavar="DIR",
+                    help="keep uploaded tensors in a content-addressed cache here (BLAKE3 keys, "
+                         "checked on every read) so that later loads skip the upload")
+    ap.add_argument("--cache-size", type=parse_size, default=8 << 30,
+                    help="bytes the tensor cache may hold (least recently used go first; "
+                         "default 8GiB)")
     ap.add_argument("--session-timeout", type=_positive(float), default=30.0,
                     help="seconds of silence after which a client's session and its buffers are "
                          "freed (default %(default)s)")
@@ -233,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                           peer_bind="" if args.peer_bind == "none" else args.peer_bind,
                           peer_advertise=args.peer_advertise or "", curve=curve,
                           authorized_keys=args.authorized_keys, worker_keys=args.worker_keys,
-                          insecure=args.insecure,
+                          insecure=args.insecure, model_dirs=tuple(args.model_dir),
+                          cache_dir=args.cache_dir, cache_size=args.cache_size,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     stop = threading.Event()
     for sig in STOP_SIGNALS:

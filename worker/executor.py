@@ -36,13 +36,16 @@ from .buffers import BufferCommands
 from .cli import package_version
 from .graphs import GraphCommands
 from .linked import LinkedRuns
+from .loading import Loading
 from .memory import MemoryBudget, SessionMemory
 from .metrics import INVALID_COMMAND, NullRecorder, Recorder, WorkerSnapshot
+from .model_files import ModelFiles
 from .outbox import Outbox, Send
 from .peer_links import PeerLinks
 from .quotas import Quotas, check
 from .requests import Admission, Later, Outcome, Request, Route
 from .session import NO_REPLY, Session, Views, WorkerLimits
+from .tensor_cache import TensorCache
 from .transfers import PeerCommands
 
 __all__ = ["DRAIN_BATCH", "Executor", "WorkerLimits"]
@@ -123,10 +126,17 @@ class Executor:
             **transfers.routes(),
             **LinkedRuns(self.backend, views, graphs, transfers).routes(),
         }
+        self.loading = Loading(self.backend, views)
+        routes.update(self.loading.routes(routes[Cmd.SET_TENSOR]))
         missing = set(Cmd) - set(routes)
         if missing:
             raise RuntimeError(f"no route for {sorted(c.name for c in missing)}")
         return routes
+
+    def serve_files(self, files: ModelFiles | None, cache: TensorCache | None) -> None:
+        """Serve ``--model-dir`` files and a ``--cache-dir`` cache (and say so at HELLO)."""
+        self.loading.files, self.loading.cache = files, cache
+        self.capabilities += self.loading.capabilities()
 
     def _capabilities(self) -> list[str]:
         capabilities = ["views", "chunked-transfer", "status", "timing"]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from ..broker import hashing
 from ..broker.broker import BACKEND_HWM, BrokerConfig, BrokerThread, is_loopback_endpoint
 from ..broker.keys import KeyPair
 from ..broker.ops import DEFAULT_MAX_WORK
@@ -32,8 +33,10 @@ from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThrea
 from .backends.base import Backend
 from .executor import DRAIN_BATCH, Executor
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
+from .model_files import ModelFiles
 from .peer_links import PeerLinks, PeerSecurity
 from .session import WorkerLimits
+from .tensor_cache import TensorCache
 
 if TYPE_CHECKING:
     from .exporter import MetricsServer
@@ -71,6 +74,12 @@ class WorkerConfig:
     peer_advertise: str = ""
     """The peer endpoint told to clients (for multi-host setups); default: what was bound."""
     name: str = field(default_factory=lambda: f"zmq-rpc-worker@{socket.gethostname()}")
+    model_dirs: tuple[str, ...] = ()
+    """Directories whose GGUF/safetensors files clients may have read into buffers here."""
+    cache_dir: str = ""
+    """Where the content-addressed tensor cache lives ("" for none)."""
+    cache_size: int = 8 << 30
+    """Bytes the tensor cache may hold on disk (least recently used entries go first)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this HTTP port (0: a free one); None: no metrics."""
     metrics_host: str = "127.0.0.1"
@@ -161,6 +170,8 @@ class BackendThread(threading.Thread):
         self.error: BaseException | None = None
         self.pair: zmq.Socket[bytes] | None = None
         self.executor: Executor | None = None
+        self.disk: tuple[ModelFiles | None, TensorCache | None] = (None, None)
+        """The model files and tensor cache the executor serves (handed over before start)."""
 
     def run(self) -> None:
         pair = self.ctx.socket(zmq.PAIR)
@@ -178,6 +189,7 @@ class BackendThread(threading.Thread):
                                    security=self.peer_security)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
                                      self.server_name, self.peers, metrics=self.metrics)
+            self.executor.serve_files(*self.disk)
             self.peers.metrics = self.metrics
             self.pair = pair
             self.ready.set()
@@ -312,8 +324,8 @@ class WorkerServer:
         self._backend_thread = BackendThread(self.ctx, backend, limits,
                                              (pair_ep, backend_ctl_ep), cfg.name,
                                              (peer_bind, cfg.peer_advertise), cfg.curve,
-                                             cfg.worker_keys,
-                                             self.metrics)
+                                             cfg.worker_keys, self.metrics)
+        self._backend_thread.disk = self._disk()
         self._backend_thread.start()
         self._wait_ready(self._backend_thread)
         self._backend_ctl = self._control(backend_ctl_ep)
@@ -360,6 +372,16 @@ class WorkerServer:
             raise RuntimeError(f"cannot serve metrics on {cfg.metrics_host}:"
                                f"{cfg.metrics_port}: {exc}") from None
         log.info("metrics on %s/metrics", self.metrics_address)
+
+    def _disk(self) -> tuple[ModelFiles | None, TensorCache | None]:
+        """The ``--model-dir`` files and the ``--cache-dir`` cache (both hash with BLAKE3)."""
+        cfg = self.config
+        if (cfg.model_dirs or cfg.cache_dir) and not hashing.available():
+            raise RuntimeError("--model-dir and --cache-dir need the blake3 package: "
+                               "pip install 'zmq-rpc[files]'")
+        files = ModelFiles(cfg.model_dirs) if cfg.model_dirs else None
+        cache = TensorCache(cfg.cache_dir, cfg.cache_size) if cfg.cache_dir else None
+        return files, cache
 
     def _start_zap(self, keys: KeyPair) -> None:
         cfg = self.config

@@ -24,6 +24,7 @@ from ..client import RemoteBuffer, RemoteTensor
 from ..gguf_model import GGUFTensor, LlamaGGUF
 from ..graph import Graph
 from .plan import FUSED, NORMS, Stage, head_tensor, layer_tensor, stage_sources, vocab_tables
+from .source import StageSource, WeightSource
 from .weights import LayerWeights, WeightFormat
 
 __all__ = ["ALIGN", "Layout", "LoadStats", "Progress", "WeightLoader", "file_runs"]
@@ -42,16 +43,24 @@ class LoadStats:
     weight_bytes: int
     """Unique weight bytes of the model in compact form (each tensor counted once)."""
     upload_bytes: int
-    """Bytes sent: the stages' file ranges (each tensor once, with any alignment padding)."""
+    """Weight bytes sent over the network: the uploaded file ranges (each tensor once, with any
+    alignment padding) and the cache misses; nothing for stages read from the worker's file."""
     resident_bytes: int
     """Weight bytes held on all workers (f32 matmul weights in ``weights="f32"`` mode)."""
     kv_bytes: int
     upload_seconds: float
-    """From the first allocation to the last uploaded byte acknowledged."""
+    """From the first allocation to the last weight byte in place (uploaded, read from the
+    worker's file or its cache)."""
     build_seconds: float
     """The workers laying the uploaded bytes out as resident weights (dequantizing in f32 mode)."""
     total_seconds: float
     """The whole load: upload, build, KV cache, graph registration and warm-up."""
+    sources: tuple[StageSource, ...] = ()
+    """Where each worker's weights came from (its file, its cache, an upload), in stage order."""
+
+    def source_summary(self) -> str:
+        """One line per worker: its source and the bytes that crossed the network for it."""
+        return "\n".join(s.describe() for s in self.sources)
 
     @property
     def upload_gbps(self) -> float:
@@ -107,29 +116,64 @@ class Loaded:
     upload_bytes: int
     upload_seconds: float
     build_seconds: float
+    sources: tuple[StageSource, ...] = ()
 
 
 class WeightLoader:
     """Puts each stage's weights on its worker in format ``fmt`` (fills ``Stage.weights``,
     ``embd``, ``out_norm``, ``lm_head`` and ``buffers``)."""
 
-    def __init__(self, gguf: LlamaGGUF, fmt: WeightFormat) -> None:
+    def __init__(self, gguf: LlamaGGUF, fmt: WeightFormat,
+                 source: WeightSource | None = None) -> None:
         self.gguf = gguf
         self.fmt = fmt
+        self.source = source or WeightSource(gguf, "upload")
 
     def load(self, stages: Sequence[Stage], progress: Progress | None = None,
              status: Callable[[str], None] | None = None) -> Loaded:
-        """Stage each worker's file ranges, upload them, then build its resident weights there."""
+        """Stage each worker's file ranges, fill them from the best source the worker offers
+        (its file, its cache, an upload), then build its resident weights there."""
         start = time.perf_counter()
         staged = [self._stage_file_ranges(stage) for stage in stages]
-        upload_bytes = self._upload([u for s in staged for u in s.uploads], progress)
+        sources, upload_bytes = self._fill(staged, progress)
         uploaded = time.perf_counter()
         if status is not None:
             status(f"laying out weights ({self.fmt}) on {len(stages)} worker(s)")
         builds = [f for s in staged for f in self._build_resident(s)]
         for future in builds:
             future.result()
-        return Loaded(upload_bytes, uploaded - start, time.perf_counter() - uploaded)
+        return Loaded(upload_bytes, uploaded - start, time.perf_counter() - uploaded,
+                      tuple(sources))
+
+    def _fill(self, staged: Sequence[_Staged], progress: Progress | None
+              ) -> tuple[list[StageSource], int]:
+        """Fill every staging buffer; (how each stage was filled, bytes sent in all)."""
+        picks = [self.source.pick(s) for s in staged]
+        waits: list[Future[Any]] = []
+        lookups = {}
+        for s, (source, _) in zip(staged, picks):
+            if source == "file":
+                waits.append(self.source.from_file(s))
+            elif source == "cache":
+                lookups[id(s)] = self.source.cache_lookups(s)
+        uploads = [u for s, (source, _) in zip(staged, picks) if source == "upload"
+                   for u in s.uploads]
+        sent = self._upload(uploads, progress)
+        reports = []
+        for s, (source, note) in zip(staged, picks):
+            endpoint = s.stage.client.endpoint
+            if source == "cache":
+                futures, hits, nbytes = self.source.upload_misses(lookups[id(s)])
+                waits += futures
+                sent += nbytes
+                reports.append(StageSource(endpoint, source, nbytes, hits,
+                                           len(lookups[id(s)]) - hits, note))
+            else:
+                nbytes = sum(int(d.nbytes) for t, d in s.uploads) if source == "upload" else 0
+                reports.append(StageSource(endpoint, source, nbytes, note=note))
+        for future in waits:
+            future.result()
+        return reports, sent
 
     def _stage_file_ranges(self, stage: Stage) -> _Staged:
         """Allocate a staging buffer holding the stage's tensors as the file lays them out, and

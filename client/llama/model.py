@@ -28,6 +28,7 @@ from .graph import Mode, StageGraphs
 from .load import LoadStats, Progress, WeightLoader
 from .plan import Stage, make_stages
 from .runtime import KVCache, StepRunner, StepStat
+from .source import SourceChoice, WeightSource
 from .weights import WeightsMode, weight_format
 
 __all__ = ["KVDType", "LlamaModel"]
@@ -76,7 +77,8 @@ class LlamaModel:
     def load(cls, path: str | Path | LlamaGGUF | None, clients: Sequence[Client], *,
              n_ctx: int = 512, weights: WeightsMode = "quantized", kv_dtype: KVDType = "float32",
              prefill_chunk: int = 32, progress: Progress | None = None,
-             status: Status | None = None) -> LlamaModel:
+             status: Status | None = None, sources: SourceChoice = "auto",
+             worker_path: str | None = None) -> LlamaModel:
         """Load the GGUF at ``path`` (None: :func:`default_model_path`; or an already opened
         :class:`LlamaGGUF`) onto ``clients``.
 
@@ -85,6 +87,11 @@ class LlamaModel:
         need numba: the ``packed-kernels`` capability); ``"f32"`` dequantizes them once on each
         worker (~5x the memory, slower decoding). ``progress(done, total)`` reports upload
         bytes as they are acknowledged; ``status(line)`` each later phase as it starts.
+
+        ``sources``: where each worker gets its weights (:mod:`.source`): ``"auto"`` takes the
+        worker's own copy of the file when it has it (``--model-dir``; ``worker_path`` names it
+        there, default the file's name), else its tensor cache (``--cache-dir``), else uploads;
+        ``load_stats.sources`` says what each worker did.
         """
         if not clients:
             raise ValueError("need at least one client")
@@ -92,16 +99,17 @@ class LlamaModel:
             path if path is not None else default_model_path())
         model = cls(gguf, clients, n_ctx=n_ctx, weights=weights, kv_dtype=kv_dtype,
                     prefill_chunk=prefill_chunk)
+        source = WeightSource(gguf, sources, worker_path)
         try:
-            model._load(progress, status or (lambda line: None))
+            model._load(progress, status or (lambda line: None), source)
         except BaseException:
             model.close()
             raise
         return model
 
-    def _load(self, progress: Progress | None, status: Status) -> None:
+    def _load(self, progress: Progress | None, status: Status, source: WeightSource) -> None:
         start = time.perf_counter()
-        loaded = WeightLoader(self.gguf, self.format).load(self.stages, progress, status)
+        loaded = WeightLoader(self.gguf, self.format, source).load(self.stages, progress, status)
         self._upload_bytes = loaded.upload_bytes
         status(f"allocating the KV cache and registering graphs on {len(self.stages)} worker(s)")
         for stage in self.stages:
@@ -114,7 +122,7 @@ class LlamaModel:
             resident_bytes=sum(b.size for s in self.stages for b in s.buffers),
             kv_bytes=sum(s.kv_buffer.size for s in self.stages if s.kv_buffer is not None),
             upload_seconds=loaded.upload_seconds, build_seconds=loaded.build_seconds,
-            total_seconds=time.perf_counter() - start)
+            total_seconds=time.perf_counter() - start, sources=loaded.sources)
 
     # ------------------------------------------------------------------------- running steps
 
