@@ -1,7 +1,7 @@
 """Weights from the worker's own disk: FILE_QUERY, READ_FILE, SET_FROM_CACHE, cached uploads.
 
-Runs in the backend thread, as handlers the executor dispatches to (:meth:`Loading.install`); it
-owns the worker's :class:`~.model_files.ModelFiles` (``--model-dir``) and
+Runs in the backend thread, as routes of the executor's dispatch table (:meth:`Loading.routes`);
+it owns the worker's :class:`~.model_files.ModelFiles` (``--model-dir``) and
 :class:`~.tensor_cache.TensorCache` (``--cache-dir``). See :mod:`zmq_rpc.broker.files` for the
 commands. A read or a cache fill runs in order in the session's queue, after any zero-copy send
 of its destination buffer has finished (the executor's ``writes`` table), like SET_TENSOR.
@@ -9,9 +9,9 @@ of its destination buffer has finished (the executor's ``writes`` table), like S
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,40 +20,46 @@ from ..broker import files as f
 from ..broker import protocol as p
 from ..broker.protocol import Cmd, ErrorCode, WireError
 from .model_files import PLAIN_DTYPES, FileIdentity, FileRefused, ModelFiles, read_into
+from .requests import Route
 from .tensor_cache import TensorCache
 
 if TYPE_CHECKING:
-    from .executor import Executor, Handler, Reply, Session
+    from .requests import Handler, Outcome, Request
+    from .session import Reply, Session, Views
 
 log = logging.getLogger("zmq_rpc.worker.loading")
 
 
 class Loading:
-    """The file and cache handlers of one worker (either part may be absent)."""
+    """The file and cache commands of one worker (either part may be absent: then they refuse
+    or miss, saying why)."""
 
-    def __init__(self, executor: Executor, files: ModelFiles | None,
-                 cache: TensorCache | None) -> None:
-        self.executor = executor
+    def __init__(self, backend: Any, views: Views, files: ModelFiles | None = None,
+                 cache: TensorCache | None = None) -> None:
+        self.backend = backend
+        self.views = views
         self.files = files
         self.cache = cache
 
-    def install(self) -> None:
-        """Add the handlers, the buffers they write, and the capabilities to the executor."""
-        ex = self.executor
-        ex.handlers[Cmd.FILE_QUERY] = self.file_query
-        ex.handlers[Cmd.READ_FILE] = self.read_file
-        ex.handlers[Cmd.SET_FROM_CACHE] = self.set_from_cache
-        ex.writes[Cmd.READ_FILE] = lambda s, m: [r.dst.buffer for r in m.reads]
-        ex.writes[Cmd.SET_FROM_CACHE] = lambda s, m: [m.tensor.buffer]
-        ex.handlers[Cmd.SET_TENSOR] = self._caching(ex.handlers[Cmd.SET_TENSOR])
-        if self.files is not None:
-            ex.capabilities.append("model-files")
-        if self.cache is not None:
-            ex.capabilities.append("tensor-cache")
+    def routes(self, set_tensor: Route) -> dict[Cmd, Route]:
+        """This module's part of the executor's dispatch table (SET_TENSOR wrapped to cache)."""
+        return {
+            Cmd.FILE_QUERY: Route(self.file_query),
+            Cmd.READ_FILE: Route(self.read_file, writes=lambda s, m: [r.dst.buffer
+                                                                      for r in m.reads]),
+            Cmd.SET_FROM_CACHE: Route(self.set_from_cache, writes=lambda s, m: [m.tensor.buffer]),
+            Cmd.SET_TENSOR: dataclasses.replace(set_tensor,
+                                                handler=self._caching(set_tensor.handler)),
+        }
+
+    def capabilities(self) -> list[str]:
+        """What HELLO lists for what this worker serves."""
+        return ["model-files"] * (self.files is not None) + \
+            ["tensor-cache"] * (self.cache is not None)
 
     # ------------------------------------------------------------------------ files
 
-    def file_query(self, session: Session, msg: f.FileQuery, payload: Sequence[Any]) -> Reply:
+    def file_query(self, session: Session, msg: f.FileQuery, req: Request) -> Reply:
         try:
             if self.files is None:
                 raise FileRefused("this worker serves no model files (start it with "
@@ -65,12 +71,12 @@ class Loading:
         return f.FileQueryReply(found=True, reason="", size=ident.size, format=ident.format,
                                 digest=ident.digest), []
 
-    def read_file(self, session: Session, msg: f.ReadFile, payload: Sequence[Any]) -> Reply:
+    def read_file(self, session: Session, msg: f.ReadFile, req: Request) -> Reply:
         files = self._files()
         try:
             ident = files.check(msg.path, msg.digest)
             spans = [self._span(ident, read) for read in msg.reads]
-            views = [self.executor.view(session, read.dst) for read in msg.reads]
+            views = [self.views.view(session, read.dst) for read in msg.reads]
             fd, st = files.open(msg.path)
         except (FileRefused, OSError) as exc:
             raise WireError(ErrorCode.FILE_REFUSED, _why(exc)) from None
@@ -117,7 +123,7 @@ class Loading:
         return info.offset
 
     def _read(self, fd: int, offset: int, view: Any) -> None:
-        backend = self.executor.backend
+        backend = self.backend
         target = backend.alias(view)
         if target is not None:
             read_into(fd, offset, memoryview(target).cast("B"))
@@ -128,24 +134,23 @@ class Loading:
 
     # ------------------------------------------------------------------------ cache
 
-    def set_from_cache(self, session: Session, msg: f.SetFromCache,
-                       payload: Sequence[Any]) -> Reply:
+    def set_from_cache(self, session: Session, msg: f.SetFromCache, req: Request) -> Reply:
         if not msg.tensor.is_contiguous():
             raise WireError(ErrorCode.BAD_REQUEST, "SET_FROM_CACHE needs a contiguous view")
-        view = self.executor.view(session, msg.tensor)
+        view = self.views.view(session, msg.tensor)
         if self.cache is None:
             return f.CacheReply(hit=False, note="this worker has no cache (--cache-dir)"), []
         found = self.cache.get(msg.key, msg.tensor.nbytes)
         if found.data is not None:
-            self.executor.backend.write(view, found.data)
+            self.backend.write(view, found.data)
         return f.CacheReply(hit=found.data is not None, note=found.note), []
 
     def _caching(self, set_tensor: Handler) -> Handler:
         """SET_TENSOR that also files its payload under ``cache_key`` (when it hashes to it)."""
-        def handle(session: Session, msg: p.SetTensor, payload: Sequence[Any]) -> Reply:
-            reply = set_tensor(session, msg, payload)
+        def handle(session: Session, msg: p.SetTensor, req: Request) -> Outcome:
+            reply = set_tensor(session, msg, req)
             if msg.cache_key and self.cache is not None:
-                data = getattr(payload[0], "buffer", payload[0])
+                data = getattr(req.payload[0], "buffer", req.payload[0])
                 outcome = self.cache.put(msg.cache_key, data)
                 if outcome.startswith("not stored"):
                     log.warning("upload for cache key %s %s", msg.cache_key.hex()[:16], outcome)
