@@ -39,6 +39,7 @@ from .wire import (
     check_tensor,
     check_u63,
     describe,
+    timing_field,
     wire_message,
 )
 
@@ -132,6 +133,7 @@ class FileQueryReply(Message):
     size: int = _f(check_u63)
     format: str = _f(check_str)
     digest: bytes = _f(lambda v, f: v if v == b"" else check_digest(v, f))
+    timing: tuple[int, ...] = timing_field()
 
 
 @wire_message
@@ -165,3 +167,4 @@ class CacheReply(Message):
 
     hit: bool = _f(check_bool)
     note: str = _f(check_str)
+    timing: tuple[int, ...] = timing_field()

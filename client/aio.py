@@ -29,6 +29,7 @@ from .client import (
     RemoteTensor,
     RunResult,
 )
+from .engine import RequestTiming
 from .graph import Graph
 from .peer import HandOff
 
@@ -119,6 +120,14 @@ class AsyncClient:
     async def ping(self) -> None:
         """One tiny round trip."""
         await asyncio.wrap_future(self.sync.ping_async())
+
+    async def status(self) -> p.StatusReply:
+        """What the worker is doing (see :meth:`Client.status`)."""
+        return await asyncio.wrap_future(self.sync.status_async())
+
+    def timings(self) -> list[RequestTiming]:
+        """Where each traced request's time went since the last call (never blocks)."""
+        return self.sync.timings()
 
     # ----------------------------------------------------------------------- graphs
 
