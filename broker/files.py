@@ -35,6 +35,7 @@ from .wire import (
     TensorRef,
     _f,
     _int_in,
+    check_bool,
     check_str,
     check_tensor,
     check_u63,
@@ -60,12 +61,6 @@ def check_cache_key(value: Any, field: str) -> bytes:
     """SET_TENSOR's optional cache key: empty, or a digest."""
     return value if value == b"" else check_digest(value, field)
 
-
-def check_bool(value: Any, field: str) -> bool:
-    if type(value) is not bool:
-        raise BadRequest(f"field {field!r}: expected true or false, not {describe(value)}",
-                         code=ErrorCode.BAD_REQUEST)
-    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ from .wire import (
     TensorRef,
     _f,
     _int_in,
+    check_bool,
     check_str,
     check_tensor,
     describe,
@@ -101,7 +102,7 @@ class PeerSend(Message):
     src: TensorRef = _f(check_tensor)
     endpoint: str = _f(check_str)
     timeout_ms: int = _f(check_timeout)
-    acked: bool = _f(lambda v, f: check_flag(v, f), since=(1, 4), default=True)
+    acked: bool = _f(check_bool, since=(1, 4), default=True)
     """False (1.4, capability ``unacked-sends``): reply once the chunks are handed to the peer
     link and ask the peer for no acknowledgement; B's PEER_RECV reply reports the landing (a
     copy then costs no ack and no wait for it). Off the wire when True."""
@@ -185,11 +186,6 @@ _u32 = _int_in(0, (1 << 32) - 1)
 _u63 = _int_in(0, (1 << 63) - 1)
 
 
-def check_flag(value: Any, field: str) -> bool:
-    if type(value) is not bool:
-        raise BadRequest(f"field {field!r}: expected a boolean", code=ErrorCode.BAD_REQUEST)
-    return value
-
 
 class PeerKind(enum.IntEnum):
     """What a peer message is (the second element of its header)."""
@@ -220,7 +216,7 @@ class Ack(Message):
     """The receiver's verdict on a whole transfer (or a probe)."""
 
     token: bytes = _f(check_token)
-    ok: bool = _f(check_flag)
+    ok: bool = _f(check_bool)
     message: str = _f(check_str)
 
 

@@ -81,6 +81,7 @@ from .wire import (
     _f,
     _int_in,
     check_any,
+    check_bool,
     check_byte,
     check_handle,
     check_str,
@@ -181,12 +182,6 @@ def _code_name(code: int) -> str:
         return f"error {code}"
 
 
-def _check_bool(value: Any, field: str) -> bool:
-    if type(value) is not bool:
-        raise _bad(field, f"expected true or false, got {describe(value)}")
-    return value
-
-
 @wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ack(Message):
@@ -203,7 +198,7 @@ class Hello(Message):
     major: int = _f(check_u32)
     minor: int = _f(check_u32)
     client: str = _f(check_str)
-    timing: bool = _f(_check_bool, since=(1, 5), default=False)
+    timing: bool = _f(check_bool, since=(1, 5), default=False)
     """1.5: put the worker's share of each request's time in its reply (``timing``). A client
     asks in a second HELLO once the first has shown a worker of 1.5 or later."""
 

@@ -178,6 +178,12 @@ def check_str(value: Any, field: str) -> str:
     return value
 
 
+def check_bool(value: Any, field: str) -> bool:
+    if type(value) is not bool:
+        raise _bad(field, f"expected a boolean (true or false), got {describe(value)}")
+    return value
+
+
 def check_any(value: Any, field: str) -> Any:
     return value
 
