@@ -9,8 +9,9 @@ Client requests (ordinary DEALER→ROUTER requests, see :mod:`zmq_rpc.broker.pro
   requests of the session (a graph reading ``dst``) never see half a copy; other sessions go on.
 - PEER_SEND on the source worker A: read ``src`` (in order in the client's session on A) and push it
   to B's peer endpoint; the reply comes when B has acknowledged the whole transfer, or (1.4,
-  ``acked`` false) as soon as the chunks are handed to the link, B sending no ack: the client then
-  learns of the landing from B's PEER_RECV reply alone, one hop and two wake-ups sooner.
+  ``acked`` false) once the chunks have left A (handed to the kernel; at once for chunks copied
+  into zmq), B sending no ack: the client learns of the landing from B's PEER_RECV reply alone,
+  and A's reply only tells it that A no longer needs to live for the copy to complete.
 - PEER_PROBE on A: can A reach the peer endpoint? (B answers a probe with an ack.)
 - PEER_FILL on B: a chunk of transfer ``token`` relayed by the client itself (when A cannot reach
   B): it bypasses the session's queue, which the PEER_RECV holds. A non-empty ``error`` aborts the
@@ -103,9 +104,9 @@ class PeerSend(Message):
     endpoint: str = _f(check_str)
     timeout_ms: int = _f(check_timeout)
     acked: bool = _f(check_bool, since=(1, 4), default=True)
-    """False (1.4, capability ``unacked-sends``): reply once the chunks are handed to the peer
-    link and ask the peer for no acknowledgement; B's PEER_RECV reply reports the landing (a
-    copy then costs no ack and no wait for it). Off the wire when True."""
+    """False (1.4, capability ``unacked-sends``): reply once the chunks have left this worker
+    and ask the peer for no acknowledgement; B's PEER_RECV reply reports the landing (a copy
+    then costs no ack and no wait for it). Off the wire when True."""
 
 
 @wire_message

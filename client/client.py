@@ -36,7 +36,7 @@ from .arrays import RunResult as RunResult
 from .arrays import fetched as _fetched
 from .arrays import from_bfloat16 as from_bfloat16
 from .arrays import to_bfloat16 as to_bfloat16
-from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions, RequestTiming
+from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions, RequestTiming, call_together
 from .futures import all_of, then
 from .graph import Graph
 from .peer import HandOff, Routes, copy_between, run_linked
@@ -455,6 +455,10 @@ class Client:
         Across workers, src's worker pushes the bytes straight to dst's worker (the client never
         touches them) and dst's worker runs nothing else of this client's until they have landed.
         """
+        if src.client is not dst.client:   # both workers' replies read on this thread
+            call_together([src.client._engine, dst.client._engine],
+                          lambda: copy_between(src, dst))
+            return
         self._sync(self.copy_tensor_async, src, dst)
 
     def copy_tensor_async(self, src: RemoteTensor, dst: RemoteTensor) -> Future[None]:

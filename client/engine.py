@@ -431,6 +431,78 @@ class Engine:
             self.ctx.term()
 
 
+def call_together(engines: Sequence[Engine], issue: Callable[[], Future[Any]]) -> Any:
+    """``issue().result()`` with every connection of ``engines`` driven on this thread when all
+    are idle: the requests go out at once and the replies are read here, one poll over all the
+    sockets (a cross-worker copy waits on two workers, and a hop through an I/O thread costs a
+    wake-up and the GIL). Otherwise (one is busy) :meth:`Engine.call` on the first."""
+    taken: list[tuple[Engine, _IoLoop]] = []
+    for engine in engines:
+        io = engine._take_idle()
+        if io is None:
+            for held, held_io in taken:
+                held._give_back(held_io)
+            return engines[0].call(issue)
+        taken.append((engine, io))
+    calls: list[Call] = []
+    for engine, io in taken:
+        engine._local.io, engine._local.calls = io, calls
+    try:
+        future = issue()
+        _pump_together([io for _, io in taken], future, calls)
+    finally:
+        for engine, io in taken:
+            engine._give_back(io)
+    return future.result()
+
+
+TOGETHER_GRACE_S = 0.5
+"""How long :func:`call_together` still reads the replies of its other requests once its
+future has succeeded (a copy's source worker answers a moment after the bytes landed): the
+connections are then idle for the caller's next request. Past it (or at once when the future
+failed) the I/O threads read them."""
+
+
+def _pump_together(loops: Sequence[_IoLoop], future: Future[Any], calls: list[Call]) -> None:
+    """:meth:`_IoLoop.pump` over several connections until every call sent here is done, or
+    ``future`` failed, or it succeeded TOGETHER_GRACE_S ago (what is still due is then the I/O
+    threads', woken as the connections are given back)."""
+    poller = zmq.Poller()
+    owner: dict[Any, _IoLoop] = {}
+    named: dict[int, Any] = {}
+    for io in loops:
+        for sock in (io.dealer, io.monitor, io.engine._wake_r):
+            poller.register(sock, zmq.POLLIN)
+            owner[sock] = io
+        named[io.engine._wake_r.fileno()] = io.engine._wake_r   # poll reports it by its fd
+    _io_thread.active = True
+    try:
+        settled = 0.0
+        while not all(c.future.done() for c in calls):
+            if future.done():
+                if future.exception() is not None:
+                    return
+                settled = settled or time.monotonic()
+                if time.monotonic() - settled > TOGETHER_GRACE_S:
+                    return
+            for io in loops:
+                io.engine._pump_sleeping = True
+            waiting = any(not io.engine._inbox.empty() for io in loops)
+            timeout = 0 if waiting else min(io._poll_timeout_ms() for io in loops)
+            if settled:
+                timeout = min(timeout, int(TOGETHER_GRACE_S * 1000) + 1)
+            events = {named.get(s, s): e for s, e in poller.poll(timeout)}
+            for io in loops:
+                io.engine._pump_sleeping = False
+            for io in loops:
+                if not io._round({s: e for s, e in events.items() if owner[s] is io}):
+                    for call in calls:
+                        _fail(call.future, ClientClosed("the client was closed"))
+                    return
+    finally:
+        _io_thread.active = False
+
+
 class _Local(threading.local):
     """Per thread, per engine: where this thread's submissions go (see ``_enqueue``)."""
 

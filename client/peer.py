@@ -10,8 +10,24 @@ nothing waits and later requests to A still run after it. When the probe fails, 
 peer endpoint, copies are relayed: PEER_RECV on B as above, a GET on A, and, when its reply
 arrives, PEER_FILL requests that hand the bytes to B's waiting receive. Nothing in here blocks, so
 copies may be issued from future callbacks too; the ordering guarantees are the same either way.
-Any thread may call in; route state is under a lock. A copy fails as soon as either half fails;
-a failed send aborts B's waiting receive at once.
+Any thread may call in; route state is under a lock.
+
+Completion: a copy is done when B says the bytes have landed (its PEER_RECV reply). B writes
+every byte into ``dst`` before it answers, and the receive held B's queue, so every request this
+client sends B later (a graph run reading ``dst``) sees them. A's reply is not waited for: a 1.4
+worker (``unacked-sends``) asks B for no acknowledgement and answers once its chunks are with
+the link; an older one answers when B's acknowledgement has come back through it, a hop later.
+
+Faults, with the client's default settings: A refusing (a freed handle) or dying fails the copy
+as soon as its reply or the loss of its connection says so (at once for a process that died on
+this host, else within the heartbeat bound, about 6 s), and aborts B's receive, whether it has
+started or still waits in B's queue (it then fails as it starts); the requests queued behind it
+on B fail with :class:`TransferError` (they would have read a half copy), B's other sessions
+never wait. B dying fails the copy within the same bound. Bytes that never land (a dropped
+link; B's stash for chunks that come before their receive starts overflowing, which fails the
+receive as it starts) fail it with :class:`TransferError` at the transfer deadline, 0.8x the
+timeout (48 s of the default 60 s), before the request's own timeout. A's chunks still queued
+for a dead B by then are dropped with the link, so its source buffer is writable again.
 
 A pipeline does better with hand-offs (:func:`hand_off`) folded into its graph runs
 (``client.run_async(graph, ..., receive=[h], send=[h])``, one GRAPH_RUN_LINKED each): the stage
@@ -38,7 +54,7 @@ from ..broker import peer as wire
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, DType, TensorRef, split_tensor
 from .arrays import fetched, to_bfloat16
-from .futures import all_of, first_error, forward, new_future, resolved
+from .futures import all_of, first_error, forward, new_future, resolved, settled_by
 
 if TYPE_CHECKING:
     from .arrays import RunResult
@@ -160,11 +176,8 @@ def _later(a: Client, ready: Future[Any], issue: Callable[[], Future[Any]]) -> F
 
 
 def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = None) -> Future[Any]:
-    """dst[...] = src across workers; see the module docstring for ordering and fallback.
-
-    Fails as soon as either half fails (a dead worker on either side is reported within the
-    connection's detection bound); a failed send aborts the destination's waiting receive.
-    """
+    """dst[...] = src across workers; see the module docstring for ordering, completion, faults
+    and fallback."""
     _check_pair(src, dst)
     a, b = src.client, dst.client
     wait = min(a.timeout, b.timeout) if timeout is None else timeout
@@ -175,8 +188,10 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
     def send_half(direct: bool) -> Future[Any]:
         if not direct:
             return _relay(src, dst, token)
+        acked = "unacked-sends" not in a.info.capabilities
         return a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
-                                                    timeout_ms=transfer_ms), timeout=wait)
+                                                    timeout_ms=transfer_ms, acked=acked),
+                       timeout=wait)
 
     with _ISSUE_LOCK:   # every worker queues the halves of all copies in one global order
         route = _direct(a, b)
@@ -184,7 +199,7 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
                                                       timeout_ms=transfer_ms), timeout=wait)
         sent = _on_route(a, route, send_half)
     sent.add_done_callback(lambda f: _abort_if_failed(f, landed, b, token))
-    return first_error([landed, sent], lambda: None)
+    return settled_by(landed, [landed, sent])
 
 
 def _abort_if_failed(sent: Future[Any], landed: Future[Any], b: Client, token: bytes) -> None:

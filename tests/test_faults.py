@@ -164,3 +164,62 @@ def test_peer_copy_whose_source_dies_fails_quickly_and_frees_the_destination(
             queued.result(timeout=3.0)           # B's queue was released, not held 48 s
         assert time.monotonic() - killed < 3.0
         np.testing.assert_array_equal(b.get_tensor(small), np.arange(4))
+
+
+def test_small_peer_copy_whose_destination_dies_fails_quickly(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    """A small copy goes unacknowledged: its source answers at once, and B's death is what
+    the copy reports (A's buffer was copied into zmq: writable at once)."""
+    wa, wb, wc = spawn_worker(), spawn_worker(), spawn_worker()
+    with Client(wa.endpoint) as a, Client(wb.endpoint) as b, Client(wc.endpoint) as c:
+        src, dst = a.alloc_buffer(64 << 10).tensor(16 << 10), b.alloc_buffer(64 << 10).tensor(
+            16 << 10)
+        a.copy_tensor(src, dst)                 # the route is known
+        os.kill(wb.proc.pid, signal.SIGSTOP)    # B takes nothing in from here on
+        copy = a.copy_tensor_async(src, dst)
+        time.sleep(0.2)
+        killed = time.monotonic()
+        wb.terminate(signal.SIGKILL)
+        with pytest.raises((ConnectionLost, TransferError)):
+            copy.result(timeout=BOUND_S)
+        assert time.monotonic() - killed < 3.0
+        a.set_tensor(src, np.arange(16 << 10, dtype=np.float32))
+        fresh = c.alloc_buffer(64 << 10).tensor(16 << 10)
+        a.copy_tensor(src, fresh)
+        np.testing.assert_array_equal(c.get_tensor(fresh), np.arange(16 << 10))
+
+
+def test_peer_copy_whose_source_dies_before_its_receive_starts_frees_the_destination(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    """B still waits on an earlier copy (from a frozen C) when A dies: B remembers the abort
+    and fails A's receive as it starts, so what B queued behind it is answered when C
+    resumes, not at the transfer deadline (0.8x the 60 s timeout)."""
+    wa, wb, wc = spawn_worker(), spawn_worker(), spawn_worker()
+    with Client(wa.endpoint) as a, Client(wb.endpoint) as b, Client(wc.endpoint) as c:
+        n = 16 << 10
+        src_a, src_c = (x.alloc_buffer(4 * n).tensor(n) for x in (a, c))
+        first, second = (b.alloc_buffer(4 * n).tensor(n) for _ in range(2))
+        small = b.alloc_buffer(16).tensor(4)
+        b.set_tensor(small, np.arange(4, dtype=np.float32))
+        c.set_tensor(src_c, np.arange(n, dtype=np.float32))
+        c.copy_tensor(src_c, first)             # both routes are known
+        a.copy_tensor(src_a, second)
+        os.kill(wc.proc.pid, signal.SIGSTOP)
+        try:
+            one = c.copy_tensor_async(src_c, first)     # B's queue waits for C's bytes
+            two = a.copy_tensor_async(src_a, second)    # queued behind it on B
+            queued = b.get_tensor_async(small)
+            wa.terminate(signal.SIGKILL)
+            with pytest.raises((ConnectionLost, TransferError)):
+                two.result(timeout=BOUND_S)
+            time.sleep(0.3)                     # the abort reaches B, whose queue is held
+            assert not queued.done()
+        finally:
+            os.kill(wc.proc.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        one.result(timeout=BOUND_S)
+        with pytest.raises(TransferError, match="earlier transfer"):
+            queued.result(timeout=BOUND_S)
+        assert time.monotonic() - resumed < 3.0
+        np.testing.assert_array_equal(b.get_tensor(first), np.arange(n))
+        np.testing.assert_array_equal(b.get_tensor(small), np.arange(4))

@@ -32,6 +32,7 @@ from zmq_rpc.client import (
     to_bfloat16,
 )
 from zmq_rpc.client import peer as client_peer
+from zmq_rpc.client.futures import failed
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -256,6 +257,138 @@ def test_source_killed_mid_transfer(spawn_worker: Callable[..., WorkerProcess]) 
     finally:
         for client in (a, b, other):
             client.close()
+
+
+# ------------------------------------------------------------ completion (B's word)
+
+
+@pytest.fixture
+def pair(spawn_worker: Callable[..., WorkerProcess]) -> Iterator[tuple[Client, Client]]:
+    """Default-settings clients of two worker subprocesses, the route A -> B already probed."""
+    wa, wb = spawn_worker(), spawn_worker()
+    with Client(wa.endpoint) as a, Client(wb.endpoint) as b:
+        a.copy_tensor(tensor(a, (4,)), tensor(b, (4,)))
+        yield a, b
+
+
+def hold_sends(monkeypatch: pytest.MonkeyPatch, a: Client,
+               outcome: Callable[[Cmd, tuple[Any, ...], dict[str, Any]], Future[Any]]
+               ) -> list[wire.PeerSend]:
+    """A's PEER_SENDs get the future ``outcome(cmd, args, kwargs)`` returns (other commands
+    go through); the sends' messages are recorded."""
+    sends: list[wire.PeerSend] = []
+    real = a._call
+
+    def spy(cmd: Cmd, *args: Any, **kwargs: Any) -> Future[Any]:
+        if cmd is not Cmd.PEER_SEND:
+            return real(cmd, *args, **kwargs)
+        sends.append(args[0])
+        return outcome(cmd, args, kwargs)
+    monkeypatch.setattr(a, "_call", spy)
+    return sends
+
+
+@pytest.mark.parametrize("n", [16 * 1024, 256 * 1024], ids=["64KiB", "1MiB"])
+def test_copy_completes_when_the_destination_says_the_bytes_landed(
+        pair: tuple[Client, Client], monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """A's reply is not waited for. The client asks for no acknowledgement; A skips it for
+    small sends only (a big one's reply says its zero-copy chunks have left A: see the fault
+    tests of a source killed mid-transfer)."""
+    a, b = pair
+    src, dst = tensor(a, (n,)), tensor(b, (n,))
+    values = np.arange(n, dtype=np.float32)
+    a.set_tensor(src, values)
+    replies: list[Future[Any]] = []
+    held: Future[Any] = Future()
+    held.set_running_or_notify_cancel()
+    sends = hold_sends(monkeypatch, a, lambda cmd, args, kw: (
+        replies.append(Client._call(a, cmd, *args, **kw)), held)[1])
+    copy = a.copy_tensor_async(src, dst)
+    copy.result(timeout=30)
+    assert not held.done()                      # done on B's word alone
+    assert replies[0].result(timeout=30) is None
+    held.set_result(None)
+    assert [s.acked for s in sends] == [False]
+    np.testing.assert_array_equal(b.get_tensor(dst), values)
+
+
+@pytest.mark.parametrize("n", [16 * 1024, 256 * 1024], ids=["64KiB", "1MiB"])
+def test_a_later_graph_run_on_the_destination_sees_the_bytes(pair: tuple[Client, Client],
+                                                              n: int) -> None:
+    """Issued without waiting for the copy: B runs it after the bytes landed, every time."""
+    a, b = pair
+    src, x, y, one = tensor(a, (n,)), tensor(b, (n,)), tensor(b, (n,)), tensor(b, (n,))
+    b.set_tensor(one, np.ones(n, np.float32))
+    g = Graph()
+    g.add(x, one, out=y)
+    graph = b.register(g)
+    runs = []
+    for k in range(20):
+        a.set_tensor_async(src, np.full(n, k, np.float32))
+        copy = a.copy_tensor_async(src, x)
+        runs.append((copy, b.run_async(graph, fetch=[y[:1], y[-1:]])))
+    for k, (copy, run) in enumerate(runs):
+        copy.result(timeout=30)
+        first, last = run.result(timeout=30)
+        assert first[0] == last[0] == k + 1, f"run {k} saw stale bytes"
+
+
+def test_a_failed_send_fails_the_copy_and_releases_the_destination_at_once(
+        pair: tuple[Client, Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = pair
+    src, dst, small = tensor(a, (1024,)), tensor(b, (1024,)), tensor(b, (4,))
+    b.set_tensor(small, np.arange(4, dtype=np.float32))
+    refusal: Future[Any] = Future()
+    refusal.set_running_or_notify_cancel()
+    hold_sends(monkeypatch, a, lambda *_: refusal)
+    start = time.monotonic()
+    copy = a.copy_tensor_async(src, dst)
+    queued = b.get_tensor_async(small)          # behind the receive in B's queue
+    refusal.set_exception(TransferError("A refused"))
+    with pytest.raises(TransferError, match="A refused"):
+        copy.result(timeout=30)
+    with pytest.raises(TransferError, match="earlier transfer"):
+        queued.result(timeout=30)
+    np.testing.assert_array_equal(b.get_tensor(small), np.arange(4))
+    assert time.monotonic() - start < 0.1 * b.timeout   # the transfer deadline is 0.8x
+
+
+def test_a_copy_called_off_before_its_receive_starts_fails_as_it_starts(
+        pair: tuple[Client, Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """B still runs an earlier receive when the second copy's send fails: B remembers the
+    abort and fails that receive as it starts, not at its deadline (0.8x the timeout)."""
+    a, b = pair
+    src, first, second, small = (tensor(a, (1024,)), tensor(b, (1024,)), tensor(b, (1024,)),
+                                 tensor(b, (4,)))
+    a.set_tensor(src, np.arange(1024, dtype=np.float32))
+    b.set_tensor(small, np.arange(4, dtype=np.float32))
+    later: list[tuple[Cmd, tuple[Any, ...], dict[str, Any]]] = []
+
+    def outcome(cmd: Cmd, args: tuple[Any, ...], kw: dict[str, Any]) -> Future[Any]:
+        if not later:                           # the first send waits for the test
+            later.append((cmd, args, kw))
+            pending: Future[Any] = Future()
+            pending.set_running_or_notify_cancel()
+            return pending
+        return failed(TransferError("the second send failed"))
+    hold_sends(monkeypatch, a, outcome)
+    one = a.copy_tensor_async(src, first)       # B's queue waits for these bytes
+    two = a.copy_tensor_async(src, second)      # queued behind, called off at once
+    queued = b.get_tensor_async(small)
+    with pytest.raises(TransferError, match="second send failed"):
+        two.result(timeout=30)
+    time.sleep(0.5)                             # the abort reaches B (no request would:
+                                                # the session's queue is held)
+    assert not one.done() and not queued.done()
+    cmd, args, kw = later[0]
+    released = time.monotonic()
+    Client._call(a, cmd, *args, **kw)   # now the first send goes out
+    one.result(timeout=30)
+    with pytest.raises(TransferError, match="earlier transfer.*called the transfer off"):
+        queued.result(timeout=30)
+    assert time.monotonic() - released < 0.1 * b.timeout
+    np.testing.assert_array_equal(b.get_tensor(first), np.arange(1024))
+    np.testing.assert_array_equal(b.get_tensor(small), np.arange(4))
 
 
 def test_held_session_does_not_block_other_clients(make_worker: Callable[..., WorkerServer],

@@ -148,7 +148,7 @@ class Executor:
             if kernels.available():
                 capabilities.append("packed-kernels")
         if self.peers.endpoint:
-            capabilities.append("peer-copy")
+            capabilities += ["peer-copy", "unacked-sends"]
         return capabilities
 
     # ------------------------------------------------------------------ entry from the loop

@@ -44,8 +44,11 @@ from .stash import Stash
 log = logging.getLogger("zmq_rpc.worker.peer")
 
 CHUNK_BYTES = 4 << 20
-ZERO_COPY_BYTES = 64 * 1024
-"""Smaller chunks are copied into zmq messages: cheaper than tracking a zero-copy one."""
+ZERO_COPY_BYTES = 256 * 1024
+"""Smaller chunks are copied into zmq messages: a memcpy of up to 256 KiB (tens of
+microseconds) costs less than tracking a zero-copy message (a tracker, a wake-up of pyzmq's
+garbage-collector thread for each), and a send made only of copied chunks no longer depends on
+its buffer once pushed, so it may go unacknowledged (PEER_SEND ``acked`` false)."""
 MAX_LINKS = 64
 
 
@@ -218,7 +221,10 @@ class PeerLinks:
         self.incoming[token] = Incoming(
             owner, done, dst, view, time.monotonic() + timeout_ms / 1000, staging,
             None if in_place is None else memoryview(in_place))
-        stashed = self.stash.claim(owner, token)
+        stashed, why = self.stash.claim(owner, token)
+        if why is not None:                   # called off before it started: fail it now
+            self._finish_incoming(token, why)
+            return
         if stashed is not None:
             for chunk, frame in stashed.messages:
                 if token in self.incoming:
@@ -232,6 +238,15 @@ class PeerLinks:
                                              time.monotonic() + timeout_ms / 1000,
                                              f"transfer to {send.endpoint}")
         self.push(push)
+
+    def send_unacked(self, send: wire.Send, source: Source) -> None:
+        """Push a small ``source`` (under ZERO_COPY_BYTES: every chunk is copied into zmq
+        here, so nothing of it depends on the source buffer, nor on this worker's life beyond
+        its I/O thread's next write) and ask the peer for no acknowledgement: its own request
+        reports the landing."""
+        if send.src.nbytes >= ZERO_COPY_BYTES:
+            raise WireError(ErrorCode.INTERNAL, "an unacknowledged send must be small")
+        self.push(self.prepare_push(send, source, acknowledge=False))
 
     def prepare_push(self, send: wire.Send, source: Source, acknowledge: bool) -> Push:
         """Check a send (peer endpoint, link) and encode its chunk headers before anything it
@@ -272,8 +287,8 @@ class PeerLinks:
                 tracker = link.send_multipart([piece.header, data], copy=False, track=True)
                 if tracker is not None:
                     push.source.track(tracker)
-            else:
-                link.send_multipart([piece.header, data], copy=False)
+            else:     # bytes in the buffer are copied (it may change once this returns)
+                link.send_multipart([piece.header, data], copy=piece.data is not None)
 
     def _check_verified(self, endpoint: str) -> None:
         """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
@@ -358,8 +373,11 @@ class PeerLinks:
         if transfer is not None and transfer.owner is not owner:
             raise WireError(ErrorCode.INVALID_HANDLE, "that transfer belongs to another session")
         if msg.error:
+            why = f"the client called the transfer off: {msg.error}"
             if transfer is not None:
-                self._finish_incoming(msg.token, f"the relaying client failed: {msg.error}")
+                self._finish_incoming(msg.token, why)
+            else:                     # its receive has not started: it fails when it does
+                self.stash.abort(owner, msg.token, why)
             return
         self._on_chunk(wire.Chunk(msg.token, msg.seq, msg.nchunks, msg.start, msg.total, ""),
                        frame, sender)

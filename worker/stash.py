@@ -54,6 +54,10 @@ class Stash:
         """Each sender's unannounced stashed tokens, oldest first."""
         self.announced: dict[bytes, object] = {}
         """Tokens of receives queued in a session (their owner) and not started yet."""
+        self.aborted: dict[bytes, str] = {}
+        """Announced tokens whose transfer failed before its receive started, and why: the
+        receive fails as soon as it starts instead of waiting for its deadline. A subset of
+        ``announced`` (bounded by the sessions' queue quotas), forgotten with it."""
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -74,11 +78,25 @@ class Stash:
             self._forget(entry.sender, token)
             entry.announced = True
 
-    def claim(self, owner: object, token: bytes) -> Stashed | None:
-        """``owner``'s receive of ``token`` starts: what came early is handed over."""
+    def claim(self, owner: object, token: bytes) -> tuple[Stashed | None, str | None]:
+        """``owner``'s receive of ``token`` starts: what came early is handed over, or why the
+        transfer already failed (:meth:`abort`)."""
         if self.announced.get(token) is owner:
             del self.announced[token]
-        return self._unstash(token)
+            why = self.aborted.pop(token, None)
+            if why is not None:
+                return self._unstash(token), why
+        return self._unstash(token), None
+
+    def abort(self, owner: object, token: bytes, why: str) -> bool:
+        """``owner``'s transfer ``token`` failed before its receive started (its sender or the
+        relaying client failed): remember why until the receive starts, and drop its early
+        chunks. False when ``owner`` announced no such receive (nothing is kept)."""
+        if self.announced.get(token) is not owner:
+            return False
+        self.aborted.setdefault(token, why)
+        self._unstash(token)
+        return True
 
     def keep(self, chunk: wire.Chunk, frame: zmq.Frame, sender: str) -> None:
         """Keep a chunk whose receive has not started yet. Chunks of announced transfers are
@@ -86,6 +104,8 @@ class Stash:
         sender, a sender's oldest making room for its newest, and MAX_STASHED_TRANSFERS in all,
         the heaviest sender's oldest making room: made-up chunks never evict announced ones,
         nor another sender's while that sender stashes less."""
+        if chunk.token in self.aborted:
+            return                        # its receive fails when it starts: nothing to keep
         entry = self.entries.pop(chunk.token, None)
         if entry is not None and entry.sender != sender:
             self.entries[chunk.token] = entry
@@ -95,6 +115,10 @@ class Stash:
             if entry is not None:
                 self.entries[chunk.token] = entry
             self._drop(sender, "stash bytes full")
+            owner = self.announced.get(chunk.token)
+            if owner is not None:         # that transfer cannot complete: say so at its start
+                self.abort(owner, chunk.token, f"a chunk arrived before the receive started "
+                           f"and the early-chunk stash was full ({self.limit} bytes)")
             return
         if entry is None:
             entry = self._new_entry(chunk.token, sender)
@@ -118,6 +142,7 @@ class Stash:
         """A session closed: its announced tokens, and what came for them, go."""
         for token in [t for t, by in self.announced.items() if by is owner]:
             del self.announced[token]
+            self.aborted.pop(token, None)
             self._unstash(token)
 
     def _new_entry(self, token: bytes, sender: str) -> Stashed | None:

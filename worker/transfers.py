@@ -13,7 +13,7 @@ from collections.abc import Callable
 from ..broker import peer as wire
 from ..broker.protocol import Cmd, TensorRef
 from .backends.base import View
-from .peer_links import Done, PeerLinks, Push, Source
+from .peer_links import ZERO_COPY_BYTES, Done, PeerLinks, Push, Source
 from .quotas import Charged
 from .requests import Admission, Later, Outcome, Request, Route
 from .session import NO_REPLY, Reply, Session, Views
@@ -47,10 +47,17 @@ class PeerCommands:
         return Later.HOLD
 
     def send(self, session: Session, msg: wire.PeerSend, req: Request) -> Outcome:
-        """Answered when the peer acknowledges; the queue goes on meanwhile."""
-        self.peers.start_send(wire.Send(msg.token, msg.src, msg.endpoint),
-                              self.source(session, msg.src), msg.timeout_ms, session,
-                              self._done(session, req))
+        """Answered when the peer acknowledges, the queue going on meanwhile. A small send that
+        asks for no acknowledgement (``acked`` false, 1.4; under ZERO_COPY_BYTES, every chunk
+        copied into zmq) is answered as soon as it is pushed; a bigger one is still
+        acknowledged: its reply then says its zero-copy chunks have left this worker, so that
+        the client learns of this worker's death while they depend on it."""
+        send = wire.Send(msg.token, msg.src, msg.endpoint)
+        source = self.source(session, msg.src)
+        if not msg.acked and msg.src.nbytes < ZERO_COPY_BYTES:
+            self.peers.send_unacked(send, source)
+            return NO_REPLY
+        self.peers.start_send(send, source, msg.timeout_ms, session, self._done(session, req))
         return Later.ANSWERED_LATER
 
     def probe(self, session: Session, msg: wire.PeerProbe, req: Request) -> Outcome:
