@@ -145,7 +145,7 @@ class Executor:
         if self.backend.supports_graphs:
             capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
                              "scale-bias"]
-            if kernels.available():
+            if self.backend.packed_kernels and kernels.available():
                 capabilities.append("packed-kernels")
         if self.peers.endpoint:
             capabilities.append("peer-copy")
