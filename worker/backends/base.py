@@ -37,6 +37,8 @@ class Backend(Protocol):
     """Short backend name ("numpy", "cupy"), used in messages."""
     kind: str
     """The device kind clients see in HELLO ("cpu", "cuda")."""
+    index: int
+    """The device's ordinal on its machine (``cuda:N``; 0 for the CPU), in HELLO's details."""
     alignment: int
     """Bytes every buffer's start is aligned to."""
     zero_copy: bool

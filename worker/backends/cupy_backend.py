@@ -76,6 +76,7 @@ class CupyBackend(Backend):
                 f"no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver?); {CUDA_EXTRA} "
                 "installs cupy for CUDA 12")
         self.device = cupy.cuda.Device(device_index)
+        self.index = device_index
         with self.device:
             self.cp.cuda.runtime.memGetInfo()       # fails here, clearly, if the GPU is unusable
         self._props = cupy.cuda.runtime.getDeviceProperties(device_index)

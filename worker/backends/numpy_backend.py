@@ -55,6 +55,7 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     kind = "cpu"
+    index = 0
     alignment = ALIGNMENT
     zero_copy = True
     supports_graphs = True
