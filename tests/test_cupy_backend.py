@@ -41,6 +41,7 @@ from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.timeout(60),
     # warnings from cupy or the driver are shown in the summary, never turned into failures
     # (setup.cfg makes warnings errors, and would do so in the worker threads too)

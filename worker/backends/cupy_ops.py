@@ -36,16 +36,18 @@ from . import numpy_ops as K
 Params = K.Params
 
 _ROPE_OP: Final = """
-long long k = i % half;
-long long row = i / half;
+long long k = i % n_half;
+long long row = i / n_half;
 long long t = (row / heads) % tokens;
 long long a = row * dim + (neox ? k : 2 * k);
-long long b = a + (neox ? half : 1);
-float c = cos_t[t * half + k], s = sin_t[t * half + k];
+long long b = a + (neox ? n_half : 1);
+float c = cos_t[t * n_half + k], s = sin_t[t * n_half + k];
 float x0 = y[a], x1 = y[b];
 y[a] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
 y[b] = __fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, s));
 """
+"""``i`` runs over the rotated pairs of every row (..., t, head); ``n_half``, not ``half``: cupy's
+kernels include cuda_fp16.h, where ``half`` is a type."""
 
 _DEQUANT_OP: Final = {
     "q8_0": """
@@ -68,7 +70,7 @@ class CupyKernels:
         self.cp = cupy
         self.rope = cupy.ElementwiseKernel(
             "raw float32 cos_t, raw float32 sin_t, int64 tokens, int64 heads, int64 dim, "
-            "int64 half, bool neox", "raw float32 y", _ROPE_OP, "zmq_rpc_rope")
+            "int64 n_half, bool neox", "raw float32 y", _ROPE_OP, "zmq_rpc_rope")
         self.dequant = {
             "q8_0": cupy.ElementwiseKernel("raw uint8 q, raw float32 d", "float32 y",
                                            _DEQUANT_OP["q8_0"], "zmq_rpc_dequant_q8_0"),
