@@ -210,18 +210,20 @@ def encoder_graph(client: Client, rng: np.random.Generator) -> tuple[Graph, Remo
     return g, out
 
 
+def _runner(client: Client, handle: Any) -> Callable[[], float]:
+    return lambda: elapsed(lambda: client.run(handle))
+
+
 def encoder_rows(ctx: BenchContext, gpu: Client, cpu: Client) -> list[CaseResult]:
     reps = ctx.reps(9, 3)
-    runs = {}
+    runners: dict[str, Callable[[], float]] = {}
     outputs = []
     for name, client in (("gpu", gpu), ("cpu", cpu)):
         g, out = encoder_graph(client, np.random.default_rng(3))
-        handle = client.register(g)
-        runs[name] = (client, handle)
+        runners[name] = _runner(client, client.register(g))
         outputs.append(out)
     with ctx.progress(reps, "gpu encoder") as bar:
-        s = interleave({name: (lambda c=c, h=h: elapsed(lambda: c.run(h)))
-                        for name, (c, h) in runs.items()}, reps, bar)
+        s = interleave(runners, reps, bar)
     np.testing.assert_allclose(gpu.get_tensor(outputs[0]), cpu.get_tensor(outputs[1]),
                                rtol=1e-2, atol=1e-2)
     e = ENCODER
