@@ -91,10 +91,10 @@ def _total(frames: Sequence[Any]) -> int:
 class Recorder:
     """Counters and histograms, bumped by the backend thread only (no locks).
 
-    The per-request path only appends: :meth:`request` adds a tuple to a pending list and the
+    The per-request path only appends: :meth:`request` extends a flat pending list and the
     byte counters are plain int attributes. :meth:`publish` (the backend thread, every
-    :data:`PUBLISH_INTERVAL`) folds the pending requests into the histograms with numpy, a few
-    hundred ns per request in a batch instead of ~1.3 µs one by one, and stores a
+    :data:`PUBLISH_INTERVAL`) folds the pending requests into the histograms with numpy
+    (~0.35 µs per request with the append, against 1.3 µs bucketing one by one) and stores a
     :class:`Counters` copy that other threads read: what a scrape sees is at most one
     interval old, and a counter never goes back."""
 
@@ -105,7 +105,9 @@ class Recorder:
         self.requests: dict[tuple[int, int], int] = {}
         self.queue_wait: dict[int, list[int]] = {}
         self.execution: dict[int, list[int]] = {}
-        self._pending: list[tuple[int, int, int, int]] = []
+        self._pending: list[int] = []
+        """(command, outcome code, wait ns, execution ns) of each request since the last fold,
+        flat: one ``+=`` of a tuple per request is the cheapest record Python has."""
         self._client_in = self._client_out = self._peer_in = self._peer_out = 0
         self.transfers: dict[tuple[str, bool], int] = {}
         self.graph_runs = 0
@@ -117,7 +119,7 @@ class Recorder:
 
     def request(self, cmd: int, code: int, wait_ns: int, exec_ns: int) -> None:
         """A request was answered (``code`` 0: ok) after waiting and running this long."""
-        self._pending.append((cmd, code, wait_ns, exec_ns))
+        self._pending += (cmd, code, wait_ns, exec_ns)
 
     def graph_run(self, compute_ns: int) -> None:
         """A graph ran (any of the three run commands); ``compute_ns`` inside the graph."""
@@ -178,23 +180,31 @@ class Recorder:
         return self._published
 
 
-def _fold(pending: list[tuple[int, int, int, int]], requests: dict[tuple[int, int], int],
+def _fold(pending: list[int], requests: dict[tuple[int, int], int],
           queue_wait: dict[int, list[int]], execution: dict[int, list[int]]) -> None:
-    """Count ``pending`` (command, code, wait ns, execution ns) into the three tables."""
-    table = np.array(pending, dtype=np.int64)
-    pairs, counts = np.unique(table[:, :2], axis=0, return_counts=True)
-    for (cmd, code), count in zip(pairs.tolist(), counts.tolist()):
-        requests[(cmd, code)] = requests.get((cmd, code), 0) + count
-    for cmd in np.unique(table[:, 0]).tolist():
-        rows = table[table[:, 0] == cmd]
-        for column, hists in ((2, queue_wait), (3, execution)):
-            hist = hists.setdefault(cmd, [0] * (len(_BOUNDS_NS) + 2))
-            values = rows[:, column]
-            buckets = np.bincount(np.searchsorted(_BOUNDS, values, side="left"),
-                                  minlength=len(_BOUNDS_NS) + 1)
-            for i, count in enumerate(buckets.tolist()):
+    """Count ``pending`` (flat: command, code, wait ns, execution ns, ...) into the tables."""
+    table = np.array(pending, dtype=np.int64).reshape(-1, 4)
+    keys, counts = np.unique((table[:, 0] << 32) | table[:, 1], return_counts=True)
+    for key, count in zip(keys.tolist(), counts.tolist()):
+        pair = (key >> 32, key & 0xFFFFFFFF)
+        requests[pair] = requests.get(pair, 0) + count
+    commands = table[:, 0]
+    first = int(commands[0])
+    groups = ([(first, table)] if (commands == first).all() else
+              [(cmd, table[commands == cmd]) for cmd in np.unique(commands).tolist()])
+    width = len(_BOUNDS_NS) + 1
+    for cmd, rows in groups:
+        times = rows[:, 2:4]
+        slots = np.searchsorted(_BOUNDS, times, side="left")   # bisect_left: le buckets
+        slots[:, 1] += width
+        buckets = np.bincount(slots.ravel(), minlength=2 * width).tolist()
+        sums = times.sum(axis=0).tolist()
+        for hists, part, total in ((queue_wait, buckets[:width], sums[0]),
+                                   (execution, buckets[width:], sums[1])):
+            hist = hists.setdefault(cmd, [0] * (width + 1))
+            for i, count in enumerate(part):
                 hist[i] += count
-            hist[-1] += int(values.sum())
+            hist[-1] += total
 
 
 class NullRecorder(Recorder):
