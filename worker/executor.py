@@ -135,7 +135,7 @@ class Executor:
         if self.backend.supports_graphs:
             capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
                              "scale-bias"]
-            if kernels.available():
+            if self.backend.packed_kernels and kernels.available():
                 capabilities.append("packed-kernels")
         if self.peers.endpoint:
             capabilities.append("peer-copy")
@@ -345,7 +345,11 @@ class Executor:
                      extra={"event": "session_opened", **session.log_fields(),
                             "open": len(self.sessions)})
         session.timing = session.timing or msg.timing
-        return self.hello_reply(), []
+        session.minor = msg.minor
+        reply = self.hello_reply()
+        if msg.minor < 6:          # an older client decodes no field it does not know
+            reply = dataclasses.replace(reply, device_details=())
+        return reply, []
 
     def hello_reply(self) -> p.HelloReply:
         """What this worker tells new sessions."""
@@ -358,7 +362,14 @@ class Executor:
             max_buffer_size=self.limits.max_buffer_size,
             max_message_size=self.limits.max_message_size,
             session_timeout_ms=int(self.limits.session_timeout * 1000),
-            capabilities=tuple(self.capabilities), peer_endpoint=self.peers.endpoint)
+            capabilities=tuple(self.capabilities), peer_endpoint=self.peers.endpoint,
+            device_details=self.device_details())
+
+    def device_details(self) -> tuple[p.DeviceDetail, ...]:
+        """HELLO's and STATUS's ``device_details`` (1.6): index, physical memory, capability."""
+        backend = self.backend
+        return (p.DeviceDetail(index=backend.index, memory=backend.total_memory(),
+                               compute_capability=backend.compute_capability()),)
 
     def _goodbye(self, session: Session, msg: p.Empty, req: Request) -> Outcome:
         self._drop(session, req)          # answered below, not failed with the rest
@@ -460,7 +471,8 @@ class Executor:
             graphs=sum(len(s.graphs) for s in others),
             transfers_in_progress=snap.transfers_in_progress,
             capabilities=tuple(self.capabilities), peer_endpoint=self.peers.endpoint,
-            session_list=tuple(_session_info(s, now) for s in recent)), []
+            session_list=tuple(_session_info(s, now) for s in recent),
+            device_details=self.device_details() if asker.minor >= 6 else ()), []
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes the worker may still hand out."""

@@ -274,6 +274,7 @@ class PeerLinks:
         self.metrics.peer_out([p.view for p in push.pieces])
         if not push.acknowledged:
             self.metrics.transfer("out", True)
+        self.backend.prefetch([p.view for p in push.pieces if p.data is None])  # GPU: overlap
         for piece in push.pieces:
             data = piece.data
             if data is None and push.source.copy is not None and \
