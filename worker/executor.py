@@ -82,8 +82,6 @@ class Executor:
         self.started = time.monotonic()
         self.version = package_version()
         self._session_ids = 0
-        if self.metrics.enabled:
-            send = self._counted(send)
         self.backend = backend
         self.limits = limits
         self.server_name = server_name
@@ -93,18 +91,10 @@ class Executor:
         self.accounts = SessionMemory(
             self.budget, Quotas(memory=limits.session_memory or limits.memory_limit),
             self._close_silent)
-        self.outbox = Outbox(send, self.accounts.inflight)
+        self.outbox = Outbox(send, self.accounts.inflight,
+                             self.metrics.client_out if self.metrics.enabled else None)
         self.routes = self._routes(Views(backend, limits.max_buffer_size, self.accounts))
         self.capabilities = self._capabilities()
-
-    def _counted(self, send: Send) -> Send:
-        """``send`` that counts the reply bytes for the metrics (not the routing id)."""
-        client_out = self.metrics.client_out
-
-        def counted(frames: list[Any], *args: Any, **kwargs: Any) -> Any:
-            client_out(frames[1:])
-            return send(frames, *args, **kwargs)
-        return counted
 
     @property
     def quotas(self) -> Quotas:
@@ -160,7 +150,7 @@ class Executor:
             return
         arrived = time.perf_counter_ns()
         client_id = frames[0].bytes
-        self.metrics.client_in(frames[1:])
+        self.metrics.client_in(frames)
         try:
             cmd, req_id, msg = p.decode_request([f.buffer for f in frames[1:]])
         except BadRequest as exc:
