@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import WorkerProcess
+from zmq_rpc.broker import peer as wire
+from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client, ConnectionLost, SessionLost, TransferError
 
 MiB = 1 << 20
@@ -193,35 +195,33 @@ def test_small_peer_copy_whose_destination_dies_fails_quickly(
 
 def test_peer_copy_whose_source_dies_before_its_receive_starts_frees_the_destination(
         spawn_worker: Callable[..., WorkerProcess]) -> None:
-    """B still waits on an earlier copy (from a frozen C) when A dies: B remembers the abort
-    and fails A's receive as it starts, so what B queued behind it is answered when C
-    resumes, not at the transfer deadline (0.8x the 60 s timeout)."""
-    wa, wb, wc = spawn_worker(), spawn_worker(), spawn_worker()
-    with Client(wa.endpoint) as a, Client(wb.endpoint) as b, Client(wc.endpoint) as c:
+    """B still waits on an earlier transfer (one this client relays itself, later) when A dies:
+    B remembers the abort and fails A's receive as it starts, so what B queued behind it is
+    answered as soon as the earlier transfer is in, not at the deadline (0.8x the 60 s timeout)."""
+    wa, wb = spawn_worker(), spawn_worker()
+    with Client(wa.endpoint) as a, Client(wb.endpoint) as b:
         n = 16 << 10
-        src_a, src_c = (x.alloc_buffer(4 * n).tensor(n) for x in (a, c))
+        src = a.alloc_buffer(4 * n).tensor(n)
         first, second = (b.alloc_buffer(4 * n).tensor(n) for _ in range(2))
         small = b.alloc_buffer(16).tensor(4)
         b.set_tensor(small, np.arange(4, dtype=np.float32))
-        c.set_tensor(src_c, np.arange(n, dtype=np.float32))
-        c.copy_tensor(src_c, first)             # both routes are known
-        a.copy_tensor(src_a, second)
-        os.kill(wc.proc.pid, signal.SIGSTOP)
-        try:
-            one = c.copy_tensor_async(src_c, first)     # B's queue waits for C's bytes
-            two = a.copy_tensor_async(src_a, second)    # queued behind it on B
-            queued = b.get_tensor_async(small)
-            wa.terminate(signal.SIGKILL)
-            with pytest.raises((ConnectionLost, TransferError)):
-                two.result(timeout=BOUND_S)
-            time.sleep(0.3)                     # the abort reaches B, whose queue is held
-            assert not queued.done()
-        finally:
-            os.kill(wc.proc.pid, signal.SIGCONT)
-        resumed = time.monotonic()
+        a.copy_tensor(src, second)               # the route is known
+        tok = os.urandom(wire.TOKEN_BYTES)
+        one = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=tok, dst=first.ref, timeout_ms=48_000))
+        two = a.copy_tensor_async(src, second)   # queued behind the first receive on B
+        queued = b.get_tensor_async(small)
+        wa.terminate(signal.SIGKILL)
+        with pytest.raises((ConnectionLost, TransferError)):
+            two.result(timeout=BOUND_S)
+        time.sleep(0.3)                          # the abort reaches B, whose queue is held
+        assert not queued.done()
+        released = time.monotonic()
+        values = np.arange(n, dtype=np.float32)
+        b._call(Cmd.PEER_FILL, wire.PeerFill(token=tok, seq=0, nchunks=1, start=0, total=4 * n,
+                                             error=""), [values.view(np.uint8)])
         one.result(timeout=BOUND_S)
         with pytest.raises(TransferError, match="earlier transfer"):
             queued.result(timeout=BOUND_S)
-        assert time.monotonic() - resumed < 3.0
-        np.testing.assert_array_equal(b.get_tensor(first), np.arange(n))
+        assert time.monotonic() - released < 3.0
+        np.testing.assert_array_equal(b.get_tensor(first), values)
         np.testing.assert_array_equal(b.get_tensor(small), np.arange(4))
