@@ -19,8 +19,10 @@ to a port that is not a known worker. Chunks for transfers nobody here waits for
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +50,53 @@ ZERO_COPY_BYTES = 64 * 1024
 """Smaller chunks are copied into zmq messages: cheaper than tracking a zero-copy one."""
 MAX_LINKS = 64
 
+NAMES_REFUSED = ("names an IP address (tcp://IP:PORT, tcp://[IPv6]:PORT) or ipc://PATH: libzmq "
+                 "resolves a host name on the worker's I/O thread, synchronously, so a name that "
+                 "does not resolve would stall every connection of this worker for seconds")
+
+
+def check_numeric(address: str) -> None:
+    """TRANSFER_FAILED unless ``address`` needs no name resolution to connect to.
+
+    Peer endpoints come from the network (a client's PEER_SEND, a probe's reply address). libzmq
+    calls getaddrinfo for a ``tcp://NAME:PORT`` on its I/O thread and again at every reconnect;
+    an unresolvable name blocks that thread ~1.5 s each time, and with it every client's
+    requests, replies and heartbeats (the long fuzz's lost probes). So links take IP addresses
+    only; a worker's own advertised endpoint is resolved once at start (:func:`resolve_endpoint`).
+    """
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc") and rest:
+        return
+    host, colon, port = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ok = scheme == "tcp" and bool(colon) and port.isdigit() and bool(ipaddress.ip_address(host))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise WireError(ErrorCode.TRANSFER_FAILED, f"peer endpoint "
+                        f"{printable(address, 100)} refused: a peer endpoint {NAMES_REFUSED}")
+
+
+def resolve_endpoint(endpoint: str) -> str:
+    """``tcp://NAME:PORT[#curve=KEY]`` with NAME resolved to an IP address, once (a worker's
+    ``--peer-advertise``, given by whoever starts it); other endpoints as they are."""
+    address, key = split_endpoint(endpoint)
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host.startswith("["):
+        return endpoint
+    try:
+        ipaddress.ip_address(host)
+        return endpoint
+    except ValueError:
+        pass
+    family, *_, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    ip = str(sockaddr[0])
+    resolved = f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
+    return join_endpoint(resolved, key)
+
 
 @dataclass
 class PeerSecurity:
@@ -64,6 +113,7 @@ class PeerSecurity:
             address, key = split_endpoint(endpoint)
         except KeyFileError as exc:
             raise WireError(ErrorCode.TRANSFER_FAILED, f"bad peer endpoint: {exc}") from None
+        check_numeric(address)
         if self.keys is None:
             if key is not None:
                 raise WireError(ErrorCode.TRANSFER_FAILED, "that peer endpoint requires CURVE, "
@@ -170,7 +220,8 @@ class PeerLinks:
             if keys is not None:
                 make_curve_server(self.pull, keys, PEER_DOMAIN)
             self.pull.bind(bind)
-            self.endpoint = advertise or self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.endpoint = (resolve_endpoint(advertise) if advertise
+                             else self.pull.getsockopt_string(zmq.LAST_ENDPOINT))
             if keys is not None and split_endpoint(self.endpoint)[1] is None:
                 self.endpoint = join_endpoint(self.endpoint, keys.public)
         self.links: dict[str, zmq.Socket[bytes]] = {}
