@@ -29,7 +29,7 @@ from zmq_rpc.broker.keys import (
     parse_key,
     split_endpoint,
 )
-from zmq_rpc.broker.protocol import Cmd, WireError
+from zmq_rpc.broker.protocol import Cmd, ErrorCode, WireError
 from zmq_rpc.broker.wire import printable
 from zmq_rpc.client import AuthenticationFailed, Client, TransferError
 from zmq_rpc.client.security import resolve_curve
@@ -497,3 +497,28 @@ def test_unresolvable_peer_names_do_not_stall_the_worker(
         worst = max(worst, time.monotonic() - start)
         time.sleep(0.05)
     assert worst < 3.0, f"a ping took {worst:.1f} s: the I/O thread stalled"
+
+
+def test_a_link_that_cannot_take_a_message_never_blocks_the_worker() -> None:
+    """The long fuzz (issue 13) hung a worker for good: the backend thread sat in a PUSH link's
+    blocking send (a probe). A PUSH with no pipe left (libzmq ends a connection that fails its
+    handshake with a protocol error and removes the pipe without reconnecting) blocks a send
+    forever, and with the backend thread every client. Link sends never block now (SNDTIMEO
+    0): the probe or push fails with TRANSFER_FAILED, the link is dropped, nothing is left
+    waiting for an acknowledgement."""
+    from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
+    from zmq_rpc.worker.peer_links import PeerLinks
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    links = PeerLinks(ctx, NumpyBackend(), bind="tcp://127.0.0.1:*")
+    try:
+        dead_end = "tcp://127.0.0.1:9"
+        links._link(dead_end).disconnect(dead_end)      # what a failed handshake leaves: no pipe
+        outcome: list[str | None] = []
+        start = time.monotonic()
+        with pytest.raises(WireError, match="cannot take a message now") as err:
+            links.start_probe(dead_end, 5000, object(), outcome.append)
+        assert time.monotonic() - start < 1 and err.value.code == ErrorCode.TRANSFER_FAILED
+        assert not links.outgoing and dead_end not in links.links and not outcome
+    finally:
+        links.close()
+        ctx.term()

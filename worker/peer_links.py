@@ -282,7 +282,11 @@ class PeerLinks:
         self.outgoing[send.token] = Outgoing(owner, done, send.endpoint,
                                              time.monotonic() + timeout_ms / 1000,
                                              f"transfer to {send.endpoint}")
-        self.push(push)
+        try:
+            self.push(push)
+        except WireError:
+            self.outgoing.pop(send.token, None)
+            raise
 
     def prepare_push(self, send: wire.Send, source: Source, acknowledge: bool) -> Push:
         """Check a send (peer endpoint, link) and encode its chunk headers before anything it
@@ -320,11 +324,11 @@ class PeerLinks:
             if data is None:
                 data = self.backend.read(piece.view)[0]
             if piece.zero_copy:
-                tracker = link.send_multipart([piece.header, data], copy=False, track=True)
+                tracker = self._send(link, push.endpoint, [piece.header, data], track=True)
                 if tracker is not None:
                     push.source.track(tracker)
             else:
-                link.send_multipart([piece.header, data], copy=False)
+                self._send(link, push.endpoint, [piece.header, data])
 
     def _check_verified(self, endpoint: str) -> None:
         """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
@@ -343,8 +347,28 @@ class PeerLinks:
         copy, sent = push.source.copy, push.source.sent
         assert copy is not None and sent is not None
         charged = copy(piece.view, push.endpoint)
-        tracker = link.send_multipart([piece.header, charged.data], copy=False, track=True)
+        try:
+            tracker = self._send(link, push.endpoint, [piece.header, charged.data], track=True)
+        except WireError:
+            sent(zmq.MessageTracker(), charged)      # never queued: done, reaped at once
+            raise
         sent(tracker, charged)
+
+    def _send(self, link: zmq.Socket[bytes], endpoint: str, frames: list[Any],
+              track: bool = False) -> zmq.MessageTracker | None:
+        """Hand frames to a link without ever blocking (links have SNDTIMEO 0): a PUSH whose
+        connection cannot take a message (none up, its pipe gone) would otherwise block the
+        backend thread, and with it every client, for good (seen in the long fuzz). Such a
+        send fails its transfer with TRANSFER_FAILED and the link is dropped (the next use
+        reconnects)."""
+        try:
+            return link.send_multipart(frames, copy=False, track=track)
+        except zmq.ZMQError as exc:
+            self._drop_link(endpoint)
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"the link to peer {printable(endpoint, 100)} cannot take a "
+                            f"message now ({zmq.strerror(exc.errno or 0)}): no connection "
+                            "to it is up") from None
 
     def drop_link(self, endpoint: str) -> None:
         """Close a link and drop what is queued on it (its session closed)."""
@@ -361,7 +385,11 @@ class PeerLinks:
                                         f"probe of {endpoint}", probe=True)
         probe = wire.encode_peer(wire.Probe(token, self.endpoint))
         self.metrics.peer_out((probe,))
-        link.send(probe)
+        try:
+            self._send(link, endpoint, [probe])
+        except WireError:
+            del self.outgoing[token]
+            raise
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
         """The PUSH socket to ``endpoint``: reused, most recently used last; at most MAX_LINKS
@@ -380,6 +408,7 @@ class PeerLinks:
             raise WireError(ErrorCode.TRANSFER_FAILED, f"cannot open a peer link: {exc}") from None
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 0)     # never block the backend thread (see _send)
         keys = self.security.keys
         if keys is not None and server_key is not None:
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
@@ -500,7 +529,7 @@ class PeerLinks:
     def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:
         try:
             frame = wire.encode_peer(ack)
-            self._link(endpoint).send(frame, zmq.NOBLOCK)
+            self._send(self._link(endpoint), endpoint, [frame])
             self.metrics.peer_out((frame,))
         except (WireError, zmq.ZMQError) as exc:
             log.warning("cannot acknowledge to %s: %s", printable(endpoint, 100),
