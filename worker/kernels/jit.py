@@ -145,24 +145,22 @@ def _sum5(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
 
 
 @njit(inline="always")
-def _sum6(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc_a: Any, acc_b: Any) -> None:
-    """q6_k: weights 32s + j (j < 16) into acc_a, 32s + 16 + j into acc_b (their scales differ)."""
+def _sum6(p: Any, h: Any, g: int, x: Any, t0: int, t1: int, acc: Any) -> None:
+    """q6_k: acc[i] = sum_j q[16g + j] x[16g + j] over scale group ``g`` (layout: one ``h`` byte, constant
+    shifts, serves the ``p`` bytes ``8g + j`` and ``8g + 4 + j``)."""
     n = t1 - t0
     for i in range(n):
-        acc_a[i] = 0
-        acc_b[i] = 0
-    ha, hb = h[2 * s][t0:t1], h[2 * s + 1][t0:t1]
-    for j in range(16):
-        x0, x1 = x[32 * s + j], x[32 * s + j + 16]
-        row = p[16 * s + j][t0:t1]
-        m0, m1 = _BIT[2 * j], _BIT[2 * j + 1]
+        acc[i] = 0
+    for j in range(4):
+        ra, rb, hr = p[8 * g + j][t0:t1], p[8 * g + 4 + j][t0:t1], h[4 * g + j][t0:t1]
+        xa, xb, xc, xd = x[16 * g + j], x[16 * g + 8 + j], x[16 * g + 4 + j], x[16 * g + 12 + j]
         for i in range(n):
-            v = np.int32(row[i])
-            wa, wb = ha[i], hb[i]
-            lo = np.int32(v & 15) | (np.int32(16) if wa & m0 else np.int32(0)) | (np.int32(32) if wa & m1 else np.int32(0))
-            hi = np.int32(v >> 4) | (np.int32(16) if wb & m0 else np.int32(0)) | (np.int32(32) if wb & m1 else np.int32(0))
-            acc_a[i] += _F32(np.int32(lo)) * x0
-            acc_b[i] += _F32(np.int32(hi)) * x1
+            va, vb, hb = np.int32(ra[i]), np.int32(rb[i]), np.int32(hr[i])
+            qa = np.int32(np.int32(va & 15) | np.int32((hb << 4) & 48))
+            qb = np.int32(np.int32(va >> 4) | np.int32((hb << 2) & 48))
+            qc = np.int32(np.int32(vb & 15) | np.int32(hb & 48))
+            qd = np.int32(np.int32(vb >> 4) | np.int32((hb >> 2) & 48))
+            acc[i] += (_F32(qa) * xa + _F32(qb) * xb) + (_F32(qc) * xc + _F32(qd) * xd)
 
 
 # ------------------------------------------------------------------------ matrix-vector, per type
@@ -326,26 +324,24 @@ def _mv_q5_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
 
 @_jit
 def _mv_q6_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    nb = ns // 8
+    R, ng = w.shape[0], x.shape[0] // 16
+    nb = ng // 16
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
-    h = _sec(flat, 4 * nb * R, 2 * ns, R, np.uint32, 4)
-    sc = _sec(flat, 4 * nb * R + 8 * ns * R, 2 * ns, R, np.int8, 1)
-    p = _sec(flat, 4 * nb * R + 10 * ns * R, 16 * ns, R, np.uint8, 1)
+    h = _sec(flat, 4 * nb * R, 4 * ng, R, np.uint8, 1)
+    sc = _sec(flat, 4 * nb * R + 4 * ng * R, ng, R, np.int8, 1)
+    p = _sec(flat, 4 * nb * R + 5 * ng * R, 8 * ng, R, np.uint8, 1)
     xs = _xsums(x, 16)
-    acc_a = np.empty(TILE, np.float32)
-    acc_b = np.empty(TILE, np.float32)
+    acc = np.empty(TILE, np.float32)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
         yt = y[t0:t1]
         yt[:] = 0
-        for s in range(ns):
-            _sum6(p, h, s, x, t0, t1, acc_a, acc_b)
-            db, sa, sb = d[s // 8][t0:t1], sc[2 * s][t0:t1], sc[2 * s + 1][t0:t1]
-            oa, ob = _F32(32) * xs[2 * s], _F32(32) * xs[2 * s + 1]
+        for g in range(ng):
+            _sum6(p, h, g, x, t0, t1, acc)
+            db, sg, off = d[g // 16][t0:t1], sc[g][t0:t1], _F32(32) * xs[g]
             for i in range(t1 - t0):
-                yt[i] += db[i] * (_F32(sa[i]) * (acc_a[i] - oa) + _F32(sb[i]) * (acc_b[i] - ob))
+                yt[i] += db[i] * _F32(sg[i]) * (acc[i] - off)
 
 
 def _half_typing(typingctx: Any, bits: Any) -> Any:
@@ -567,30 +563,31 @@ def _dq_q5_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
 
 @_jit_exact
 def _dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    nb = ns // 8
+    R, ng = w.shape[0], k // 16
+    nb = ng // 16
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
-    h = _sec(flat, 4 * nb * R, 2 * ns, R, np.uint32, 4)
-    sc = _sec(flat, 4 * nb * R + 8 * ns * R, 2 * ns, R, np.int8, 1)
-    p = _sec(flat, 4 * nb * R + 10 * ns * R, 16 * ns, R, np.uint8, 1)
-    n = r1 - r0
-    for s in range(ns):
-        db, sa, sb = d[s // 8][r0:r1], sc[2 * s][r0:r1], sc[2 * s + 1][r0:r1]
-        ha, hb = h[2 * s][r0:r1], h[2 * s + 1][r0:r1]
-        for j in range(16):
-            row = p[16 * s + j][r0:r1]
-            a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
-            m0, m1 = _BIT[2 * j], _BIT[2 * j + 1]
+    h = _sec(flat, 4 * nb * R, 4 * ng, R, np.uint8, 1)
+    sc = _sec(flat, 4 * nb * R + 4 * ng * R, ng, R, np.int8, 1)
+    p = _sec(flat, 4 * nb * R + 5 * ng * R, 8 * ng, R, np.uint8, 1)
+    n, o0, o1 = r1 - r0, r0 - c0, r1 - c0
+    for g in range(ng):
+        db, sg = d[g // 16][r0:r1], sc[g][r0:r1]
+        for j in range(4):
+            ra, rb, hr = p[8 * g + j][r0:r1], p[8 * g + 4 + j][r0:r1], h[4 * g + j][r0:r1]
+            oa, ob = out[16 * g + j][o0:o1], out[16 * g + 8 + j][o0:o1]
+            oc, od = out[16 * g + 4 + j][o0:o1], out[16 * g + 12 + j][o0:o1]
             for i in range(n):
-                v = np.int32(row[i])
-                wa, wb = ha[i], hb[i]
-                lo = np.int32(v & 15) | (np.int32(16) if wa & m0 else np.int32(0)) | (
-                    np.int32(32) if wa & m1 else np.int32(0))
-                hi = np.int32(v >> 4) | (np.int32(16) if wb & m0 else np.int32(0)) | (
-                    np.int32(32) if wb & m1 else np.int32(0))
-                a[i] = db[i] * _F32(sa[i]) * _F32(np.int32(lo - 32))
-                b[i] = db[i] * _F32(sb[i]) * _F32(np.int32(hi - 32))
+                va, vb, hb = np.int32(ra[i]), np.int32(rb[i]), np.int32(hr[i])
+                qa = np.int32(np.int32(va & 15) | np.int32((hb << 4) & 48))
+                qb = np.int32(np.int32(va >> 4) | np.int32((hb << 2) & 48))
+                qc = np.int32(np.int32(vb & 15) | np.int32(hb & 48))
+                qd = np.int32(np.int32(vb >> 4) | np.int32((hb >> 2) & 48))
+                scale = _F32(sg[i])
+                oa[i] = db[i] * scale * _F32(np.int32(qa - 32))
+                ob[i] = db[i] * scale * _F32(np.int32(qb - 32))
+                oc[i] = db[i] * scale * _F32(np.int32(qc - 32))
+                od[i] = db[i] * scale * _F32(np.int32(qd - 32))
 
 
 @_jit_exact
@@ -861,7 +858,7 @@ def _pack_q6_k(src: Any, out: Any) -> None:
     ns = 8 * nb
     flat = out.reshape(-1)
     bits = flat[:4 * nb * R].view(np.float32)
-    h = flat[4 * nb * R:4 * nb * R + 8 * ns * R].view(np.uint32)
+    h = flat[4 * nb * R:4 * nb * R + 8 * ns * R]
     off = 4 * nb * R + 8 * ns * R
     sc, p = flat[off:off + 2 * ns * R], flat[off + 2 * ns * R:]
     q = np.empty(256, np.uint8)
@@ -883,15 +880,15 @@ def _pack_q6_k(src: Any, out: Any) -> None:
                         q[e + 32] = (lo1 & _U15) | (((hh >> np.uint8(2)) & np.uint8(3)) << _U4)
                         q[e + 64] = (lo0 >> _U4) | (((hh >> np.uint8(4)) & np.uint8(3)) << _U4)
                         q[e + 96] = (lo1 >> _U4) | (((hh >> np.uint8(6)) & np.uint8(3)) << _U4)
-                for s in range(8):
-                    wa, wb = np.uint32(0), np.uint32(0)
-                    for j in range(16):
-                        a, c = q[32 * s + j], q[32 * s + 16 + j]
-                        p[(16 * (8 * b + s) + j) * R + r] = (a & _U15) | ((c & _U15) << _U4)
-                        wa |= np.uint32(a >> _U4) << np.uint32(2 * j)
-                        wb |= np.uint32(c >> _U4) << np.uint32(2 * j)
-                    h[(2 * (8 * b + s)) * R + r] = wa
-                    h[(2 * (8 * b + s) + 1) * R + r] = wb
+                for g in range(16):
+                    for j in range(8):
+                        a, c = q[16 * g + j], q[16 * g + 8 + j]
+                        p[(8 * (16 * b + g) + j) * R + r] = (a & _U15) | ((c & _U15) << _U4)
+                    for j in range(4):
+                        e = 16 * g + j
+                        h[(4 * (16 * b + g) + j) * R + r] = ((q[e] >> _U4) | ((q[e + 8] >> _U4) << np.uint8(2))
+                                                             | ((q[e + 4] >> _U4) << _U4)
+                                                             | ((q[e + 12] >> _U4) << np.uint8(6)))
 
 
 @_jit_exact
