@@ -1,21 +1,18 @@
 """numba kernels over packed weights (layout in :mod:`.layout`): matrix-vector products and dequantization.
 
-Owns the compiled loops. Only the worker's backend thread calls them (they may fan out to numba's
-own thread pool, ``nthr`` threads splitting the rows). Importing this module needs numba; nothing is
-compiled until a kernel is first called, and compiled code is cached on disk (``cache=True``, in
-``__pycache__`` beside this file or under ``NUMBA_CACHE_DIR``), so only the first worker start on a
-machine pays the compile (a few seconds per type).
+Owns the compiled loops. Only the worker's backend thread calls them, or the helper threads it hands
+disjoint row ranges to (``kernels.set_threads``): every kernel releases the GIL. Importing this module
+needs numba; nothing is compiled until a kernel is first called, and compiled code is cached on disk
+(``cache=True``, in ``__pycache__`` beside this file or under ``NUMBA_CACHE_DIR``), so only the first
+worker start on a machine pays the compile (a few seconds per family of types).
 
-For each qtype ``t``:
+:data:`KERNELS` maps each qtype to its two kernels and the flags that select it within its family
+(one compiled function per family: q4_0/q4_1/q5_0/q5_1, q4_k/q5_k, f16/bf16; q8_0 and q6_k alone; a
+flag is tested once per sub-block, outside the vectorized loops):
 
-- ``mv_t(w, x, y, nthr)``: ``y = W @ x`` for one float32 vector ``x`` (K,) into ``y`` (R,);
-- ``dq_t(w, k, r0, r1, out, nthr)``: ``out[:, i] = W[r0 + i, :]``, i.e. rows ``r0..r1`` dequantized into
-  a float32 ``out`` of shape (K, r1 - r0): a transposed tile, written with unit stride, that a BLAS
-  ``x @ out`` consumes directly (the prefill path).
-
-Those two split the rows over ``nthr`` threads (numba ``prange``, ``parallel=True``); their
-single-thread bodies (:data:`MV_ROWS`, :data:`DQ_ROWS`) are what one thread calls directly, so a
-one-thread worker never compiles (~2x the time) nor launches the parallel versions.
+- ``mv(w, x, y, r0, r1, *flags)``: rows ``r0..r1`` of ``y = W @ x`` for one float32 vector ``x`` (K,);
+- ``dq(w, k, r0, r1, out, c0, *flags)``: ``out[:, r - c0] = W[r, :]`` for rows ``r0..r1``: a transposed
+  float32 tile (K, n), written with unit stride, that a BLAS ``x @ out`` consumes directly (prefill).
 
 How the loops are built (the prototype measured 2-5x between layouts): for each sub-block of 32 weights
 and each byte position ``j``, the innermost loop runs over a tile of :data:`TILE` rows, reading
@@ -38,10 +35,10 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["DQ", "DQ_ROWS", "MV", "MV_ROWS", "TILE", "pack"]
+__all__ = ["KERNELS", "TILE", "pack"]
 
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 TILE = 4096
@@ -61,14 +58,6 @@ def _jit_exact(fn: Any) -> Any:
     return njit(cache=True, nogil=True)(fn)
 
 
-def _jit_parallel(fn: Any) -> Any:
-    return njit(fastmath=FASTMATH, cache=True, nogil=True, parallel=True)(fn)
-
-
-def _jit_parallel_exact(fn: Any) -> Any:
-    return njit(cache=True, nogil=True, parallel=True)(fn)
-
-
 # ------------------------------------------------------------------------------------ sections
 
 
@@ -76,15 +65,6 @@ def _jit_parallel_exact(fn: Any) -> Any:
 def _sec(flat: Any, off: int, n0: int, r: int, dtype: Any, size: int) -> Any:
     """Section ``(n0, r)`` of ``dtype`` (``size`` bytes each) at byte ``off`` of the flat packed bytes."""
     return flat[off:off + n0 * r * size].view(dtype).reshape((n0, r))
-
-
-@njit(inline="always")
-def _split(lo: int, hi: int, t: int, n: int) -> tuple[int, int]:
-    """Part ``t`` of ``n`` of the rows ``lo..hi``, boundaries on multiples of 16 rows."""
-    span = hi - lo
-    a = lo + (span * t // n) // 16 * 16 if t else lo
-    b = lo + (span * (t + 1) // n) // 16 * 16 if t + 1 < n else hi
-    return a, b
 
 
 @njit(inline="always")
@@ -167,83 +147,38 @@ def _sum6(p: Any, h: Any, g: int, x: Any, t0: int, t1: int, acc: Any) -> None:
 
 
 @_jit
-def _mv_q4_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+def _mv_blocks(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool, five: bool) -> None:
+    """q4_0 (neither flag), q4_1 (``has_min``), q5_0 (``five``), q5_1 (both): rows r0..r1 of ``W @ x``."""
     R, ns = w.shape[0], x.shape[0] // 32
     flat = w.reshape(-1)
     d = _sec(flat, 0, ns, R, np.float32, 4)
-    p = _sec(flat, 4 * ns * R, 16 * ns, R, np.uint8, 1)
+    off = 4 * ns * R
+    m = _sec(flat, off if has_min else 0, ns, R, np.float32, 4)   # d again without a min (unused)
+    off += 4 * ns * R if has_min else 0
+    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)       # unused without 5th bits
+    off += 4 * ns * R if five else 0
+    p = _sec(flat, off, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
+    bias = _F32(16) if five else _F32(8)
     acc = np.empty(TILE, np.float32)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
         yt = y[t0:t1]
         yt[:] = 0
         for s in range(ns):
-            _sum4(p, s, x, t0, t1, acc)
-            off, ds = _F32(8) * xs[s], d[s][t0:t1]
-            for i in range(t1 - t0):
-                yt[i] += ds[i] * (acc[i] - off)
-
-
-@_jit
-def _mv_q4_1(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
-    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum4(p, s, x, t0, t1, acc)
-            xsum, ds, ms = xs[s], d[s][t0:t1], m[s][t0:t1]
-            for i in range(t1 - t0):
-                yt[i] += ds[i] * acc[i] + ms[i] * xsum
-
-
-@_jit
-def _mv_q5_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    h = _sec(flat, 4 * ns * R, ns, R, np.uint32, 4)
-    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum5(p, h, s, x, t0, t1, acc)
-            off, ds = _F32(16) * xs[s], d[s][t0:t1]
-            for i in range(t1 - t0):
-                yt[i] += ds[i] * (acc[i] - off)
-
-
-@_jit
-def _mv_q5_1(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
-    h = _sec(flat, 8 * ns * R, ns, R, np.uint32, 4)
-    p = _sec(flat, 12 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum5(p, h, s, x, t0, t1, acc)
-            xsum, ds, ms = xs[s], d[s][t0:t1], m[s][t0:t1]
-            for i in range(t1 - t0):
-                yt[i] += ds[i] * acc[i] + ms[i] * xsum
+            if five:
+                _sum5(p, h, s, x, t0, t1, acc)
+            else:
+                _sum4(p, s, x, t0, t1, acc)
+            ds = d[s][t0:t1]
+            if has_min:
+                xsum, ms = xs[s], m[s][t0:t1]
+                for i in range(t1 - t0):
+                    yt[i] += ds[i] * acc[i] + ms[i] * xsum
+            else:
+                shift = bias * xs[s]
+                for i in range(t1 - t0):
+                    yt[i] += ds[i] * (acc[i] - shift)
 
 
 @_jit
@@ -280,15 +215,19 @@ def _k_combine(yt: Any, acc: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, x
 
 
 @_jit
-def _mv_q4_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+def _mv_kquant(w: Any, x: Any, y: Any, r0: int, r1: int, five: bool) -> None:
+    """q4_k, q5_k (``five``): rows r0..r1 of ``W @ x``."""
     R, ns = w.shape[0], x.shape[0] // 32
     nb = ns // 8
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
     dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    sc = _sec(flat, 8 * nb * R, ns, R, np.uint8, 1)
-    mn = _sec(flat, 8 * nb * R + ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, 8 * nb * R + 2 * ns * R, 16 * ns, R, np.uint8, 1)
+    off = 8 * nb * R
+    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)       # unused without 5th bits
+    off += 4 * ns * R if five else 0
+    sc = _sec(flat, off, ns, R, np.uint8, 1)
+    mn = _sec(flat, off + ns * R, ns, R, np.uint8, 1)
+    p = _sec(flat, off + 2 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
     acc = np.empty(TILE, np.float32)
     for t0 in range(r0, r1, TILE):
@@ -296,29 +235,10 @@ def _mv_q4_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
         yt = y[t0:t1]
         yt[:] = 0
         for s in range(ns):
-            _sum4(p, s, x, t0, t1, acc)
-            _k_combine(yt, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
-
-
-@_jit
-def _mv_q5_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    nb = ns // 8
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, nb, R, np.float32, 4)
-    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    h = _sec(flat, 8 * nb * R, ns, R, np.uint32, 4)
-    sc = _sec(flat, 8 * nb * R + 4 * ns * R, ns, R, np.uint8, 1)
-    mn = _sec(flat, 8 * nb * R + 5 * ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, 8 * nb * R + 6 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum5(p, h, s, x, t0, t1, acc)
+            if five:
+                _sum5(p, h, s, x, t0, t1, acc)
+            else:
+                _sum4(p, s, x, t0, t1, acc)
             _k_combine(yt, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
 
 
@@ -371,7 +291,7 @@ def _bfloat_typing(typingctx: Any, bits: Any) -> Any:
 _bfloat: Any = intrinsic(_bfloat_typing)
 
 
-@njit(inline="always")
+@_jit
 def _mv_u16(w: Any, x: Any, y: Any, r0: int, r1: int, bf16: bool) -> None:
     """f16 / bf16: ``y[r] = sum_k W[r, k] x[k]``, four inputs per pass over the row tile."""
     R, K = w.shape[0], x.shape[0]
@@ -395,16 +315,6 @@ def _mv_u16(w: Any, x: Any, y: Any, r0: int, r1: int, bf16: bool) -> None:
             row, xk = t[k][t0:t1], x[k]
             for i in range(n):
                 yt[i] += (_bfloat(row[i]) if bf16 else _half(row[i])) * xk
-
-
-@_jit
-def _mv_f16(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    _mv_u16(w, x, y, r0, r1, False)
-
-
-@_jit
-def _mv_bf16(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    _mv_u16(w, x, y, r0, r1, True)
 
 
 # --------------------------------------------------------------------- dequantization, per type
@@ -454,55 +364,27 @@ def _dq_min(out: Any, s: int, r0: int, r1: int, c0: int, ds: Any, ms: Any) -> No
 
 
 @_jit_exact
-def _dq_q4_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+def _dq_blocks(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: bool, five: bool) -> None:
+    """q4_0, q4_1, q5_0, q5_1 (flags as :func:`_mv_blocks`) rows r0..r1 into ``out`` (K, r - c0)."""
     R, ns = w.shape[0], k // 32
     flat = w.reshape(-1)
     d = _sec(flat, 0, ns, R, np.float32, 4)
-    p = _sec(flat, 4 * ns * R, 16 * ns, R, np.uint8, 1)
+    off = 4 * ns * R
+    m = _sec(flat, off if has_min else 0, ns, R, np.float32, 4)
+    off += 4 * ns * R if has_min else 0
+    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)
+    off += 4 * ns * R if five else 0
+    p = _sec(flat, off, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
         for j in range(16):
-            _dq4(p, s, j, r0, r1, out, c0)
-        _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(8))
-
-
-@_jit_exact
-def _dq_q4_1(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
-    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
-    for s in range(ns):
-        for j in range(16):
-            _dq4(p, s, j, r0, r1, out, c0)
-        _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
-
-
-@_jit_exact
-def _dq_q5_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    h = _sec(flat, 4 * ns * R, ns, R, np.uint32, 4)
-    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
-    for s in range(ns):
-        for j in range(16):
-            _dq5(p, h, s, j, r0, r1, out, c0)
-        _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(16))
-
-
-@_jit_exact
-def _dq_q5_1(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
-    h = _sec(flat, 8 * ns * R, ns, R, np.uint32, 4)
-    p = _sec(flat, 12 * ns * R, 16 * ns, R, np.uint8, 1)
-    for s in range(ns):
-        for j in range(16):
-            _dq5(p, h, s, j, r0, r1, out, c0)
-        _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
+            if five:
+                _dq5(p, h, s, j, r0, r1, out, c0)
+            else:
+                _dq4(p, s, j, r0, r1, out, c0)
+        if has_min:
+            _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
+        else:
+            _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(16) if five else _F32(8))
 
 
 @_jit_exact
@@ -529,35 +411,25 @@ def _dq_k(out: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, r0: int, r1: in
 
 
 @_jit_exact
-def _dq_q4_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+def _dq_kquant(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, five: bool) -> None:
+    """q4_k, q5_k (``five``) rows r0..r1 into ``out`` (K, r - c0)."""
     R, ns = w.shape[0], k // 32
     nb = ns // 8
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
     dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    sc = _sec(flat, 8 * nb * R, ns, R, np.uint8, 1)
-    mn = _sec(flat, 8 * nb * R + ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, 8 * nb * R + 2 * ns * R, 16 * ns, R, np.uint8, 1)
+    off = 8 * nb * R
+    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)
+    off += 4 * ns * R if five else 0
+    sc = _sec(flat, off, ns, R, np.uint8, 1)
+    mn = _sec(flat, off + ns * R, ns, R, np.uint8, 1)
+    p = _sec(flat, off + 2 * ns * R, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
         for j in range(16):
-            _dq4(p, s, j, r0, r1, out, c0)
-        _dq_k(out, d, dmin, sc, mn, s, r0, r1, c0)
-
-
-@_jit_exact
-def _dq_q5_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    nb = ns // 8
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, nb, R, np.float32, 4)
-    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    h = _sec(flat, 8 * nb * R, ns, R, np.uint32, 4)
-    sc = _sec(flat, 8 * nb * R + 4 * ns * R, ns, R, np.uint8, 1)
-    mn = _sec(flat, 8 * nb * R + 5 * ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, 8 * nb * R + 6 * ns * R, 16 * ns, R, np.uint8, 1)
-    for s in range(ns):
-        for j in range(16):
-            _dq5(p, h, s, j, r0, r1, out, c0)
+            if five:
+                _dq5(p, h, s, j, r0, r1, out, c0)
+            else:
+                _dq4(p, s, j, r0, r1, out, c0)
         _dq_k(out, d, dmin, sc, mn, s, r0, r1, c0)
 
 
@@ -591,176 +463,33 @@ def _dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
 
 
 @_jit_exact
-def _dq_f16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+def _dq_u16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, bf16: bool) -> None:
+    """f16, bf16 (``bf16``) rows r0..r1 into ``out`` (K, r - c0)."""
     R = w.shape[0]
     t = _sec(w.reshape(-1), 0, k, R, np.uint16, 2)
     for kk in range(k):
         row, o = t[kk][r0:r1], out[kk][r0 - c0:r1 - c0]
-        for i in range(r1 - r0):
-            o[i] = _half(row[i])
+        if bf16:
+            for i in range(r1 - r0):
+                o[i] = _bfloat(row[i])
+        else:
+            for i in range(r1 - r0):
+                o[i] = _half(row[i])
 
 
-@_jit_exact
-def _dq_bf16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R = w.shape[0]
-    t = _sec(w.reshape(-1), 0, k, R, np.uint16, 2)
-    for kk in range(k):
-        row, o = t[kk][r0:r1], out[kk][r0 - c0:r1 - c0]
-        for i in range(r1 - r0):
-            o[i] = _bfloat(row[i])
+# ------------------------------------------------------------------------------------ entry points
 
-
-# ------------------------------------------------------------------ entry points: rows split in threads
-
-
-@_jit_parallel
-def mv_f16(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_f16(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_f16(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_f16(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_bf16(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_bf16(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_bf16(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_bf16(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q8_0(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q8_0(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q8_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q8_0(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q4_0(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q4_0(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q4_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q4_0(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q4_1(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q4_1(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q4_1(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q4_1(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q5_0(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q5_0(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q5_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q5_0(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q5_1(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q5_1(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q5_1(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q5_1(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q4_k(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q4_k(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q4_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q4_k(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q5_k(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q5_k(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q5_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q5_k(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q6_k(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q6_k(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q6_k(w, k, a, b, out, r0)
-
-
-MV_ROWS: dict[str, Any] = {"f16": _mv_f16, "bf16": _mv_bf16, "q8_0": _mv_q8_0, "q4_0": _mv_q4_0, "q4_1": _mv_q4_1, "q5_0": _mv_q5_0, "q5_1": _mv_q5_1, "q4_k": _mv_q4_k, "q5_k": _mv_q5_k, "q6_k": _mv_q6_k}
-"""qtype -> ``mv(w, x, y, r0, r1)``: rows r0..r1 only, in the calling thread (no parallel launch)."""
-DQ_ROWS: dict[str, Any] = {"f16": _dq_f16, "bf16": _dq_bf16, "q8_0": _dq_q8_0, "q4_0": _dq_q4_0, "q4_1": _dq_q4_1, "q5_0": _dq_q5_0, "q5_1": _dq_q5_1, "q4_k": _dq_q4_k, "q5_k": _dq_q5_k, "q6_k": _dq_q6_k}
-"""qtype -> ``dq(w, k, r0, r1, out, c0)``: rows r0..r1 into columns ``r - c0``, in the calling thread."""
-MV: dict[str, Any] = {"f16": mv_f16, "bf16": mv_bf16, "q8_0": mv_q8_0, "q4_0": mv_q4_0, "q4_1": mv_q4_1, "q5_0": mv_q5_0, "q5_1": mv_q5_1, "q4_k": mv_q4_k, "q5_k": mv_q5_k, "q6_k": mv_q6_k}
-"""qtype -> ``mv(w, x, y, nthr)``."""
-DQ: dict[str, Any] = {"f16": dq_f16, "bf16": dq_bf16, "q8_0": dq_q8_0, "q4_0": dq_q4_0, "q4_1": dq_q4_1, "q5_0": dq_q5_0, "q5_1": dq_q5_1, "q4_k": dq_q4_k, "q5_k": dq_q5_k, "q6_k": dq_q6_k}
-"""qtype -> ``dq(w, k, r0, r1, out, nthr)``."""
+KERNELS: dict[str, tuple[Any, Any, tuple[bool, ...]]] = {
+    "f16": (_mv_u16, _dq_u16, (False,)), "bf16": (_mv_u16, _dq_u16, (True,)),
+    "q8_0": (_mv_q8_0, _dq_q8_0, ()),
+    "q4_0": (_mv_blocks, _dq_blocks, (False, False)), "q4_1": (_mv_blocks, _dq_blocks, (True, False)),
+    "q5_0": (_mv_blocks, _dq_blocks, (False, True)), "q5_1": (_mv_blocks, _dq_blocks, (True, True)),
+    "q4_k": (_mv_kquant, _dq_kquant, (False,)), "q5_k": (_mv_kquant, _dq_kquant, (True,)),
+    "q6_k": (_mv_q6_k, _dq_q6_k, ()),
+}
+"""qtype -> (``mv(w, x, y, r0, r1, *flags)``: rows r0..r1 of ``y = W @ x``; ``dq(w, k, r0, r1, out, c0,
+*flags)``: rows r0..r1 dequantized into ``out[:, r - c0]``; the flags that pick the type in a family).
+Both run in the calling thread and release the GIL, so several threads may run disjoint rows."""
 
 
 # ----------------------------------------------------------------------------------------- repack
