@@ -126,6 +126,11 @@ def optional_tools() -> None:
         step("could not install prometheus: tests/test_exporter.py will skip")
 
 
+PYTEST_PROCESSES = ["-n", "auto", "--maxprocesses", "4"]
+"""The tests run on one pytest-xdist process per CPU, at most 4 (they spend most of their time
+waiting on worker subprocesses; every one picks its own ports and temporary directories)."""
+
+
 def test(args: list[str]) -> int:
     """What CI runs: ruff, mypy on the package, then pytest (no test collected: failure)."""
     checks = [["ruff", "check", *PACKAGE_DIRS, "tests", "run.py"],
@@ -136,6 +141,9 @@ def test(args: list[str]) -> int:
         if code:
             return code
     optional_tools()
+    if not any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses="))
+               for a in args):
+        args = [*PYTEST_PROCESSES, *args]
     step("pytest " + " ".join(args))
     code = subprocess.run([str(bin_path("pytest")), *args], cwd=ROOT).returncode
     if code == 5:

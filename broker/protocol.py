@@ -100,14 +100,14 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "DTYPE_NAMES", "MAX_DIM", "MAX_HANDLE", "MAX_HEADER_BYTES", "MAX_RANK", "MAX_STRING",
     "PROTOCOL_VERSION", "REPLIES", "REQUESTS", "STATUS_OK",
     "Ack", "AllocBuffer", "BufferOp", "ClearBuffer", "Cmd", "CopyTensor", "DType", "Device",
-    "DeviceMemoryReply", "Empty", "ErrorCode", "GetTensor", "GetTensorReply", "Hello", "HelloReply",
+    "DeviceDetail", "DeviceMemoryReply", "Empty", "ErrorCode", "GetTensor", "GetTensorReply", "Hello", "HelloReply",
     "MemsetTensor", "Message", "SessionInfo", "SetTensor", "StatusReply", "TensorRef",
     "WireError",
     "check_tensor", "contiguous_strides", "decode_reply", "decode_request", "encode_error",
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 5)
+PROTOCOL_VERSION = (1, 6)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -115,7 +115,9 @@ PROTOCOL_VERSION = (1, 5)
 FILE_QUERY, READ_FILE, SET_FROM_CACHE and SET_TENSOR's ``cache_key`` (``model-files`` /
 ``tensor-cache`` when the worker has ``--model-dir`` / ``--cache-dir``), PEER_SEND's ``acked``
 (``unacked-sends``).; 1.5 STATUS (``status``)
-and the worker's share of each request's time in its reply, for sessions that ask (``timing``)."""
+and the worker's share of each request's time in its reply, for sessions that ask (``timing``);
+1.6 HELLO's and STATUS's ``device_details`` (device index, physical memory, compute capability),
+sent to sessions whose HELLO said 1.6 or later."""
 
 
 class Cmd(enum.IntEnum):
@@ -228,6 +230,39 @@ def _check_devices(value: Any, field: str) -> tuple[Device, ...]:
     return tuple(devices)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceDetail:
+    """1.6: more about one device of ``devices`` (same position): what a scheduler places work
+    by. A CPU is index 0, its RAM, capability ""."""
+
+    index: int
+    """The device's ordinal on its machine (``--device cuda:N``)."""
+    memory: int
+    """Physical bytes of the device (``devices`` reports the worker's limit and what is free)."""
+    compute_capability: str
+    """"major.minor" of an NVIDIA GPU (e.g. "9.0"); "" for a CPU."""
+
+    def to_wire(self) -> list[Any]:
+        return [self.index, self.memory, self.compute_capability]
+
+
+def _check_device_details(value: Any, field: str) -> tuple[DeviceDetail, ...]:
+    rows = list_of(list_of(check_any, 3), 64)(value, field)
+    details = []
+    for i, row in enumerate(rows):
+        if len(row) != 3:
+            raise _bad(f"{field}[{i}]", "a device detail is [index, memory, compute_capability]")
+        details.append(DeviceDetail(index=check_u32(row[0], field), memory=check_u63(row[1], field),
+                                    compute_capability=check_str(row[2], field)))
+    return tuple(details)
+
+
+def device_details_field() -> Any:
+    """HELLO's and STATUS's ``device_details`` (1.6): off the wire while empty, which is what a
+    worker sends a session whose HELLO said an older minor."""
+    return _f(_check_device_details, since=(1, 6), default=())
+
+
 @wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HelloReply(Message):
@@ -244,6 +279,7 @@ class HelloReply(Message):
     capabilities: tuple[str, ...] = _f(lambda v, f: tuple(list_of(check_str, 256)(v, f)))
     peer_endpoint: str = _f(check_str)
     timing: tuple[int, ...] = timing_field()
+    device_details: tuple[DeviceDetail, ...] = device_details_field()
 
 
 @wire_message
@@ -395,6 +431,7 @@ class StatusReply(Message):
     session_list: tuple[SessionInfo, ...] = _f(_check_sessions)
     """At most :data:`MAX_STATUS_SESSIONS`, the most recently active first."""
     timing: tuple[int, ...] = timing_field()
+    device_details: tuple[DeviceDetail, ...] = device_details_field()
 
 
 REQUESTS: dict[Cmd, type[Message]] = {

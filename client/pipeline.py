@@ -25,7 +25,6 @@ hand-offs fall back to a relay through this client (correct, slower).
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -44,6 +43,7 @@ from .client import (
     RunResult,
     as_dtype,
 )
+from .futures import first_error
 from .graph import Graph
 from .peer import HandOff, hand_off
 
@@ -148,7 +148,7 @@ class Pipeline:
         steps += run_chain(runs).runs
         last = slots[-1]
         steps.append(last.y.client.get_tensor_async(last.y))
-        return _first_error_or_last(steps)
+        return first_error(steps, lambda: steps[-1].result())
 
     def run(self, batches: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Push every micro-batch through the stages; the last stage's outputs, in order.
@@ -246,26 +246,3 @@ def _boundary_shapes(shape: Sequence[int] | Sequence[Sequence[int]], stages: int
     if len(shapes) != stages + 1:
         raise BadRequest(f"{stages} stage(s) need {stages + 1} boundary shapes, got {len(shapes)}")
     return shapes
-
-
-def _first_error_or_last(steps: list[Future[Any]]) -> Future[Any]:
-    """A future failing with the first step that fails, else giving the last step's result."""
-    out: Future[Any] = Future()
-    out.set_running_or_notify_cancel()
-    lock = threading.Lock()
-    left = [len(steps)]
-
-    def done(step: Future[Any]) -> None:
-        with lock:
-            left[0] -= 1
-            if out.done():
-                return
-            error = step.exception()
-            if error is not None:
-                out.set_exception(error)
-            elif not left[0]:
-                out.set_result(steps[-1].result())
-
-    for step in steps:
-        step.add_done_callback(done)
-    return out

@@ -100,3 +100,33 @@ def test_help_is_plain_text_and_shows_defaults() -> None:
     assert "seconds of silence after which a client's session and its buffers are freed " \
            "(default 30.0)" in text
     assert f"more than {SHUTDOWN_BOUND_S:g} s" in text
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:-1", "cuda:x", "cuda0", "cpu:0"])
+def test_a_bad_device_is_refused_before_anything_starts(device: str) -> None:
+    out = run_worker("--bind", "tcp://127.0.0.1:*", "--device", device)
+    assert out.returncode == 2, out.stderr
+    assert f"argument --device: unknown device {device!r}: expected cpu, cuda (GPU 0) or cuda:N" \
+        in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cuda_without_cupy_or_a_gpu_names_what_to_install() -> None:
+    from devices import cuda_missing
+    if cuda_missing() is None:
+        pytest.skip("this machine has cupy and a GPU: --device cuda starts here")
+    out = run_worker("--bind", "tcp://127.0.0.1:*", "--device", "cuda:0")
+    assert out.returncode == 1, out.stderr
+    assert "zmq-rpc-worker: cannot start: " in out.stderr
+    assert "pip install 'zmq-rpc[cuda]'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.gpu
+def test_a_gpu_index_past_the_last_is_refused_clearly() -> None:
+    from devices import cuda_missing
+    if cuda_missing() is not None:
+        pytest.skip(cuda_missing() or "")
+    out = run_worker("--bind", "tcp://127.0.0.1:*", "--device", "cuda:999")
+    assert out.returncode == 1, out.stderr
+    assert "cannot start: no CUDA device 999: this machine has" in out.stderr

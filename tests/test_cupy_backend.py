@@ -31,7 +31,6 @@ from zmq_rpc.client import (
     InvalidHandle,
     OutOfBounds,
     OutOfMemory,
-    RegisteredGraph,
     RemoteBuffer,
     RemoteTensor,
     RpcError,
@@ -42,6 +41,7 @@ from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.timeout(60),
     # warnings from cupy or the driver are shown in the summary, never turned into failures
     # (setup.cfg makes warnings errors, and would do so in the worker threads too)
@@ -233,7 +233,7 @@ def route(request: pytest.FixtureRequest, make_worker: Callable[..., WorkerServe
 
 
 @pytest.mark.timeout(60)
-def test_hello_reports_the_cuda_device_and_no_graphs(cupy_mod: Any,
+def test_hello_reports_the_cuda_device_and_its_graphs(cupy_mod: Any,
                                                      make_worker: Callable[..., WorkerServer],
                                                      make_client: Callable[..., Client]) -> None:
     client = make_client(make_worker(device="cuda").endpoint)
@@ -249,13 +249,13 @@ def test_hello_reports_the_cuda_device_and_no_graphs(cupy_mod: Any,
     assert device.free_memory == device.total_memory
     assert info.max_buffer_size == device.total_memory
     assert info.alignment == 256
-    assert not any(c.startswith("graph") for c in info.capabilities), info.capabilities
-    assert {"views", "chunked-transfer", "peer-copy"} <= set(info.capabilities)
+    assert f"graph-v{GRAPH_VERSION}" in info.capabilities
+    assert "packed-kernels" not in info.capabilities and "zero-copy" not in info.capabilities
+    assert {"views", "chunked-transfer", "peer-copy", "linked-runs"} <= set(info.capabilities)
     assert info.peer_endpoint.startswith("tcp://127.0.0.1:")
 
     cpu = make_client(make_worker(memory_limit=64 * MiB).endpoint).info
     assert cpu.devices[0].kind == "cpu"
-    assert f"graph-v{GRAPH_VERSION}" in cpu.capabilities     # what the cuda worker leaves out
 
 
 @pytest.mark.timeout(60)
@@ -616,39 +616,68 @@ def test_out_of_bounds_views_are_refused_and_the_worker_keeps_serving(
     assert_serves(make_client(gpu_worker.endpoint))
 
 
-@pytest.mark.timeout(60)
-def test_graphs_are_refused_clearly_and_the_worker_keeps_serving(
+def _block_graph(client: Client) -> tuple[Graph, list[RemoteTensor], RemoteTensor]:
+    """A small transformer-like block: rms_norm, matmul (transposed weight), rope, masked
+    softmax, silu, a bfloat16 output; on whichever worker ``client`` talks to."""
+    rng = np.random.default_rng(5)
+    buf = client.alloc_buffer(1 << 20)
+    x = buf.tensor((4, 2, 32), "float32")
+    w = buf.tensor((64, 64), "float32", offset=64 << 10)
+    pos = buf.tensor(4, "int32", offset=128 << 10)
+    mask = buf.tensor((4, 4), "float32", offset=192 << 10)
+    out = buf.tensor((4, 64), "bfloat16", offset=256 << 10)
+    client.set_tensor(x, rng.normal(size=(4, 2, 32)).astype(np.float32))
+    client.set_tensor(w, rng.normal(size=(64, 64)).astype(np.float32) / 8)
+    client.set_tensor(pos, np.arange(4, dtype=np.int32) + 7)
+    client.set_tensor(mask, np.triu(np.full((4, 4), -np.inf, np.float32), 1))
+    g = Graph()
+    r = g.rope(g.rms_norm(x, eps=1e-5), pos, n_dims=32, mode="neox")
+    h = g.matmul(g.reshape(r, (4, 64)), w, transpose_b=True)
+    scores = g.soft_max(g.matmul(h, h, transpose_b=True), mask=mask, scale=0.125)
+    g.cpy(g.silu(g.matmul(scores, h)), out)
+    return g, [x, w, pos, mask], out
+
+
+@pytest.mark.timeout(120)
+def test_graphs_run_on_the_gpu_like_on_the_cpu(
         gpu: Client, make_worker: Callable[..., WorkerServer],
         make_client: Callable[..., Client]) -> None:
-    m = Mirror(gpu, 256)
-    x, y, z = (m.buffer.tensor(16, "float32", offset=64 * i) for i in range(3))
-    m.set(x, np.arange(16, dtype=np.float32))
-    m.set(y, np.full(16, 0.5, np.float32))
-    free = gpu.device_memory().free
-    g = Graph()
-    g.add(x, y, out=z)
-    refused = "the cupy backend does not run graphs yet"
-    with pytest.raises(GraphError, match=refused):
-        gpu.compute(g)
-    with pytest.raises(GraphError, match=refused):
-        gpu.compute(g, inputs={x: np.full(16, 9.0, np.float32)}, fetch=[z])   # nothing written
-    with pytest.raises(GraphError, match=refused):
-        gpu.register(g)
-    with pytest.raises(InvalidHandle, match="is not registered"):
-        gpu.run(RegisteredGraph(gpu, 10_000, g))
-    assert gpu.device_memory().free == free      # no scratch arena left reserved
-    m.check("inputs and output untouched")
+    cpu = make_client(make_worker(memory_limit=64 * MiB).endpoint)
+    results = []
+    for client in (gpu, cpu):
+        g, _, out = _block_graph(client)
+        client.compute(g)
+        results.append(from_bfloat16(fetch(client, out)))
+    np.testing.assert_allclose(results[0], results[1], rtol=2e-2, atol=2e-2)
     assert_serves(gpu)
 
-    cpu = make_client(make_worker(memory_limit=64 * MiB).endpoint)   # the graph itself is fine
-    buf = cpu.alloc_buffer(256)
-    cx, cy, cz = (buf.tensor(16, "float32", offset=64 * i) for i in range(3))
-    cpu.set_tensor(cx, np.arange(16, dtype=np.float32))
-    cpu.set_tensor(cy, np.full(16, 0.5, np.float32))
-    h = Graph()
-    h.add(cx, cy, out=cz)
-    cpu.compute(h)
-    assert_same(cpu.get_tensor(cz), np.arange(16, dtype=np.float32) + 0.5, "numpy worker")
+
+@pytest.mark.timeout(60)
+def test_a_registered_graph_holds_its_arena_in_device_memory(gpu: Client) -> None:
+    g, _, out = _block_graph(gpu)
+    free = gpu.device_memory().free
+    registered = gpu.register(g)
+    assert gpu.device_memory().free < free            # the arena is charged while registered
+    gpu.run(registered)
+    first = fetch(gpu, out)
+    gpu.run(registered)
+    assert_same(fetch(gpu, out), first, "a rerun on the same arena")
+    registered.free()
+    assert gpu.device_memory().free == free
+
+
+@pytest.mark.timeout(60)
+def test_packed_cpu_kernels_are_refused_clearly_and_the_worker_keeps_serving(gpu: Client) -> None:
+    assert "packed-kernels" not in gpu.info.capabilities
+    buf = gpu.alloc_buffer(1 << 16)
+    x = buf.tensor((1, 32), "float32")
+    w = buf.tensor((4, 36), "uint8", offset=4096)
+    out = buf.tensor((1, 4), "float32", offset=8192)
+    g = Graph()
+    g.mul_mat_packed(x, w, qtype="q8_0", out=out)
+    with pytest.raises(GraphError, match="not offered on a cuda worker.*weights='f32'"):
+        gpu.compute(g)
+    assert_serves(gpu)
 
 
 @pytest.mark.timeout(120)

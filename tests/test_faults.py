@@ -138,6 +138,8 @@ def test_peer_copy_whose_destination_dies_fails_quickly(
         assert time.monotonic() - killed < 3.0
         head = src[:1024]                        # A goes on: its buffer is writable and sent
         a.set_tensor(head, np.arange(1024, dtype=np.float32))
+        # the write waited for A's send to end: A saw B's connection drop (not a 48 s timeout)
+        assert time.monotonic() - killed < 3.0
         fresh = c.alloc_buffer(4096).tensor(1024)
         a.copy_tensor(head, fresh)
         np.testing.assert_array_equal(c.get_tensor(fresh), np.arange(1024))

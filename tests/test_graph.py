@@ -1,7 +1,8 @@
 """Graphs end to end: the builder, the wire, the worker's executor and its scratch arena.
 
-Everything here goes through a real in-process worker (the ``worker``/``client`` fixtures) or
-through a raw DEALER speaking the wire protocol; op-level kernel and rule tests live in
+Everything here goes through a real in-process worker (the ``worker``/``client`` fixtures, on each
+device of ``devices.WORKER_DEVICES``: numpy, and cupy where a GPU is present) or through a raw
+DEALER speaking the wire protocol; op-level kernel and rule tests live in
 ``test_ops.py`` and are not repeated. References are plain numpy, in float64 unless the test says
 otherwise.
 
@@ -27,6 +28,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from devices import WORKER_DEVICES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -56,6 +58,12 @@ pytestmark = pytest.mark.timeout(30)
 
 F32 = np.float32
 MakeClient = Callable[..., Client]
+
+
+@pytest.fixture(params=WORKER_DEVICES)
+def worker(request: pytest.FixtureRequest, make_worker: Callable[..., WorkerServer]) -> WorkerServer:
+    """One in-process worker with a 256 MiB memory limit, on each device."""
+    return make_worker(memory_limit=256 << 20, device=request.param)
 
 # ------------------------------------------------------------------------------------------ helpers
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from devices import on_gpu
 from llama_reference import ReferenceLlama
 from zmq_rpc.client import Client, Graph
 from zmq_rpc.client.gguf_model import LlamaGGUF
@@ -188,6 +189,32 @@ def test_f32_weights_match_reference(model: Callable[..., LlamaModel],
     m.reset()
     assert np.abs(m.prefill(prompt_ids) - ref_logits[-1]).max() <= TOLERANCE
     assert m.generate(prompt_ids, 6, stop_ids=()) == ref_greedy[:6]
+
+
+GPU_LAYOUTS = [on_gpu(("cuda",), id="cuda"), on_gpu(("cuda", "cpu"), id="cuda-cpu"),
+               on_gpu(("cpu", "cuda"), id="cpu-cuda")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("devices", GPU_LAYOUTS)
+def test_f32_weights_on_gpu_workers_match_reference(gguf: LlamaGGUF, devices: tuple[str, ...],
+                                                    prompt_ids: list[int], ref_logits: np.ndarray,
+                                                    ref_greedy: list[int]) -> None:
+    """SmolLM2 on a cuda worker, and split over a cuda and a CPU worker (either order): the
+    weights dequantized once at load on the GPU, the same logits and greedy tokens."""
+    servers = [WorkerServer(WorkerConfig(bind="tcp://127.0.0.1:*", device=d)) for d in devices]
+    opened: list[Client] = []
+    try:
+        for server in servers:
+            opened.append(Client(server.start(), timeout=60.0))
+        with LlamaModel.load(gguf, opened, weights="f32") as m:
+            assert np.abs(m.prefill(prompt_ids) - ref_logits[-1]).max() <= 1e-2
+            assert m.generate(prompt_ids, 6, stop_ids=()) == ref_greedy[:6]
+    finally:
+        for client in opened:
+            client.close()
+        for server in servers:
+            server.stop()
 
 
 @pytest.mark.timeout(120)

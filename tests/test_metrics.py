@@ -42,7 +42,8 @@ def sample(samples: Samples, name: str, **labels: str) -> float:
 
 
 def settled(address: str, check: Callable[[Samples], bool]) -> Samples:
-    """Scrape until ``check`` holds (gauges are republished every 0.1 s), at most 5 s."""
+    """Scrape until ``check`` holds (counters and gauges are republished every 0.1 s), at most
+    5 s."""
     deadline = time.monotonic() + 5
     while True:
         samples = scrape(address)
@@ -58,6 +59,7 @@ def test_histogram_buckets_are_prometheus_le_buckets() -> None:
     rec = Recorder()
     rec.request(8, 0, wait_ns=10_000, exec_ns=30_000)     # exactly 10 us goes in le=1e-05
     rec.request(8, 0, wait_ns=10_001, exec_ns=20 * 10**9)  # over the last bound: +Inf
+    rec.fold()
     counts = rec.counters().queue_wait[8]
     buckets = cumulative_buckets(counts[:-1])
     assert buckets[0] == (repr(LATENCY_BUCKETS_S[0]), 1)
@@ -70,22 +72,47 @@ def test_histogram_buckets_are_prometheus_le_buckets() -> None:
 def test_counters_are_copies() -> None:
     rec = Recorder()
     rec.request(2, 0, 1, 1)
-    rec.client_in([b"abc", memoryview(b"12345")])
-    rec.client_out([np.zeros(4, np.float32)])
+    rec.client_in([zmq.Frame(b"routing-id"), zmq.Frame(b"abc"), zmq.Frame(b"12345")])
+    rec.client_out(b"head", [np.zeros(4, np.float32)])
     rec.transfer("in", False)
+    assert rec.counters().requests == {}                   # not published yet
+    rec.fold()
     copy = rec.counters()
     rec.request(2, 0, 1, 1)
+    rec.fold()
     assert copy.requests == {(2, 0): 1} and rec.counters().requests == {(2, 0): 2}
-    assert copy.bytes["client_in"] == 8 and copy.bytes["client_out"] == 16
+    assert copy.bytes["client_in"] == 8 and copy.bytes["client_out"] == 4 + 16
     assert copy.transfers == {("in", False): 1}
+
+
+def test_folding_in_batches_counts_as_one_by_one() -> None:
+    rng = np.random.default_rng(7)
+    rec = Recorder()
+    bounds = [round(b * 1e9) for b in LATENCY_BUCKETS_S]
+    expected_wait: dict[int, list[int]] = {}
+    expected_requests: dict[tuple[int, int], int] = {}
+    for _batch in range(3):
+        for _ in range(500):
+            cmd, code = int(rng.integers(1, 5)), int(rng.choice([0, 0, 3]))
+            wait = int(rng.choice([*bounds, *(rng.integers(0, 20 * 10**9, 4))]))
+            rec.request(cmd, code, wait, 7)
+            hist = expected_wait.setdefault(cmd, [0] * (len(bounds) + 2))
+            hist[sum(b < wait for b in bounds)] += 1       # le: a value on a bound is in it
+            hist[-1] += wait
+            expected_requests[(cmd, code)] = expected_requests.get((cmd, code), 0) + 1
+        rec.fold()
+    counters = rec.counters()
+    assert counters.requests == expected_requests and counters.queue_wait == expected_wait
+    assert sum(h[0] for h in counters.execution.values()) == 1500   # 7 ns: first bucket
 
 
 def test_null_recorder_records_nothing() -> None:
     rec = NullRecorder()
     rec.request(2, 0, 1, 1)
-    rec.client_in([b"abc"])
+    rec.client_in([zmq.Frame(b"id"), zmq.Frame(b"abc")])
     rec.graph_run(5)
     rec.transfer("out", True)
+    rec.fold()
     counters = rec.counters()
     assert not counters.requests and counters.bytes["client_in"] == 0
     assert counters.graph_runs == 0 and not counters.transfers
@@ -158,11 +185,13 @@ def test_bad_requests_are_counted(make_worker: Callable[..., WorkerServer],
         raw.connect(w.endpoint)
         raw.send(b"\xc1 not msgpack")
         assert raw.poll(10_000) and raw.recv()
-    samples = scrape(w.metrics_address)
-    failed = {dict(labels)["command"] + "/" + dict(labels)["outcome"]: v
-              for (name, labels), v in samples.items()
-              if name == "zmq_rpc_requests_total" and dict(labels)["outcome"] != "ok"}
-    assert failed == {"ALLOC_BUFFER/out_of_memory": 1, "INVALID/bad_request": 1}
+    expected = {"ALLOC_BUFFER/out_of_memory": 1, "INVALID/bad_request": 1}
+
+    def failed(samples: Samples) -> dict[str, float]:
+        return {dict(labels)["command"] + "/" + dict(labels)["outcome"]: v
+                for (name, labels), v in samples.items()
+                if name == "zmq_rpc_requests_total" and dict(labels)["outcome"] != "ok"}
+    assert failed(settled(w.metrics_address, lambda s: failed(s) == expected)) == expected
 
 
 def test_peer_transfers_and_peer_bytes(make_worker: Callable[..., WorkerServer],
@@ -176,7 +205,10 @@ def test_peer_transfers_and_peer_bytes(make_worker: Callable[..., WorkerServer],
     for _ in range(2):
         ca.copy_tensor(src, dst)
     assert cb.get_tensor(dst).sum() == 1 << 18
-    sa, sb = scrape(a.metrics_address), scrape(b.metrics_address)
+    sa = settled(a.metrics_address, lambda s: sample(
+        s, "zmq_rpc_requests_total", command="PEER_SEND", outcome="ok") == 2)
+    sb = settled(b.metrics_address, lambda s: sample(
+        s, "zmq_rpc_requests_total", command="PEER_RECV", outcome="ok") == 2)
     assert sample(sa, "zmq_rpc_peer_transfers_total", direction="out", outcome="ok") == 2
     assert sample(sb, "zmq_rpc_peer_transfers_total", direction="in", outcome="ok") == 2
     assert sample(sa, "zmq_rpc_bytes_sent_total", link="peer") >= 2 << 20
@@ -196,7 +228,8 @@ def test_cli_serves_metrics_and_logs_session_events_as_json(
     with Client(proc.endpoint, name="metrics-test") as c:
         c.alloc_buffer(4096)
         c.synchronize()
-        samples = settled(address, lambda s: sample(s, "zmq_rpc_sessions") == 1)
+        samples = settled(address, lambda s: sample(
+            s, "zmq_rpc_requests_total", command="ALLOC_BUFFER", outcome="ok") == 1)
         assert sample(samples, "zmq_rpc_sessions") == 1
         assert sample(samples, "zmq_rpc_requests_total", command="ALLOC_BUFFER",
                       outcome="ok") == 1

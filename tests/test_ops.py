@@ -1,4 +1,10 @@
-"""Tests for broker/ops.py (rules) and worker/backends/numpy_ops.py (kernels) against plain numpy."""
+"""Tests for broker/ops.py (rules) and worker/backends/numpy_ops.py (kernels) against plain numpy.
+
+Every test runs on each kernel device of ``devices.KERNEL_DEVICES``: the ops that go through
+:func:`run` use that device's kernel table (numpy; numpy posing as a device, which takes every
+device branch of the shared kernels; cupy with its CUDA overrides, skipped without a GPU), with the
+same references and tolerances. Tests that call the numpy functions directly run as they are.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,10 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import fake_device
 import numpy as np
 import pytest
+from devices import KERNEL_DEVICES, cupy_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -28,6 +36,23 @@ from zmq_rpc.worker.backends.numpy_ops import (
 )
 
 FAST = settings(max_examples=25, deadline=None, database=None)
+_DEVICE: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module", params=KERNEL_DEVICES, autouse=True)
+def kernel_device(request: pytest.FixtureRequest) -> Any:
+    """The device :func:`run` runs kernels on, for every test of this module."""
+    if request.param == "cuda":
+        from zmq_rpc.worker.backends.cupy_ops import cupy_table
+        cp = cupy_module()
+        _DEVICE.update(name="cuda", table=cupy_table(cp), to=cp.asarray, back=cp.asnumpy)
+    elif request.param == "fake":
+        table = numpy_ops.NUMPY_KERNELS.overridden("fake", host_errors=True)
+        _DEVICE.update(name="fake", table=table, to=fake_device.to_device, back=np.asarray)
+    else:
+        _DEVICE.update(name="cpu", table=numpy_ops.NUMPY_KERNELS, to=None, back=None)
+    yield request.param
+    _DEVICE.clear()
 FLOATS = ("float32", "float16", "bfloat16", "float64")
 NUMERIC = (*FLOATS, "int8", "uint8", "int32", "int64", "bool")
 
@@ -65,6 +90,8 @@ def run(op: str, arrays: Sequence[np.ndarray], params: Mapping[str, Any] | None 
     metas = [meta_of(a, d) for a, d in zip(arrays, dtypes or [None] * len(arrays), strict=True)]
     out_meta, norm = infer(op, metas, params or {})
     spec = OPS[op]
+    if _DEVICE.get("to") is not None:
+        return _run_on_device(op, arrays, metas, norm, out_meta)
     if spec.kind is OpKind.VIEW:
         result = run_view(op, arrays[0], metas[0], norm)
     elif spec.kind is OpKind.INPLACE:
@@ -76,6 +103,29 @@ def run(op: str, arrays: Sequence[np.ndarray], params: Mapping[str, Any] | None 
     assert result.shape == out_meta.shape
     assert result.dtype == numpy_dtype(out_meta.dtype)
     return result
+
+
+def _run_on_device(op: str, arrays: Sequence[np.ndarray], metas: list[TensorMeta], norm: Mapping[str, Any],
+                   out_meta: TensorMeta) -> np.ndarray:
+    """:func:`run` on the current non-numpy device: inputs copied there, results copied back
+    (an in-place op's destination into the caller's array, as on the CPU)."""
+    table, to, back = _DEVICE["table"], _DEVICE["to"], _DEVICE["back"]
+    spec = OPS[op]
+    inputs = [to(a) for a in arrays]
+    if spec.kind is OpKind.VIEW:
+        result = back(table.run_view(op, inputs[0], metas[0], norm))
+    elif spec.kind is OpKind.INPLACE:
+        table.run_inplace(op, inputs, metas, norm)
+        dst = spec.dst_input or 0
+        arrays[dst][...] = back(inputs[dst])
+        result = arrays[dst]
+    else:
+        out = to(np.empty(out_meta.shape, numpy_dtype(out_meta.dtype)))
+        table.run_compute(op, inputs, metas, norm, out)
+        result = back(out)
+    assert result.shape == out_meta.shape
+    assert result.dtype == numpy_dtype(out_meta.dtype)
+    return np.asarray(result)
 
 
 def close(actual: np.ndarray, expected: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -662,7 +712,7 @@ def test_permute_and_transpose_share_memory(data: tuple[np.ndarray, str], order:
     x, dtype = data
     out = run("permute", [x], {"axes": order}, [dtype])
     np.testing.assert_array_equal(out, np.transpose(x, order))
-    assert np.shares_memory(out, x)
+    assert _DEVICE["name"] == "cuda" or np.shares_memory(out, x)   # cuda: a copy came back
     t = run("transpose", [x], {}, [dtype])
     np.testing.assert_array_equal(t, np.swapaxes(x, -1, -2))
 
@@ -687,7 +737,7 @@ def test_reshape(shape: tuple[int, ...], data: st.DataObject) -> None:
         new[data.draw(st.integers(0, len(new) - 1))] = -1
     out = run("reshape", [x], {"shape": new})
     np.testing.assert_array_equal(out, x.reshape(new))
-    assert np.shares_memory(out, x) or x.size == 0
+    assert _DEVICE["name"] == "cuda" or np.shares_memory(out, x) or x.size == 0
 
 
 def test_reshape_rules() -> None:
@@ -712,7 +762,7 @@ def test_view_inside_bounds(shape: tuple[int, ...], strides: tuple[int, ...], of
     out = run("view", [x], {"shape": list(shape), "strides": list(strides), "offset": offset})
     expected = np.lib.stride_tricks.as_strided(x[offset // 4:], shape, strides) if out.size else out
     np.testing.assert_array_equal(out, expected)
-    assert out.size == 0 or np.shares_memory(out, x)
+    assert _DEVICE["name"] == "cuda" or out.size == 0 or np.shares_memory(out, x)
 
 
 @pytest.mark.parametrize("shape,strides,offset,message", [
@@ -838,3 +888,55 @@ def test_warm_compute_allocates_little_beyond_out(op: str, params: dict[str, Any
     out = np.empty(out_meta.shape, np.float32)
     peak = _peak_extra(lambda: run_compute(op, inputs, metas, norm, out))
     assert peak < out.nbytes // 4, f"{op} allocated {peak} bytes"
+
+
+# ------------------------------------------------------------------- the shared table's device helpers
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_byte_level_dequantizer_is_bit_exact_with_quant(qtype: str) -> None:
+    """The dequantizer for namespaces without structured dtypes gives quant's bytes, NaN and inf
+    scales included (random bytes make some)."""
+    rng = np.random.default_rng(3)
+    per_block, block_bytes = quant.BLOCK[qtype]
+    data = rng.integers(0, 256, (17, 6 * block_bytes), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        expected = quant.dequantize(data, qtype)
+        got = numpy_ops.dequantize_bytes(data, qtype, np.empty((17, 6 * per_block), np.float32))
+    assert got.tobytes() == expected.tobytes()
+
+
+def test_last_writes_keeps_the_last_of_repeated_indices() -> None:
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        idx = rng.integers(0, 6, rng.integers(1, 12))
+        src = rng.normal(size=(idx.size, 3)).astype(np.float32)
+        expected = np.zeros((6, 3), np.float32)
+        expected[idx] = src                        # numpy: the last write wins
+        kept_idx, kept_rows = numpy_ops.last_writes(idx, src)
+        assert len(set(kept_idx.tolist())) == kept_idx.size
+        got = np.zeros((6, 3), np.float32)
+        got[kept_idx] = kept_rows
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_namespace_of_arrays() -> None:
+    assert numpy_ops.namespace(np.zeros(2)) is np
+    assert numpy_ops.namespace(fake_device.to_device(np.zeros(2))) is fake_device
+    with pytest.raises(TypeError, match="no array namespace for list"):
+        numpy_ops.namespace([1.0])
+
+
+def test_overrides_must_name_ops_of_their_kind() -> None:
+    table = numpy_ops.NUMPY_KERNELS
+    with pytest.raises(OpError, match="'reshape' is not an op of kind compute"):
+        table.overridden("x", compute={"reshape": table.compute["add"]})
+    changed = table.overridden("x", compute={"neg": table.compute["abs"]})
+    assert changed.compute["neg"] is table.compute["abs"] and table.compute["neg"] is not changed.compute["neg"]
+    assert not changed.host_errors and table.host_errors
+
+
+def test_reshape_on_a_device_refuses_a_copy() -> None:
+    x = fake_device.to_device(np.arange(12, dtype=np.float32).reshape(3, 4).T)
+    with pytest.raises(OpRuntimeError, match="would copy"):
+        numpy_ops.NUMPY_KERNELS.run_view("reshape", x, meta_of(np.asarray(x)), {"shape": (12,)})

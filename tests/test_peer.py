@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import RelayLog, WorkerProcess
+from devices import TRIO_DEVICES
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.protocol import Cmd, DType
@@ -62,12 +63,13 @@ def token() -> bytes:
     return os.urandom(wire.TOKEN_BYTES)
 
 
-@pytest.fixture
-def trio(make_worker: Callable[..., WorkerServer],
+@pytest.fixture(params=TRIO_DEVICES)
+def trio(request: pytest.FixtureRequest, make_worker: Callable[..., WorkerServer],
          make_client: Callable[..., Client]) -> list[Client]:
-    """Clients of three in-process workers (peer endpoints on loopback)."""
-    return [make_client(make_worker(memory_limit=256 * MiB).endpoint, timeout=10)
-            for _ in range(3)]
+    """Clients of three in-process workers (peer endpoints on loopback), on each layout of
+    ``devices.TRIO_DEVICES`` (all numpy; GPU and CPU workers mixed where a GPU is present)."""
+    return [make_client(make_worker(memory_limit=256 * MiB, device=device).endpoint, timeout=10)
+            for device in request.param]
 
 
 def wait_all(futures: list[Future[Any]], timeout: float = 20) -> list[Any]:

@@ -147,10 +147,11 @@ def test_error_message_is_capped() -> None:
 # older peers never see while it holds its default, and so does an optional op param (1.3:
 # scale's bias b, sent only when it is not 0; see test_graph.py's golden bytes).
 # 1.5: STATUS (25); HELLO's timing and every reply's timing (the Ack reply class).
+# 1.6: HELLO's and STATUS's device_details, last, sent only to sessions whose HELLO said 1.6+.
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 5)
+    assert p.PROTOCOL_VERSION == (1, 6)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -808,3 +809,44 @@ def test_golden_peer_send_unacked() -> None:
     assert acked == b"\x96" + header[1:-1]
     assert p.decode_request([header])[2] == unacked
     assert p.decode_request([acked])[2].acked is True
+
+
+# ------------------------------------------------------------------ 1.6: device details
+
+
+HELLO_16 = p.HelloReply(
+    major=1, minor=6, server="w", alignment=256, max_buffer_size=10,
+    devices=(p.Device(name="H200", kind="cuda", total_memory=10, free_memory=10),),
+    max_message_size=20, session_timeout_ms=30, capabilities=("views",), peer_endpoint="")
+
+
+def test_golden_hello_reply_device_details_are_last_and_off_the_wire_when_empty() -> None:
+    plain = p.encode_reply(1, HELLO_16)
+    # [0, 1, 1, 6, "w", [["H200", "cuda", 10, 10]], 256, 10, 20, 30, ["views"], ""]
+    assert plain.hex() == ("9c" "0001" "0106" "a177" "9194a448323030a463756461" "0a0a"
+                           "cd0100" "0a141e" "91a5766965777" "3" "a0")
+    detailed = p.encode_reply(1, dataclasses.replace(HELLO_16, device_details=(
+        p.DeviceDetail(index=1, memory=150 << 30, compute_capability="9.0"),)))
+    # ..., "", [] (timing, at its default but before a later field), [[1, 150 GiB, "9.0"]]
+    assert detailed.hex() == plain.hex().replace("9c", "9e", 1) + "90" "9193" "01cf0000002580000000" "a3392e30"
+    decoded = p.decode_reply(Cmd.HELLO, p.unpack_header(detailed))
+    assert decoded.device_details == (p.DeviceDetail(index=1, memory=150 << 30, compute_capability="9.0"),)
+    assert p.decode_reply(Cmd.HELLO, p.unpack_header(plain)).device_details == ()
+
+
+def test_golden_status_device_details() -> None:
+    reply = p.StatusReply(
+        server="w", version="v", uptime_ms=0, devices=(), memory_used=0, memory_limit=0,
+        sessions=0, queue_depth=0, buffers=0, graphs=0, transfers_in_progress=0,
+        capabilities=(), peer_endpoint="", session_list=(),
+        device_details=(p.DeviceDetail(index=0, memory=64, compute_capability=""),))
+    header = p.encode_reply(2, reply)
+    assert header.hex() == "dc0012" "0002" "a177" "a176" "00" "90" "00000000000000" "90" "a0" "90" "90" "919300" "40" "a0"
+    assert p.decode_reply(Cmd.STATUS, p.unpack_header(header)) == reply
+
+
+@pytest.mark.parametrize("details", [[[0, 1]], [[0, 1, "x", 2]], [[-1, 1, ""]], [[0, 1, 2]], "x"])
+def test_device_details_are_checked(details: Any) -> None:
+    fields = [1, 6, "w", [], 0, 0, 0, 0, [], "", [], details]
+    with pytest.raises(BadRequest, match="device_details"):
+        p.HelloReply.from_fields(fields)

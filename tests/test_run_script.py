@@ -83,3 +83,22 @@ def test_ruff_or_mypy_findings_stop_the_run_before_pytest(tree: Path,
     monkeypatch.setattr(run.subprocess, "run", fake_run)
     assert run.test([]) == 1
     assert ran == ["ruff", "mypy"]
+
+
+@pytest.mark.parametrize(("args", "parallel"), [
+    ([], True), (["-q", "tests/test_cli.py"], True), (["-n", "0"], False), (["-n0"], False),
+    (["--numprocesses=3"], False), (["-p", "no:xdist"], False)])
+def test_pytest_runs_on_several_processes_unless_told_otherwise(
+        tree: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], parallel: bool) -> None:
+    run = load_run_script(tree)
+    calls: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_: Any) -> subprocess.CompletedProcess[bytes]:
+        calls.append(list(argv))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(run.subprocess, "run", fake_run)
+    monkeypatch.setattr(run, "optional_tools", lambda: None)
+    assert run.test(args) == 0
+    pytest_argv = calls[-1][1:]
+    assert pytest_argv == ([*run.PYTEST_PROCESSES, *args] if parallel else args)

@@ -81,7 +81,7 @@ def test_cli_table_and_json_for_two_workers_and_a_dead_one(
         lines = done.stdout.splitlines()
         assert lines[0].split()[:3] == ["WORKER", "NAME", "VERSION"]
         row_a = next(line for line in lines if line.startswith(a.endpoint + " "))
-        assert "1.0 MiB / 64.0 MiB" in row_a and " 1.5 " in row_a
+        assert "1.0 MiB / 64.0 MiB" in row_a and " {}.{} ".format(*p.PROTOCOL_VERSION) in row_a
         assert next(line for line in lines if line.startswith(dead)).split()[1] == "unreachable:"
         assert any("job-1" in line and line.startswith(a.endpoint) for line in lines)
         done = status_cli(f"{a.endpoint},{b.endpoint}", "--json")
@@ -91,7 +91,7 @@ def test_cli_table_and_json_for_two_workers_and_a_dead_one(
     assert by_endpoint[a.endpoint]["status"]["sessions"] == 1
     assert by_endpoint[a.endpoint]["status"]["session_list"][0]["client"] == "job-1"
     assert by_endpoint[b.endpoint]["status"]["memory_limit"] == 32 << 20
-    assert by_endpoint[b.endpoint]["protocol"] == "1.5" and by_endpoint[b.endpoint]["error"] is None
+    assert by_endpoint[b.endpoint]["protocol"] == "{}.{}".format(*p.PROTOCOL_VERSION) and by_endpoint[b.endpoint]["error"] is None
 
 
 def test_cli_watch_refreshes_until_interrupted(spawn_worker: Callable[..., WorkerProcess]) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 from typing import Any
 
 import msgpack
@@ -27,6 +28,7 @@ from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import VersionMismatch
 from zmq_rpc.broker.protocol import Cmd, DType, ErrorCode, TensorRef
 from zmq_rpc.client import Client
+from zmq_rpc.worker.backends.numpy_backend import physical_memory
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -883,3 +885,23 @@ def test_sessions_need_an_unguessable_client_chosen_id(
     finally:
         sock.close(linger=0)
     assert_serves(worker.endpoint)
+
+
+@pytest.mark.parametrize("minor", [0, 5, 6, 99])
+def test_device_details_only_for_clients_that_know_them(worker: WorkerServer,
+                                                        connect: Callable[..., Wire],
+                                                        minor: int) -> None:
+    """HELLO's and STATUS's device_details (1.6) reach a client whose HELLO said 1.6 or later;
+    an older one gets the replies it decodes, field for field."""
+    wire = connect(worker.endpoint, hello=False)
+    hello_header, _ = wire.call(Cmd.HELLO, p.Hello(major=1, minor=minor, client="raw-test"))
+    status_header, _ = wire.call(Cmd.STATUS)
+    hello = p.decode_reply(Cmd.HELLO, hello_header)
+    status = p.decode_reply(Cmd.STATUS, status_header)
+    assert isinstance(hello, p.HelloReply) and isinstance(status, p.StatusReply)
+    if minor < 6:                                       # what a 1.5 client decodes
+        assert len(hello_header) == 2 + [f.name for f in fields(p.HelloReply)].index("timing")
+        assert hello.device_details == () and status.device_details == ()
+        return
+    detail = p.DeviceDetail(index=0, memory=physical_memory(), compute_capability="")
+    assert hello.device_details == (detail,) and status.device_details == (detail,)

@@ -121,7 +121,7 @@ CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.ben
                                  "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_kernels",
                                  "zmq_rpc.tools.bench_links", "zmq_rpc.tools.bench_security",
                                  "zmq_rpc.tools.bench_faults", "zmq_rpc.tools.bench_weights",
-                                 "zmq_rpc.tools.bench_observe")
+                                 "zmq_rpc.tools.bench_observe", "zmq_rpc.tools.bench_gpu")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)

@@ -91,6 +91,15 @@ def _peer_bind(text: str) -> str:
     return text if text == "none" else endpoint(text)
 
 
+def _device(text: str) -> str:
+    from .server import parse_device
+    try:
+        parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _positive_size(minimum: int, hint: str = "") -> Callable[[str], int]:
     def parse(text: str) -> int:
         size = parse_size(text)
@@ -129,8 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bind", type=endpoint, default="tcp://127.0.0.1:50052",
                     help="endpoint to listen on for clients: tcp://HOST:PORT (port * picks a "
                          "free one) or ipc://PATH (default %(default)s)")
-    ap.add_argument("--device", default="cpu", help="cpu (numpy) or cuda[:N] (cupy) "
-                                                    "(default %(default)s)")
+    ap.add_argument("--device", type=_device, default="cpu",
+                    help="cpu (numpy), or cuda / cuda:N for GPU N (cupy: pip install "
+                         "'zmq-rpc[cuda]'); several GPUs: one worker each, on its own port "
+                         "(default %(default)s)")
     ap.add_argument("--mem", type=_positive_size(1, "leave --mem out for 80% of the device"),
                     default=0,
                     help="memory the worker may hand out, e.g. 512MiB or 4GiB; more than 0 and at "

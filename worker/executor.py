@@ -82,8 +82,6 @@ class Executor:
         self.started = time.monotonic()
         self.version = package_version()
         self._session_ids = 0
-        if self.metrics.enabled:
-            send = self._counted(send)
         self.backend = backend
         self.limits = limits
         self.server_name = server_name
@@ -93,18 +91,10 @@ class Executor:
         self.accounts = SessionMemory(
             self.budget, Quotas(memory=limits.session_memory or limits.memory_limit),
             self._close_silent)
-        self.outbox = Outbox(send, self.accounts.inflight)
+        self.outbox = Outbox(send, self.accounts.inflight,
+                             self.metrics.client_out if self.metrics.enabled else None)
         self.routes = self._routes(Views(backend, limits.max_buffer_size, self.accounts))
         self.capabilities = self._capabilities()
-
-    def _counted(self, send: Send) -> Send:
-        """``send`` that counts the reply bytes for the metrics (not the routing id)."""
-        client_out = self.metrics.client_out
-
-        def counted(frames: list[Any], *args: Any, **kwargs: Any) -> Any:
-            client_out(frames[1:])
-            return send(frames, *args, **kwargs)
-        return counted
 
     @property
     def quotas(self) -> Quotas:
@@ -145,7 +135,7 @@ class Executor:
         if self.backend.supports_graphs:
             capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
                              "scale-bias"]
-            if kernels.available():
+            if self.backend.packed_kernels and kernels.available():
                 capabilities.append("packed-kernels")
         if self.peers.endpoint:
             capabilities.append("peer-copy")
@@ -160,7 +150,7 @@ class Executor:
             return
         arrived = time.perf_counter_ns()
         client_id = frames[0].bytes
-        self.metrics.client_in(frames[1:])
+        self.metrics.client_in(frames)
         try:
             cmd, req_id, msg = p.decode_request([f.buffer for f in frames[1:]])
         except BadRequest as exc:
@@ -355,7 +345,11 @@ class Executor:
                      extra={"event": "session_opened", **session.log_fields(),
                             "open": len(self.sessions)})
         session.timing = session.timing or msg.timing
-        return self.hello_reply(), []
+        session.minor = msg.minor
+        reply = self.hello_reply()
+        if msg.minor < 6:          # an older client decodes no field it does not know
+            reply = dataclasses.replace(reply, device_details=())
+        return reply, []
 
     def hello_reply(self) -> p.HelloReply:
         """What this worker tells new sessions."""
@@ -368,7 +362,14 @@ class Executor:
             max_buffer_size=self.limits.max_buffer_size,
             max_message_size=self.limits.max_message_size,
             session_timeout_ms=int(self.limits.session_timeout * 1000),
-            capabilities=tuple(self.capabilities), peer_endpoint=self.peers.endpoint)
+            capabilities=tuple(self.capabilities), peer_endpoint=self.peers.endpoint,
+            device_details=self.device_details())
+
+    def device_details(self) -> tuple[p.DeviceDetail, ...]:
+        """HELLO's and STATUS's ``device_details`` (1.6): index, physical memory, capability."""
+        backend = self.backend
+        return (p.DeviceDetail(index=backend.index, memory=backend.total_memory(),
+                               compute_capability=backend.compute_capability()),)
 
     def _goodbye(self, session: Session, msg: p.Empty, req: Request) -> Outcome:
         self._drop(session, req)          # answered below, not failed with the rest
@@ -470,7 +471,8 @@ class Executor:
             graphs=sum(len(s.graphs) for s in others),
             transfers_in_progress=snap.transfers_in_progress,
             capabilities=tuple(self.capabilities), peer_endpoint=self.peers.endpoint,
-            session_list=tuple(_session_info(s, now) for s in recent)), []
+            session_list=tuple(_session_info(s, now) for s in recent),
+            device_details=self.device_details() if asker.minor >= 6 else ()), []
 
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes the worker may still hand out."""

@@ -4,9 +4,10 @@ Owned by the backend thread (it only runs inside :class:`~zmq_rpc.worker.executo
 handlers). :func:`compile_graph` validates a decoded graph against the session (handles, bounds,
 op rules) and plans its scratch arena once: every intermediate gets an offset, reused as soon as
 its last reader has run (liveness over views too), so a registered graph allocates nothing per run.
-The arena is the backend's memory (:meth:`~zmq_rpc.worker.backends.base.Backend.scratch`), allocated
-once by :meth:`CompiledGraph.ensure_arena`. :meth:`CompiledGraph.run` then executes the nodes in
-order through the numpy kernels.
+The arena is the backend's memory (:meth:`~zmq_rpc.worker.backends.base.Backend.scratch`: host
+memory for numpy, device memory for cupy), allocated once by :meth:`CompiledGraph.ensure_arena`,
+which also takes the backend's kernel table (``Backend.kernels``). :meth:`CompiledGraph.run` then
+executes the nodes in order through that table.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class CompiledGraph:
     runs: int = 0
     arena_allocations: int = 0
     index_checks: list[tuple[int, int, int]] = field(default_factory=list)
+    kernels: K.KernelTable = K.NUMPY_KERNELS
+    """The backend's kernel table (set with the arena)."""
 
     @property
     def memory_charge(self) -> int:
@@ -66,9 +69,11 @@ class CompiledGraph:
         return self.arena_size + self.temp_size
 
     def ensure_arena(self, backend: Backend) -> None:
-        """Allocate the arena from ``backend`` on first use; later runs reuse it."""
+        """Allocate the arena from ``backend`` on first use (and take its kernel table); later
+        runs reuse it."""
         if self.arena is None:
             self.arena = backend.scratch(self.arena_size)
+            self.kernels = backend.kernels
             self.arena_allocations += 1
 
     def run(self, externals: Sequence[np.ndarray]) -> None:
@@ -90,13 +95,14 @@ class CompiledGraph:
         self.runs += 1
 
     def _run_step(self, step: Step, inputs: list[Any], externals: Sequence[np.ndarray]) -> Any:
+        kernels = self.kernels
         if step.kind is OpKind.VIEW:
-            return K.run_view(step.op, inputs[0], step.in_metas[0], step.params)
+            return kernels.run_view(step.op, inputs[0], step.in_metas[0], step.params)
         if step.kind is OpKind.INPLACE:
-            K.run_inplace(step.op, inputs, step.in_metas, step.params)
+            kernels.run_inplace(step.op, inputs, step.in_metas, step.params)
             return inputs[OPS[step.op].dst_input or 0]
         out = externals[step.dst] if step.direct else self._scratch(step)
-        K.run_compute(step.op, inputs, step.in_metas, step.params, out)
+        kernels.run_compute(step.op, inputs, step.in_metas, step.params, out)
         if step.dst >= 0 and not step.direct:
             dst_meta = tensor_meta(self.spec.tensors[step.dst])
             K.convert(externals[step.dst], dst_meta.dtype, out, step.meta.dtype)
@@ -130,7 +136,7 @@ class CompiledGraph:
             src = self.steps[src].srcs[0]
         array = externals[-1 - src]
         for step in reversed(chain):
-            array = K.run_view(step.op, array, step.in_metas[0], step.params)
+            array = self.kernels.run_view(step.op, array, step.in_metas[0], step.params)
         return array
 
 

@@ -1,12 +1,11 @@
 """What a worker counts about itself: the recorder the backend thread bumps, and its snapshots.
 
-Owned by the backend thread. :class:`Recorder` holds plain ints in dicts and lists; the backend
-thread is the only writer and never takes a lock. Other threads (the metrics HTTP server's, see
-:mod:`.exporter`) only read *copies*: ``dict(d)`` and ``list(l)`` of builtin containers are single
-C calls under the GIL, so a copy is never torn mid-insert (a histogram's sum may lag its buckets
-by the one observation being recorded; Prometheus tolerates that). State that needs a walk over
-the sessions (queue depth, memory, graphs) is not read across threads at all: the backend thread
-publishes an immutable :class:`WorkerSnapshot` a few times a second (:meth:`Recorder.publish`).
+Owned by the backend thread. :class:`Recorder` holds plain ints, dicts and lists; the backend
+thread is the only writer and never takes a lock, and its per-request work is one list append
+(folded into the histograms in batches, see :class:`Recorder`). Other threads (the metrics HTTP
+server's, see :mod:`.exporter`) read only what the backend thread publishes a few times a second:
+an immutable :class:`Counters` copy and a :class:`WorkerSnapshot` of the state that needs a walk
+over the sessions (queue depth, memory, graphs) (:meth:`Recorder.publish`).
 
 A worker started without ``--metrics-port`` gets a :class:`NullRecorder`, whose methods do nothing:
 the backend thread then pays one no-op call per event.
@@ -15,11 +14,11 @@ the backend thread then pays one no-op call per event.
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zmq
 
 LATENCY_BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3,
@@ -27,6 +26,7 @@ LATENCY_BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 
 """Upper bounds of the latency histograms' buckets, in seconds (+Inf is implied)."""
 
 _BOUNDS_NS = tuple(round(b * 1e9) for b in LATENCY_BUCKETS_S)
+_BOUNDS = np.array(_BOUNDS_NS, dtype=np.int64)
 
 INVALID_COMMAND = 0
 """The command label of requests that did not decode (their command is unknown or untrusted)."""
@@ -89,7 +89,14 @@ def _total(frames: Sequence[Any]) -> int:
 
 
 class Recorder:
-    """Counters and histograms, bumped by the backend thread only (no locks)."""
+    """Counters and histograms, bumped by the backend thread only (no locks).
+
+    The per-request path only appends: :meth:`request` extends a flat pending list and the
+    byte counters are plain int attributes. :meth:`publish` (the backend thread, every
+    :data:`PUBLISH_INTERVAL`) folds the pending requests into the histograms with numpy
+    (~0.35 µs per request with the append, against 1.3 µs bucketing one by one) and stores a
+    :class:`Counters` copy that other threads read: what a scrape sees is at most one
+    interval old, and a counter never goes back."""
 
     enabled = True
 
@@ -98,49 +105,45 @@ class Recorder:
         self.requests: dict[tuple[int, int], int] = {}
         self.queue_wait: dict[int, list[int]] = {}
         self.execution: dict[int, list[int]] = {}
-        self.bytes = {"client_in": 0, "client_out": 0, "peer_in": 0, "peer_out": 0}
+        self._pending: list[int] = []
+        """(command, outcome code, wait ns, execution ns) of each request since the last fold,
+        flat: one ``+=`` of a tuple per request is the cheapest record Python has."""
+        self._client_in = self._client_out = self._peer_in = self._peer_out = 0
         self.transfers: dict[tuple[str, bool], int] = {}
         self.graph_runs = 0
         self.compute_ns = 0
         self.snapshot: WorkerSnapshot | None = None
+        self._published = self._copy()
 
     # ---------------------------------------------------------------- backend thread only
 
     def request(self, cmd: int, code: int, wait_ns: int, exec_ns: int) -> None:
         """A request was answered (``code`` 0: ok) after waiting and running this long."""
-        key = (cmd, code)
-        requests = self.requests
-        requests[key] = requests.get(key, 0) + 1
-        waits = self.queue_wait.get(cmd)
-        if waits is None:
-            waits = self.queue_wait[cmd] = [0] * (len(_BOUNDS_NS) + 2)
-            self.execution[cmd] = [0] * (len(_BOUNDS_NS) + 2)
-        runs = self.execution[cmd]
-        waits[bisect_left(_BOUNDS_NS, wait_ns)] += 1
-        waits[-1] += wait_ns
-        runs[bisect_left(_BOUNDS_NS, exec_ns)] += 1
-        runs[-1] += exec_ns
+        self._pending += (cmd, code, wait_ns, exec_ns)
 
     def graph_run(self, compute_ns: int) -> None:
         """A graph ran (any of the three run commands); ``compute_ns`` inside the graph."""
         self.graph_runs += 1
         self.compute_ns += compute_ns
 
-    def client_in(self, frames: Sequence[Any]) -> None:
-        """A request's frames arrived from a client."""
-        self.bytes["client_in"] += _total(frames)
+    def client_in(self, frames: Sequence[zmq.Frame]) -> None:
+        """A request's frames arrived from a client (the first, its routing id, not counted)."""
+        nbytes = -len(frames[0])
+        for frame in frames:
+            nbytes += len(frame)
+        self._client_in += nbytes
 
-    def client_out(self, frames: Sequence[Any]) -> None:
-        """A reply's frames went to a client."""
-        self.bytes["client_out"] += _total(frames)
+    def client_out(self, header: bytes, payload: Sequence[Any]) -> None:
+        """A reply's header and payload frames went to a client."""
+        self._client_out += len(header) + _total(payload) if payload else len(header)
 
     def peer_in(self, frames: Sequence[Any]) -> None:
         """A message's frames arrived on the peer PULL socket."""
-        self.bytes["peer_in"] += _total(frames)
+        self._peer_in += _total(frames)
 
     def peer_out(self, frames: Sequence[Any]) -> None:
         """A message's frames went to a peer (chunks, acknowledgements, probes)."""
-        self.bytes["peer_out"] += _total(frames)
+        self._peer_out += _total(frames)
 
     def transfer(self, direction: str, ok: bool) -> None:
         """A peer transfer finished (``in``: landed here, ``out``: pushed from here)."""
@@ -148,19 +151,60 @@ class Recorder:
         self.transfers[key] = self.transfers.get(key, 0) + 1
 
     def publish(self, snapshot: WorkerSnapshot) -> None:
-        """Replace the gauges' snapshot (one reference store: readers see old or new)."""
+        """Fold the pending requests, then replace the gauges' snapshot and the counters' copy
+        (reference stores: readers see the old or the new, never a mix)."""
+        self.fold()
         self.snapshot = snapshot
+
+    def fold(self) -> None:
+        """Add the pending requests to the counters and histograms; publish their copy."""
+        pending, self._pending = self._pending, []
+        if pending:
+            _fold(pending, self.requests, self.queue_wait, self.execution)
+        self._published = self._copy()
+
+    def _copy(self) -> Counters:
+        return Counters(
+            requests=dict(self.requests),
+            queue_wait={k: list(v) for k, v in self.queue_wait.items()},
+            execution={k: list(v) for k, v in self.execution.items()},
+            bytes={"client_in": self._client_in, "client_out": self._client_out,
+                   "peer_in": self._peer_in, "peer_out": self._peer_out},
+            transfers=dict(self.transfers), graph_runs=self.graph_runs,
+            compute_ns=self.compute_ns)
 
     # ------------------------------------------------------------------------ any thread
 
     def counters(self) -> Counters:
-        """Copies of the counters, safe to read while the backend thread goes on."""
-        return Counters(
-            requests=dict(self.requests),
-            queue_wait={k: list(v) for k, v in dict(self.queue_wait).items()},
-            execution={k: list(v) for k, v in dict(self.execution).items()},
-            bytes=dict(self.bytes), transfers=dict(self.transfers),
-            graph_runs=self.graph_runs, compute_ns=self.compute_ns)
+        """The counters as of the last :meth:`publish` (a copy: safe on any thread)."""
+        return self._published
+
+
+def _fold(pending: list[int], requests: dict[tuple[int, int], int],
+          queue_wait: dict[int, list[int]], execution: dict[int, list[int]]) -> None:
+    """Count ``pending`` (flat: command, code, wait ns, execution ns, ...) into the tables."""
+    table = np.array(pending, dtype=np.int64).reshape(-1, 4)
+    keys, counts = np.unique((table[:, 0] << 32) | table[:, 1], return_counts=True)
+    for key, count in zip(keys.tolist(), counts.tolist()):
+        pair = (key >> 32, key & 0xFFFFFFFF)
+        requests[pair] = requests.get(pair, 0) + count
+    commands = table[:, 0]
+    first = int(commands[0])
+    groups = ([(first, table)] if (commands == first).all() else
+              [(cmd, table[commands == cmd]) for cmd in np.unique(commands).tolist()])
+    width = len(_BOUNDS_NS) + 1
+    for cmd, rows in groups:
+        times = rows[:, 2:4]
+        slots = np.searchsorted(_BOUNDS, times, side="left")   # bisect_left: le buckets
+        slots[:, 1] += width
+        buckets = np.bincount(slots.ravel(), minlength=2 * width).tolist()
+        sums = times.sum(axis=0).tolist()
+        for hists, part, total in ((queue_wait, buckets[:width], sums[0]),
+                                   (execution, buckets[width:], sums[1])):
+            hist = hists.setdefault(cmd, [0] * (width + 1))
+            for i, count in enumerate(part):
+                hist[i] += count
+            hist[-1] += total
 
 
 class NullRecorder(Recorder):
@@ -174,10 +218,10 @@ class NullRecorder(Recorder):
     def graph_run(self, compute_ns: int) -> None:
         pass
 
-    def client_in(self, frames: Sequence[Any]) -> None:
+    def client_in(self, frames: Sequence[zmq.Frame]) -> None:
         pass
 
-    def client_out(self, frames: Sequence[Any]) -> None:
+    def client_out(self, header: bytes, payload: Sequence[Any]) -> None:
         pass
 
     def peer_in(self, frames: Sequence[Any]) -> None:
@@ -190,6 +234,9 @@ class NullRecorder(Recorder):
         pass
 
     def publish(self, snapshot: WorkerSnapshot) -> None:
+        pass
+
+    def fold(self) -> None:
         pass
 
 

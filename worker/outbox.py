@@ -28,8 +28,11 @@ Send = Callable[..., Any]
 class Outbox:
     """Sends replies and error replies, holding back those that may wait."""
 
-    def __init__(self, send: Send, inflight: InFlight) -> None:
+    def __init__(self, send: Send, inflight: InFlight,
+                 count: Callable[[bytes, list[Any]], None] | None = None) -> None:
         self._send = send
+        self._count = count or _uncounted
+        """Told each reply's header and payload (the metrics' client bytes out)."""
         self.inflight = inflight
         self.held = HeldReplies()
 
@@ -46,7 +49,9 @@ class Outbox:
         log.debug("error reply %s to %s: %s", code.name, client_id.hex()[:8], message)
         if self.held:
             self.release_held()
-        self._send([client_id, p.encode_error(req_id, code, message)])
+        header = p.encode_error(req_id, code, message)
+        self._count(header, [])
+        self._send([client_id, header])
 
     def release_held(self, now: float | None = None) -> None:
         """Send the held replies that are due (all of them when ``now`` is None)."""
@@ -66,15 +71,21 @@ class Outbox:
         header = p.encode_reply(req_id, msg)
         tracked = [b for b in payload if isinstance(b, (TrackedPayload, Charged))]
         if not tracked:
+            self._count(header, payload)
             frames = [client_id, header, *payload]
             small = all(len(f) < zmq.COPY_THRESHOLD for f in payload)
             self._send(frames, copy=small)   # copying tiny frames beats making zero-copy ones
             return
         frames = [client_id, header,
                   *[b.data if isinstance(b, (TrackedPayload, Charged)) else b for b in payload]]
+        self._count(header, frames[2:])
         tracker = self._send(frames, copy=False, track=True)
         for item in tracked:
             if isinstance(item, Charged):
                 self.inflight.add(tracker, item)
             else:
                 item.buffer.sending.append(tracker)
+
+
+def _uncounted(header: bytes, payload: list[Any]) -> None:
+    """No metrics: count nothing."""

@@ -47,6 +47,14 @@ CHUNK_BYTES = 4 << 20
 ZERO_COPY_BYTES = 64 * 1024
 """Smaller chunks are copied into zmq messages: cheaper than tracking a zero-copy one."""
 MAX_LINKS = 64
+PEER_GONE_GRACE_S = 1.0
+"""After a peer's connection drops, how long its acknowledgements may still arrive (they come
+back on the peer's own link, so a dropped connection alone does not prove the copy failed)."""
+WATCH_INTERVAL_S = 0.05
+"""How often the links with transfers waiting for an acknowledgement are checked for drops."""
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 6000
+"""ZMTP heartbeats on every link: a peer host that vanishes without closing its connections
+(power, cable) is seen as disconnected after at most ~8 s."""
 
 
 @dataclass
@@ -125,6 +133,8 @@ class Outgoing:
     deadline: float
     what: str
     probe: bool = False
+    gone: bool = False
+    """The peer's connection dropped while this waited: the deadline was cut to the grace."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,9 @@ class PeerLinks:
             if keys is not None and split_endpoint(self.endpoint)[1] is None:
                 self.endpoint = join_endpoint(self.endpoint, keys.public)
         self.links: dict[str, zmq.Socket[bytes]] = {}
+        self.monitors: dict[str, zmq.Socket[bytes]] = {}
+        """Each link's socket monitor (disconnections), read while a transfer waits on it."""
+        self._next_watch = 0.0
         self.verified: set[str] = set()
         """Peer endpoints that answered our probe: the only ones pushed to without CURVE."""
         self.incoming: dict[bytes, Incoming] = {}
@@ -185,8 +198,8 @@ class PeerLinks:
     def close(self) -> None:
         if self.pull is not None:
             self.pull.close(linger=0)
-        for sock in self.links.values():
-            sock.close(linger=0)
+        for endpoint in list(self.links):
+            self._drop_link(endpoint)
 
     def next_deadline(self) -> float | None:
         """The earliest moment something here may time out."""
@@ -228,6 +241,7 @@ class PeerLinks:
                    done: Done) -> None:
         """Push ``source`` to ``send.endpoint`` in chunks; ``done`` hears the peer's ack."""
         push = self.prepare_push(send, source, acknowledge=True)
+        self._disconnected(send.endpoint)     # forget drops from before this transfer
         self.outgoing[send.token] = Outgoing(owner, done, send.endpoint,
                                              time.monotonic() + timeout_ms / 1000,
                                              f"transfer to {send.endpoint}")
@@ -260,6 +274,7 @@ class PeerLinks:
         self.metrics.peer_out([p.view for p in push.pieces])
         if not push.acknowledged:
             self.metrics.transfer("out", True)
+        self.backend.prefetch([p.view for p in push.pieces if p.data is None])  # GPU: overlap
         for piece in push.pieces:
             data = piece.data
             if data is None and push.source.copy is not None and \
@@ -305,6 +320,7 @@ class PeerLinks:
             raise WireError(ErrorCode.TRANSFER_FAILED, "this worker has no peer endpoint")
         token = os.urandom(wire.TOKEN_BYTES)
         link = self._link(endpoint)
+        self._disconnected(endpoint)
         self.outgoing[token] = Outgoing(owner, done, endpoint,
                                         time.monotonic() + timeout_ms / 1000,
                                         f"probe of {endpoint}", probe=True)
@@ -329,6 +345,8 @@ class PeerLinks:
             raise WireError(ErrorCode.TRANSFER_FAILED, f"cannot open a peer link: {exc}") from None
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         keys = self.security.keys
         if keys is not None and server_key is not None:
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
@@ -341,13 +359,38 @@ class PeerLinks:
             raise WireError(ErrorCode.TRANSFER_FAILED,
                             f"cannot connect to peer {printable(address, 100)}: {exc}") from None
         self.links[endpoint] = sock
+        self.monitors[endpoint] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         return sock
 
     def _drop_link(self, endpoint: str) -> None:
         """Close a link whose peer failed us: what is queued on it is dropped, next use reconnects."""
         sock = self.links.pop(endpoint, None)
+        monitor = self.monitors.pop(endpoint, None)
+        if sock is not None and monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
         if sock is not None:
             sock.close(linger=0)
+
+    def _disconnected(self, endpoint: str) -> bool:
+        """Whether the link to ``endpoint`` dropped its connection since the last look."""
+        monitor = self.monitors.get(endpoint)
+        dropped = False
+        while monitor is not None and monitor.poll(0):
+            monitor.recv_multipart()
+            dropped = True          # the monitor reports nothing but disconnections
+        return dropped
+
+    def _watch_links(self, now: float) -> None:
+        """Cut the wait of transfers whose peer's connection dropped (its worker died or
+        stopped: its acknowledgement will not come) to :data:`PEER_GONE_GRACE_S`."""
+        self._next_watch = now + WATCH_INTERVAL_S
+        gone = {ep for ep in {out.endpoint for out in self.outgoing.values()}
+                if self._disconnected(ep)}
+        for out in self.outgoing.values():
+            if out.endpoint in gone and not out.gone:
+                out.gone = True
+                out.deadline = min(out.deadline, now + PEER_GONE_GRACE_S)
 
     # ----------------------------------------------------------- peer messages (PULL side)
 
@@ -464,13 +507,18 @@ class PeerLinks:
                 got = f"{len(transfer.received)} of {max(transfer.nchunks, 0) or '?'} chunks"
                 self._finish_incoming(token, f"transfer into {list(transfer.ref.shape)} timed "
                                              f"out ({got} arrived)")
+        if self.outgoing and now >= self._next_watch:
+            self._watch_links(now)
         for token, out in list(self.outgoing.items()):
             if now >= out.deadline:
                 del self.outgoing[token]
                 if not out.probe:
                     self.metrics.transfer("out", False)
                 self._drop_link(out.endpoint)
-                out.done(f"{out.what}: no acknowledgement within the timeout (peer unreachable, "
+                out.done(f"{out.what}: the peer's connection dropped and no acknowledgement "
+                         f"came within {PEER_GONE_GRACE_S:g} s (its worker stopped or died)"
+                         if out.gone else
+                         f"{out.what}: no acknowledgement within the timeout (peer unreachable, "
                          "dead or too slow)")
         self.stash.expire(now)
 

@@ -122,16 +122,27 @@ def check_security(cfg: WorkerConfig, peer_bind: str) -> None:
                     "workers", ep)
 
 
-def make_backend(device: str) -> Backend:
-    """The compute backend for ``--device`` (cupy is imported only when asked for)."""
+def parse_device(device: str) -> tuple[str, int]:
+    """``("cpu", 0)`` for "cpu", ``("cuda", N)`` for "cuda" (GPU 0) or "cuda:N"; ValueError
+    naming the accepted forms for anything else."""
+    kind, sep, index = device.partition(":")
     if device == "cpu":
+        return "cpu", 0
+    if kind == "cuda" and (not sep or (index.isdigit() and index.isascii())):
+        return "cuda", int(index or 0)
+    raise ValueError(f"unknown device {device!r}: expected cpu, cuda (GPU 0) or cuda:N "
+                     "(N = 0, 1, ...; one worker per GPU)")
+
+
+def make_backend(device: str) -> Backend:
+    """The compute backend for ``--device`` (cupy is imported only when asked for: without it,
+    or without that GPU, a ``DeviceUnavailable`` error names the extra to install)."""
+    kind, index = parse_device(device)
+    if kind == "cpu":
         from .backends.numpy_backend import NumpyBackend
         return NumpyBackend()
-    if device.startswith("cuda"):
-        from .backends.cupy_backend import CupyBackend
-        index = int(device.partition(":")[2] or 0)
-        return CupyBackend(index)
-    raise ValueError(f"unknown device {device!r}: expected 'cpu' or 'cuda[:N]'")
+    from .backends.cupy_backend import CupyBackend
+    return CupyBackend(index)
 
 
 def check_memory_limit(limit: int, total: int, device: str) -> None:

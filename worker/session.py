@@ -93,6 +93,8 @@ class Session:
     stays secret, only its first 4 bytes are ever shown."""
     timing: bool = False
     """The client asked for the worker's share of each request's time in its replies (1.4)."""
+    minor: int = 0
+    """The protocol minor the client said in HELLO: replies carry fields up to it."""
 
     @property
     def label(self) -> str:

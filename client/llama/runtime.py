@@ -19,7 +19,6 @@ clients' I/O threads and only issues requests. One thread at a time drives a run
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -31,6 +30,7 @@ import numpy as np
 from ...broker import quant
 from ...broker.ops import QUANT_BLOCKS
 from ..client import RunResult
+from ..futures import failed, settled_by
 from ..gguf_model import LlamaGGUF, dequantize_rows
 from ..peer import HandOff
 from ..pipeline import LinkedRun, run_chain
@@ -109,36 +109,6 @@ class Step:
                    if r.done() and r.exception() is None)
 
 
-def _failed(error: BaseException) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_exception(error)
-    return future
-
-
-def _settled_by(final: Future[Any], parts: Sequence[Future[Any]]) -> Future[Any]:
-    """A future with the first error of ``parts``, else ``final``'s result once it is in.
-
-    ``final`` (one of ``parts``) ran on data every earlier part produced (its worker fails what
-    queued behind a failed transfer), so its result settles the whole; acknowledgements of the
-    other parts need not be waited for."""
-    out: Future[Any] = Future()
-    out.set_running_or_notify_cancel()
-    lock = threading.Lock()
-
-    def settle(part: Future[Any]) -> None:
-        with lock:
-            if out.done():
-                return
-            if part.exception() is not None:
-                out.set_exception(part.exception())
-            elif part is final:
-                out.set_result(final.result())
-
-    for part in parts:
-        part.add_done_callback(settle)
-    return out
-
-
 class StepRunner:
     """Launches chunks of tokens through the stages and waits for their results; counts the
     bytes and records a :class:`StepStat` per call."""
@@ -203,8 +173,8 @@ class StepRunner:
         try:
             chain = run_chain(runs, receive=receive, send=send, hold_reply=hold_reply)
         except Exception as exc:  # noqa: BLE001 - the step's future carries every failure
-            return Step(_failed(exc))
-        return Step(_settled_by(chain.runs[-1], [*transfers, *chain.runs]), chain.runs,
+            return Step(failed(exc))
+        return Step(settled_by(chain.runs[-1], [*transfers, *chain.runs]), chain.runs,
                     chain.messages + sum(n for _, n in before))
 
     def stage_runs(self, mode: Mode, chunk: list[int] | None, start: int,

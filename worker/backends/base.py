@@ -12,9 +12,12 @@ cannot be named here without importing it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...broker.protocol import TensorRef
+
+if TYPE_CHECKING:
+    from .numpy_ops import KernelTable
 
 Memory = Any
 """A buffer's device memory: a flat byte array of the backend's array type."""
@@ -34,6 +37,8 @@ class Backend(Protocol):
     """Short backend name ("numpy", "cupy"), used in messages."""
     kind: str
     """The device kind clients see in HELLO ("cpu", "cuda")."""
+    index: int
+    """The device's ordinal on its machine (``cuda:N``; 0 for the CPU), in HELLO's details."""
     alignment: int
     """Bytes every buffer's start is aligned to."""
     zero_copy: bool
@@ -41,6 +46,12 @@ class Backend(Protocol):
     peer pushes go to zmq without a copy (host memory only)."""
     supports_graphs: bool
     """The graph kernels run on this device's arrays (advertised as ``graph-vN``)."""
+    packed_kernels: bool
+    """The packed quantized products (``mul_mat_packed``, ``get_rows_packed``: numba, host
+    memory) run here; advertised as ``packed-kernels`` when numba imports."""
+    kernels: KernelTable
+    """The op kernels for this device's arrays: the shared table of :mod:`.numpy_ops` with the
+    backend's overrides."""
 
     def attach(self) -> None:
         """Called first on the backend thread (a GPU backend makes its device current there)."""
@@ -52,6 +63,10 @@ class Backend(Protocol):
 
     def total_memory(self) -> int:
         """Bytes of memory behind this device (0 if unknown)."""
+        ...
+
+    def compute_capability(self) -> str:
+        """The device's compute capability ("9.0" for an H100), "" where there is none (a CPU)."""
         ...
 
     def alloc(self, size: int) -> Memory:
@@ -77,6 +92,12 @@ class Backend(Protocol):
 
     def read(self, view: View) -> tuple[Any, bool]:
         """The view's bytes in C order as a host buffer, and whether they alias the buffer."""
+        ...
+
+    def prefetch(self, views: list[View]) -> None:
+        """These views will be :meth:`read` next, in this order (a peer push's pieces): a device
+        backend starts their downloads now, so that they overlap the sends. A host backend
+        does nothing."""
         ...
 
     def alias(self, view: View) -> Any | None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...broker.protocol import DType, TensorRef
 from .base import Backend
+from .numpy_ops import NUMPY_KERNELS
 
 ALIGNMENT = 64
 POPULATE_MIN = 1 << 20
@@ -54,9 +55,12 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     kind = "cpu"
+    index = 0
     alignment = ALIGNMENT
     zero_copy = True
     supports_graphs = True
+    packed_kernels = True
+    kernels = NUMPY_KERNELS
 
     def attach(self) -> None:
         """Called first on the backend thread (a GPU backend makes its device current there)."""
@@ -68,6 +72,10 @@ class NumpyBackend(Backend):
     def total_memory(self) -> int:
         """Physical memory behind this backend."""
         return physical_memory()
+
+    def compute_capability(self) -> str:
+        """A CPU has none: ""."""
+        return ""
 
     def alloc(self, size: int) -> np.ndarray:
         """A zero-filled, ``ALIGNMENT``-aligned byte array (zeroed: no data leaks between sessions).
@@ -126,6 +134,9 @@ class NumpyBackend(Backend):
         if aliased is not None:
             return aliased, True
         return np.ascontiguousarray(view).reshape(-1).view(np.uint8), False
+
+    def prefetch(self, views: list[np.ndarray]) -> None:
+        """Host memory is read in place or copied when asked: nothing to start."""
 
     def alias(self, view: np.ndarray) -> Any | None:
         """The view's bytes in place (reading them later sees later writes), or None when they

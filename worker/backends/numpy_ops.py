@@ -1,8 +1,14 @@
-"""numpy kernels for every op in :mod:`zmq_rpc.broker.ops`.
+"""The kernel table of every op in :mod:`zmq_rpc.broker.ops`, written once over an array namespace.
 
 Owns the arithmetic. Only the backend thread calls it. Callers validate each node with
-:func:`zmq_rpc.broker.ops.infer` first and pass the *normalized* params it returns; inputs are numpy arrays
-in storage dtype (bfloat16 as raw uint16 bits), possibly strided views.
+:func:`zmq_rpc.broker.ops.infer` first and pass the *normalized* params it returns; inputs are arrays
+of one backend (numpy on the CPU, cupy on a GPU) in storage dtype (bfloat16 as raw uint16 bits),
+possibly strided views. Each kernel takes its namespace ``xp`` from its output array
+(:func:`namespace`: numpy for a numpy array, without importing cupy) and calls ``xp.<ufunc>(...,
+out=)``, ``xp.matmul``, ``xp.take``..., which both libraries have with the same meaning. What differs
+per backend lives behind :class:`KernelTable` overrides (``cupy_ops.OVERRIDES``: CUDA kernels for
+rope and the Q8_0/Q4_1 dequantizer, cupy's own reshape-without-copy and last-write-wins
+``set_rows``); the numpy backend uses this table as it is, with no indirection.
 
 - :func:`run_compute` writes into ``out`` (C-contiguous, the output's storage dtype), through ufunc
   ``out=`` and in-place updates, so a warm rerun allocates little beyond small per-row temporaries
@@ -19,7 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Final
 
 import numpy as np
@@ -30,11 +39,14 @@ from ...broker.ops import OPS, OpError, OpKind, TensorMeta, view_span
 from .. import kernels
 
 __all__ = [
+    "NUMPY_KERNELS",
+    "KernelTable",
     "OpRuntimeError",
     "as_float32",
     "convert",
     "erf",
     "from_float32",
+    "namespace",
     "numpy_dtype",
     "run_compute",
     "run_inplace",
@@ -57,6 +69,20 @@ _STORAGE: Final[Mapping[str, np.dtype[Any]]] = {
 }
 
 
+# ------------------------------------------------------------------------------------ namespaces
+
+
+def namespace(arr: Any) -> ModuleType:
+    """The array namespace of ``arr``: numpy for a numpy array, else the module that defines its
+    type (cupy for a cupy array; already imported, since the array exists)."""
+    if type(arr) is np.ndarray:
+        return np
+    xp = sys.modules.get(type(arr).__module__.partition(".")[0])
+    if xp is None or not hasattr(xp, "ndarray"):
+        raise TypeError(f"no array namespace for {type(arr).__name__}")
+    return xp
+
+
 # ------------------------------------------------------------------------------------ dtype helpers
 
 
@@ -74,14 +100,15 @@ def as_float32(arr: np.ndarray, dtype_name: str, out: np.ndarray | None = None) 
     Without ``out`` this returns ``arr`` itself when it is already float32 (do not write to the result).
     With ``out`` (float32, ``arr`` broadcastable to it) the values are written there and ``out`` is returned.
     """
+    xp = namespace(arr)
     if dtype_name == "bfloat16":
         if out is None:
-            out = np.empty(arr.shape, np.float32)
-        np.left_shift(arr, 16, out=out.view(np.uint32), dtype=np.uint32)
+            out = xp.empty(arr.shape, np.float32)
+        xp.left_shift(arr, 16, out=out.view(np.uint32), dtype=np.uint32)
         return out
     if out is None:
         return arr if arr.dtype == np.float32 else arr.astype(np.float32)
-    np.copyto(out, arr, casting="unsafe")
+    xp.copyto(out, arr, casting="unsafe")
     return out
 
 
@@ -91,30 +118,32 @@ def from_float32(arr32: np.ndarray, dtype_name: str, out: np.ndarray) -> None:
     bfloat16 rounds to nearest even and keeps NaNs quiet NaNs; integer targets truncate like a C cast
     (NaN and out-of-range values give unspecified integers).
     """
+    xp = namespace(out)
     if dtype_name != "bfloat16":
-        np.copyto(out, arr32, casting="unsafe")
+        xp.copyto(out, arr32, casting="unsafe")
         return
-    bits = np.ascontiguousarray(arr32, dtype=np.float32).view(np.uint32)
+    bits = xp.ascontiguousarray(arr32, dtype=np.float32).view(np.uint32)
     rounded = bits >> 16
     rounded &= 1
     rounded += 0x7FFF
     rounded += bits
     rounded >>= 16
-    nan = np.isnan(arr32)
-    np.copyto(rounded, (bits >> 16) | 0x40, where=nan)
-    np.copyto(out, rounded, casting="unsafe")
+    nan = xp.isnan(arr32)
+    xp.copyto(rounded, (bits >> 16) | 0x40, where=nan)
+    xp.copyto(out, rounded, casting="unsafe")
 
 
 def convert(dst: np.ndarray, dst_dtype: str, src: np.ndarray, src_dtype: str) -> None:
     """Copy ``src`` into ``dst`` (broadcasting), converting between dtype names."""
+    xp = namespace(dst)
     if src_dtype == dst_dtype:
-        np.copyto(dst, src)
+        xp.copyto(dst, src)
     elif dst_dtype == "bfloat16":
-        from_float32(np.broadcast_to(as_float32(src, src_dtype), dst.shape), dst_dtype, dst)
+        from_float32(xp.broadcast_to(as_float32(src, src_dtype), dst.shape), dst_dtype, dst)
     elif src_dtype == "bfloat16" and dst.dtype == np.float32:
         as_float32(src, src_dtype, out=dst)
     else:
-        np.copyto(dst, as_float32(src, src_dtype) if src_dtype == "bfloat16" else src, casting="unsafe")
+        xp.copyto(dst, as_float32(src, src_dtype) if src_dtype == "bfloat16" else src, casting="unsafe")
 
 
 def _load(out: np.ndarray, x: np.ndarray, meta: TensorMeta) -> F32:
@@ -158,8 +187,12 @@ def erf(x: np.ndarray, out: np.ndarray | None = None) -> F32:
     """Vectorized error function, float32 result, absolute error < 1.2e-7.
 
     Works in float64 chunks of 16K elements, so temporaries stay small (~0.5 MiB); ``out``
-    (C-contiguous float32) may be ``x`` itself.
+    (C-contiguous float32) may be ``x`` itself. On a GPU: cupyx's erf ufunc, in float32.
     """
+    if type(x) is not np.ndarray and namespace(x).__name__ == "cupy":
+        from cupyx.scipy import special  # a cupy array exists, so cupy (and cupyx) imports
+        result_xp: F32 = special.erf(x, out=out) if out is not None else special.erf(x)
+        return result_xp
     result = np.empty(x.shape, np.float32) if out is None else out
     src, dst = x.reshape(-1), result.reshape(-1)
     for start in range(0, src.size, _ERF_CHUNK):
@@ -173,15 +206,22 @@ _F32: Final = np.float32
 _SQRT_2_OVER_PI: Final = math.sqrt(2.0 / math.pi)
 
 
-def _simple(fn: np.ufunc) -> Kernel:
+def _simple(name: str) -> Kernel:
+    """``xp.<name>(x)`` (numpy's ufunc looked up once, another namespace's per call)."""
+    numpy_fn = getattr(np, name)
+
     def kernel(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+        fn = numpy_fn if type(out) is np.ndarray else getattr(namespace(out), name)
         fn(_ufunc_src(xs[0], ms[0]), out=out, dtype=_F32)
 
     return kernel
 
 
-def _binary(fn: np.ufunc) -> Kernel:
+def _binary(name: str) -> Kernel:
+    numpy_fn = getattr(np, name)
+
     def kernel(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+        fn = numpy_fn if type(out) is np.ndarray else getattr(namespace(out), name)
         fn(_ufunc_src(xs[0], ms[0]), _ufunc_src(xs[1], ms[1]), out=out, dtype=_F32)
 
     return kernel
@@ -189,21 +229,22 @@ def _binary(fn: np.ufunc) -> Kernel:
 
 def _scale(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     """x * s + b (``b`` since protocol 1.3, capability ``scale-bias``; like ggml_scale_bias)."""
-    np.multiply(_ufunc_src(xs[0], ms[0]), _F32(p["s"]), out=out, dtype=_F32)
+    namespace(out).multiply(_ufunc_src(xs[0], ms[0]), _F32(p["s"]), out=out, dtype=_F32)
     if p.get("b", 0.0) != 0.0:
         out += _F32(p["b"])
 
 
 def _relu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
-    np.maximum(_ufunc_src(xs[0], ms[0]), _F32(0), out=out, dtype=_F32)
+    namespace(out).maximum(_ufunc_src(xs[0], ms[0]), _F32(0), out=out, dtype=_F32)
 
 
 def _sigmoid_into(x: np.ndarray, out: np.ndarray) -> None:
     """out = 1 / (1 + exp(-x)); saturates to 0 and 1 without NaN."""
-    np.negative(x, out=out, dtype=_F32)
-    np.exp(out, out=out)
+    xp = namespace(out)
+    xp.negative(x, out=out, dtype=_F32)
+    xp.exp(out, out=out)
     out += 1
-    np.reciprocal(out, out=out)
+    xp.reciprocal(out, out=out)
 
 
 def _sigmoid(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
@@ -213,24 +254,24 @@ def _sigmoid(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out:
 def _silu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     x = _ufunc_src(xs[0], ms[0])
     _sigmoid_into(x, out)
-    np.multiply(out, x, out=out, dtype=_F32)
+    namespace(out).multiply(out, x, out=out, dtype=_F32)
 
 
 def _gelu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     """tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (ggml's); erf: 0.5 x (1 + erf(x / sqrt 2))."""
-    x = _ufunc_src(xs[0], ms[0])
+    x, xp = _ufunc_src(xs[0], ms[0]), namespace(out)
     if p["approximate"] == "erf":
-        np.multiply(x, _F32(1 / math.sqrt(2.0)), out=out, dtype=_F32)
+        xp.multiply(x, _F32(1 / math.sqrt(2.0)), out=out, dtype=_F32)
         erf(out, out=out)
     else:
-        np.square(x, out=out, dtype=_F32)
+        xp.square(x, out=out, dtype=_F32)
         out *= _F32(0.044715)
         out += 1
-        np.multiply(out, x, out=out, dtype=_F32)
+        xp.multiply(out, x, out=out, dtype=_F32)
         out *= _F32(_SQRT_2_OVER_PI)
-        np.tanh(out, out=out)
+        xp.tanh(out, out=out)
     out += 1
-    np.multiply(out, x, out=out, dtype=_F32)
+    xp.multiply(out, x, out=out, dtype=_F32)
     out *= _F32(0.5)
 
 
@@ -238,9 +279,10 @@ def _gelu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np
 
 
 def _matmul(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
-    """BLAS handles a transposed (Fortran-ordered) 2-D operand itself, so transpose_b copies nothing."""
-    a, b = as_float32(xs[0], ms[0].dtype), as_float32(xs[1], ms[1].dtype)
-    np.matmul(a, np.swapaxes(b, -1, -2) if p["transpose_b"] else b, out=out)
+    """BLAS (cuBLAS on a GPU) handles a transposed (Fortran-ordered) 2-D operand itself, so
+    transpose_b copies nothing."""
+    a, b, xp = as_float32(xs[0], ms[0].dtype), as_float32(xs[1], ms[1].dtype), namespace(out)
+    xp.matmul(a, xp.swapaxes(b, -1, -2) if p["transpose_b"] else b, out=out)
 
 
 _MMQ_BLOCK_BYTES: Final = 1 << 20  # float32 bytes of W dequantized per step
@@ -266,19 +308,51 @@ def _mul_mat_q(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, ou
     slower than dequantize-then-matmul. Dequantization dominates a single-row product (10-20x a
     prebuilt float32 W); with 128 rows the matmul dominates and the gap is 1.2-2x.
     """
-    x = as_float32(xs[0], ms[0].dtype).reshape(-1, ms[0].shape[-1])
+    x, xp = as_float32(xs[0], ms[0].dtype).reshape(-1, ms[0].shape[-1]), namespace(out)
     wq, qtype = xs[1], p["qtype"]
     n_out, n_in = wq.shape[0], x.shape[1]
     out2 = out.reshape(-1, n_out)
-    rows = max(1, _MMQ_BLOCK_BYTES // max(1, 4 * n_in))
-    buf = np.empty((min(rows, n_out), n_in), np.float32)
+    block, dequant = ((_MMQ_BLOCK_BYTES, quant.dequantize) if xp is np
+                      else (_MMQ_DEVICE_BLOCK_BYTES, dequantize_bytes))
+    rows = max(1, block // max(1, 4 * n_in))
+    buf = xp.empty((min(rows, n_out), n_in), np.float32)
     for start in range(0, n_out, rows):
-        w = quant.dequantize(wq[start:start + rows], qtype, out=buf[:min(rows, n_out - start)])
-        np.matmul(x, w.T, out=out2[:, start:start + rows])
+        w = dequant(wq[start:start + rows], qtype, out=buf[:min(rows, n_out - start)])
+        xp.matmul(x, w.T, out=out2[:, start:start + rows])
+
+
+_MMQ_DEVICE_BLOCK_BYTES: Final = 64 << 20
+"""float32 bytes of W dequantized per step on a GPU (big enough to keep cuBLAS busy)."""
 
 
 def _dequantize(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
-    quant.dequantize(xs[0], p["qtype"], out=out)
+    if type(out) is np.ndarray:
+        quant.dequantize(xs[0], p["qtype"], out=out)
+    else:
+        dequantize_bytes(xs[0], p["qtype"], out=out)
+
+
+def dequantize_bytes(data: Any, qtype: str, out: Any) -> Any:
+    """Q8_0/Q4_1 blocks (uint8, rows of whole blocks) into C-contiguous float32 ``out``, on plain
+    byte arrays: what a namespace without structured dtypes (cupy) runs. Bit for bit what
+    :func:`quant.dequantize` gives (the same float32 products and sums, in the same order)."""
+    xp = namespace(out)
+    per_block, block_bytes = quant.BLOCK[qtype]
+    blocks = xp.ascontiguousarray(data).reshape(-1, block_bytes)
+    dst = out.reshape(-1, per_block)
+    d = xp.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
+    if qtype == "q8_0":
+        xp.copyto(dst, blocks[:, 2:].view(np.int8), casting="unsafe")
+        dst *= d
+        return out
+    m = xp.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
+    qs = blocks[:, 4:]
+    half = per_block // 2
+    xp.copyto(dst[:, :half], qs & 0x0F, casting="unsafe")
+    xp.copyto(dst[:, half:], qs >> 4, casting="unsafe")
+    dst *= d
+    dst += m
+    return out
 
 
 def _pack(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
@@ -333,7 +407,9 @@ def _get_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out
     """Only the selected rows are read (and dequantized, for a quantized table)."""
     table, idx = xs
     _check_index(idx, table.shape[0], "get_rows")
-    if p["qtype"] != "none":
+    if type(out) is not np.ndarray:
+        _get_rows_device(table, idx, ms, p, out)
+    elif p["qtype"] != "none":
         rows = np.take(table, idx.reshape(-1), axis=0, mode="clip")
         quant.dequantize(rows, p["qtype"], out=out.reshape(-1, out.shape[-1]))
     elif ms[0].dtype == "float32":
@@ -342,15 +418,29 @@ def _get_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out
         _load(out, np.take(table, idx, axis=0, mode="clip"), ms[0])
 
 
+def _get_rows_device(table: Any, idx: Any, ms: Sequence[TensorMeta], p: Params, out: Any) -> None:
+    """get_rows on a device namespace (indices checked already: its take has no ``mode``)."""
+    xp = namespace(out)
+    if p["qtype"] != "none":
+        rows = xp.take(table, idx.reshape(-1), axis=0)
+        dequantize_bytes(rows, p["qtype"], out.reshape(-1, out.shape[-1]))
+    elif ms[0].dtype == "float32":
+        xp.take(table, idx, axis=0, out=out)
+    else:
+        _load(out, xp.take(table, idx, axis=0), ms[0])
+
+
 # ----------------------------------------------------------------------------------- normalization
 
 
 def _root_mean_square(x: F32, eps: float) -> F32:
     """sqrt(mean(x^2) + eps) over the last axis, shape (..., 1): one small array per call."""
-    rms: F32 = np.vecdot(x, x)[..., None]
+    xp = namespace(x)
+    rms: F32 = (np.vecdot(x, x) if xp is np else xp.einsum("...i,...i->...", x, x))[..., None]
     rms *= _F32(1.0 / x.shape[-1])
     rms += _F32(eps)
-    return np.sqrt(rms, out=rms)
+    xp.sqrt(rms, out=rms)
+    return rms
 
 
 def _rms_norm(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
@@ -364,7 +454,8 @@ def _layer_norm(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, o
     _load(out, xs[0], ms[0])
     out -= out.mean(axis=-1, keepdims=True)
     out /= _root_mean_square(out, p["eps"])
-    for fn, x, meta in zip((np.multiply, np.add), xs[1:], ms[1:], strict=False):
+    xp = namespace(out)
+    for fn, x, meta in zip((xp.multiply, xp.add), xs[1:], ms[1:], strict=False):
         fn(out, _ufunc_src(x, meta), out=out, dtype=_F32)
 
 
@@ -373,12 +464,13 @@ def _soft_max(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out
     _load(out, xs[0], ms[0])
     if p["scale"] != 1.0:
         out *= _F32(p["scale"])
+    xp = namespace(out)
     if len(xs) > 1:
-        np.add(out, _ufunc_src(xs[1], ms[1]), out=out, dtype=_F32)
+        xp.add(out, _ufunc_src(xs[1], ms[1]), out=out, dtype=_F32)
     peak = out.max(axis=-1, keepdims=True)
     peak[peak == -np.inf] = 0
     out -= peak
-    np.exp(out, out=out)
+    xp.exp(out, out=out)
     total = out.sum(axis=-1, keepdims=True)
     total[total == 0] = 1
     out /= total
@@ -392,11 +484,12 @@ def _rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np
     ulps of the angle). Allocates two temporaries of half the rotated part.
     """
     _load(out, xs[0], ms[0])
+    xp = namespace(out)
     n_dims = int(p["n_dims"])
     half = n_dims // 2
-    inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * np.arange(half) / n_dims)
+    inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * xp.arange(half) / n_dims)
     theta = xs[1].astype(np.float64)[:, None] * inv_freq  # (T, half)
-    cos, sin = np.cos(theta).astype(_F32)[:, None, :], np.sin(theta).astype(_F32)[:, None, :]
+    cos, sin = xp.cos(theta).astype(_F32)[:, None, :], xp.sin(theta).astype(_F32)[:, None, :]
     if p["mode"] == "neox":
         x0, x1 = out[..., :half], out[..., half:n_dims]
     else:
@@ -411,16 +504,17 @@ def _rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np
 def _diag_mask_inf(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     """x[..., i, j] = -inf where j > n_past + i."""
     _load(out, xs[0], ms[0])
+    xp = namespace(out)
     rows, cols = out.shape[-2:]
-    mask = np.arange(cols)[None, :] > np.arange(rows)[:, None] + int(p["n_past"])
-    np.copyto(out, _F32(-np.inf), where=mask)
+    mask = xp.arange(cols)[None, :] > xp.arange(rows)[:, None] + int(p["n_past"])
+    xp.copyto(out, _F32(-np.inf), where=mask)
 
 
 # ------------------------------------------------------------------------------ copies, reductions
 
 
 def _cont(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
-    np.copyto(out, xs[0])
+    namespace(out).copyto(out, xs[0])
 
 
 def _concat(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
@@ -436,29 +530,30 @@ def _concat(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: 
 
 
 def _sum(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
-    np.sum(_ufunc_src(xs[0], ms[0]), axis=tuple(p["axis"]), keepdims=p["keepdims"], dtype=_F32, out=out)
+    namespace(out).sum(_ufunc_src(xs[0], ms[0]), axis=tuple(p["axis"]), keepdims=p["keepdims"], dtype=_F32,
+                       out=out)
 
 
 def _mean(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     """Sum / count; an empty reduction gives NaN, like numpy (without its warning)."""
     _sum(xs, ms, p, out)
-    np.divide(out, _F32(math.prod(xs[0].shape[a] for a in p["axis"])), out=out)
+    namespace(out).divide(out, _F32(math.prod(xs[0].shape[a] for a in p["axis"])), out=out)
 
 
 def _argmax(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     """First maximum (a NaN counts as the maximum, like numpy). Allocates an intp array of out's size."""
-    x = as_float32(xs[0], ms[0].dtype) if ms[0].dtype == "bfloat16" else xs[0]
-    np.copyto(out, np.argmax(x, axis=-1), casting="unsafe")
+    x, xp = as_float32(xs[0], ms[0].dtype) if ms[0].dtype == "bfloat16" else xs[0], namespace(out)
+    xp.copyto(out, xp.argmax(x, axis=-1), casting="unsafe")
 
 
 # ------------------------------------------------------------------------------------ dispatch
 
 _COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
     **{name: _simple(fn) for name, fn in (
-        ("neg", np.negative), ("abs", np.absolute), ("sqr", np.square), ("sqrt", np.sqrt),
-        ("exp", np.exp), ("log", np.log), ("tanh", np.tanh))},
+        ("neg", "negative"), ("abs", "absolute"), ("sqr", "square"), ("sqrt", "sqrt"),
+        ("exp", "exp"), ("log", "log"), ("tanh", "tanh"))},
     **{name: _binary(fn) for name, fn in (
-        ("add", np.add), ("sub", np.subtract), ("mul", np.multiply), ("div", np.divide))},
+        ("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("div", "divide"))},
     "scale": _scale, "relu": _relu, "sigmoid": _sigmoid, "silu": _silu, "gelu": _gelu,
     "matmul": _matmul, "mul_mat_q": _mul_mat_q, "pack": _pack, "mul_mat_packed": _mul_mat_packed,
     "unpack": _unpack, "get_rows_packed": _get_rows_packed, "dequantize": _dequantize, "get_rows": _get_rows,
@@ -499,21 +594,34 @@ def _strided_view(x: np.ndarray, p: Params) -> np.ndarray:
     if not x.flags.c_contiguous or lo < 0 or hi > x.nbytes:
         raise OpRuntimeError(f"view bytes [{lo}, {hi}) escape the {x.nbytes}-byte input (or it is strided)")
     start = x.reshape(-1)[offset // x.itemsize:]
-    return np.lib.stride_tricks.as_strided(start, shape, strides)
+    view: np.ndarray = namespace(x).lib.stride_tricks.as_strided(start, shape, strides)
+    return view
 
 
-def _reshape(x: np.ndarray, p: Params) -> np.ndarray:
+def _reshape(x: np.ndarray, p: Params) -> Any:
+    if type(x) is not np.ndarray:
+        return _reshape_device(x, tuple(p["shape"]))
     try:
         return np.reshape(x, tuple(p["shape"]), copy=False)
     except ValueError as exc:
         raise OpRuntimeError(f"reshape of a strided array would copy: {exc}") from None
 
 
+def _reshape_device(x: Any, shape: tuple[int, ...]) -> Any:
+    """reshape without a copy where the namespace's reshape has no ``copy=False`` (cupy): a
+    result that does not share x's memory was a copy, and is refused like numpy refuses it."""
+    result = x.reshape(shape)
+    if x.size and not namespace(x).shares_memory(result, x):
+        raise OpRuntimeError("reshape of a strided array would copy: the strides do not allow "
+                             f"a view of shape {list(shape)}")
+    return result
+
+
 _VIEW_KERNELS: Final[Mapping[str, Callable[[np.ndarray, Params], np.ndarray]]] = {
     "reshape": _reshape,
     "view": _strided_view,
-    "permute": lambda x, p: np.transpose(x, tuple(p["axes"])),
-    "transpose": lambda x, p: np.swapaxes(x, -1, -2),
+    "permute": lambda x, p: x.transpose(tuple(p["axes"])),
+    "transpose": lambda x, p: x.swapaxes(-1, -2),
 }
 
 
@@ -539,10 +647,23 @@ def _set_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta]) -> None:
     dst, src, idx = xs
     _check_index(idx, dst.shape[0], "set_rows")
     if ms[0].dtype != ms[1].dtype:
-        converted = np.empty(src.shape, dst.dtype)
+        converted = namespace(dst).empty(src.shape, dst.dtype)
         convert(converted, ms[0].dtype, src, ms[1].dtype)
         src = converted
+    if type(dst) is not np.ndarray:
+        idx, src = last_writes(idx, src)
     dst[idx] = src
+
+
+def last_writes(idx: Any, src: Any) -> tuple[Any, Any]:
+    """The indices and rows of ``dst[idx] = src`` with only the last of each repeated index kept:
+    numpy's fancy assignment lets the last write win, cupy's leaves repeats undefined."""
+    xp = namespace(idx)
+    flat = idx.reshape(-1)
+    rows = src.reshape((flat.size, *src.shape[idx.ndim:]))
+    _, first_in_reversed = xp.unique(flat[::-1], return_index=True)
+    keep = flat.size - 1 - first_in_reversed
+    return flat[keep], rows[keep]
 
 
 _INPLACE_KERNELS: Final[Mapping[str, Callable[[Sequence[np.ndarray], Sequence[TensorMeta]], None]]] = {
@@ -559,3 +680,59 @@ def run_inplace(op: str, inputs: Sequence[np.ndarray], metas: Sequence[TensorMet
     _kind_check(op, OpKind.INPLACE)
     with np.errstate(all="ignore"):
         _INPLACE_KERNELS[op](inputs, metas)
+
+
+# ------------------------------------------------------------------------------------ the table
+
+ViewKernel = Callable[[Any, Params], Any]
+InplaceKernel = Callable[[Sequence[Any], Sequence[TensorMeta]], None]
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """One backend's kernels: this module's, with the backend's overrides (a backend's
+    ``kernels`` attribute; the graph executor calls only these three methods)."""
+
+    name: str
+    compute: Mapping[str, Kernel] = field(default_factory=lambda: _COMPUTE_KERNELS)
+    views: Mapping[str, ViewKernel] = field(default_factory=lambda: _VIEW_KERNELS)
+    inplace: Mapping[str, InplaceKernel] = field(default_factory=lambda: _INPLACE_KERNELS)
+    host_errors: bool = True
+    """numpy's floating-point warnings are silenced around every kernel (a GPU raises none)."""
+
+    def overridden(self, name: str, *, compute: Mapping[str, Kernel] | None = None,
+                   views: Mapping[str, ViewKernel] | None = None,
+                   inplace: Mapping[str, InplaceKernel] | None = None,
+                   host_errors: bool = False) -> KernelTable:
+        """This table with some kernels replaced (every name must be an op of that kind), for a
+        device whose arithmetic raises no floating-point warnings unless ``host_errors``."""
+        for table, kind in ((compute, OpKind.COMPUTE), (views, OpKind.VIEW), (inplace, OpKind.INPLACE)):
+            for op in table or ():
+                _kind_check(op, kind)
+        return KernelTable(name, {**self.compute, **(compute or {})}, {**self.views, **(views or {})},
+                           {**self.inplace, **(inplace or {})}, host_errors=host_errors)
+
+    def run_compute(self, op: str, inputs: Sequence[Any], metas: Sequence[TensorMeta],
+                    params: Params, out: Any) -> None:
+        """:func:`run_compute` with this table."""
+        _kind_check(op, OpKind.COMPUTE)
+        if out.size == 0:
+            return
+        with np.errstate(all="ignore") if self.host_errors else contextlib.nullcontext():
+            self.compute[op](inputs, metas, params, out)
+
+    def run_view(self, op: str, x: Any, meta: TensorMeta, params: Params) -> Any:
+        """:func:`run_view` with this table."""
+        _kind_check(op, OpKind.VIEW)
+        return self.views[op](x, params)
+
+    def run_inplace(self, op: str, inputs: Sequence[Any], metas: Sequence[TensorMeta],
+                    params: Params) -> None:
+        """:func:`run_inplace` with this table."""
+        _kind_check(op, OpKind.INPLACE)
+        with np.errstate(all="ignore") if self.host_errors else contextlib.nullcontext():
+            self.inplace[op](inputs, metas)
+
+
+NUMPY_KERNELS: Final = KernelTable("numpy")
+"""The numpy backend's table: this module's kernels, unchanged."""

@@ -1,0 +1,46 @@
+"""Host memory posing as a device array namespace, so the kernels' device branches run on the CPU.
+
+:class:`DeviceArray` is a numpy subclass; the kernel table finds an array's namespace by its
+type's module (``namespace(arr)`` in ``numpy_ops``), which is this module. Every numpy function
+is reached through the module ``__getattr__`` and its array results come back as
+:class:`DeviceArray`, so a kernel never falls back to the numpy fast path by accident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+class DeviceArray(np.ndarray):  # type: ignore[type-arg]
+    """A numpy array that the kernel table treats as another backend's array."""
+
+
+def _device(value: Any) -> Any:
+    if isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
+        return value.view(DeviceArray)
+    if isinstance(value, tuple):
+        return tuple(_device(v) for v in value)
+    return value
+
+
+def _wrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _device(fn(*args, **kwargs))
+
+    return call
+
+
+def __getattr__(name: str) -> Any:
+    attr = getattr(np, name)
+    if callable(attr) and not isinstance(attr, type):
+        return _wrapped(attr)
+    return attr
+
+
+def to_device(array: np.ndarray) -> DeviceArray:
+    """The same memory, as a device array (strides kept)."""
+    result: DeviceArray = array.view(DeviceArray)
+    return result
