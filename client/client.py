@@ -26,6 +26,7 @@ from ..broker.errors import (
     AuthenticationFailed,
     BadRequest,
     ConnectionLost,
+    OutOfMemory,
     ProtocolError,
     RpcError,
     VersionMismatch,
@@ -278,8 +279,8 @@ class Client:
                 future = self._engine.submit(Cmd.HELLO, hello, timeout=timeout)
             info: p.HelloReply = future.result()
         except RpcError as exc:
-            if isinstance(exc, (VersionMismatch, AuthenticationFailed)):
-                raise
+            if isinstance(exc, (VersionMismatch, AuthenticationFailed, OutOfMemory)):
+                raise          # the worker answered: it refused us (a full worker: OutOfMemory)
             raise ConnectionLost(f"cannot reach a zmq-rpc worker at {self.endpoint}: "
                                  f"{exc.message}") from exc
         if info.major != major:

@@ -184,6 +184,40 @@ def test_session_quotas(make_worker: Callable[..., WorkerServer],
     assert executor.quotas.buffers == 16_384 and executor.quotas.graphs == 1_024
 
 
+def test_one_session_leaves_a_quarter_of_memory_to_the_others(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client]) -> None:
+    """Issue 13: the per-session default was --mem, so one greedy session could take it all.
+    By default a session holds at most 3/4 of --mem (default_session_share)."""
+    worker = make_worker(memory_limit=64 * MiB)              # --session-mem left out
+    greedy, good = make_client(worker.endpoint), make_client(worker.endpoint)
+    greedy.alloc_buffer(40 * MiB)
+    with pytest.raises(OutOfMemory, match=r"per-session limit of 50,331,648 \(--session-mem\)"):
+        greedy.alloc_buffer(16 * MiB)
+    greedy.alloc_buffer(8 * MiB)                             # 48 MiB: all of its share
+    good.alloc_buffer(16 * MiB)                              # the quarter left is the others'
+
+
+def test_sessions_beyond_max_sessions_are_refused_clearly(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client]) -> None:
+    """Connections and sessions were unbounded. The HELLO beyond --max-sessions gets a clear
+    OUT_OF_MEMORY (the client's constructor raises it at once); when one session closes, a new
+    one fits again; sessions silent for PRESSURE_SILENCE make room for a new one."""
+    worker = make_worker(memory_limit=64 * MiB, max_sessions=3)
+    clients = [make_client(worker.endpoint) for _ in range(3)]
+    start = time.monotonic()
+    with pytest.raises(OutOfMemory, match=r"already serves 3 sessions, its limit "
+                                          r"\(--max-sessions 3\)"):
+        Client(worker.endpoint)
+    assert time.monotonic() - start < 5                      # refused, not timed out
+    clients.pop().close()
+    make_client(worker.endpoint).ping()                      # room again
+    executor = worker._backend_thread.executor              # type: ignore[union-attr]
+    for session in executor.sessions.values():               # as if their clients had gone
+        session.last_seen -= 60
+    make_client(worker.endpoint).ping()                      # the silent ones made room
+    assert len(executor.sessions) == 1
+
+
 def test_freed_buffer_is_not_kept_by_a_registered_graph(
         make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client]) -> None:
     worker = make_worker(memory_limit=64 * MiB)

@@ -29,10 +29,11 @@ from zmq_rpc.broker.keys import (
     parse_key,
     split_endpoint,
 )
-from zmq_rpc.broker.protocol import Cmd
+from zmq_rpc.broker.protocol import Cmd, ErrorCode, WireError
 from zmq_rpc.broker.wire import printable
 from zmq_rpc.client import AuthenticationFailed, Client, TransferError
 from zmq_rpc.client.security import resolve_curve
+from zmq_rpc.worker.peer_links import check_numeric, resolve_endpoint
 from zmq_rpc.worker.server import InsecureBind, WorkerConfig, WorkerServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -453,3 +454,71 @@ def test_push_to_a_port_that_is_not_a_worker_is_refused(
     while trap.poll(200):
         seen.append(wire.decode_peer(trap.recv_multipart()))
     assert [type(m).__name__ for m in seen] == ["Probe"]     # never a chunk
+
+
+# ------------------------------------------------------------------- names in peer endpoints
+
+
+def test_peer_endpoints_must_name_ip_addresses() -> None:
+    for ok in ("tcp://127.0.0.1:5", "tcp://[::1]:5", "ipc:///tmp/x", "tcp://10.0.0.1:1#curve=k"):
+        check_numeric(ok.partition("#")[0])
+    for bad in ("tcp://localhost:5", "tcp://no-such-host.invalid:1", "tcp://127.0.0.1:*",
+                "tcp://127.0.0.1;10.0.0.1:5", "nope", "tcp://\x00x:1", "udp://1.2.3.4:5"):
+        with pytest.raises(WireError, match="names an IP address"):
+            check_numeric(bad)
+    assert resolve_endpoint("tcp://localhost:7#curve=" + "a" * 40) == \
+        "tcp://127.0.0.1:7#curve=" + "a" * 40
+    assert resolve_endpoint("tcp://10.1.2.3:7") == "tcp://10.1.2.3:7"
+
+
+def test_unresolvable_peer_names_do_not_stall_the_worker(
+        make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
+        raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
+    """The long fuzz (issue 13): 43 of 517 good-client probes failed, ConnectionLost after the
+    5 s heartbeat or a 5 s timeout, while the worker's threads sat idle. Messages naming hosts
+    that do not resolve (a mutated reply address, a client's PEER_SEND endpoint) made libzmq
+    call getaddrinfo on the worker's single I/O thread, ~1.5 s per name and again at every
+    reconnect, stalling every connection. Now such endpoints are refused at once."""
+    server = make_worker(memory_limit=64 << 20)
+    c = make_client(server.endpoint)                   # default client settings
+    c.ping()
+    push = raw_socket(zmq.PUSH)
+    push.connect(server._backend_thread.peers.endpoint)   # type: ignore[union-attr]
+    for i in range(20):
+        push.send(wire.encode_peer(wire.Probe(os.urandom(16), f"tcp://nohost-{i}.invalid:1")))
+    probe = c._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint="tcp://nohost.invalid:1",
+                                                   timeout_ms=1000))
+    with pytest.raises(TransferError, match="names an IP address"):
+        probe.result(timeout=5)
+    worst = 0.0
+    for _ in range(20):
+        start = time.monotonic()
+        c.ping()
+        worst = max(worst, time.monotonic() - start)
+        time.sleep(0.05)
+    assert worst < 3.0, f"a ping took {worst:.1f} s: the I/O thread stalled"
+
+
+def test_a_link_that_cannot_take_a_message_never_blocks_the_worker() -> None:
+    """The long fuzz (issue 13) hung a worker for good: the backend thread sat in a PUSH link's
+    blocking send (a probe). A PUSH with no pipe left (libzmq ends a connection that fails its
+    handshake with a protocol error and removes the pipe without reconnecting) blocks a send
+    forever, and with the backend thread every client. Link sends never block now (SNDTIMEO
+    0): the probe or push fails with TRANSFER_FAILED, the link is dropped, nothing is left
+    waiting for an acknowledgement."""
+    from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
+    from zmq_rpc.worker.peer_links import PeerLinks
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    links = PeerLinks(ctx, NumpyBackend(), bind="tcp://127.0.0.1:*")
+    try:
+        dead_end = "tcp://127.0.0.1:9"
+        links._link(dead_end).disconnect(dead_end)      # what a failed handshake leaves: no pipe
+        outcome: list[str | None] = []
+        start = time.monotonic()
+        with pytest.raises(WireError, match="cannot take a message now") as err:
+            links.start_probe(dead_end, 5000, object(), outcome.append)
+        assert time.monotonic() - start < 1 and err.value.code == ErrorCode.TRANSFER_FAILED
+        assert not links.outgoing and dead_end not in links.links and not outcome
+    finally:
+        links.close()
+        ctx.term()

@@ -332,6 +332,8 @@ class Report:
     probe_failures: list[str] = field(default_factory=list)
     probe_ms_max: float = 0.0
     probe_ms_median: float = 0.0
+    probe_ms: list[float] = field(default_factory=list)
+    """Every probe's duration (alloc, set, get, free), in order."""
     reconnects: int = 0
     rss_before: int = 0
     rss_peak: int = 0
@@ -407,7 +409,7 @@ class Fuzzer:
         self.peer_share = peer_share
         self.report = Report(seeds=len(seeds))
         self.req_ids = iter(range(1, 1 << 62))
-        self.probe_times: list[float] = []
+        self.started = time.monotonic()
 
     def run(self, seconds: float, max_messages: int = 0) -> Report:
         from ..client import Client
@@ -468,7 +470,7 @@ class Fuzzer:
     def _feed(self, s: Session, poller: zmq.Poller) -> None:
         assert s.sock is not None
         if s.in_flight >= Session.WINDOW:
-            if time.monotonic() - s.last_reply > 10.0:      # a long PEER_RECV holds its queue
+            if time.monotonic() - s.last_reply > 3.0:       # a long PEER_RECV holds its queue
                 poller.unregister(s.sock)
                 s.connect()
                 poller.register(s.sock, zmq.POLLIN)
@@ -529,21 +531,26 @@ class Fuzzer:
     def _probe(self, client: Any) -> None:
         started = time.monotonic()
         self.report.probes += 1
+        step = "alloc"
         try:
             buf = client.alloc_buffer_async(4096).result(timeout=self.probe_limit)
             t = buf.tensor((1024,), "float32")
             data = np.full(1024, self.report.probes, np.float32)
             client.set_tensor_async(t, data)
+            step = "set+get"
             got = client.get_tensor_async(t).result(timeout=self.probe_limit)
+            step = "free"
             buf.free_async().result(timeout=self.probe_limit)
             if not np.array_equal(got, data):
                 raise AssertionError("probe read back different bytes")
         except Exception as exc:  # noqa: BLE001 - every failure is a finding
-            self.report.probe_failures.append(f"{type(exc).__name__}: {exc}"[:300])
+            self.report.probe_failures.append(
+                f"probe {self.report.probes} at {started - self.started:.0f} s, {step} after "
+                f"{time.monotonic() - started:.1f} s: {type(exc).__name__}: {exc}"[:300])
         elapsed = (time.monotonic() - started) * 1000
-        self.probe_times.append(elapsed)
+        self.report.probe_ms.append(round(elapsed, 2))
         self.report.probe_ms_max = max(self.report.probe_ms_max, elapsed)
-        self.report.probe_ms_median = float(np.median(self.probe_times))
+        self.report.probe_ms_median = float(np.median(self.report.probe_ms))
 
 
 def start_worker(mem: str = "256MiB", extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str],
@@ -606,6 +613,47 @@ def report_json(report: Report) -> dict[str, Any]:
     return data
 
 
+def fuzz_running(endpoint: str, pid: int, seconds: float, max_messages: int = 0,
+                 seed: int = 0) -> Report:
+    """Fuzz a worker that is already running (``zmq-rpc-fuzz --worker``): one segment of a long
+    run; the worker keeps running. ``pid`` (0: unknown) is only read for its RSS."""
+    seeds = record_corpus(endpoint)
+    report = Fuzzer(endpoint, pid, seeds, random.Random(seed)).run(seconds, max_messages)
+    if pid:
+        report.rss_after = rss_of(pid)
+        report.worker_exit = None if report.rss_after else -1
+    if report.worker_exit is None:
+        _final_probe(endpoint, report)
+    return report
+
+
+SUMMED = ("seconds", "messages", "peer_messages", "replies", "malformed_replies", "probes",
+          "reconnects")
+
+
+def add_segment(totals: dict[str, Any], segment: dict[str, Any]) -> dict[str, Any]:
+    """The totals of a long run after one more segment (``--continue FILE``): counts summed,
+    lists concatenated, RSS before from the first segment, peak the highest, after the last."""
+    if not totals:
+        return {**segment, "segments": 1}
+    out = dict(totals)
+    for name in SUMMED:
+        out[name] = totals.get(name, 0) + segment.get(name, 0)
+    statuses = Counter(totals.get("statuses", {}))
+    statuses.update(segment.get("statuses", {}))
+    out["statuses"] = dict(statuses)
+    for name in ("internal_errors", "probe_failures", "probe_ms"):
+        out[name] = list(totals.get(name, [])) + list(segment.get(name, []))
+    out["probe_ms_max"] = max(totals.get("probe_ms_max", 0.0), segment.get("probe_ms_max", 0.0))
+    out["probe_ms_median"] = float(np.median(out["probe_ms"])) if out["probe_ms"] else 0.0
+    out["rss_peak"] = max(totals.get("rss_peak", 0), segment.get("rss_peak", 0))
+    out["rss_after"] = segment.get("rss_after", 0)
+    out["worker_exit"] = segment.get("worker_exit")
+    out["segments"] = totals.get("segments", 1) + 1
+    out["ok"] = bool(totals.get("ok")) and bool(segment.get("ok"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zmq-rpc-fuzz``."""
     ap = argparse.ArgumentParser(prog="zmq-rpc-fuzz", description=__doc__.splitlines()[0])
@@ -613,16 +661,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--messages", type=int, default=0, help="stop after this many (0: time only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mem", default="256MiB")
+    ap.add_argument("--worker", default="", metavar="ENDPOINT",
+                    help="fuzz this running worker instead of starting one (it keeps running)")
+    ap.add_argument("--pid", type=int, default=0,
+                    help="with --worker: its process id, to watch its RSS and that it lives")
+    ap.add_argument("--continue", dest="totals", default="", metavar="FILE",
+                    help="add this run to the totals in FILE (created if missing) and write "
+                         "them back: a long run in segments against one --worker")
     ap.add_argument("--json", default="", help="write the report here")
     args = ap.parse_args(argv)
-    report = fuzz(args.seconds, args.messages, args.seed, args.mem)
+    if args.worker:
+        report = fuzz_running(args.worker, args.pid, args.seconds, args.messages, args.seed)
+    else:
+        report = fuzz(args.seconds, args.messages, args.seed, args.mem)
     data = report_json(report)
-    text = json.dumps(data, indent=1, default=str)
+    if args.totals:
+        totals: dict[str, Any] = {}
+        if os.path.exists(args.totals):
+            with open(args.totals) as f:
+                totals = json.load(f)
+        data = add_segment(totals, data)
+        with open(args.totals, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+    text = json.dumps({k: v for k, v in data.items() if k != "probe_ms"}, indent=1, default=str)
     print(text)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
-    return 0 if report.ok else 1
+    return 0 if data["ok"] else 1
 
 
 if __name__ == "__main__":

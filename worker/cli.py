@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..broker.ops import DEFAULT_MAX_WORK
 from .logs import configure_logging
+from .quotas import DEFAULT_MAX_SESSIONS
 
 if TYPE_CHECKING:
     from .server import WorkerServer
@@ -148,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "most the device's memory (default: 80%% of the device's memory)")
     ap.add_argument("--session-mem", type=_positive_size(1), default=0,
                     help="memory one client session may hold: buffers, graph arenas, replies "
-                         "and peer sends being materialized (default: --mem)")
+                         "and peer sends being materialized (default: 3/4 of --mem, so that one "
+                         "session always leaves a quarter to the others)")
+    ap.add_argument("--max-sessions", type=_positive(int), default=DEFAULT_MAX_SESSIONS,
+                    help="client sessions served at once; the HELLO of one more is refused "
+                         "with OUT_OF_MEMORY (default %(default)s)")
     ap.add_argument("--max-buffer", type=_positive_size(1), default=0,
                     help="largest single buffer (default: --mem)")
     ap.add_argument("--max-message", type=_positive_size(64 << 10), default=64 << 20,
@@ -208,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 512 << 20) -> bool:
+def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 64 << 20) -> bool:
     """Let glibc reuse freed message buffers instead of mapping fresh pages per message.
 
     libzmq mallocs every received message; above glibc's mmap threshold each one is a new
@@ -250,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                           session_timeout=args.session_timeout,
                           max_graph_work=args.max_graph_work,
                           session_memory=args.session_mem,
+                          max_sessions=int(args.max_sessions),
                           peer_bind="" if args.peer_bind == "none" else args.peer_bind,
                           peer_advertise=args.peer_advertise or "", curve=curve,
                           authorized_keys=args.authorized_keys, worker_keys=args.worker_keys,

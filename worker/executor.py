@@ -336,6 +336,7 @@ class Executor:
         if not strong_client_id(session.client_id):
             raise WireError(ErrorCode.BAD_REQUEST, WEAK_ID)
         if self.sessions.get(session.client_id) is not session:
+            self._make_room_for_a_session()
             session.name = printable(msg.client, 64) or "client"
             self._session_ids += 1
             session.sid = self._session_ids
@@ -350,6 +351,22 @@ class Executor:
         if msg.minor < 6:          # an older client decodes no field it does not know
             reply = dataclasses.replace(reply, device_details=())
         return reply, []
+
+    def _make_room_for_a_session(self) -> None:
+        """OUT_OF_MEMORY unless one more session fits ``--max-sessions`` (sessions silent for
+        PRESSURE_SILENCE are closed first: their clients are gone)."""
+        limit = self.limits.max_sessions
+        if len(self.sessions) < limit:
+            return
+        now = time.monotonic()
+        for other in list(self.sessions.values()):
+            if now - other.last_seen > PRESSURE_SILENCE:
+                self.close_session(other, f"{limit} sessions were open (--max-sessions) and it "
+                                          f"was silent for {now - other.last_seen:.0f} s")
+        if len(self.sessions) >= limit:
+            raise WireError(ErrorCode.OUT_OF_MEMORY, f"HELLO refused: this worker already "
+                            f"serves {len(self.sessions)} sessions, its limit (--max-sessions "
+                            f"{limit}); try again when one closes")
 
     def hello_reply(self) -> p.HelloReply:
         """What this worker tells new sessions."""

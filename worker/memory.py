@@ -80,14 +80,18 @@ class SessionMemory:
     def charge(self, session: Session, size: int, what: str) -> None:
         """Count ``size`` bytes against the session's quota and ``--mem`` (closing silent
         sessions first when memory is short), or OUT_OF_MEMORY."""
-        if self.quotas.memory < self.budget.limit:      # else --mem says it (below)
-            check(f"memory ({what})", session.usage.memory, size, self.quotas.memory)
-        try:
+        try:                    # the worker's --mem first: "does not fit, N free" says most
             self.budget.reserve(size, what)
         except WireError:
             if not self.reclaim(session):
                 raise
             self.budget.reserve(size, what)
+        if self.quotas.memory < self.budget.limit:
+            try:
+                check(f"memory ({what})", session.usage.memory, size, self.quotas.memory)
+            except WireError:
+                self.budget.release(size)
+                raise
         session.usage.memory += size
 
     def uncharge(self, session: Session, size: int) -> None:

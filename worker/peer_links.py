@@ -19,8 +19,10 @@ to a port that is not a known worker. Chunks for transfers nobody here waits for
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +58,53 @@ HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 6000
 """ZMTP heartbeats on every link: a peer host that vanishes without closing its connections
 (power, cable) is seen as disconnected after at most ~8 s."""
 
+NAMES_REFUSED = ("names an IP address (tcp://IP:PORT, tcp://[IPv6]:PORT) or ipc://PATH: libzmq "
+                 "resolves a host name on the worker's I/O thread, synchronously, so a name that "
+                 "does not resolve would stall every connection of this worker for seconds")
+
+
+def check_numeric(address: str) -> None:
+    """TRANSFER_FAILED unless ``address`` needs no name resolution to connect to.
+
+    Peer endpoints come from the network (a client's PEER_SEND, a probe's reply address). libzmq
+    calls getaddrinfo for a ``tcp://NAME:PORT`` on its I/O thread and again at every reconnect;
+    an unresolvable name blocks that thread ~1.5 s each time, and with it every client's
+    requests, replies and heartbeats (the long fuzz's lost probes). So links take IP addresses
+    only; a worker's own advertised endpoint is resolved once at start (:func:`resolve_endpoint`).
+    """
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc") and rest:
+        return
+    host, colon, port = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ok = scheme == "tcp" and bool(colon) and port.isdigit() and bool(ipaddress.ip_address(host))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise WireError(ErrorCode.TRANSFER_FAILED, f"peer endpoint "
+                        f"{printable(address, 100)} refused: a peer endpoint {NAMES_REFUSED}")
+
+
+def resolve_endpoint(endpoint: str) -> str:
+    """``tcp://NAME:PORT[#curve=KEY]`` with NAME resolved to an IP address, once (a worker's
+    ``--peer-advertise``, given by whoever starts it); other endpoints as they are."""
+    address, key = split_endpoint(endpoint)
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host.startswith("["):
+        return endpoint
+    try:
+        ipaddress.ip_address(host)
+        return endpoint
+    except ValueError:
+        pass
+    family, *_, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    ip = str(sockaddr[0])
+    resolved = f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
+    return join_endpoint(resolved, key)
+
 
 @dataclass
 class PeerSecurity:
@@ -72,6 +121,7 @@ class PeerSecurity:
             address, key = split_endpoint(endpoint)
         except KeyFileError as exc:
             raise WireError(ErrorCode.TRANSFER_FAILED, f"bad peer endpoint: {exc}") from None
+        check_numeric(address)
         if self.keys is None:
             if key is not None:
                 raise WireError(ErrorCode.TRANSFER_FAILED, "that peer endpoint requires CURVE, "
@@ -180,7 +230,8 @@ class PeerLinks:
             if keys is not None:
                 make_curve_server(self.pull, keys, PEER_DOMAIN)
             self.pull.bind(bind)
-            self.endpoint = advertise or self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.endpoint = (resolve_endpoint(advertise) if advertise
+                             else self.pull.getsockopt_string(zmq.LAST_ENDPOINT))
             if keys is not None and split_endpoint(self.endpoint)[1] is None:
                 self.endpoint = join_endpoint(self.endpoint, keys.public)
         self.links: dict[str, zmq.Socket[bytes]] = {}
@@ -245,7 +296,11 @@ class PeerLinks:
         self.outgoing[send.token] = Outgoing(owner, done, send.endpoint,
                                              time.monotonic() + timeout_ms / 1000,
                                              f"transfer to {send.endpoint}")
-        self.push(push)
+        try:
+            self.push(push)
+        except WireError:
+            self.outgoing.pop(send.token, None)
+            raise
 
     def prepare_push(self, send: wire.Send, source: Source, acknowledge: bool) -> Push:
         """Check a send (peer endpoint, link) and encode its chunk headers before anything it
@@ -284,11 +339,11 @@ class PeerLinks:
             if data is None:
                 data = self.backend.read(piece.view)[0]
             if piece.zero_copy:
-                tracker = link.send_multipart([piece.header, data], copy=False, track=True)
+                tracker = self._send(link, push.endpoint, [piece.header, data], track=True)
                 if tracker is not None:
                     push.source.track(tracker)
             else:
-                link.send_multipart([piece.header, data], copy=False)
+                self._send(link, push.endpoint, [piece.header, data])
 
     def _check_verified(self, endpoint: str) -> None:
         """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
@@ -307,8 +362,28 @@ class PeerLinks:
         copy, sent = push.source.copy, push.source.sent
         assert copy is not None and sent is not None
         charged = copy(piece.view, push.endpoint)
-        tracker = link.send_multipart([piece.header, charged.data], copy=False, track=True)
+        try:
+            tracker = self._send(link, push.endpoint, [piece.header, charged.data], track=True)
+        except WireError:
+            sent(zmq.MessageTracker(), charged)      # never queued: done, reaped at once
+            raise
         sent(tracker, charged)
+
+    def _send(self, link: zmq.Socket[bytes], endpoint: str, frames: list[Any],
+              track: bool = False) -> zmq.MessageTracker | None:
+        """Hand frames to a link without ever blocking (links have SNDTIMEO 0): a PUSH whose
+        connection cannot take a message (none up, its pipe gone) would otherwise block the
+        backend thread, and with it every client, for good (seen in the long fuzz). Such a
+        send fails its transfer with TRANSFER_FAILED and the link is dropped (the next use
+        reconnects)."""
+        try:
+            return link.send_multipart(frames, copy=False, track=track)
+        except zmq.ZMQError as exc:
+            self._drop_link(endpoint)
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"the link to peer {printable(endpoint, 100)} cannot take a "
+                            f"message now ({zmq.strerror(exc.errno or 0)}): no connection "
+                            "to it is up") from None
 
     def drop_link(self, endpoint: str) -> None:
         """Close a link and drop what is queued on it (its session closed)."""
@@ -326,7 +401,11 @@ class PeerLinks:
                                         f"probe of {endpoint}", probe=True)
         probe = wire.encode_peer(wire.Probe(token, self.endpoint))
         self.metrics.peer_out((probe,))
-        link.send(probe)
+        try:
+            self._send(link, endpoint, [probe])
+        except WireError:
+            del self.outgoing[token]
+            raise
 
     def _link(self, endpoint: str) -> zmq.Socket[bytes]:
         """The PUSH socket to ``endpoint``: reused, most recently used last; at most MAX_LINKS
@@ -345,6 +424,7 @@ class PeerLinks:
             raise WireError(ErrorCode.TRANSFER_FAILED, f"cannot open a peer link: {exc}") from None
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 0)     # never block the backend thread (see _send)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         keys = self.security.keys
@@ -492,7 +572,7 @@ class PeerLinks:
     def _send_ack(self, endpoint: str, ack: wire.Ack) -> None:
         try:
             frame = wire.encode_peer(ack)
-            self._link(endpoint).send(frame, zmq.NOBLOCK)
+            self._send(self._link(endpoint), endpoint, [frame])
             self.metrics.peer_out((frame,))
         except (WireError, zmq.ZMQError) as exc:
             log.warning("cannot acknowledge to %s: %s", printable(endpoint, 100),

@@ -3,9 +3,14 @@
 Owned by the backend thread (the executor keeps one :class:`InFlight` and each session one
 :class:`Usage`). Enforced by the worker, never taken from the client:
 
-- **memory** (``--session-mem``, default ``--mem``): a session's buffers, registered graphs'
-  arenas and numpy temporaries, one-off graphs while they run, and the bytes of replies and peer
-  pushes the worker had to materialize (strided or zero-stride views) until libzmq has sent them;
+- **sessions** (``--max-sessions``, default :data:`DEFAULT_MAX_SESSIONS`): the HELLO that would
+  open one more is refused with OUT_OF_MEMORY saying so (after closing sessions silent for
+  ``PRESSURE_SILENCE``: their clients are gone);
+- **memory** (``--session-mem``, default :func:`default_session_share`: 3/4 of ``--mem``, so one
+  greedy or hostile session always leaves a quarter of ``--mem`` to the others): a session's
+  buffers, registered graphs' arenas and numpy temporaries, one-off graphs while they run, and
+  the bytes of replies and peer pushes the worker had to materialize (strided or zero-stride
+  views) until libzmq has sent them;
 - **buffers**, **graphs**, **graph nodes** (summed over registered graphs) per session;
 - **queued requests** and **queued payload bytes** per session (a session's queue grows only while
   its head waits: a peer receive, a buffer still being sent). A request over the quota gets
@@ -24,6 +29,14 @@ from typing import Any
 import zmq
 
 from ..broker.protocol import ErrorCode, WireError
+
+DEFAULT_MAX_SESSIONS = 64
+"""Sessions a worker serves at once unless told otherwise (``--max-sessions``)."""
+
+
+def default_session_share(memory_limit: int) -> int:
+    """What one session may hold unless ``--session-mem`` says otherwise: 3/4 of ``--mem``."""
+    return memory_limit * 3 // 4
 
 
 @dataclass(frozen=True)
@@ -50,8 +63,10 @@ class Usage:
 
 
 def over(what: str, have: int, adding: int, limit: int) -> WireError:
+    flag = " (--session-mem)" if what.startswith("memory") else ""
     return WireError(ErrorCode.OUT_OF_MEMORY, f"session quota: {what} would reach "
-                     f"{have + adding:,}, over this worker's per-session limit of {limit:,}")
+                     f"{have + adding:,}, over this worker's per-session limit of {limit:,}"
+                     f"{flag}")
 
 
 def check(what: str, have: int, adding: int, limit: int) -> None:

@@ -32,9 +32,11 @@ from ..broker.protocol import ErrorCode
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .backends.base import Backend
 from .executor import DRAIN_BATCH, Executor
+from .heap import IdleTrim
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
 from .model_files import ModelFiles
 from .peer_links import PeerLinks, PeerSecurity
+from .quotas import default_session_share
 from .session import WorkerLimits
 from .tensor_cache import TensorCache
 
@@ -66,7 +68,10 @@ class WorkerConfig:
     max_graph_work: int = DEFAULT_MAX_WORK
     """Element-ops one graph run may ask for."""
     session_memory: int = 0
-    """Bytes one session may hold; 0 means the memory limit (see worker/quotas.py)."""
+    """Bytes one session may hold; 0 means :func:`~zmq_rpc.worker.quotas.default_session_share`
+    of the memory limit (see worker/quotas.py)."""
+    max_sessions: int = 64
+    """Sessions open at once (see worker/quotas.py)."""
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
     peer_bind: str | None = None
@@ -227,8 +232,10 @@ class BackendThread(threading.Thread):
         waiting = False
         next_expiry = time.monotonic() + 1.0
         next_publish = 0.0
+        idle_trim = IdleTrim()
         while True:
             events = dict(poller.poll(self._timeout_ms(waiting)))
+            idle_trim.poll_result(bool(events) or waiting)
             if pair in events:
                 self._drain(pair)
             if peers.pull is not None and peers.pull in events:
@@ -312,7 +319,9 @@ class WorkerServer:
                             max_message_size=cfg.max_message_size,
                             session_timeout=cfg.session_timeout,
                             max_graph_work=cfg.max_graph_work,
-                            session_memory=min(cfg.session_memory or memory, memory))
+                            session_memory=min(cfg.session_memory or default_session_share(memory),
+                                               memory),
+                            max_sessions=cfg.max_sessions)
 
     def start(self) -> str:
         """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""

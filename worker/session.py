@@ -47,6 +47,8 @@ class WorkerLimits:
     """Element-ops one graph run may ask for (see :func:`~zmq_rpc.broker.ops.node_work`)."""
     session_memory: int = 0
     """Bytes one session may hold (0: the memory limit); see :mod:`~zmq_rpc.worker.quotas`."""
+    max_sessions: int = 64
+    """Sessions open at once; the HELLO of one more is refused (see :mod:`~zmq_rpc.worker.quotas`)."""
 
 
 @dataclass
