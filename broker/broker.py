@@ -18,7 +18,7 @@ Socket options chosen here:
   sends back up on its side), and the others' latency stays within a few queued requests of idle
   (tests/test_quotas.py). Replies to a client are held up to ``CLIENT_SNDHWM`` messages; a
   client that never reads them loses those beyond it (zmq-rpc's client keeps at most 512
-  requests in flight, well under). The PAIR's reply direction is unbounded, so the backend never
+  requests in flight, under it). The PAIR's reply direction is unbounded, so the backend never
   blocks on a reply.
 - MAXMSGSIZE refuses oversized messages at the socket: libzmq drops that peer's connection.
 - HEARTBEAT_IVL/TIMEOUT/TTL close connections to frozen or vanished clients.
@@ -43,8 +43,11 @@ log = logging.getLogger("zmq_rpc.broker")
 
 CLIENT_RCVHWM = 256
 """Requests libzmq holds per client connection before it stops reading that client's socket."""
-CLIENT_SNDHWM = 8192
-"""Replies held per client connection; more than that to a client that does not read are dropped."""
+CLIENT_SNDHWM = 1024
+"""Replies held per client connection; more than that to a client that does not read are dropped.
+zmq-rpc's client keeps at most 512 requests in flight; replies are copied into libzmq only below
+64 KiB (bigger ones alias buffers or are counted in ``--mem``), so this holds at most 64 MiB of
+reply copies per connection (docs/SECURITY.md, what the RSS is made of)."""
 BACKEND_HWM = 32
 """Requests queued on the inproc PAIR per side (the backend's PAIR sets its RCVHWM to this)."""
 

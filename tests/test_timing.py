@@ -67,15 +67,15 @@ def test_a_worker_queue_wait_shows_up(make_worker: Callable[..., WorkerServer],
 def test_an_older_worker_is_not_traced(worker: WorkerServer, make_client: Callable[..., Client],
                                        caplog: pytest.LogCaptureFixture,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from zmq_rpc.worker import executor
-    original = executor.Executor.hello_reply
+    from zmq_rpc.worker.self_report import SelfReport
+    original = SelfReport.hello_reply
 
-    def old_hello(self: executor.Executor) -> p.HelloReply:
+    def old_hello(self: SelfReport) -> p.HelloReply:
         reply = original(self)
         return p.HelloReply(**{**{f: getattr(reply, f) for f in reply.__slots__}, "minor": 4,
                                "capabilities": tuple(c for c in reply.capabilities
                                                      if c != "timing")})
-    monkeypatch.setattr(executor.Executor, "hello_reply", old_hello)
+    monkeypatch.setattr(SelfReport, "hello_reply", old_hello)
     with caplog.at_level(logging.WARNING, logger="zmq_rpc.client"):
         c = make_client(worker.endpoint, trace=True)
     c.ping()

@@ -14,6 +14,8 @@ Module map (thread that runs it):
 - ``transfers``: peer-copy commands: PEER_RECV / SEND / PROBE / FILL (backend).
 - ``linked``: linked runs (one queue entry, RECEIVING -> READY -> RAN -> PUSHED) and held replies
   (backend).
+- ``self_report``: what the worker says about itself: HELLO's reply, STATUS, capabilities, the
+  gauges the metrics publish (backend; reads, never changes, the sessions and memory).
 - ``outbox``: replies to the broker, zero-copy tracking, held replies first (backend).
 - ``memory``: ``MemoryBudget`` (bytes handed out against ``--mem``) and ``SessionMemory`` (every
   byte a session holds, charged to its quota and the budget at once) (backend).

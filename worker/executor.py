@@ -25,25 +25,23 @@ from typing import Any
 
 import zmq
 
-from ..broker import graph as g
 from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, ErrorCode, WireError
 from ..broker.wire import printable
-from . import kernels
 from .backends.base import Backend
 from .buffers import BufferCommands
-from .cli import package_version
 from .graphs import GraphCommands
 from .linked import LinkedRuns
 from .loading import Loading
 from .memory import MemoryBudget, SessionMemory
-from .metrics import INVALID_COMMAND, NullRecorder, Recorder, WorkerSnapshot
+from .metrics import INVALID_COMMAND, NullRecorder, Recorder
 from .model_files import ModelFiles
 from .outbox import Outbox, Send
 from .peer_links import PeerLinks
 from .quotas import Quotas, check
 from .requests import Admission, Later, Outcome, Request, Route
+from .self_report import SelfReport
 from .session import NO_REPLY, Session, Views, WorkerLimits
 from .tensor_cache import TensorCache
 from .transfers import PeerCommands
@@ -79,8 +77,6 @@ class Executor:
     def __init__(self, backend: Backend, limits: WorkerLimits, send: Send, server_name: str,
                  peers: PeerLinks, metrics: Recorder | None = None) -> None:
         self.metrics = metrics or NullRecorder()
-        self.started = time.monotonic()
-        self.version = package_version()
         self._session_ids = 0
         self.backend = backend
         self.limits = limits
@@ -93,8 +89,9 @@ class Executor:
             self._close_silent)
         self.outbox = Outbox(send, self.accounts.inflight,
                              self.metrics.client_out if self.metrics.enabled else None)
+        self.report = SelfReport(backend, limits, self.budget, peers, self.sessions,
+                                 self.outbox, server_name)
         self.routes = self._routes(Views(backend, limits.max_buffer_size, self.accounts))
-        self.capabilities = self._capabilities()
 
     @property
     def quotas(self) -> Quotas:
@@ -110,7 +107,7 @@ class Executor:
             Cmd.PING: Route(_nothing),
             Cmd.SYNCHRONIZE: Route(_nothing),
             Cmd.GOODBYE: Route(self._goodbye),
-            Cmd.STATUS: Route(self._status),
+            Cmd.STATUS: Route(lambda asker, msg, req: (self.report.status(asker), [])),
             **BufferCommands(self.backend, views, self.accounts, self.limits.max_buffer_size).routes(),
             **graphs.routes(),
             **transfers.routes(),
@@ -126,20 +123,7 @@ class Executor:
     def serve_files(self, files: ModelFiles | None, cache: TensorCache | None) -> None:
         """Serve ``--model-dir`` files and a ``--cache-dir`` cache (and say so at HELLO)."""
         self.loading.files, self.loading.cache = files, cache
-        self.capabilities += self.loading.capabilities()
-
-    def _capabilities(self) -> list[str]:
-        capabilities = ["views", "chunked-transfer", "status", "timing"]
-        if self.backend.zero_copy:
-            capabilities.append("zero-copy")
-        if self.backend.supports_graphs:
-            capabilities += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies",
-                             "scale-bias"]
-            if self.backend.packed_kernels and kernels.available():
-                capabilities.append("packed-kernels")
-        if self.peers.endpoint:
-            capabilities.append("peer-copy")
-        return capabilities
+        self.report.capabilities += self.loading.capabilities()
 
     # ------------------------------------------------------------------ entry from the loop
 
@@ -347,7 +331,7 @@ class Executor:
                             "open": len(self.sessions)})
         session.timing = session.timing or msg.timing
         session.minor = msg.minor
-        reply = self.hello_reply()
+        reply = self.report.hello_reply()
         if msg.minor < 6:          # an older client decodes no field it does not know
             reply = dataclasses.replace(reply, device_details=())
         return reply, []
@@ -367,26 +351,6 @@ class Executor:
             raise WireError(ErrorCode.OUT_OF_MEMORY, f"HELLO refused: this worker already "
                             f"serves {len(self.sessions)} sessions, its limit (--max-sessions "
                             f"{limit}); try again when one closes")
-
-    def hello_reply(self) -> p.HelloReply:
-        """What this worker tells new sessions."""
-        free, total = self.budget.report()
-        device = p.Device(name=self.backend.device_name(), kind=self.backend.kind,
-                          total_memory=total, free_memory=free)
-        return p.HelloReply(
-            major=p.PROTOCOL_VERSION[0], minor=p.PROTOCOL_VERSION[1], server=self.server_name,
-            devices=(device,), alignment=self.backend.alignment,
-            max_buffer_size=self.limits.max_buffer_size,
-            max_message_size=self.limits.max_message_size,
-            session_timeout_ms=int(self.limits.session_timeout * 1000),
-            capabilities=tuple(self.capabilities), peer_endpoint=self.peers.endpoint,
-            device_details=self.device_details())
-
-    def device_details(self) -> tuple[p.DeviceDetail, ...]:
-        """HELLO's and STATUS's ``device_details`` (1.6): index, physical memory, capability."""
-        backend = self.backend
-        return (p.DeviceDetail(index=backend.index, memory=backend.total_memory(),
-                               compute_capability=backend.compute_capability()),)
 
     def _goodbye(self, session: Session, msg: p.Empty, req: Request) -> Outcome:
         self._drop(session, req)          # answered below, not failed with the rest
@@ -458,43 +422,6 @@ class Executor:
 
     # ----------------------------------------------------------------------- for the loop
 
-    def snapshot(self) -> WorkerSnapshot:
-        """The worker's gauges now (for the metrics and STATUS)."""
-        free, total = self.memory()
-        sessions = list(self.sessions.values())
-        return WorkerSnapshot(
-            taken=time.monotonic(), sessions=len(sessions),
-            queue_depth=sum(len(s.queue) for s in sessions), memory_used=total - free,
-            memory_limit=total, device=self.backend.device_name(), device_kind=self.backend.kind,
-            graphs=sum(len(s.graphs) for s in sessions),
-            buffers=sum(len(s.buffers) for s in sessions),
-            transfers_in_progress=len(self.peers.incoming),
-            held_replies=1 if self.outbox.held else 0)
-
-    def _status(self, asker: Session, msg: p.Empty, req: Request) -> Outcome:
-        others = [s for s in self.sessions.values() if s is not asker]
-        snap = self.snapshot()
-        now = time.monotonic()
-        recent = sorted(others, key=lambda s: s.last_seen, reverse=True)[:p.MAX_STATUS_SESSIONS]
-        free, total = self.memory()
-        device = p.Device(name=snap.device, kind=snap.device_kind, total_memory=total,
-                          free_memory=free)
-        return p.StatusReply(
-            server=self.server_name, version=self.version,
-            uptime_ms=int((now - self.started) * 1000), devices=(device,),
-            memory_used=snap.memory_used, memory_limit=snap.memory_limit, sessions=len(others),
-            queue_depth=sum(len(s.queue) for s in others),
-            buffers=sum(len(s.buffers) for s in others),
-            graphs=sum(len(s.graphs) for s in others),
-            transfers_in_progress=snap.transfers_in_progress,
-            capabilities=tuple(self.capabilities), peer_endpoint=self.peers.endpoint,
-            session_list=tuple(_session_info(s, now) for s in recent),
-            device_details=self.device_details() if asker.minor >= 6 else ()), []
-
-    def memory(self) -> tuple[int, int]:
-        """(free, total) bytes the worker may still hand out."""
-        return self.budget.report()
-
     def release_held(self, now: float | None = None) -> None:
         """Send the held replies that are due (all of them when ``now`` is None)."""
         self.outbox.release_held(now)
@@ -502,15 +429,6 @@ class Executor:
     def next_release(self) -> float | None:
         """When the oldest held reply is due (None if nothing is held)."""
         return self.outbox.next_release()
-
-
-def _session_info(session: Session, now: float) -> p.SessionInfo:
-    memory = sum(b.size for b in session.buffers.values())
-    memory += sum(graph.memory_charge for graph in session.graphs.values())
-    return p.SessionInfo(sid=session.sid, client=session.name, client_id=session.client_id.hex()[:8],
-                         memory=memory, buffers=len(session.buffers), graphs=len(session.graphs),
-                         queued=len(session.queue),
-                         idle_ms=int(max(now - session.last_seen, 0) * 1000))
 
 
 def timed(reply: p.Message, arrived: int, started: int) -> p.Message:

@@ -49,6 +49,10 @@ CHUNK_BYTES = 4 << 20
 ZERO_COPY_BYTES = 64 * 1024
 """Smaller chunks are copied into zmq messages: cheaper than tracking a zero-copy one."""
 MAX_LINKS = 64
+PEER_RCVHWM = 256
+"""Peer messages queued per sending connection before libzmq stops reading it (it was
+unbounded: a flood of the peer port while the backend was busy grew the worker without limit).
+A sender's chunks are 4 MiB: 1 GiB in flight per sender is far more than a transfer needs."""
 PEER_GONE_GRACE_S = 1.0
 """After a peer's connection drops, how long its acknowledgements may still arrive (they come
 back on the peer's own link, so a dropped connection alone does not prove the copy failed)."""
@@ -225,7 +229,7 @@ class PeerLinks:
         self.endpoint = ""
         if bind:      # without one, transfers still arrive relayed by clients (PEER_FILL)
             self.pull = ctx.socket(zmq.PULL)
-            self.pull.setsockopt(zmq.RCVHWM, 0)
+            self.pull.setsockopt(zmq.RCVHWM, PEER_RCVHWM)
             self.pull.setsockopt(zmq.MAXMSGSIZE, max_message_size)
             if keys is not None:
                 make_curve_server(self.pull, keys, PEER_DOMAIN)

@@ -252,7 +252,7 @@ class BackendThread(threading.Thread):
                 self.executor.expire_sessions(now)
                 next_expiry = now + min(1.0, self.limits.session_timeout / 4)
             if now >= next_publish and self.metrics.enabled:
-                self.metrics.publish(self.executor.snapshot())
+                self.metrics.publish(self.executor.report.snapshot())
                 next_publish = now + PUBLISH_INTERVAL
 
     def _timeout_ms(self, waiting: bool) -> int:
