@@ -22,7 +22,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from .errors import BadRequest
 
@@ -369,6 +369,8 @@ class Message:
     @classmethod
     def from_fields(cls: type[M], fields: Sequence[Any]) -> M:
         """Build from the header's fields, checking count, types and ranges."""
+        if not fields and cls in _BARE:     # an Ack, an Empty: one shared instance
+            return cast(M, _BARE[cls])
         spec = _SPECS[cls]
         required = _REQUIRED[cls]
         if not required <= len(fields) <= len(spec):
@@ -381,6 +383,8 @@ class Message:
         """The header's fields, in order, as msgpack-ready values (later-minor fields that
         hold their default left off the end)."""
         spec, defaults = _SPECS[type(self)], _LATER_DEFAULTS[type(self)]
+        if not spec:
+            return []
         values = [getattr(self, name) for name, _ in spec]
         end = len(values)
         while end > _REQUIRED[type(self)] and values[end - 1] == defaults[end - 1]:
@@ -392,6 +396,9 @@ _SPECS: dict[type[Message], list[tuple[str, Callable[[Any, str], Any]]]] = {}
 _REQUIRED: dict[type[Message], int] = {}
 """How many leading fields every version of a message carries."""
 _LATER_DEFAULTS: dict[type[Message], list[Any]] = {}
+_BARE: dict[type[Message], Message] = {}
+"""The instance of each message whose fields all default to immutable values, decoded from a
+header without fields (frozen, so one instance serves every such reply)."""
 
 
 def wire_message(cls: type[M]) -> type[M]:
@@ -403,7 +410,16 @@ def wire_message(cls: type[M]) -> type[M]:
     if not all(later[_REQUIRED[cls]:]):
         raise TypeError(f"{cls.__name__}: fields added by later minors must come last")
     _LATER_DEFAULTS[cls] = [f.default if is_later else None for f, is_later in zip(fields, later)]
+    if _REQUIRED[cls] == 0 and all(_immutable(f.default) for f in fields):
+        _BARE[cls] = cls()
     return cls
+
+
+def _immutable(default: Any) -> bool:
+    """Whether a field's default may be shared by every instance (not a factory, nothing that
+    can change)."""
+    return isinstance(default, (int, float, str, bytes, type(None))) \
+        or (type(default) is tuple and not default)
 
 
 @wire_message

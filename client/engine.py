@@ -38,10 +38,11 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
+from zmq import zmq_poll
 from zmq.utils.monitor import recv_monitor_message
 
 from ..broker import protocol as p
@@ -56,6 +57,7 @@ from ..broker.errors import (
     Timeout,
 )
 from ..broker.protocol import Cmd, ErrorCode
+from .futures import RunningFuture
 from .security import CurveClient
 
 log = logging.getLogger("zmq_rpc.client")
@@ -72,6 +74,13 @@ until its backend thread copies it out, so a client that shares a worker with ma
 a smaller ``window_bytes``."""
 
 SCHEMES = ("tcp", "ipc", "inproc")
+
+FINISHING_WAIT = 0.002
+"""How long a synchronous call waits for an idle holder to let go of the connection."""
+
+BLOCKED_POLL_MS = 50
+"""While the window is full, how often the I/O thread looks at new requests (arming their
+timeouts) when no reply comes sooner."""
 
 @dataclass(frozen=True)
 class RequestTiming:
@@ -124,7 +133,7 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """One request on its way: its frames, its future and its deadline."""
 
@@ -136,8 +145,12 @@ class Call:
     on_reply: OnReply | None
     nbytes: int = 0
     sent: bool = False
+    settled: bool = False
+    """Its future has (or is about to have) its outcome; set by whoever settles it, so the
+    engine never asks the future (a lock round trip) whether it is done."""
     submitted_ns: int = 0
     sent_ns: int = 0
+    """Submitted and sent, by ``perf_counter_ns`` (taken only when the engine traces)."""
 
 
 @dataclass(eq=False)
@@ -224,15 +237,17 @@ class Engine:
         ``reply_bytes`` (what the reply will carry) counts against the in-flight byte window
         like the payload does, so large downloads are paced too.
         """
-        future: Future[Any] = Future()
-        future.set_running_or_notify_cancel()
+        future: Future[Any] = RunningFuture()
         req_id = next(self._ids)
-        frames = [p.encode_request(cmd, req_id, msg), *payload]
+        header = p.encode_request(cmd, req_id, msg)
         wait = self.options.timeout if timeout is None else timeout
-        nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes if payload \
-            else reply_bytes
+        if payload:
+            frames = [header, *payload]
+            nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
+        else:
+            frames, nbytes = [header], reply_bytes
         call = Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply, nbytes,
-                    submitted_ns=time.perf_counter_ns())
+                    submitted_ns=time.perf_counter_ns() if self.options.trace else 0)
         self._enqueue(call)
         return future
 
@@ -263,7 +278,7 @@ class Engine:
                     slot.calls = calls
             if error is not None:
                 for call in calls:
-                    _fail(call.future, error)
+                    _fail_call(call, error)
             self._wake()
 
     @contextmanager
@@ -303,16 +318,21 @@ class Engine:
         """End of an inline call: the connection back to the I/O thread, woken if it has work."""
         self._local.io = None
         self._socket_lock.release()
-        if io.busy() or io.closing or not self._inbox.empty():
+        if io.in_flight or io.backlog or io.closing or not self._inbox.empty():
             self._wake()
 
     def _take_idle(self) -> _IoLoop | None:
-        """The connection, locked, if nothing else is using or waiting for it."""
+        """The connection, locked, if nothing else is using or waiting for it. Whoever holds it
+        with nothing in flight or queued is finishing its last round: wait for it (at most
+        ``FINISHING_WAIT`` s) rather than hand the call over."""
         io = self._io
-        if (io is None or self._local.io is not None or on_io_thread()
-                or not self._socket_lock.acquire(blocking=False)):
+        if io is None or self._local.io is not None or _io_thread.active:
             return None
-        if self._closed or io.closing or io.busy() or not self._inbox.empty():
+        lock = self._socket_lock
+        if not lock.acquire(blocking=False) and (
+                io.in_flight or io.backlog or not lock.acquire(timeout=FINISHING_WAIT)):
+            return None
+        if self._closed or io.closing or io.in_flight or io.backlog or not self._inbox.empty():
             self._socket_lock.release()
             return None
         return io
@@ -349,14 +369,16 @@ class Engine:
         io = local.io
         if io is not None:          # in an inline block: this thread owns the connection
             if isinstance(item, Call):
-                self._local.calls.append(item)
-            io.admit(item)
-            io.send_backlog()
+                local.calls.append(item)
+                io.send_now(item)
+            else:
+                io.admit(item)
             return
         with self._submit_lock:
             if not self._closed:
                 self._inbox.put(item)
-                if self._io_sleeping or self._pump_sleeping:
+                if self._io_sleeping or self._pump_sleeping:  # one wake-up per sleep
+                    self._io_sleeping = self._pump_sleeping = False
                     self._wake()
                 return
         _fail_item(item, ClientClosed("the client is closed"))
@@ -442,12 +464,29 @@ class _Local(threading.local):
     """The calls filling a reservation (see :meth:`Engine.filling`)."""
 
 
-_io_thread = threading.local()
+class _IoThread(threading.local):
+    active = False
+    """This thread drives a connection now (an I/O thread, or an inline caller)."""
+
+
+_io_thread = _IoThread()
 
 
 def on_io_thread() -> bool:
     """Whether the caller is a client I/O thread (a future callback): it must never block."""
-    return getattr(_io_thread, "active", False)
+    return _io_thread.active
+
+
+def _all_done(calls: list[Call]) -> bool:
+    for call in calls:
+        if not call.settled:
+            return False
+    return True
+
+
+def _fail_call(call: Call, error: BaseException) -> None:
+    call.settled = True
+    _fail(call.future, error)
 
 
 def _fail(future: Future[Any], error: BaseException) -> None:
@@ -460,7 +499,7 @@ def _fail(future: Future[Any], error: BaseException) -> None:
 
 def _fail_item(item: Call | Reservation | None, error: RpcError) -> None:
     if isinstance(item, Call):
-        _fail(item.future, error)
+        _fail_call(item, error)
     elif isinstance(item, Reservation):
         item.error = item.error or error
 
@@ -509,10 +548,9 @@ class _IoLoop:
         """Set for good when the worker no longer knows our session."""
         self.closing = False
         """close() was asked for (whoever drove the connection then saw it)."""
-        self.poller = zmq.Poller()
-        self.poller.register(self.dealer, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
-        self.poller.register(engine._wake_r, zmq.POLLIN)
+        self.poll_items: list[tuple[Any, int]] = [
+            (self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN), (engine._wake_r, zmq.POLLIN)]
+        self.beat_ms = int(opts.heartbeat * 1000)
         self.wake_poller = zmq.Poller()
         self.wake_poller.register(engine._wake_r, zmq.POLLIN)
 
@@ -535,55 +573,77 @@ class _IoLoop:
     # ------------------------------------------------------------------------ one round
 
     def step(self) -> bool:
-        """One round of the I/O thread; False once close() was asked for."""
+        """One round of the I/O thread; False once close() was asked for.
+
+        While the backlog waits for room in the window, new requests would only queue behind
+        it: submitters do not wake the thread then (a pipelining caller would keep it spinning),
+        and it looks at its inbox at the next reply, or within ``BLOCKED_POLL_MS``."""
         engine = self.engine
-        engine._io_sleeping = True          # then look again: a submit may have raced us
-        idle = not self.busy() or not engine._inbox.empty()
-        timeout = 0 if idle else self._poll_timeout_ms()   # idle: look, then park
-        events = dict(self.poller.poll(timeout))
+        blocked = bool(self.backlog)
+        if not blocked:
+            engine._io_sleeping = True      # then look again: a submit may have raced us
+        if not self.in_flight and not blocked:
+            timeout = 0                     # idle: look, then park
+        elif not blocked and not engine._inbox.empty():
+            timeout = 0
+        else:
+            timeout = self._poll_timeout_ms()
+            if blocked and timeout > BLOCKED_POLL_MS:
+                timeout = BLOCKED_POLL_MS
+        events = dict(zmq_poll(self.poll_items, timeout))
         engine._io_sleeping = False
         return self._round(events)
 
-    def _round(self, events: dict[Any, int]) -> bool:
+    def _round(self, events: dict[Any, int], calls: list[Call] | None = None) -> bool:
         """Handle what ``poll`` reported: replies before a disconnect (they made it), then
-        connection events, then new requests; False once close() was asked for."""
-        if self.engine._wake_r in events:
-            self.engine._drain_wake()
+        connection events, then new requests; False once close() was asked for. ``calls``:
+        an inline caller's, whose replies end its reading."""
+        engine = self.engine
+        if engine._wake_r in events:
+            engine._drain_wake()
         if self.dealer in events or self.monitor in events:
-            self._receive()
+            self._receive(calls)
         if self.monitor in events:
             self._on_monitor()
-        if not self._take_inbox():
+        if not engine._inbox.empty() and not self._take_inbox():
+            return False
+        if self.closing:
             return False
         self.send_backlog()
-        self._expire(time.monotonic())
-        self._heartbeat()
+        if len(self.deadlines) > 2 * (len(self.in_flight) + len(self.backlog)) + 4096:
+            self._compact_deadlines()
+        now = time.monotonic()
+        if self.deadlines and self.deadlines[0][0] <= now:
+            self._expire(now)
+        if now - self.last_sent >= engine.options.heartbeat:
+            self._heartbeat()
         return True
 
     def pump(self, calls: list[Call]) -> None:
         """An inline caller drives the connection until its ``calls`` are done; it also sends
         what other threads submit meanwhile (its calls may wait on theirs)."""
-        engine = self.engine
+        engine, items = self.engine, self.poll_items
         _io_thread.active = True
         try:
-            while not all(c.future.done() for c in calls):
+            while not _all_done(calls):
                 engine._pump_sleeping = True
                 timeout = 0 if not engine._inbox.empty() else self._poll_timeout_ms()
-                events = dict(self.poller.poll(timeout))
+                events = dict(zmq_poll(items, timeout))
                 engine._pump_sleeping = False
-                if not self._round(events):
+                if not self._round(events, calls):
                     for call in calls:
-                        _fail(call.future, ClientClosed("the client was closed"))
+                        _fail_call(call, ClientClosed("the client was closed"))
                     return
         finally:
             _io_thread.active = False
 
     def _poll_timeout_ms(self) -> int:
-        beat = int(self.engine.options.heartbeat * 1000)
+        """Until the next deadline, at most a heartbeat interval."""
+        beat = self.beat_ms
         if not self.deadlines:
             return beat
-        wait = self.deadlines[0][0] - time.monotonic()
-        return max(0, min(int(wait * 1000) + 1, beat))
+        wait = int((self.deadlines[0][0] - time.monotonic()) * 1000) + 1
+        return beat if wait > beat else wait if wait > 0 else 0
 
     # ------------------------------------------------------------------------- sending
 
@@ -604,48 +664,63 @@ class _IoLoop:
     def admit(self, item: Call | Reservation) -> None:
         """Queue a call (or reservation) to be sent, or fail it at once if the connection is
         known to be down."""
-        refusal = self._refusal(item)
-        if refusal is not None:
-            _fail_item(item, refusal)
+        if self.lost is not None or (self.ever_up and not self.up):
+            _fail_item(item, self._refusal())
             return
         self.backlog.append(item)
         heapq.heappush(self.deadlines, (item.deadline, item.req_id))
-        if len(self.deadlines) > 2 * (len(self.in_flight) + len(self.backlog)) + 4096:
-            self._compact_deadlines()
 
-    def _refusal(self, item: Call | Reservation) -> RpcError | None:
+    def send_now(self, call: Call) -> None:
+        """Send ``call`` at once (an inline caller's, nothing ahead of it) or queue it."""
+        opts = self.engine.options
+        if self.backlog or self.lost is not None or (self.ever_up and not self.up) or (
+                self.in_flight and (len(self.in_flight) >= opts.window or
+                                    self.in_flight_bytes + call.nbytes > opts.window_bytes)):
+            self.admit(call)
+            self.send_backlog()
+            return
+        heapq.heappush(self.deadlines, (call.deadline, call.req_id))
+        self._send(call, opts.trace)
+        self.last_sent = time.monotonic()
+
+    def _refusal(self) -> RpcError:
+        """Why a request cannot go out now (the connection is known to be down)."""
         if self.lost is not None:
             return self.lost
-        if self.ever_up and not self.up:
-            return ConnectionLost(f"the connection to {self.engine.endpoint} is down "
-                                  "(zmq keeps reconnecting); the request was not sent")
-        return None
+        return ConnectionLost(f"the connection to {self.engine.endpoint} is down "
+                              "(zmq keeps reconnecting); the request was not sent")
 
     def send_backlog(self) -> None:
-        opts = self.engine.options
+        """Send from the head of the backlog while the window allows."""
         backlog = self.backlog
+        if not backlog:
+            return
+        opts, in_flight, trace = self.engine.options, self.in_flight, self.engine.options.trace
         while backlog:
             call = backlog[0]
             if isinstance(call, Reservation):
                 if not self._open_reservation(call):
-                    return
+                    break
                 continue
-            if self.in_flight and (len(self.in_flight) >= opts.window or
-                                   self.in_flight_bytes + call.nbytes > opts.window_bytes):
-                return
+            if in_flight and (len(in_flight) >= opts.window or
+                              self.in_flight_bytes + call.nbytes > opts.window_bytes):
+                break
             backlog.popleft()
-            if call.future.done():
-                continue
+            if not call.settled:
+                self._send(call, trace)
+        self.last_sent = time.monotonic()
+
+    def _send(self, call: Call, trace: bool) -> None:
+        if trace:
             call.sent_ns = time.perf_counter_ns()
-            if len(call.frames) == 1:
-                self.dealer.send(call.frames[0])
-            else:
-                self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
-            call.frames = []
-            call.sent = True
-            self.in_flight[call.req_id] = call
-            self.in_flight_bytes += call.nbytes
-            self.last_sent = time.monotonic()
+        if len(call.frames) == 1:
+            self.dealer.send(call.frames[0])
+        else:
+            self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
+        call.frames = []
+        call.sent = True
+        self.in_flight[call.req_id] = call
+        self.in_flight_bytes += call.nbytes
 
     def _open_reservation(self, slot: Reservation) -> bool:
         """Replace a filled reservation at the head by its calls; False while it is open."""
@@ -661,12 +736,22 @@ class _IoLoop:
 
     # ------------------------------------------------------------------------ receiving
 
-    def _receive(self) -> None:
-        dealer = self.dealer
+    def _receive(self, calls: list[Call] | None = None) -> None:
+        """Take the replies that are in (up to 1024 at a time); with ``calls`` (an inline
+        caller's), stop once they are done."""
+        dealer, more = self.dealer, zmq.NOBLOCK
         for _ in range(1024):
-            if not cast(int, dealer.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                frame = dealer.recv(more, copy=False)
+            except zmq.Again:
                 return
-            self._on_reply(dealer.recv_multipart(zmq.NOBLOCK, copy=False))
+            frames = [frame]
+            while frame.more:           # the rest of a message is there with its first part
+                frame = dealer.recv(more, copy=False)
+                frames.append(frame)
+            self._on_reply(frames)
+            if calls is not None and _all_done(calls):
+                return
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -680,9 +765,8 @@ class _IoLoop:
         if call is None:
             return  # a reply to a request that already timed out, or a heartbeat
         self.in_flight_bytes -= call.nbytes
-        if call.future.done():
-            return
-        received = time.perf_counter_ns()
+        received = time.perf_counter_ns() if self.engine.options.trace else 0
+        call.settled = True
         try:
             result = p.decode_reply(call.cmd, header)
             if isinstance(result, RpcError):
@@ -691,7 +775,7 @@ class _IoLoop:
                 _check_reply_payload(call.cmd, result, frames)
                 value = call.on_reply(result, frames[1:]) if call.on_reply else result
                 call.future.set_result(value)
-                if getattr(result, "timing", ()):
+                if received:
                     self._record(call, result, received)
         except BaseException as exc:
             _fail(call.future, exc)
@@ -709,6 +793,8 @@ class _IoLoop:
     # ------------------------------------------------------------------- time and health
 
     def _record(self, call: Call, reply: p.Message, received: int) -> None:
+        if not getattr(reply, "timing", ()):
+            return
         queued_ns, run_ns = reply.timing  # type: ignore[attr-defined]
         round_trip = received - call.sent_ns
         self.engine.timings.append(RequestTiming(
@@ -721,7 +807,7 @@ class _IoLoop:
         """Drop heap entries of answered calls (they otherwise stay until their deadline)."""
         live = [*self.in_flight.values(), *self.backlog]
         self.deadlines = [(c.deadline, c.req_id) for c in live
-                          if not (isinstance(c, Call) and c.future.done())]
+                          if not (isinstance(c, Call) and c.settled)]
         heapq.heapify(self.deadlines)
 
     def _expire(self, now: float) -> None:
@@ -740,7 +826,7 @@ class _IoLoop:
 
     def _time_out(self, call: Call) -> None:
         where = "waiting to be sent" if not call.sent else "sent, no reply"
-        _fail(call.future, Timeout(f"{call.cmd.name} to {self.engine.endpoint}: no reply "
+        _fail_call(call, Timeout(f"{call.cmd.name} to {self.engine.endpoint}: no reply "
                                    f"within the timeout ({where})"))
 
     def _expire_reservation(self, slot: Reservation) -> None:
@@ -800,7 +886,7 @@ class _IoLoop:
         calls, self.in_flight = list(self.in_flight.values()), {}
         self.in_flight_bytes = 0
         for call in calls:
-            _fail(call.future, exc)
+            _fail_call(call, exc)
 
     def fail_pending(self, exc: RpcError) -> None:
         """Fail what is in flight and what waits to be sent (callbacks run outside any lock:
@@ -814,7 +900,7 @@ class _IoLoop:
                     slot.error = slot.error or exc
                     calls.extend(slot.calls or ())
         for call in calls:
-            _fail(call.future, exc)
+            _fail_call(call, exc)
 
     def fail_all(self, exc: RpcError) -> None:
         self.fail_pending(exc)

@@ -86,3 +86,11 @@ def test_forward_and_combinators_settle_once_under_threads() -> None:
         for t in threads:
             t.join()
         assert target.result(1) == "ok"
+
+
+def test_new_futures_run_and_cannot_be_cancelled() -> None:
+    future = new_future()
+    assert isinstance(future, Future) and future.running() and not future.done()
+    assert not future.cancel() and not future.cancelled()
+    threading.Timer(0.05, future.set_result, (7,)).start()
+    assert future.result(timeout=5) == 7 and future.done() and not future.running()
