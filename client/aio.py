@@ -132,9 +132,11 @@ class AsyncClient:
     # ----------------------------------------------------------------------- graphs
 
     async def compute(self, graph: Graph, inputs: Inputs = None,
-                      fetch: Sequence[RemoteTensor] = ()) -> RunResult:
+                      fetch: Sequence[RemoteTensor] = (), *,
+                      timeout: float | None = None) -> RunResult:
         """Validate and run ``graph`` once (see :meth:`Client.compute`)."""
-        return await asyncio.wrap_future(self.sync.compute_async(graph, inputs, fetch))
+        return await asyncio.wrap_future(self.sync.compute_async(graph, inputs, fetch,
+                                                                 timeout=timeout))
 
     async def register(self, graph: Graph) -> RegisteredGraph:
         """Keep ``graph`` on the worker for :meth:`run` (see :meth:`Client.register`)."""

@@ -506,17 +506,20 @@ class Client:
     # ----------------------------------------------------------------------------- graphs
 
     def compute(self, graph: Graph, inputs: Inputs = None,
-                fetch: Sequence[RemoteTensor] = ()) -> RunResult:
-        """Validate and run ``graph`` once on the worker (one message); see :meth:`run`."""
-        return self._sync(self.compute_async, graph, inputs, fetch)
+                fetch: Sequence[RemoteTensor] = (), *, timeout: float | None = None) -> RunResult:
+        """Validate and run ``graph`` once on the worker (one message); see :meth:`run`.
+        ``timeout``: seconds this request may take (default: the client's ``timeout``)."""
+        return self._sync(self.compute_async, graph, inputs, fetch, timeout=timeout)
 
     def compute_async(self, graph: Graph, inputs: Inputs = None,
-                      fetch: Sequence[RemoteTensor] = ()) -> Future[RunResult]:
+                      fetch: Sequence[RemoteTensor] = (), *,
+                      timeout: float | None = None) -> Future[RunResult]:
         self._own_graph(graph)
         refs, frames = self._graph_inputs(inputs)
         msg = wire_graph.GraphCompute(graph=graph.spec(), inputs=refs,
                                       fetch=[self._ref(t) for t in fetch])
-        return self._call(Cmd.GRAPH_COMPUTE, msg, frames, on_reply=_fetched(fetch))
+        return self._call(Cmd.GRAPH_COMPUTE, msg, frames, on_reply=_fetched(fetch),
+                          timeout=timeout)
 
     def register(self, graph: Graph) -> RegisteredGraph:
         """Validate ``graph`` on the worker and keep it (and its scratch arena) for :meth:`run`."""

@@ -261,8 +261,10 @@ def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
     seconds = clock.lap("load")
     stats = model.load_stats
     assert stats is not None
-    clock.parts[-1:] = [("upload", stats.upload_seconds), ("lay out", stats.build_seconds),
-                        ("graphs", seconds - stats.upload_seconds - stats.build_seconds)]
+    clock.parts[-1:] = [("kernels", stats.kernel_seconds), ("upload", stats.upload_seconds),
+                        ("lay out", stats.build_seconds),
+                        ("graphs", seconds - stats.kernel_seconds - stats.upload_seconds
+                         - stats.build_seconds)]
     return model
 
 

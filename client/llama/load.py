@@ -27,10 +27,15 @@ from .plan import FUSED, NORMS, Stage, head_tensor, layer_tensor, stage_sources,
 from .source import StageSource, WeightSource
 from .weights import LayerWeights, WeightFormat
 
-__all__ = ["ALIGN", "Layout", "LoadStats", "Progress", "WeightLoader", "file_runs"]
+__all__ = ["ALIGN", "KERNEL_TIMEOUT", "Layout", "LoadStats", "Progress", "WeightLoader", "file_runs"]
 
 ALIGN = 64
 """Byte alignment of each tensor group placed in a worker buffer."""
+
+KERNEL_TIMEOUT = 900.0
+"""Seconds a worker may take to prepare the kernels of a model's weight types: their first compile
+on a machine (numba, ~5-15 s per type on 2 loaded cores, 10 types ~40 s of CPU) must not meet
+the client's request timeout (a dead or frozen worker is still noticed in seconds: heartbeats)."""
 
 Progress = Callable[[int, int], None]
 """``progress(bytes_done, bytes_total)`` during the weight upload."""
@@ -57,6 +62,9 @@ class LoadStats:
     """The whole load: upload, build, KV cache, graph registration and warm-up."""
     sources: tuple[StageSource, ...] = ()
     """Where each worker's weights came from (its file, its cache, an upload), in stage order."""
+    kernel_seconds: float = 0.0
+    """Preparing the workers' numba kernels before the upload: their compile on a machine's first
+    load (seconds per type), else loading them from numba's on-disk cache (milliseconds)."""
 
     def source_summary(self) -> str:
         """One line per worker: its source and the bytes that crossed the network for it."""
@@ -117,6 +125,7 @@ class Loaded:
     upload_seconds: float
     build_seconds: float
     sources: tuple[StageSource, ...] = ()
+    kernel_seconds: float = 0.0
 
 
 class WeightLoader:
@@ -133,6 +142,7 @@ class WeightLoader:
              status: Callable[[str], None] | None = None) -> Loaded:
         """Stage each worker's file ranges, fill them from the best source the worker offers
         (its file, its cache, an upload), then build its resident weights there."""
+        kernel_seconds = self._prepare_kernels(stages, status)
         start = time.perf_counter()
         staged = [self._stage_file_ranges(stage) for stage in stages]
         sources, upload_bytes = self._fill(staged, progress)
@@ -143,7 +153,37 @@ class WeightLoader:
         for future in builds:
             future.result()
         return Loaded(upload_bytes, uploaded - start, time.perf_counter() - uploaded,
-                      tuple(sources))
+                      tuple(sources), kernel_seconds)
+
+    def _prepare_kernels(self, stages: Sequence[Stage], status: Callable[[str], None] | None
+                         ) -> float:
+        """Make each worker compile (or load from numba's on-disk cache) the kernels its weights
+        need, before anything else is sent to it: one ``pack`` of one row per type, in a request
+        allowed :data:`KERNEL_TIMEOUT` seconds. A cold cache costs seconds per type, once per
+        machine; a warm one about a millisecond. Seconds until every worker is ready."""
+        start = time.perf_counter()
+        futures: list[Future[Any]] = []
+        for stage in stages:
+            samples: dict[str, GGUFTensor] = {}
+            for t in stage_sources(self.gguf, stage):
+                samples.setdefault(t.qtype, t)
+            wanted = sorted(self.fmt.kernel_qtypes(samples))
+            if not wanted:
+                continue
+            if status is not None:
+                status(f"preparing the {', '.join(wanted)} kernels on {stage.client.endpoint} "
+                       "(compiled on a machine's first load: seconds per type)")
+            layout = Layout()
+            for q in wanted:
+                layout.add(q, (1, samples[q].data.shape[1]), str(samples[q].data.dtype))
+            buffer = stage.client.alloc_buffer_nowait(layout.size)
+            g = Graph()
+            for q, tensor in layout.bind(buffer).items():
+                g.pack(tensor, qtype=q)
+            futures += [stage.client.compute_async(g, timeout=KERNEL_TIMEOUT), buffer.free_async()]
+        for future in futures:
+            future.result()
+        return time.perf_counter() - start if futures else 0.0
 
     def _fill(self, staged: Sequence[_Staged], progress: Progress | None
               ) -> tuple[list[StageSource], int]:

@@ -122,7 +122,8 @@ class LlamaModel:
             resident_bytes=sum(b.size for s in self.stages for b in s.buffers),
             kv_bytes=sum(s.kv_buffer.size for s in self.stages if s.kv_buffer is not None),
             upload_seconds=loaded.upload_seconds, build_seconds=loaded.build_seconds,
-            total_seconds=time.perf_counter() - start, sources=loaded.sources)
+            total_seconds=time.perf_counter() - start, sources=loaded.sources,
+            kernel_seconds=loaded.kernel_seconds)
 
     # ------------------------------------------------------------------------- running steps
 

@@ -19,6 +19,7 @@ any thread.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,6 +94,11 @@ class WeightFormat:
         """The matmul weight laid out in ``tensor`` from GGUF blocks of ``qtype``."""
         raise NotImplementedError
 
+    def kernel_qtypes(self, qtypes: Iterable[str]) -> set[str]:
+        """Which of ``qtypes`` :meth:`fill` hands to the worker's numba kernels (``pack``): their
+        first use on a machine compiles them (see :class:`~.load.WeightLoader`)."""
+        return set()
+
     def __repr__(self) -> str:
         return self.mode
 
@@ -124,6 +130,9 @@ class F32Weights(WeightFormat):
     def linear(self, tensor: RemoteTensor, qtype: str) -> Linear:
         return Linear(tensor)
 
+    def kernel_qtypes(self, qtypes: Iterable[str]) -> set[str]:
+        return {q for q in qtypes if q in PACKED_BLOCKS and q not in QUANT_BLOCKS and q != "f16"}
+
 
 class PackedWeights(WeightFormat):
     """Repacked once on the worker into the numba kernels' layout; each matmul runs them."""
@@ -151,6 +160,9 @@ class PackedWeights(WeightFormat):
 
     def linear(self, tensor: RemoteTensor, qtype: str) -> Linear:
         return Linear(tensor, qtype)
+
+    def kernel_qtypes(self, qtypes: Iterable[str]) -> set[str]:
+        return {q for q in qtypes if q in PACKED_BLOCKS}
 
 
 WEIGHT_FORMATS: dict[str, type[WeightFormat]] = {"quantized": PackedWeights, "f32": F32Weights}

@@ -100,15 +100,15 @@ def as_float32(arr: np.ndarray, dtype_name: str, out: np.ndarray | None = None) 
     Without ``out`` this returns ``arr`` itself when it is already float32 (do not write to the result).
     With ``out`` (float32, ``arr`` broadcastable to it) the values are written there and ``out`` is returned.
     """
-    xp = namespace(arr)
-    if dtype_name == "bfloat16":
-        if out is None:
-            out = xp.empty(arr.shape, np.float32)
-        xp.left_shift(arr, 16, out=out.view(np.uint32), dtype=np.uint32)
+    if dtype_name != "bfloat16":
+        if out is None:                       # the common case: no namespace needed
+            return arr if arr.dtype == np.float32 else arr.astype(np.float32)
+        namespace(arr).copyto(out, arr, casting="unsafe")
         return out
+    xp = namespace(arr)
     if out is None:
-        return arr if arr.dtype == np.float32 else arr.astype(np.float32)
-    xp.copyto(out, arr, casting="unsafe")
+        out = xp.empty(arr.shape, np.float32)
+    xp.left_shift(arr, 16, out=out.view(np.uint32), dtype=np.uint32)
     return out
 
 
@@ -699,6 +699,15 @@ class KernelTable:
     inplace: Mapping[str, InplaceKernel] = field(default_factory=lambda: _INPLACE_KERNELS)
     host_errors: bool = True
     """numpy's floating-point warnings are silenced around every kernel (a GPU raises none)."""
+
+    def __post_init__(self) -> None:
+        """The numpy table runs the module's functions themselves (no method dispatch, not one
+        attribute lookup more than before the table existed)."""
+        if (self.compute is _COMPUTE_KERNELS and self.views is _VIEW_KERNELS
+                and self.inplace is _INPLACE_KERNELS and self.host_errors):
+            for method, function in (("run_compute", run_compute), ("run_view", run_view),
+                                     ("run_inplace", run_inplace)):
+                object.__setattr__(self, method, function)
 
     def overridden(self, name: str, *, compute: Mapping[str, Kernel] | None = None,
                    views: Mapping[str, ViewKernel] | None = None,

@@ -1,13 +1,18 @@
 """Quantized matmul kernels for the CPU worker: packed weights (:mod:`.layout`) times float32 activations.
 
-Owned by the worker's backend thread (module state: the thread count and the set of warmed qtypes).
-:func:`matmul` picks the path by the number of activation rows:
+Owned by the worker's backend thread (module state: the thread count, the helper threads, the set of
+warmed qtypes). :func:`matmul` picks the path by the number of activation rows:
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
   (:mod:`.jit`), reading each weight byte once;
 - more rows (prefill): the packed rows are dequantized tile by tile into a float32 scratch of about
   :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and each tile
   goes through BLAS (``x @ tile``).
+
+With :func:`set_threads` ``n > 1`` each kernel call is split into ``n`` row ranges (multiples of 16
+rows): the calling thread runs the first, ``n - 1`` helper threads (a pool this module owns, started on
+first use) run the others; the kernels release the GIL, so they run at once. The helpers touch nothing
+but their rows of the output.
 
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.
@@ -17,8 +22,10 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -49,6 +56,9 @@ TILE_BYTES: Final = 1 << 20
 
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
+_pool: list[ThreadPoolExecutor] = []
+MIN_SPLIT_ROWS: Final = 64
+"""Row ranges shorter than this stay in one thread (a hand-off costs more than they do)."""
 
 
 class KernelUnavailable(RuntimeError):
@@ -56,8 +66,10 @@ class KernelUnavailable(RuntimeError):
 
 
 def available() -> bool:
-    """Whether numba can be imported (checked without importing it)."""
-    return importlib.util.find_spec("numba") is not None
+    """Whether numba can be imported (checked once, without importing it)."""
+    if "numba" not in _state:
+        _state["numba"] = int(importlib.util.find_spec("numba") is not None)
+    return bool(_state["numba"])
 
 
 def _jit() -> ModuleType:
@@ -68,10 +80,12 @@ def _jit() -> ModuleType:
 
 
 def set_threads(n: int) -> None:
-    """Split the rows of every product over ``n`` threads (numba's pool; >= 1)."""
+    """Split the rows of every product over ``n`` threads (>= 1): this one and ``n - 1`` helpers."""
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     _state["threads"] = n
+    while _pool:
+        _pool.pop().shutdown(wait=True)
 
 
 def threads() -> int:
@@ -79,11 +93,35 @@ def threads() -> int:
     return _state["threads"]
 
 
+def _split(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
+    """``lo..hi`` in ``n`` ranges, inner boundaries on multiples of 16 rows (empty ranges dropped)."""
+    cuts = [lo] + [lo + (hi - lo) * t // n // 16 * 16 for t in range(1, n)] + [hi]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _rows(kernel: Callable[..., None], head: tuple[Any, ...], lo: int, hi: int,
+          tail: tuple[Any, ...]) -> None:
+    """``kernel(*head, a, b, *tail)`` over the rows ``lo..hi``: in this thread, or split with the
+    helper threads."""
+    n = threads()
+    if n == 1 or hi - lo < MIN_SPLIT_ROWS * n:
+        kernel(*head, lo, hi, *tail)
+        return
+    if not _pool:
+        _pool.append(ThreadPoolExecutor(n - 1, thread_name_prefix="kernels"))
+    first, *rest = _split(lo, hi, n)
+    futures = [_pool[0].submit(kernel, *head, a, b, *tail) for a, b in rest]
+    try:
+        kernel(*head, *first, *tail)
+    finally:
+        for future in futures:
+            future.result()
+
+
 def warm(qtype: str) -> float:
-    """Compile (or load from the on-disk cache) the kernels of ``qtype`` for the current thread
-    count, and the repack; seconds it took, 0 if done before."""
-    key = f"{qtype}/{threads() > 1}"
-    if key in _warm:
+    """Compile (or load from the on-disk cache) the kernels of ``qtype`` and the repack; seconds it
+    took, 0 if done before in this process."""
+    if qtype in _warm:
         return 0.0
     start = time.perf_counter()
     per_block, gguf_bytes, _ = PACKED[qtype]
@@ -92,8 +130,8 @@ def warm(qtype: str) -> float:
     w = pack(src, qtype)
     matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
     matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
-    _warm[key] = time.perf_counter() - start
-    return _warm[key]
+    _warm[qtype] = time.perf_counter() - start
+    return _warm[qtype]
 
 
 def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
@@ -101,51 +139,44 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
 
     ``w`` and ``out`` must be C-contiguous; ``x`` is made so. Raises KernelUnavailable without numba.
     """
-    jit = _jit()
-    n = threads()
+    mv, dq, flags = _jit().KERNELS[qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, k = w.shape[0], x.shape[1]
     if x.shape[0] <= MATVEC_ROWS:
         for t in range(x.shape[0]):
-            if n == 1:
-                jit.MV_ROWS[qtype](w, x[t], out[t], 0, rows)
-            else:
-                jit.MV[qtype](w, x[t], out[t], n)
+            _rows(mv, (w, x[t], out[t]), 0, rows, flags)
         return
-    step = min(rows, max(16, TILE_BYTES // (4 * k) // 16 * 16))
+    step = _tile_rows(rows, k)
     tile = np.empty((k, step), np.float32)
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
-        _dequantize_tile(jit, w, qtype, k, r0, r1, tile, n)
+        _rows(dq, (w, k), r0, r1, (tile, r0, *flags))
         np.matmul(x, tile[:, :r1 - r0], out=out[:, r0:r1])
 
 
-def _dequantize_tile(jit: ModuleType, w: np.ndarray, qtype: str, k: int, r0: int, r1: int,
-                     tile: np.ndarray, n: int) -> None:
-    if n == 1:
-        jit.DQ_ROWS[qtype](w, k, r0, r1, tile, r0)
-    else:
-        jit.DQ[qtype](w, k, r0, r1, tile, n)
+def _tile_rows(rows: int, k: int) -> int:
+    """Rows per prefill tile: about TILE_BYTES of float32, a multiple of 16, at least 16."""
+    return min(rows, max(16, TILE_BYTES // (4 * k) // 16 * 16))
 
 
 def dequantize(w: np.ndarray, qtype: str, k: int, out: np.ndarray | None = None) -> np.ndarray:
     """Packed ``w`` as float32 rows (R, K), into ``out`` if given (tile by tile)."""
+    _, dq, flags = _jit().KERNELS[qtype]
     rows = w.shape[0]
     result = np.empty((rows, k), np.float32) if out is None else out
-    step = min(rows, max(16, TILE_BYTES // (4 * k) // 16 * 16))
+    step = _tile_rows(rows, k)
     tile = np.empty((k, step), np.float32)
-    jit = _jit()
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
-        _dequantize_tile(jit, w, qtype, k, r0, r1, tile, threads())
+        _rows(dq, (w, k), r0, r1, (tile, r0, *flags))
         result[r0:r1] = tile[:, :r1 - r0].T
     return result
 
 
 def take_rows(w: np.ndarray, qtype: str, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[i] = W[idx[i]]`` for packed ``w`` (indices already checked), float32 (len(idx), K)."""
-    dq = _jit().DQ_ROWS[qtype]
+    _, dq, flags = _jit().KERNELS[qtype]
     column = np.empty((out.shape[1], 1), np.float32)
     for i, r in enumerate(idx.tolist()):
-        dq(w, out.shape[1], r, r + 1, column, r)
+        dq(w, out.shape[1], r, r + 1, column, r, *flags)
         out[i] = column[:, 0]

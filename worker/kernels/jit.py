@@ -1,27 +1,29 @@
 """numba kernels over packed weights (layout in :mod:`.layout`): matrix-vector products and dequantization.
 
-Owns the compiled loops. Only the worker's backend thread calls them (they may fan out to numba's
-own thread pool, ``nthr`` threads splitting the rows). Importing this module needs numba; nothing is
-compiled until a kernel is first called, and compiled code is cached on disk (``cache=True``, in
-``__pycache__`` beside this file or under ``NUMBA_CACHE_DIR``), so only the first worker start on a
-machine pays the compile (a few seconds per type).
+Owns the compiled loops. Only the worker's backend thread calls them, or the helper threads it hands
+disjoint row ranges to (``kernels.set_threads``): every kernel releases the GIL. Importing this module
+needs numba; nothing is compiled until a kernel is first called, and compiled code is cached on disk
+(``cache=True``, in ``__pycache__`` beside this file or under ``NUMBA_CACHE_DIR``), so only the first
+worker start on a machine pays the compile (a few seconds per family of types).
 
-For each qtype ``t``:
+:data:`KERNELS` maps each qtype to its two kernels and the flags that select it within its family
+(one compiled function per family: q4_0/q4_1/q5_0/q5_1, q4_k/q5_k, f16/bf16; q8_0 and q6_k alone; a
+flag is tested once per sub-block, outside the vectorized loops):
 
-- ``mv_t(w, x, y, nthr)``: ``y = W @ x`` for one float32 vector ``x`` (K,) into ``y`` (R,);
-- ``dq_t(w, k, r0, r1, out, nthr)``: ``out[:, i] = W[r0 + i, :]``, i.e. rows ``r0..r1`` dequantized into
-  a float32 ``out`` of shape (K, r1 - r0): a transposed tile, written with unit stride, that a BLAS
-  ``x @ out`` consumes directly (the prefill path).
-
-Those two split the rows over ``nthr`` threads (numba ``prange``, ``parallel=True``); their
-single-thread bodies (:data:`MV_ROWS`, :data:`DQ_ROWS`) are what one thread calls directly, so a
-one-thread worker never compiles (~2x the time) nor launches the parallel versions.
+- ``mv(w, x, y, r0, r1, *flags)``: rows ``r0..r1`` of ``y = W @ x`` for one float32 vector ``x`` (K,);
+- ``dq(w, k, r0, r1, out, c0, *flags)``: ``out[:, r - c0] = W[r, :]`` for rows ``r0..r1``: a transposed
+  float32 tile (K, n), written with unit stride, that a BLAS ``x @ out`` consumes directly (prefill).
 
 How the loops are built (the prototype measured 2-5x between layouts): for each sub-block of 32 weights
 and each byte position ``j``, the innermost loop runs over a tile of :data:`TILE` rows, reading
 ``p[16s + j, r]`` with unit stride and accumulating ``q * x[j]`` into one float32 per row; the scales are
 applied once per sub-block (``y += d * acc + m * sum(x)``). LLVM vectorizes that row loop (8 or 16 rows
-per instruction). Integer operands stay 8/32-bit (``np.uint8`` constants) so the vectors stay wide.
+per instruction). numba computes every integer expression in 64 bits; LLVM narrows it back only when
+each operand is visibly an 8/16/32-bit value, so codes are read as ``np.int32(byte)``, every result is
+cast to ``np.int32`` before it becomes a float, and bit masks come from the uint32 table :data:`_BIT`
+(a computed ``1 << j`` or a shift by ``j`` kept the whole loop in 64-bit lanes: half the elements per
+vector, measured 1.2-1.9x slower). f16/bf16 convert with LLVM's own ``fpext half`` / a bit move
+(:func:`_half`, :func:`_bfloat`), exact, one instruction per vector.
 fastmath (matrix-vector only) allows reassociation and contraction but not "no NaN/no inf": infinities
 and NaNs in weights or inputs propagate as they do in numpy. The dequantizers use strict float
 semantics and gguf's order of operations, so they match ``gguf.quants.dequantize`` bit for bit.
@@ -32,9 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
-__all__ = ["DQ", "DQ_ROWS", "MV", "MV_ROWS", "TILE", "pack"]
+__all__ = ["KERNELS", "TILE", "pack"]
 
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 TILE = 4096
@@ -54,14 +58,6 @@ def _jit_exact(fn: Any) -> Any:
     return njit(cache=True, nogil=True)(fn)
 
 
-def _jit_parallel(fn: Any) -> Any:
-    return njit(fastmath=FASTMATH, cache=True, nogil=True, parallel=True)(fn)
-
-
-def _jit_parallel_exact(fn: Any) -> Any:
-    return njit(cache=True, nogil=True, parallel=True)(fn)
-
-
 # ------------------------------------------------------------------------------------ sections
 
 
@@ -69,15 +65,6 @@ def _jit_parallel_exact(fn: Any) -> Any:
 def _sec(flat: Any, off: int, n0: int, r: int, dtype: Any, size: int) -> Any:
     """Section ``(n0, r)`` of ``dtype`` (``size`` bytes each) at byte ``off`` of the flat packed bytes."""
     return flat[off:off + n0 * r * size].view(dtype).reshape((n0, r))
-
-
-@njit(inline="always")
-def _split(lo: int, hi: int, t: int, n: int) -> tuple[int, int]:
-    """Part ``t`` of ``n`` of the rows ``lo..hi``, boundaries on multiples of 16 rows."""
-    span = hi - lo
-    a = lo + (span * t // n) // 16 * 16 if t else lo
-    b = lo + (span * (t + 1) // n) // 16 * 16 if t + 1 < n else hi
-    return a, b
 
 
 @njit(inline="always")
@@ -109,8 +96,13 @@ def _sum4(p: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
         x0, x1 = x[32 * s + j], x[32 * s + j + 16]
         row = p[16 * s + j][t0:t1]
         for i in range(n):
-            v = row[i]
-            acc[i] += _F32(v & _U15) * x0 + _F32(v >> _U4) * x1
+            v = np.int32(row[i])
+            acc[i] += _F32(np.int32(v & 15)) * x0 + _F32(np.int32(v >> 4)) * x1
+
+
+_BIT = np.array([1 << i for i in range(32)], np.uint32)
+"""``1 << i`` as uint32: a bit mask read from an array keeps the bit tests in 32-bit vector lanes (numba
+computes integer expressions in 64 bits; LLVM narrows them back only when every operand is a 32-bit value)."""
 
 
 @njit(inline="always")
@@ -123,116 +115,70 @@ def _sum5(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
     for j in range(16):
         x0, x1 = x[32 * s + j], x[32 * s + j + 16]
         row = p[16 * s + j][t0:t1]
-        lo_shift, hi_shift = np.uint32(j), np.uint32(j + 16)
+        mlo, mhi = _BIT[j], _BIT[j + 16]
         for i in range(n):
             v = np.int32(row[i])
             hb = hs[i]
-            lo = (v & 15) | np.int32(((hb >> lo_shift) & np.uint32(1)) << np.uint32(4))
-            hi = (v >> 4) | np.int32(((hb >> hi_shift) & np.uint32(1)) << np.uint32(4))
-            acc[i] += _F32(lo) * x0 + _F32(hi) * x1
+            lo = np.int32(v & 15) | (np.int32(16) if hb & mlo else np.int32(0))
+            hi = np.int32(v >> 4) | (np.int32(16) if hb & mhi else np.int32(0))
+            acc[i] += _F32(np.int32(lo)) * x0 + _F32(np.int32(hi)) * x1
 
 
 @njit(inline="always")
-def _sum6(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc_a: Any, acc_b: Any) -> None:
-    """q6_k: weights 32s + j (j < 16) into acc_a, 32s + 16 + j into acc_b (their scales differ)."""
+def _sum6(p: Any, h: Any, g: int, x: Any, t0: int, t1: int, acc: Any) -> None:
+    """q6_k: acc[i] = sum_j q[16g + j] x[16g + j] over scale group ``g`` (layout: one ``h`` byte, constant
+    shifts, serves the ``p`` bytes ``8g + j`` and ``8g + 4 + j``)."""
     n = t1 - t0
     for i in range(n):
-        acc_a[i] = 0
-        acc_b[i] = 0
-    ha, hb = h[2 * s][t0:t1], h[2 * s + 1][t0:t1]
-    for j in range(16):
-        x0, x1 = x[32 * s + j], x[32 * s + j + 16]
-        row = p[16 * s + j][t0:t1]
-        shift = np.uint32(2 * j)
+        acc[i] = 0
+    for j in range(4):
+        ra, rb, hr = p[8 * g + j][t0:t1], p[8 * g + 4 + j][t0:t1], h[4 * g + j][t0:t1]
+        xa, xb, xc, xd = x[16 * g + j], x[16 * g + 8 + j], x[16 * g + 4 + j], x[16 * g + 12 + j]
         for i in range(n):
-            v = np.int32(row[i])
-            lo = (v & 15) | np.int32(((ha[i] >> shift) & np.uint32(3)) << np.uint32(4))
-            hi = (v >> 4) | np.int32(((hb[i] >> shift) & np.uint32(3)) << np.uint32(4))
-            acc_a[i] += _F32(lo) * x0
-            acc_b[i] += _F32(hi) * x1
+            va, vb, hb = np.int32(ra[i]), np.int32(rb[i]), np.int32(hr[i])
+            qa = np.int32(np.int32(va & 15) | np.int32((hb << 4) & 48))
+            qb = np.int32(np.int32(va >> 4) | np.int32((hb << 2) & 48))
+            qc = np.int32(np.int32(vb & 15) | np.int32(hb & 48))
+            qd = np.int32(np.int32(vb >> 4) | np.int32((hb >> 2) & 48))
+            acc[i] += (_F32(qa) * xa + _F32(qb) * xb) + (_F32(qc) * xc + _F32(qd) * xd)
 
 
 # ------------------------------------------------------------------------ matrix-vector, per type
 
 
 @_jit
-def _mv_q4_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+def _mv_blocks(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool, five: bool) -> None:
+    """q4_0 (neither flag), q4_1 (``has_min``), q5_0 (``five``), q5_1 (both): rows r0..r1 of ``W @ x``."""
     R, ns = w.shape[0], x.shape[0] // 32
     flat = w.reshape(-1)
     d = _sec(flat, 0, ns, R, np.float32, 4)
-    p = _sec(flat, 4 * ns * R, 16 * ns, R, np.uint8, 1)
+    off = 4 * ns * R
+    m = _sec(flat, off if has_min else 0, ns, R, np.float32, 4)   # d again without a min (unused)
+    off += 4 * ns * R if has_min else 0
+    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)       # unused without 5th bits
+    off += 4 * ns * R if five else 0
+    p = _sec(flat, off, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
+    bias = _F32(16) if five else _F32(8)
     acc = np.empty(TILE, np.float32)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
         yt = y[t0:t1]
         yt[:] = 0
         for s in range(ns):
-            _sum4(p, s, x, t0, t1, acc)
-            off, ds = _F32(8) * xs[s], d[s][t0:t1]
-            for i in range(t1 - t0):
-                yt[i] += ds[i] * (acc[i] - off)
-
-
-@_jit
-def _mv_q4_1(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
-    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum4(p, s, x, t0, t1, acc)
-            xsum, ds, ms = xs[s], d[s][t0:t1], m[s][t0:t1]
-            for i in range(t1 - t0):
-                yt[i] += ds[i] * acc[i] + ms[i] * xsum
-
-
-@_jit
-def _mv_q5_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    h = _sec(flat, 4 * ns * R, ns, R, np.uint32, 4)
-    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum5(p, h, s, x, t0, t1, acc)
-            off, ds = _F32(16) * xs[s], d[s][t0:t1]
-            for i in range(t1 - t0):
-                yt[i] += ds[i] * (acc[i] - off)
-
-
-@_jit
-def _mv_q5_1(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
-    h = _sec(flat, 8 * ns * R, ns, R, np.uint32, 4)
-    p = _sec(flat, 12 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum5(p, h, s, x, t0, t1, acc)
-            xsum, ds, ms = xs[s], d[s][t0:t1], m[s][t0:t1]
-            for i in range(t1 - t0):
-                yt[i] += ds[i] * acc[i] + ms[i] * xsum
+            if five:
+                _sum5(p, h, s, x, t0, t1, acc)
+            else:
+                _sum4(p, s, x, t0, t1, acc)
+            ds = d[s][t0:t1]
+            if has_min:
+                xsum, ms = xs[s], m[s][t0:t1]
+                for i in range(t1 - t0):
+                    yt[i] += ds[i] * acc[i] + ms[i] * xsum
+            else:
+                shift = bias * xs[s]
+                for i in range(t1 - t0):
+                    yt[i] += ds[i] * (acc[i] - shift)
 
 
 @_jit
@@ -269,15 +215,19 @@ def _k_combine(yt: Any, acc: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, x
 
 
 @_jit
-def _mv_q4_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+def _mv_kquant(w: Any, x: Any, y: Any, r0: int, r1: int, five: bool) -> None:
+    """q4_k, q5_k (``five``): rows r0..r1 of ``W @ x``."""
     R, ns = w.shape[0], x.shape[0] // 32
     nb = ns // 8
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
     dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    sc = _sec(flat, 8 * nb * R, ns, R, np.uint8, 1)
-    mn = _sec(flat, 8 * nb * R + ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, 8 * nb * R + 2 * ns * R, 16 * ns, R, np.uint8, 1)
+    off = 8 * nb * R
+    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)       # unused without 5th bits
+    off += 4 * ns * R if five else 0
+    sc = _sec(flat, off, ns, R, np.uint8, 1)
+    mn = _sec(flat, off + ns * R, ns, R, np.uint8, 1)
+    p = _sec(flat, off + 2 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
     acc = np.empty(TILE, np.float32)
     for t0 in range(r0, r1, TILE):
@@ -285,105 +235,86 @@ def _mv_q4_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
         yt = y[t0:t1]
         yt[:] = 0
         for s in range(ns):
-            _sum4(p, s, x, t0, t1, acc)
-            _k_combine(yt, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
-
-
-@_jit
-def _mv_q5_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    nb = ns // 8
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, nb, R, np.float32, 4)
-    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    h = _sec(flat, 8 * nb * R, ns, R, np.uint32, 4)
-    sc = _sec(flat, 8 * nb * R + 4 * ns * R, ns, R, np.uint8, 1)
-    mn = _sec(flat, 8 * nb * R + 5 * ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, 8 * nb * R + 6 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum5(p, h, s, x, t0, t1, acc)
+            if five:
+                _sum5(p, h, s, x, t0, t1, acc)
+            else:
+                _sum4(p, s, x, t0, t1, acc)
             _k_combine(yt, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
 
 
 @_jit
 def _mv_q6_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    nb = ns // 8
+    R, ng = w.shape[0], x.shape[0] // 16
+    nb = ng // 16
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
-    h = _sec(flat, 4 * nb * R, 2 * ns, R, np.uint32, 4)
-    sc = _sec(flat, 4 * nb * R + 8 * ns * R, 2 * ns, R, np.int8, 1)
-    p = _sec(flat, 4 * nb * R + 10 * ns * R, 16 * ns, R, np.uint8, 1)
+    h = _sec(flat, 4 * nb * R, 4 * ng, R, np.uint8, 1)
+    sc = _sec(flat, 4 * nb * R + 4 * ng * R, ng, R, np.int8, 1)
+    p = _sec(flat, 4 * nb * R + 5 * ng * R, 8 * ng, R, np.uint8, 1)
     xs = _xsums(x, 16)
-    acc_a = np.empty(TILE, np.float32)
-    acc_b = np.empty(TILE, np.float32)
+    acc = np.empty(TILE, np.float32)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
         yt = y[t0:t1]
         yt[:] = 0
-        for s in range(ns):
-            _sum6(p, h, s, x, t0, t1, acc_a, acc_b)
-            db, sa, sb = d[s // 8][t0:t1], sc[2 * s][t0:t1], sc[2 * s + 1][t0:t1]
-            oa, ob = _F32(32) * xs[2 * s], _F32(32) * xs[2 * s + 1]
+        for g in range(ng):
+            _sum6(p, h, g, x, t0, t1, acc)
+            db, sg, off = d[g // 16][t0:t1], sc[g][t0:t1], _F32(32) * xs[g]
             for i in range(t1 - t0):
-                yt[i] += db[i] * (_F32(sa[i]) * (acc_a[i] - oa) + _F32(sb[i]) * (acc_b[i] - ob))
+                yt[i] += db[i] * _F32(sg[i]) * (acc[i] - off)
 
 
-@njit(inline="always")
-def _f16_bits(v: Any) -> Any:
-    """float16 bits -> float32 bits of the value / 2**112 (exact; times 2**112 gives the value)."""
-    u = np.uint32(v)
-    mag = (u & np.uint32(0x7FFF)) << np.uint32(13)
-    if mag >= np.uint32(0x7C00 << 13):  # inf / NaN: all-ones exponent
-        mag |= np.uint32(0x7F800000)
-    return mag | ((u & np.uint32(0x8000)) << np.uint32(16))
+def _half_typing(typingctx: Any, bits: Any) -> Any:
+    """float16 bits (uint16) -> float32, exact (LLVM ``fpext half``: one ``vcvtph2ps`` per vector with F16C)."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
 
 
-_F16_SCALE = _F32(2.0**112)
+_half: Any = intrinsic(_half_typing)
+
+
+def _bfloat_typing(typingctx: Any, bits: Any) -> Any:
+    """bfloat16 bits (uint16) -> float32, exact (the bits moved to the top half of a float32)."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+_bfloat: Any = intrinsic(_bfloat_typing)
 
 
 @_jit
-def _mv_f16(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+def _mv_u16(w: Any, x: Any, y: Any, r0: int, r1: int, bf16: bool) -> None:
+    """f16 / bf16: ``y[r] = sum_k W[r, k] x[k]``, four inputs per pass over the row tile."""
     R, K = w.shape[0], x.shape[0]
     t = _sec(w.reshape(-1), 0, K, R, np.uint16, 2)
-    bits = np.empty(TILE, np.uint32)
-    vals = bits.view(np.float32)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
         n = t1 - t0
         yt = y[t0:t1]
         yt[:] = 0
-        for k in range(K):
+        k4 = K // 4 * 4
+        for k in range(0, k4, 4):
+            a, b, c, e = t[k][t0:t1], t[k + 1][t0:t1], t[k + 2][t0:t1], t[k + 3][t0:t1]
+            xa, xb, xc, xe = x[k], x[k + 1], x[k + 2], x[k + 3]
+            if bf16:
+                for i in range(n):
+                    yt[i] += _bfloat(a[i]) * xa + _bfloat(b[i]) * xb + _bfloat(c[i]) * xc + _bfloat(e[i]) * xe
+            else:
+                for i in range(n):
+                    yt[i] += _half(a[i]) * xa + _half(b[i]) * xb + _half(c[i]) * xc + _half(e[i]) * xe
+        for k in range(k4, K):
             row, xk = t[k][t0:t1], x[k]
             for i in range(n):
-                bits[i] = _f16_bits(row[i])
-            for i in range(n):
-                yt[i] += (vals[i] * _F16_SCALE) * xk
-
-
-@_jit
-def _mv_bf16(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, K = w.shape[0], x.shape[0]
-    t = _sec(w.reshape(-1), 0, K, R, np.uint16, 2)
-    bits = np.empty(TILE, np.uint32)
-    vals = bits.view(np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        n = t1 - t0
-        yt = y[t0:t1]
-        yt[:] = 0
-        for k in range(K):
-            row, xk = t[k][t0:t1], x[k]
-            for i in range(n):
-                bits[i] = np.uint32(row[i]) << np.uint32(16)
-            for i in range(n):
-                yt[i] += vals[i] * xk
+                yt[i] += (_bfloat(row[i]) if bf16 else _half(row[i])) * xk
 
 
 # --------------------------------------------------------------------- dequantization, per type
@@ -397,20 +328,21 @@ def _dq4(p: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
     row = p[16 * s + j][r0:r1]
     a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
     for i in range(r1 - r0):
-        v = row[i]
-        a[i] = _F32(v & _U15)
-        b[i] = _F32(v >> _U4)
+        v = np.int32(row[i])
+        a[i] = _F32(np.int32(v & 15))
+        b[i] = _F32(np.int32(v >> 4))
 
 
 @njit(inline="always")
 def _dq5(p: Any, h: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
     row, hs = p[16 * s + j][r0:r1], h[s][r0:r1]
     a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
-    lo_shift, hi_shift = np.uint32(j), np.uint32(j + 16)
+    mlo, mhi = _BIT[j], _BIT[j + 16]
     for i in range(r1 - r0):
         v = np.int32(row[i])
-        a[i] = _F32((v & 15) | np.int32(((hs[i] >> lo_shift) & np.uint32(1)) << np.uint32(4)))
-        b[i] = _F32((v >> 4) | np.int32(((hs[i] >> hi_shift) & np.uint32(1)) << np.uint32(4)))
+        hb = hs[i]
+        a[i] = _F32(np.int32(np.int32(v & 15) | (np.int32(16) if hb & mlo else np.int32(0))))
+        b[i] = _F32(np.int32(np.int32(v >> 4) | (np.int32(16) if hb & mhi else np.int32(0))))
 
 
 @njit(inline="always")
@@ -432,55 +364,27 @@ def _dq_min(out: Any, s: int, r0: int, r1: int, c0: int, ds: Any, ms: Any) -> No
 
 
 @_jit_exact
-def _dq_q4_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+def _dq_blocks(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: bool, five: bool) -> None:
+    """q4_0, q4_1, q5_0, q5_1 (flags as :func:`_mv_blocks`) rows r0..r1 into ``out`` (K, r - c0)."""
     R, ns = w.shape[0], k // 32
     flat = w.reshape(-1)
     d = _sec(flat, 0, ns, R, np.float32, 4)
-    p = _sec(flat, 4 * ns * R, 16 * ns, R, np.uint8, 1)
+    off = 4 * ns * R
+    m = _sec(flat, off if has_min else 0, ns, R, np.float32, 4)
+    off += 4 * ns * R if has_min else 0
+    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)
+    off += 4 * ns * R if five else 0
+    p = _sec(flat, off, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
         for j in range(16):
-            _dq4(p, s, j, r0, r1, out, c0)
-        _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(8))
-
-
-@_jit_exact
-def _dq_q4_1(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
-    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
-    for s in range(ns):
-        for j in range(16):
-            _dq4(p, s, j, r0, r1, out, c0)
-        _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
-
-
-@_jit_exact
-def _dq_q5_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    h = _sec(flat, 4 * ns * R, ns, R, np.uint32, 4)
-    p = _sec(flat, 8 * ns * R, 16 * ns, R, np.uint8, 1)
-    for s in range(ns):
-        for j in range(16):
-            _dq5(p, h, s, j, r0, r1, out, c0)
-        _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(16))
-
-
-@_jit_exact
-def _dq_q5_1(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    m = _sec(flat, 4 * ns * R, ns, R, np.float32, 4)
-    h = _sec(flat, 8 * ns * R, ns, R, np.uint32, 4)
-    p = _sec(flat, 12 * ns * R, 16 * ns, R, np.uint8, 1)
-    for s in range(ns):
-        for j in range(16):
-            _dq5(p, h, s, j, r0, r1, out, c0)
-        _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
+            if five:
+                _dq5(p, h, s, j, r0, r1, out, c0)
+            else:
+                _dq4(p, s, j, r0, r1, out, c0)
+        if has_min:
+            _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
+        else:
+            _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(16) if five else _F32(8))
 
 
 @_jit_exact
@@ -507,242 +411,85 @@ def _dq_k(out: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, r0: int, r1: in
 
 
 @_jit_exact
-def _dq_q4_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+def _dq_kquant(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, five: bool) -> None:
+    """q4_k, q5_k (``five``) rows r0..r1 into ``out`` (K, r - c0)."""
     R, ns = w.shape[0], k // 32
     nb = ns // 8
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
     dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    sc = _sec(flat, 8 * nb * R, ns, R, np.uint8, 1)
-    mn = _sec(flat, 8 * nb * R + ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, 8 * nb * R + 2 * ns * R, 16 * ns, R, np.uint8, 1)
+    off = 8 * nb * R
+    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)
+    off += 4 * ns * R if five else 0
+    sc = _sec(flat, off, ns, R, np.uint8, 1)
+    mn = _sec(flat, off + ns * R, ns, R, np.uint8, 1)
+    p = _sec(flat, off + 2 * ns * R, 16 * ns, R, np.uint8, 1)
     for s in range(ns):
         for j in range(16):
-            _dq4(p, s, j, r0, r1, out, c0)
-        _dq_k(out, d, dmin, sc, mn, s, r0, r1, c0)
-
-
-@_jit_exact
-def _dq_q5_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    nb = ns // 8
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, nb, R, np.float32, 4)
-    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    h = _sec(flat, 8 * nb * R, ns, R, np.uint32, 4)
-    sc = _sec(flat, 8 * nb * R + 4 * ns * R, ns, R, np.uint8, 1)
-    mn = _sec(flat, 8 * nb * R + 5 * ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, 8 * nb * R + 6 * ns * R, 16 * ns, R, np.uint8, 1)
-    for s in range(ns):
-        for j in range(16):
-            _dq5(p, h, s, j, r0, r1, out, c0)
+            if five:
+                _dq5(p, h, s, j, r0, r1, out, c0)
+            else:
+                _dq4(p, s, j, r0, r1, out, c0)
         _dq_k(out, d, dmin, sc, mn, s, r0, r1, c0)
 
 
 @_jit_exact
 def _dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R, ns = w.shape[0], k // 32
-    nb = ns // 8
+    R, ng = w.shape[0], k // 16
+    nb = ng // 16
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
-    h = _sec(flat, 4 * nb * R, 2 * ns, R, np.uint32, 4)
-    sc = _sec(flat, 4 * nb * R + 8 * ns * R, 2 * ns, R, np.int8, 1)
-    p = _sec(flat, 4 * nb * R + 10 * ns * R, 16 * ns, R, np.uint8, 1)
-    n = r1 - r0
-    for s in range(ns):
-        db, sa, sb = d[s // 8][r0:r1], sc[2 * s][r0:r1], sc[2 * s + 1][r0:r1]
-        ha, hb = h[2 * s][r0:r1], h[2 * s + 1][r0:r1]
-        for j in range(16):
-            row = p[16 * s + j][r0:r1]
-            a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
-            shift = np.uint32(2 * j)
+    h = _sec(flat, 4 * nb * R, 4 * ng, R, np.uint8, 1)
+    sc = _sec(flat, 4 * nb * R + 4 * ng * R, ng, R, np.int8, 1)
+    p = _sec(flat, 4 * nb * R + 5 * ng * R, 8 * ng, R, np.uint8, 1)
+    n, o0, o1 = r1 - r0, r0 - c0, r1 - c0
+    for g in range(ng):
+        db, sg = d[g // 16][r0:r1], sc[g][r0:r1]
+        for j in range(4):
+            ra, rb, hr = p[8 * g + j][r0:r1], p[8 * g + 4 + j][r0:r1], h[4 * g + j][r0:r1]
+            oa, ob = out[16 * g + j][o0:o1], out[16 * g + 8 + j][o0:o1]
+            oc, od = out[16 * g + 4 + j][o0:o1], out[16 * g + 12 + j][o0:o1]
             for i in range(n):
-                v = np.int32(row[i])
-                lo = (v & 15) | np.int32(((ha[i] >> shift) & np.uint32(3)) << np.uint32(4))
-                hi = (v >> 4) | np.int32(((hb[i] >> shift) & np.uint32(3)) << np.uint32(4))
-                a[i] = db[i] * _F32(sa[i]) * _F32(lo - 32)
-                b[i] = db[i] * _F32(sb[i]) * _F32(hi - 32)
+                va, vb, hb = np.int32(ra[i]), np.int32(rb[i]), np.int32(hr[i])
+                qa = np.int32(np.int32(va & 15) | np.int32((hb << 4) & 48))
+                qb = np.int32(np.int32(va >> 4) | np.int32((hb << 2) & 48))
+                qc = np.int32(np.int32(vb & 15) | np.int32(hb & 48))
+                qd = np.int32(np.int32(vb >> 4) | np.int32((hb >> 2) & 48))
+                scale = _F32(sg[i])
+                oa[i] = db[i] * scale * _F32(np.int32(qa - 32))
+                ob[i] = db[i] * scale * _F32(np.int32(qb - 32))
+                oc[i] = db[i] * scale * _F32(np.int32(qc - 32))
+                od[i] = db[i] * scale * _F32(np.int32(qd - 32))
 
 
 @_jit_exact
-def _dq_f16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
+def _dq_u16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, bf16: bool) -> None:
+    """f16, bf16 (``bf16``) rows r0..r1 into ``out`` (K, r - c0)."""
     R = w.shape[0]
     t = _sec(w.reshape(-1), 0, k, R, np.uint16, 2)
-    bits = np.empty(r1 - r0, np.uint32)
-    vals = bits.view(np.float32)
     for kk in range(k):
         row, o = t[kk][r0:r1], out[kk][r0 - c0:r1 - c0]
-        for i in range(r1 - r0):
-            bits[i] = _f16_bits(row[i])
-        for i in range(r1 - r0):
-            o[i] = vals[i] * _F16_SCALE
+        if bf16:
+            for i in range(r1 - r0):
+                o[i] = _bfloat(row[i])
+        else:
+            for i in range(r1 - r0):
+                o[i] = _half(row[i])
 
 
-@_jit_exact
-def _dq_bf16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    R = w.shape[0]
-    t = _sec(w.reshape(-1), 0, k, R, np.uint16, 2)
-    bits = np.empty(r1 - r0, np.uint32)
-    vals = bits.view(np.float32)
-    for kk in range(k):
-        row, o = t[kk][r0:r1], out[kk][r0 - c0:r1 - c0]
-        for i in range(r1 - r0):
-            bits[i] = np.uint32(row[i]) << np.uint32(16)
-        for i in range(r1 - r0):
-            o[i] = vals[i]
+# ------------------------------------------------------------------------------------ entry points
 
-
-# ------------------------------------------------------------------ entry points: rows split in threads
-
-
-@_jit_parallel
-def mv_f16(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_f16(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_f16(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_f16(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_bf16(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_bf16(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_bf16(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_bf16(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q8_0(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q8_0(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q8_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q8_0(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q4_0(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q4_0(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q4_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q4_0(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q4_1(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q4_1(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q4_1(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q4_1(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q5_0(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q5_0(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q5_0(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q5_0(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q5_1(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q5_1(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q5_1(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q5_1(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q4_k(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q4_k(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q4_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q4_k(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q5_k(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q5_k(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q5_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q5_k(w, k, a, b, out, r0)
-
-
-@_jit_parallel
-def mv_q6_k(w: Any, x: Any, y: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(0, y.shape[0], i, nthr)
-        _mv_q6_k(w, x, y, a, b)
-
-
-@_jit_parallel_exact
-def dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, nthr: int) -> None:
-    for i in prange(nthr):
-        a, b = _split(r0, r1, i, nthr)
-        _dq_q6_k(w, k, a, b, out, r0)
-
-
-MV_ROWS: dict[str, Any] = {"f16": _mv_f16, "bf16": _mv_bf16, "q8_0": _mv_q8_0, "q4_0": _mv_q4_0, "q4_1": _mv_q4_1, "q5_0": _mv_q5_0, "q5_1": _mv_q5_1, "q4_k": _mv_q4_k, "q5_k": _mv_q5_k, "q6_k": _mv_q6_k}
-"""qtype -> ``mv(w, x, y, r0, r1)``: rows r0..r1 only, in the calling thread (no parallel launch)."""
-DQ_ROWS: dict[str, Any] = {"f16": _dq_f16, "bf16": _dq_bf16, "q8_0": _dq_q8_0, "q4_0": _dq_q4_0, "q4_1": _dq_q4_1, "q5_0": _dq_q5_0, "q5_1": _dq_q5_1, "q4_k": _dq_q4_k, "q5_k": _dq_q5_k, "q6_k": _dq_q6_k}
-"""qtype -> ``dq(w, k, r0, r1, out, c0)``: rows r0..r1 into columns ``r - c0``, in the calling thread."""
-MV: dict[str, Any] = {"f16": mv_f16, "bf16": mv_bf16, "q8_0": mv_q8_0, "q4_0": mv_q4_0, "q4_1": mv_q4_1, "q5_0": mv_q5_0, "q5_1": mv_q5_1, "q4_k": mv_q4_k, "q5_k": mv_q5_k, "q6_k": mv_q6_k}
-"""qtype -> ``mv(w, x, y, nthr)``."""
-DQ: dict[str, Any] = {"f16": dq_f16, "bf16": dq_bf16, "q8_0": dq_q8_0, "q4_0": dq_q4_0, "q4_1": dq_q4_1, "q5_0": dq_q5_0, "q5_1": dq_q5_1, "q4_k": dq_q4_k, "q5_k": dq_q5_k, "q6_k": dq_q6_k}
-"""qtype -> ``dq(w, k, r0, r1, out, nthr)``."""
+KERNELS: dict[str, tuple[Any, Any, tuple[bool, ...]]] = {
+    "f16": (_mv_u16, _dq_u16, (False,)), "bf16": (_mv_u16, _dq_u16, (True,)),
+    "q8_0": (_mv_q8_0, _dq_q8_0, ()),
+    "q4_0": (_mv_blocks, _dq_blocks, (False, False)), "q4_1": (_mv_blocks, _dq_blocks, (True, False)),
+    "q5_0": (_mv_blocks, _dq_blocks, (False, True)), "q5_1": (_mv_blocks, _dq_blocks, (True, True)),
+    "q4_k": (_mv_kquant, _dq_kquant, (False,)), "q5_k": (_mv_kquant, _dq_kquant, (True,)),
+    "q6_k": (_mv_q6_k, _dq_q6_k, ()),
+}
+"""qtype -> (``mv(w, x, y, r0, r1, *flags)``: rows r0..r1 of ``y = W @ x``; ``dq(w, k, r0, r1, out, c0,
+*flags)``: rows r0..r1 dequantized into ``out[:, r - c0]``; the flags that pick the type in a family).
+Both run in the calling thread and release the GIL, so several threads may run disjoint rows."""
 
 
 # ----------------------------------------------------------------------------------------- repack
@@ -753,17 +500,9 @@ PACK_TILE = 64
 
 
 @njit(inline="always")
-def _f16_to_f32_bits(lo: Any, hi: Any) -> Any:
-    """Little-endian float16 bytes -> float32 bits of the value / 2**112 (see :func:`_f16_bits`)."""
-    return _f16_bits(np.uint16(lo) | (np.uint16(hi) << np.uint16(8)))
-
-
-@njit(inline="always")
-def _rescale(bits: Any) -> None:
-    """float32 bits written by :func:`_f16_to_f32_bits` -> the values, in place."""
-    vals = bits.view(np.float32)
-    for i in range(vals.shape[0]):
-        vals[i] *= _F16_SCALE
+def _f16_bytes(lo: Any, hi: Any) -> Any:
+    """Little-endian float16 bytes -> float32 value (exact)."""
+    return _half(np.uint16(np.uint16(lo) | (np.uint16(hi) << np.uint16(8))))
 
 
 @_jit_exact
@@ -772,7 +511,7 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
     quants per block, each copied to its section (transposed: block-major, row last)."""
     R, nb = src.shape[0], src.shape[1] // block
     flat = out.reshape(-1)
-    bits = flat[:4 * nf * nb * R].view(np.uint32)
+    bits = flat[:4 * nf * nb * R].view(np.float32)
     hoff = 4 * nf * nb * R
     h = flat[hoff:hoff + hbytes * nb * R]
     q = flat[hoff + hbytes * nb * R:]
@@ -783,7 +522,7 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
             for f in range(nf):
                 dst = bits[(f * nb + b) * R:(f * nb + b + 1) * R]
                 for r in range(t0, t1):
-                    dst[r] = _f16_to_f32_bits(src[r, base + 2 * f], src[r, base + 2 * f + 1])
+                    dst[r] = _f16_bytes(src[r, base + 2 * f], src[r, base + 2 * f + 1])
             for i in range(hbytes):
                 hb = h[b * R * 4:(b + 1) * R * 4]
                 for r in range(t0, t1):
@@ -793,7 +532,6 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
                 col = base + 2 * nf + hbytes + j
                 for r in range(t0, t1):
                     dst8[r] = src[r, col]
-    _rescale(bits)
 
 
 @njit(inline="always")
@@ -811,7 +549,7 @@ def _pack_k45(src: Any, out: Any, five: bool) -> None:
     R, nb = src.shape[0], src.shape[1] // block
     ns = 8 * nb
     flat = out.reshape(-1)
-    bits = flat[:8 * nb * R].view(np.uint32)
+    bits = flat[:8 * nb * R].view(np.float32)
     off = 8 * nb * R
     hbytes = 4 * ns * R if five else 0
     h = flat[off:off + hbytes].view(np.uint32)
@@ -824,8 +562,8 @@ def _pack_k45(src: Any, out: Any, five: bool) -> None:
             base = b * block
             for r in range(t0, t1):
                 row = src[r]
-                bits[b * R + r] = _f16_to_f32_bits(row[base], row[base + 1])
-                bits[(nb + b) * R + r] = _f16_to_f32_bits(row[base + 2], row[base + 3])
+                bits[b * R + r] = _f16_bytes(row[base], row[base + 1])
+                bits[(nb + b) * R + r] = _f16_bytes(row[base + 2], row[base + 3])
                 for i in range(8):
                     s, m = _k_scale(row[base + 4:base + 16], i)
                     sc[(8 * b + i) * R + r] = s
@@ -841,7 +579,6 @@ def _pack_k45(src: Any, out: Any, five: bool) -> None:
                         for j in range(32):
                             word |= np.uint32((row[base + 16 + j] >> i) & 1) << np.uint32(j)
                         h[(8 * b + i) * R + r] = word
-    _rescale(bits[:2 * nb * R])
 
 
 @_jit_exact
@@ -849,8 +586,8 @@ def _pack_q6_k(src: Any, out: Any) -> None:
     R, nb = src.shape[0], src.shape[1] // 210
     ns = 8 * nb
     flat = out.reshape(-1)
-    bits = flat[:4 * nb * R].view(np.uint32)
-    h = flat[4 * nb * R:4 * nb * R + 8 * ns * R].view(np.uint32)
+    bits = flat[:4 * nb * R].view(np.float32)
+    h = flat[4 * nb * R:4 * nb * R + 8 * ns * R]
     off = 4 * nb * R + 8 * ns * R
     sc, p = flat[off:off + 2 * ns * R], flat[off + 2 * ns * R:]
     q = np.empty(256, np.uint8)
@@ -860,7 +597,7 @@ def _pack_q6_k(src: Any, out: Any) -> None:
             base = b * 210
             for r in range(t0, t1):
                 row = src[r]
-                bits[b * R + r] = _f16_to_f32_bits(row[base + 208], row[base + 209])
+                bits[b * R + r] = _f16_bytes(row[base + 208], row[base + 209])
                 for i in range(16):
                     sc[(16 * b + i) * R + r] = row[base + 192 + i]
                 for half in range(2):
@@ -872,16 +609,15 @@ def _pack_q6_k(src: Any, out: Any) -> None:
                         q[e + 32] = (lo1 & _U15) | (((hh >> np.uint8(2)) & np.uint8(3)) << _U4)
                         q[e + 64] = (lo0 >> _U4) | (((hh >> np.uint8(4)) & np.uint8(3)) << _U4)
                         q[e + 96] = (lo1 >> _U4) | (((hh >> np.uint8(6)) & np.uint8(3)) << _U4)
-                for s in range(8):
-                    wa, wb = np.uint32(0), np.uint32(0)
-                    for j in range(16):
-                        a, c = q[32 * s + j], q[32 * s + 16 + j]
-                        p[(16 * (8 * b + s) + j) * R + r] = (a & _U15) | ((c & _U15) << _U4)
-                        wa |= np.uint32(a >> _U4) << np.uint32(2 * j)
-                        wb |= np.uint32(c >> _U4) << np.uint32(2 * j)
-                    h[(2 * (8 * b + s)) * R + r] = wa
-                    h[(2 * (8 * b + s) + 1) * R + r] = wb
-    _rescale(bits)
+                for g in range(16):
+                    for j in range(8):
+                        a, c = q[16 * g + j], q[16 * g + 8 + j]
+                        p[(8 * (16 * b + g) + j) * R + r] = (a & _U15) | ((c & _U15) << _U4)
+                    for j in range(4):
+                        e = 16 * g + j
+                        h[(4 * (16 * b + g) + j) * R + r] = ((q[e] >> _U4) | ((q[e + 8] >> _U4) << np.uint8(2))
+                                                             | ((q[e + 4] >> _U4) << _U4)
+                                                             | ((q[e + 12] >> _U4) << np.uint8(6)))
 
 
 @_jit_exact

@@ -25,13 +25,15 @@ or ``K/256``) and ``ns = K/32`` sub-blocks of 32 weights::
     q5_1       d, m f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*16, R]             w = d*q + m
     q4_k       d, dmin f32 [nb, R]  sc, mn u8 [ns, R]  p u8 [ns*16, R]          w = d*sc*q - dmin*mn
     q5_k       d, dmin f32 [nb, R]  h u32 [ns, R]  sc, mn u8 [ns, R]  p u8 [ns*16, R]     (same)
-    q6_k       d    f32 [nb, R]   h  u32 [ns*2, R]  sc i8 [ns*2, R]  p u8 [ns*16, R]  w = d*sc*(q - 32)
+    q6_k       d    f32 [nb, R]   h  u8 [ns*8, R]   sc i8 [ns*2, R]  p u8 [ns*16, R]  w = d*sc*(q - 32)
 
 ``p`` (pairs): byte ``j`` of sub-block ``s`` holds the low 4 bits of weight ``32s + j`` in its low nibble
 and those of weight ``32s + j + 16`` in its high nibble (Q4_0's own pairing; K-quants pair differently in
-GGUF and are regrouped). ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``; for q6_k the
-5th and 6th bits of weight ``32s + j`` are bits ``2j, 2j+1`` of ``h[2s]`` (``j < 16``) or of
-``h[2s+1]`` (``j - 16``). K-quant ``sc``/``mn`` are the 6-bit sub-block scales and mins, ``d``/``dmin``
+GGUF and are regrouped). ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``. q6_k works
+in its 16-weight scale groups ``g`` instead: byte ``8g + j`` (j < 8) of ``p`` pairs weights ``16g + j``
+and ``16g + 8 + j`` (one accumulator per scale), and byte ``4g + j`` (j < 4) of ``h`` holds the 5th-6th
+bits of weights ``16g + j``, ``16g + 8 + j``, ``16g + 4 + j``, ``16g + 12 + j`` in its bit pairs 0-1,
+2-3, 4-5, 6-7, so one ``h`` byte serves two ``p`` bytes with constant shifts. K-quant ``sc``/``mn`` are the 6-bit sub-block scales and mins, ``d``/``dmin``
 the super-block factors: one extra multiply per 32 weights instead of 8 bytes of float32 per sub-block,
 which keeps every type within 1.1x its GGUF size except q4_1 (1.2x) and q5_1 (1.17x).
 """
@@ -197,13 +199,23 @@ def _high1(codes: np.ndarray) -> npt.NDArray[np.uint32]:
     return words
 
 
-def _high2(codes: np.ndarray) -> npt.NDArray[np.uint32]:
-    """(R, K) 6-bit codes -> u32 (K/16, R): bits 2j, 2j+1 of word 2s+h = bits 5, 6 of 32s+16h+j."""
+def _high2(codes: np.ndarray) -> U8:
+    """q6_k (R, K) 6-bit codes -> u8 (K/4, R): byte ``4g + j`` (j < 4) holds bits 5-6 of weights
+    ``16g + j``, ``16g + 8 + j``, ``16g + 4 + j``, ``16g + 12 + j`` in bits 0-1, 2-3, 4-5, 6-7."""
     rows = codes.shape[0]
-    hi = (codes.astype(np.uint8) >> 4).reshape(rows, -1, 16)
-    bits = np.stack([hi & 1, hi >> 1], axis=-1).reshape(rows, -1, 32)
-    words: npt.NDArray[np.uint32] = np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0].T
-    return words
+    hi = (codes.astype(np.uint8) >> 4).reshape(rows, -1, 2, 2, 4)   # [g, 8s, 4s, j]
+    h = hi[:, :, 0, 0] | (hi[:, :, 1, 0] << 2) | (hi[:, :, 0, 1] << 4) | (hi[:, :, 1, 1] << 6)
+    out: U8 = h.reshape(rows, -1).T
+    return out
+
+
+def _pairs16(codes: np.ndarray) -> U8:
+    """q6_k (R, K) codes -> (K/2, R): byte ``8g + j`` (j < 8) = low 4 bits of ``16g + j`` | of ``16g + 8 + j`` << 4
+    (both in one 16-weight scale group, so one accumulator per group)."""
+    rows = codes.shape[0]
+    c = (codes.astype(np.uint8) & 0x0F).reshape(rows, -1, 2, 8)
+    pairs: U8 = (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(rows, -1).T
+    return pairs
 
 
 def _sections(qtype: str, codes: np.ndarray, f: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -212,7 +224,7 @@ def _sections(qtype: str, codes: np.ndarray, f: dict[str, np.ndarray]) -> list[n
     if qtype == "q8_0":
         return [t["d"], codes.astype(np.int8).T]
     if qtype == "q6_k":
-        return [t["d"], _high2(codes), t["sc"], _pairs(codes)]
+        return [t["d"], _high2(codes), t["sc"], _pairs16(codes)]
     scales = [t["d"], t["m"]] if "m" in t else [t["d"], t["dmin"]] if "dmin" in t else [t["d"]]
     high = [_high1(codes)] if qtype in ("q5_0", "q5_1", "q5_k") else []
     sub = [t["sc"], t["mn"]] if "sc" in t else []
