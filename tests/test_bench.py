@@ -152,12 +152,28 @@ def test_first_byte_times_a_program_and_stops_it_with_sigint(tmp_path: Path) -> 
     from zmq_rpc.tools import bench_llm
 
     marker = tmp_path / "stopped"
-    script = ("import sys, time\ntry:\n    sys.stderr.write('x'); sys.stderr.flush()\n"
+    # the handler is installed explicitly, as generate does: a child inherits an ignored SIGINT
+    script = ("import signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "try:\n    sys.stderr.write('x'); sys.stderr.flush()\n"
               f"    time.sleep(60)\nexcept KeyboardInterrupt:\n    open({str(marker)!r}, 'w')")
     seconds = bench_llm._first_byte([sys.executable, "-c", script])
     assert 0 < seconds < 60 and marker.exists()
     with pytest.raises(RuntimeError, match="wrote nothing"):
         bench_llm._first_byte([sys.executable, "-c", "pass"])
+
+
+@pytest.mark.timeout(30)
+def test_first_byte_stops_a_program_that_ignores_sigint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from zmq_rpc.tools import bench_llm
+
+    monkeypatch.setattr(bench_llm, "STOP_GRACE_S", 1.0)
+    script = ("import signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+              "sys.stderr.write('x'); sys.stderr.flush(); time.sleep(60)")
+    started = time.monotonic()
+    assert bench_llm._first_byte([sys.executable, "-c", script]) > 0
+    assert time.monotonic() - started < 10          # SIGTERM after the grace, not 60 s
 
 
 def test_cases_and_commands_can_be_registered(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -245,6 +245,11 @@ def _seconds(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+STOP_GRACE_S = 30.0
+"""How long a program measured by :func:`_first_byte` may take to stop after SIGINT (then
+SIGTERM, as long again, then SIGKILL)."""
+
+
 def _first_byte(argv: list[str]) -> float:
     """Seconds until ``argv`` writes its first byte (stdout or stderr); then SIGINT, wait."""
     start = time.perf_counter()
@@ -257,7 +262,11 @@ def _first_byte(argv: list[str]) -> float:
         seconds = time.perf_counter() - start
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=120)
+        try:
+            proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:   # SIGINT ignored or blocked (inherited): stop it
+            proc.terminate()
+            proc.communicate(timeout=STOP_GRACE_S)
         return seconds
     finally:
         if proc.poll() is None:
