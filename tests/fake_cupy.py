@@ -16,10 +16,10 @@ from __future__ import annotations
 import ctypes
 import sys
 import types
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from fake_device import posing_as
 
 
 class _Array(np.ndarray):  # type: ignore[type-arg]
@@ -64,19 +64,7 @@ def _new(shape: Any, dtype: Any = float, memptr: MemoryPointer | None = None,
     return view
 
 
-def _device(value: Any) -> Any:
-    if isinstance(value, np.ndarray) and not isinstance(value, _Array):
-        return value.view(_Array)
-    if isinstance(value, tuple):
-        return tuple(_device(v) for v in value)
-    return value
-
-
-def _wrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return _device(fn(*args, **kwargs))
-
-    return call
+_wrapped = posing_as(_Array)
 
 
 class _Done:

@@ -18,19 +18,27 @@ class DeviceArray(np.ndarray):  # type: ignore[type-arg]
     """A numpy array that the kernel table treats as another backend's array."""
 
 
-def _device(value: Any) -> Any:
-    if isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
-        return value.view(DeviceArray)
-    if isinstance(value, tuple):
-        return tuple(_device(v) for v in value)
-    return value
+def posing_as(kind: type[np.ndarray]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:  # type: ignore[type-arg]
+    """A wrapper for numpy functions whose array results come back as ``kind`` (a numpy
+    subclass posing as another backend's arrays; also used by ``fake_cupy``)."""
+
+    def as_kind(value: Any) -> Any:
+        if isinstance(value, np.ndarray) and not isinstance(value, kind):
+            return value.view(kind)
+        if isinstance(value, tuple):
+            return tuple(as_kind(v) for v in value)
+        return value
+
+    def wrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return as_kind(fn(*args, **kwargs))
+
+        return call
+
+    return wrapped
 
 
-def _wrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return _device(fn(*args, **kwargs))
-
-    return call
+_wrapped = posing_as(DeviceArray)
 
 
 def __getattr__(name: str) -> Any:
