@@ -141,8 +141,7 @@ def test(args: list[str]) -> int:
         if code:
             return code
     optional_tools()
-    if not any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses="))
-               for a in args):
+    if not any(a == "no:xdist" or a.startswith(("-n", "--numprocesses")) for a in args):
         args = [*PYTEST_PROCESSES, *args]
     step("pytest " + " ".join(args))
     code = subprocess.run([str(bin_path("pytest")), *args], cwd=ROOT).returncode
