@@ -6,6 +6,7 @@ starts; SIGINT/SIGTERM (even one after the other) end a worker with exit 0 withi
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import WorkerProcess
 from zmq_rpc.client import Client
-from zmq_rpc.worker.cli import SHUTDOWN_BOUND_S
+from zmq_rpc.worker.cli import BLAS_THREAD_VARS, SHUTDOWN_BOUND_S
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -130,3 +131,27 @@ def test_a_gpu_index_past_the_last_is_refused_clearly() -> None:
     out = run_worker("--bind", "tcp://127.0.0.1:*", "--device", "cuda:999")
     assert out.returncode == 1, out.stderr
     assert "cannot start: no CUDA device 999: this machine has" in out.stderr
+
+
+def test_parsing_every_flag_leaves_numpy_unloaded_so_threads_pins_blas(tmp_path: Path) -> None:
+    """OpenBLAS reads its thread count once, when numpy loads, and the worker pins it from
+    ``--threads`` through environment variables: parsing the flags must not load numpy. (When
+    ``--device``'s check imported the server, each worker ran a 2-thread BLAS pool; two workers
+    on 2 cores made a 128-token prefill 2-4x slower.) The environment is the user's: no BLAS
+    variable inherited from this test process."""
+    code = ("import sys; from zmq_rpc.worker.cli import build_parser; "
+            "build_parser().parse_args(sys.argv[1:]); print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('numpy', 'numba', 'cupy')))")
+    flags = ["--bind", "tcp://127.0.0.1:*", "--device", "cuda:1", "--mem", "64MiB",
+             "--session-mem", "32MiB", "--max-sessions", "4", "--max-buffer", "16MiB",
+             "--max-message", "16MiB", "--peer-bind", "tcp://127.0.0.1:*",
+             "--peer-advertise", "tcp://127.0.0.1:5555", "--model-dir", str(tmp_path),
+             "--cache-dir", str(tmp_path), "--cache-size", "1MiB", "--session-timeout", "5",
+             "--max-graph-work", "1000000", "--threads", "2", "--log-level", "DEBUG",
+             "--log-format", "json", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
+             "--insecure"]
+    env = {k: v for k, v in os.environ.items() if k not in BLAS_THREAD_VARS}
+    out = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True, text=True,
+                         timeout=30, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

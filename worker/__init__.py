@@ -27,5 +27,6 @@ Module map (thread that runs it):
 - ``backends.base``: the ``Backend`` protocol; ``backends.numpy_backend``, ``backends.cupy_backend``
   implement it, ``backends.numpy_ops`` holds the kernels (backend).
 - ``kernels``: packed quantized matmul kernels (numba when installed) (backend).
+- ``devices``: ``--device`` names, parsed without importing numpy (the main thread, with the flags).
 - ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``).
 """

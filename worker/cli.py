@@ -23,6 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from ..broker.ops import DEFAULT_MAX_WORK
+from .devices import parse_device
 from .logs import configure_logging
 from .quotas import DEFAULT_MAX_SESSIONS
 
@@ -93,7 +94,6 @@ def _peer_bind(text: str) -> str:
 
 
 def _device(text: str) -> str:
-    from .server import parse_device
     try:
         parse_device(text)
     except ValueError as exc:

@@ -31,6 +31,7 @@ from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .backends.base import Backend
+from .devices import parse_device
 from .executor import DRAIN_BATCH, Executor
 from .heap import IdleTrim
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
@@ -125,18 +126,6 @@ def check_security(cfg: WorkerConfig, peer_bind: str) -> None:
                     "(--insecure): anyone who can reach this port can read and write every "
                     "tensor, use all of --mem and make this worker send data to other "
                     "workers", ep)
-
-
-def parse_device(device: str) -> tuple[str, int]:
-    """``("cpu", 0)`` for "cpu", ``("cuda", N)`` for "cuda" (GPU 0) or "cuda:N"; ValueError
-    naming the accepted forms for anything else."""
-    kind, sep, index = device.partition(":")
-    if device == "cpu":
-        return "cpu", 0
-    if kind == "cuda" and (not sep or (index.isdigit() and index.isascii())):
-        return "cuda", int(index or 0)
-    raise ValueError(f"unknown device {device!r}: expected cpu, cuda (GPU 0) or cuda:N "
-                     "(N = 0, 1, ...; one worker per GPU)")
 
 
 def make_backend(device: str) -> Backend:
