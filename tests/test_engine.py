@@ -251,6 +251,25 @@ def test_io_thread_sleeps_while_it_waits_for_replies(silent_router: zmq.Socket[b
         engine.close()
 
 
+def test_each_request_times_out_at_its_own_deadline(silent_router: zmq.Socket[bytes]) -> None:
+    """Deadlines in submission order (the engine's timeout) and out of it (shorter ones)."""
+    from zmq_rpc.client.engine import EngineOptions
+    engine = Engine(_endpoint(silent_router), EngineOptions(timeout=0.6))
+    try:
+        started = time.monotonic()
+        default = [engine.submit(Cmd.PING, p.Empty()) for _ in range(3)]
+        short = engine.submit(Cmd.PING, p.Empty(), timeout=0.2)
+        long = engine.submit(Cmd.PING, p.Empty(), timeout=30)
+        assert isinstance(short.exception(timeout=5), Timeout)
+        assert time.monotonic() - started < 0.55 and not any(f.done() for f in default)
+        for future in default:
+            assert isinstance(future.exception(timeout=5), Timeout)
+        assert 0.55 < time.monotonic() - started < 3.0 and not long.done()
+    finally:
+        engine.close()
+    assert isinstance(long.exception(timeout=5), ClientClosed)
+
+
 def test_close_from_another_thread_ends_a_waiting_sync_request(
         silent_router: zmq.Socket[bytes]) -> None:
     engine = Engine(_endpoint(silent_router))
