@@ -148,8 +148,9 @@ class Call:
 
     cmd: Cmd
     req_id: int
-    frames: Sequence[Any]
-    """Header and payload; an empty tuple once sent (the payload may be freed)."""
+    frames: bytes | list[Any] | tuple[Any, ...]
+    """The header alone, or header and payload; an empty tuple once sent (the payload may be
+    freed)."""
     future: Future[Any] | None
     """None for a synchronous call driven by its caller (:meth:`Engine.request`): its outcome
     lands in ``value``/``error`` instead."""
@@ -283,11 +284,12 @@ class Engine:
         req_id = next(self._ids)
         header = p.encode_request(cmd, req_id, msg)
         wait = self.options.timeout if timeout is None else timeout
+        frames: bytes | list[Any]
         if payload:
             frames = [header, *payload]
             nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
         else:
-            frames, nbytes = [header], reply_bytes
+            frames, nbytes = header, reply_bytes
         return Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply, nbytes,
                     submitted_ns=time.perf_counter_ns() if self.options.trace else 0)
 
@@ -684,6 +686,8 @@ class _IoLoop:
         """The wake-up socket, as poll reports it (a plain socket is reported by its fd)."""
         self.poll_items: list[tuple[Any, int]] = [
             (self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN), (self.wake_fd, zmq.POLLIN)]
+        self.blocked_readers: list[RunningFuture[Any]] = []
+        """Futures settled in this batch of replies whose readers wait to be woken."""
         self.beat_ms = int(opts.heartbeat * 1000)
         self.trace = opts.trace
         self.wake_poller = zmq.Poller()
@@ -913,10 +917,11 @@ class _IoLoop:
     def _send(self, call: Call, trace: bool) -> None:
         if trace:
             call.sent_ns = time.perf_counter_ns()
-        if len(call.frames) == 1:
-            self.dealer.send(call.frames[0])
+        frames = call.frames
+        if isinstance(frames, bytes):
+            self.dealer.send(frames)
         else:
-            self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
+            self.dealer.send_multipart(frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
         call.frames = _SENT
         call.sent = True
         self.in_flight[call.req_id] = call
@@ -939,7 +944,15 @@ class _IoLoop:
     def _receive(self, calls: list[Call] | None = None) -> None:
         """Take the replies that are in (up to 1024 at a time); with ``calls`` (an inline
         caller's), stop once they are done. Every ``REFILL_EVERY`` replies the window is topped
-        up from the backlog: read to the end first, and the worker would run dry meanwhile."""
+        up from the backlog (read to the end first, and the worker would run dry meanwhile) and
+        the threads blocked on the futures settled so far are woken."""
+        try:
+            self._read(calls)
+        finally:
+            if self.blocked_readers:
+                self._wake_readers()
+
+    def _read(self, calls: list[Call] | None) -> None:
         dealer, more = self.dealer, zmq.NOBLOCK
         for count in range(1, 1025):
             try:
@@ -953,8 +966,16 @@ class _IoLoop:
             self._on_reply(frames)
             if calls is not None and _all_done(calls):
                 return
-            if not count % REFILL_EVERY and self.backlog:
-                self.send_backlog()
+            if not count % REFILL_EVERY:
+                if self.blocked_readers:
+                    self._wake_readers()
+                if self.backlog:
+                    self.send_backlog()
+
+    def _wake_readers(self) -> None:
+        readers, self.blocked_readers = self.blocked_readers, []
+        for future in readers:
+            future._wake_readers()
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -976,8 +997,13 @@ class _IoLoop:
                 _settle(call, None, result)
             else:
                 _check_reply_payload(call.cmd, result, frames)
-                _settle(call, call.on_reply(result, frames[1:]) if call.on_reply else result,
-                        None)
+                value = call.on_reply(result, frames[1:]) if call.on_reply else result
+                future = call.future
+                if type(future) is RunningFuture:
+                    if future._set_result_quietly(value):
+                        self.blocked_readers.append(future)
+                else:
+                    _settle(call, value, None)
                 if received:
                     self._record(call, result, received)
         except BaseException as exc:
