@@ -412,6 +412,39 @@ def _rope(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     return TensorMeta(x.shape, "float32")
 
 
+def _attention(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """q (T, H, D), k and v (S, H_kv, D) with H a multiple of H_kv, optional mask broadcasting
+    to (T, S) -> float32 (T, H, D) (protocol 1.7, capability ``fused-ops``)."""
+    q, k, v = ins[:3]
+    for meta, name in ((q, "q"), (k, "k"), (v, "v")):
+        _need_dtype(meta, FLOAT_DTYPES, name)
+        _need_rank(meta, 3, 3, f"{name} (rows, heads, head size)")
+    if k.shape != v.shape:
+        raise OpError(f"k shape {k.shape} != v shape {v.shape}")
+    if k.shape[2] != q.shape[2]:
+        raise OpError(f"head size of q {q.shape} != that of k {k.shape}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise OpError(f"q heads {q.shape[1]} must be a multiple of k heads {k.shape[1]} (>= 1)")
+    if len(ins) > 3:
+        _need_dtype(ins[3], FLOAT_DTYPES, "mask")
+        _need_rank(ins[3], 1, 2, "mask")
+        rows = (q.shape[0], k.shape[0])
+        if _broadcast(rows, ins[3].shape, "mask") != rows:
+            raise OpError(f"mask shape {ins[3].shape} does not broadcast to (T, S) = {rows}")
+    return TensorMeta(q.shape, "float32")
+
+
+def _swiglu(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """x (..., 2n) -> float32 (..., n): silu of the first half times the second (protocol 1.7)."""
+    x = ins[0]
+    _need_dtype(x, FLOAT_DTYPES, "input 0")
+    _need_rank(x, 1, MAX_RANK, "input 0")
+    _need_contiguous(x, "input 0")
+    if x.shape[-1] % 2:
+        raise OpError(f"last dim {x.shape[-1]} must be even (gate and up halves)")
+    return TensorMeta(x.shape[:-1] + (x.shape[-1] // 2,), "float32")
+
+
 def _same_dtype_or_f32(ins: Sequence[TensorMeta]) -> str:
     dtypes = {m.dtype for m in ins}
     return dtypes.pop() if len(dtypes) == 1 else "float32"
@@ -649,6 +682,8 @@ _SPECS = [
         "freq_base": (_float(positive=True), 10000.0),
         "freq_scale": (_float(), 1.0),
     }),
+    _spec("attention", _COMPUTE, (3, 4), _attention, {"scale": (_float(), 1.0)}),
+    _spec("swiglu", _COMPUTE, (1, 1), _swiglu),
     _spec("cont", _COMPUTE, (1, 1), _cont),
     _spec("concat", _COMPUTE, (1, MAX_INPUTS), _concat, {"axis": (_int(-MAX_RANK, MAX_RANK - 1), REQUIRED)}),
     _spec("sum", _COMPUTE, (1, 1), _reduce, {"axis": (_axes, REQUIRED), "keepdims": (_bool, False)}),
@@ -734,4 +769,7 @@ def node_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
     work = out.numel + sum(m.numel for m in inputs)
     if op in ("matmul", "mul_mat_q", "mul_mat_packed"):
         work += out.numel * inputs[0].shape[-1] // MAC_WEIGHT
+    if op == "attention":   # two products over every key: q k^T and p v
+        scores = out.shape[0] * out.shape[1] * inputs[1].shape[0]
+        work += 2 * scores * out.shape[2] // MAC_WEIGHT + scores
     return work

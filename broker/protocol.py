@@ -107,7 +107,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 6)
+PROTOCOL_VERSION = (1, 7)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -117,7 +117,8 @@ FILE_QUERY, READ_FILE, SET_FROM_CACHE and SET_TENSOR's ``cache_key`` (``model-fi
 (``unacked-sends``).; 1.5 STATUS (``status``)
 and the worker's share of each request's time in its reply, for sessions that ask (``timing``);
 1.6 HELLO's and STATUS's ``device_details`` (device index, physical memory, compute capability),
-sent to sessions whose HELLO said 1.6 or later."""
+sent to sessions whose HELLO said 1.6 or later; 1.7 the graph ops ``attention`` (fused GQA
+attention over a KV cache) and ``swiglu`` (``fused-ops``)."""
 
 
 class Cmd(enum.IntEnum):

@@ -295,6 +295,27 @@ class Graph:
         return self.op("rope", x, pos, n_dims=n_dims, mode=mode, freq_base=float(freq_base),
                        freq_scale=float(freq_scale), out=out)
 
+    def attention(self, q: Any, k: Any, v: Any, mask: Any = None, *, scale: float = 1.0,
+                  out: Any = None) -> GraphTensor:
+        """``softmax(scale * q k^T + mask) v`` per query row and head: q (T, H, D), k and v
+        (S, H_kv, D) with query head h reading KV head ``h // (H / H_kv)`` (grouped-query
+        attention), mask broadcasting to (T, S); float32 (T, H, D). Keys whose mask is -inf do
+        not count (the CPU kernel does not read them). Needs ``fused-ops`` (protocol 1.7)."""
+        self._need_fused("attention")
+        extra = [] if mask is None else [mask]
+        return self.op("attention", q, k, v, *extra, scale=float(scale), out=out)
+
+    def swiglu(self, x: Any, *, out: Any = None) -> GraphTensor:
+        """``silu(x[..., :n]) * x[..., n:]`` for x (..., 2n) (a llama FFN's fused gate-up
+        product, gate first). Needs ``fused-ops`` (protocol 1.7)."""
+        self._need_fused("swiglu")
+        return self.op("swiglu", x, out=out)
+
+    def _need_fused(self, op: str) -> None:
+        if self.client is not None and "fused-ops" not in self.client.info.capabilities:
+            raise OpError(f"{self.client.endpoint} predates protocol 1.7: it has no {op} op; "
+                          "upgrade the worker (or build the graph from unfused ops)")
+
     def reshape(self, x: Any, shape: Sequence[int]) -> GraphTensor:
         return self.op("reshape", x, shape=list(shape))
 

@@ -156,6 +156,24 @@ def rope64(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: str = "normal",
     return out
 
 
+def attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None,
+                scale: float = 1.0) -> np.ndarray:
+    """softmax(scale q k^T + mask) v per row and head in float64, query head h on KV head
+    h // (H / H_kv); a row with every key masked gives zeros."""
+    T, H, D = q.shape
+    group = H // k.shape[1]
+    out = np.zeros((T, H, D))
+    for t in range(T):
+        for h in range(H):
+            s = scale * (k[:, h // group].astype(np.float64) @ q[t, h].astype(np.float64))
+            s = s + (0.0 if mask is None else np.broadcast_to(mask, (T, k.shape[0]))[t])
+            if np.isneginf(s).all():
+                continue
+            e = np.exp(s - s.max())
+            out[t, h] = e @ v[:, h // group].astype(np.float64) / e.sum()
+    return out
+
+
 def softmax64(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
@@ -332,6 +350,14 @@ OP_CASES: list[OpCase] = [
     OpCase("rope-neox", (_f(_ROPE_X), _f(_ROPE_POS)),
            lambda g, x, q: g.rope(x, q, n_dims=4, mode="neox", freq_base=500.0),
            lambda x, q: rope64(x, q, 4, "neox", 500.0)),
+    OpCase("attention-gqa", (_f(_normal(2, 4, 8)), _f(_normal(5, 2, 8)), _f(_normal(5, 2, 8)),
+                             _f(np.array([[0, 0, -np.inf, 0.5, -np.inf], [-np.inf] * 5], F32))),
+           lambda g, q, k, v, m: g.attention(q, k, v, m, scale=0.35),
+           lambda q, k, v, m: attention64(q, k, v, m, 0.35)),
+    OpCase("attention-nomask", (_f(_normal(3, 2, 4)), _f(_normal(6, 2, 4)), _f(_normal(6, 2, 4))),
+           lambda g, q, k, v: g.attention(q, k, v), lambda q, k, v: attention64(q, k, v)),
+    OpCase("swiglu", (_f(_normal(3, 8)),), lambda g, a: g.swiglu(a),
+           lambda a: a[:, :4] * sigmoid64(a[:, :4]) * a[:, 4:]),
     OpCase("cont", (_f(_X),), lambda g, a: g.cont(g.transpose(a)), lambda a: a.T),
     OpCase("concat", (_f(_X), _f(_normal(3, 2))), lambda g, a, b: g.concat(a, b, axis=-1),
            lambda a, b: np.concatenate([a, b], axis=-1)),

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from zmq_rpc.broker import quant
-from zmq_rpc.broker.ops import OPS, OpError, OpKind, TensorMeta, infer
+from zmq_rpc.broker.ops import MAC_WEIGHT, OPS, OpError, OpKind, TensorMeta, infer, node_work
 from zmq_rpc.worker.backends import numpy_ops
 from zmq_rpc.worker.backends.numpy_ops import (
     OpRuntimeError,
@@ -432,6 +432,129 @@ def test_soft_max_row_of_all_neg_inf_gives_zeros() -> None:
 def test_soft_max_mask_must_broadcast_to_x() -> None:
     with pytest.raises(OpError, match=r"mask shape \(2, 4\) does not broadcast to x shape \(4,\)"):
         infer("soft_max", [TensorMeta((4,), "float32"), TensorMeta((2, 4), "float32")], {})
+
+
+# ------------------------------------------------------------------------------- attention, swiglu
+
+
+def attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                  scale: float) -> np.ndarray:
+    """float64, one query row and head at a time; every key masked gives a zero row."""
+    T, H, _ = q.shape
+    group = H // k.shape[1]
+    out = np.zeros(q.shape)
+    for t in range(T):
+        for h in range(H):
+            s = scale * (k[:, h // group] @ q[t, h])
+            if mask is not None:
+                s = s + np.broadcast_to(mask, (T, k.shape[0]))[t]
+            if not np.isneginf(s).all():
+                e = np.exp(s - s.max())
+                out[t, h] = e @ v[:, h // group] / e.sum()
+    return out
+
+
+def unfused_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                      scale: float) -> np.ndarray:
+    """What graphs without ``attention`` run: per KV head, matmul, soft_max, matmul."""
+    T, H, D = q.shape
+    group = H // k.shape[1]
+    out = np.empty(q.shape, np.float32)
+    for kh in range(k.shape[1]):
+        qs = np.ascontiguousarray(q[:, kh * group:(kh + 1) * group].transpose(1, 0, 2))
+        scores = run("matmul", [qs, np.ascontiguousarray(k[:, kh])], {"transpose_b": True})
+        extra = [] if mask is None else [mask]
+        probs = run("soft_max", [scores, *extra], {"scale": scale})
+        out[:, kh * group:(kh + 1) * group] = run(
+            "matmul", [probs, np.ascontiguousarray(v[:, kh])]).transpose(1, 0, 2)
+    return out
+
+
+@FAST
+@given(shape=st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 7),
+                       st.sampled_from([1, 4, 8])),
+       dtype=st.sampled_from(["float32", "float16"]), mask_kind=st.sampled_from(["none", "row", "full"]),
+       data=st.data())
+def test_attention_matches_reference_and_the_unfused_ops(
+        shape: tuple[int, int, int, int, int], dtype: str, mask_kind: str, data: st.DataObject) -> None:
+    T, kv_heads, group, S, D = shape
+    rng = np.random.default_rng(data.draw(st.integers(0, 1000)))
+    q = rng.standard_normal((T, kv_heads * group, D)).astype(np.float32)
+    k, v = (stored(rng.standard_normal((S, kv_heads, D)), dtype) for _ in range(2))
+    mask = None
+    if mask_kind != "none":
+        mask = np.where(rng.random((T if mask_kind == "full" else 1, S)) < 0.3, -np.inf,
+                        rng.standard_normal((1, S))).astype(np.float32)
+    scale = data.draw(st.sampled_from([1.0, 0.125]))
+    inputs = [q, k, v] + ([] if mask is None else [mask])
+    got = run("attention", inputs, {"scale": scale}, [None, dtype, dtype] + [None] * (mask is not None))
+    expected = attention_ref(q.astype(np.float64), values(k, dtype), values(v, dtype), mask, scale)
+    close(got, expected, rtol=1e-5, atol=1e-5)
+    if dtype == "float32":
+        close(got, unfused_attention(q, k, v, mask, scale), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_reads_strided_queries_and_skips_masked_keys() -> None:
+    """q as a view of a fused QKV row; keys behind a -inf mask are never read (NaN there does
+    not reach the result on the CPU kernel); a row with every key masked is zeros."""
+    rng = np.random.default_rng(5)
+    qkv = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    q = qkv[:, :4]                                              # (2, 4, 8), strided
+    k, v = rng.standard_normal((2, 6, 2, 8)).astype(np.float32)
+    mask = np.zeros((2, 6), np.float32)
+    mask[0, 3:] = -np.inf
+    mask[1, :] = -np.inf
+    expected = attention_ref(q.astype(np.float64), k, v, mask, 0.5)
+    got = run("attention", [q, k, v, mask], {"scale": 0.5})
+    close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not got[1].any()
+    if _DEVICE["name"] == "cpu" and numpy_ops.kernels.fused_kernels() is not None:
+        k[3:], v[3:] = np.nan, np.nan
+        close(run("attention", [q[:1], k, v, mask[:1]], {"scale": 0.5}), expected[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_attention_and_swiglu_match_their_numpy_composition() -> None:
+    """The numba loops against the composition every other namespace runs, on the same input."""
+    if numpy_ops.kernels.fused_kernels() is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((3, 9, 64)).astype(np.float32)
+    k, v = rng.standard_normal((2, 40, 3, 64)).astype(np.float32)
+    mask = np.where(np.arange(40)[None, :] <= np.array([[10], [25], [39]]), 0, -np.inf).astype(np.float32)
+    metas = [meta_of(a) for a in (q, k, v, mask)]
+    fused, composed = np.empty_like(q), np.empty_like(q)
+    numpy_ops._attention([q, k, v, mask], metas, {"scale": 0.125}, fused)
+    numpy_ops._attention_composed([q, k, v, mask], metas, {"scale": 0.125}, composed)
+    np.testing.assert_allclose(fused, composed, rtol=1e-5, atol=1e-6)
+    x = rng.standard_normal((4, 96)).astype(np.float32)
+    with np.errstate(all="ignore"):
+        silu = run("silu", [x[:, :48]])
+        np.testing.assert_allclose(run("swiglu", [x]), run("mul", [silu, x[:, 48:]]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shapes,message", [
+    (((1, 9, 64), (8, 3, 32), (8, 3, 32)), r"head size of q"),
+    (((1, 8, 4), (8, 3, 4), (8, 3, 4)), r"q heads 8 must be a multiple of k heads 3"),
+    (((1, 3, 4), (8, 0, 4), (8, 0, 4)), r"must be a multiple of k heads 0"),
+    (((1, 3, 4), (8, 3, 4), (7, 3, 4)), r"k shape \(8, 3, 4\) != v shape"),
+    (((3, 4), (8, 3, 4), (8, 3, 4)), r"q \(rows, heads, head size\) must have rank 3"),
+    (((2, 3, 4), (8, 3, 4), (8, 3, 4), (3, 8)), r"mask: shapes \(2, 8\) and \(3, 8\) do not broadcast"),
+    (((2, 3, 4), (8, 3, 4), (8, 3, 4), (1, 2, 8)), r"mask must have rank in \[1, 2\]"),
+])
+def test_attention_rules(shapes: tuple[tuple[int, ...], ...], message: str) -> None:
+    with pytest.raises(OpError, match=message):
+        infer("attention", [TensorMeta(s, "float32") for s in shapes], {})
+
+
+def test_swiglu_rules_and_work() -> None:
+    assert infer("swiglu", [TensorMeta((2, 8), "float16")], {})[0] == TensorMeta((2, 4), "float32")
+    with pytest.raises(OpError, match="last dim 7 must be even"):
+        infer("swiglu", [TensorMeta((2, 7), "float32")], {})
+    with pytest.raises(OpError, match="must be contiguous"):
+        infer("swiglu", [TensorMeta((2, 8), "float32", False)], {})
+    q, kv = TensorMeta((1, 9, 64), "float32"), TensorMeta((512, 3, 64), "float32")
+    out, _ = infer("attention", [q, kv, kv], {})
+    assert node_work("attention", [q, kv, kv], out) > 2 * 9 * 512 * 64 // MAC_WEIGHT
 
 
 # ---------------------------------------------------------------------------------------------- rope
@@ -879,6 +1002,7 @@ def _peak_extra(fn: Callable[[], None]) -> int:
     ("add", {}), ("mul", {}), ("exp", {}), ("silu", {}), ("sigmoid", {}), ("gelu", {}),
     ("gelu", {"approximate": "erf"}), ("scale", {"s": 2.0}), ("rms_norm", {"eps": 1e-6}),
     ("layer_norm", {"eps": 1e-6}), ("soft_max", {}), ("diag_mask_inf", {"n_past": 0}), ("cont", {}),
+    ("swiglu", {}),
 ])
 def test_warm_compute_allocates_little_beyond_out(op: str, params: dict[str, Any]) -> None:
     x = np.random.default_rng(7).standard_normal((4, 256, N_BIG // 1024)).astype(np.float32)

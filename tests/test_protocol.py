@@ -148,10 +148,11 @@ def test_error_message_is_capped() -> None:
 # scale's bias b, sent only when it is not 0; see test_graph.py's golden bytes).
 # 1.5: STATUS (25); HELLO's timing and every reply's timing (the Ack reply class).
 # 1.6: HELLO's and STATUS's device_details, last, sent only to sessions whose HELLO said 1.6+.
+# 1.7: the graph ops attention and swiglu (capability fused-ops; the encoding is unchanged).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 6)
+    assert p.PROTOCOL_VERSION == (1, 7)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from ..broker.ops import DEFAULT_MAX_WORK, DTYPE_SIZES, OPS, OpKind, TensorMeta,
 from ..broker.protocol import ErrorCode, WireError
 from .backends import numpy_ops as K
 from .backends.base import Backend, Memory
+from .graph_bind import BoundRun, bind
 
 ARENA_ALIGN = 64
 
@@ -54,14 +56,24 @@ class CompiledGraph:
     temp_size: int = 0
     """Worst-case bytes of numpy temporaries for strided inputs (see :func:`_temp_size`)."""
     arena: Memory | None = None
-    views: list[Any] | None = None
-    """The external tensors' views, cached by the executor (see ``views_valid_at``)."""
     views_valid_at: int = -1
     runs: int = 0
     arena_allocations: int = 0
     index_checks: list[tuple[int, int, int]] = field(default_factory=list)
     kernels: K.KernelTable = K.NUMPY_KERNELS
     """The backend's kernel table (set with the arena)."""
+    _views: list[Any] | None = None
+    _bound: BoundRun | None = None
+
+    @property
+    def views(self) -> list[Any] | None:
+        """The external tensors' views, cached by the executor (see ``views_valid_at``);
+        setting them drops the run bound to the old ones (no array of a freed buffer is kept)."""
+        return self._views
+
+    @views.setter
+    def views(self, views: list[Any] | None) -> None:
+        self._views, self._bound = views, None
 
     @property
     def memory_charge(self) -> int:
@@ -82,6 +94,36 @@ class CompiledGraph:
         if self.arena is None:
             raise RuntimeError("CompiledGraph.run before ensure_arena")
         self._precheck_indices(externals)
+        bound = self._bind(externals)
+        if bound is None:
+            self._run_nodes(externals)
+        else:
+            self._run_bound(bound)
+        self.runs += 1
+
+    def _bind(self, externals: Sequence[np.ndarray]) -> BoundRun | None:
+        """The run bound to ``externals`` (bound on first use, kept while they are the views)."""
+        bound = self._bound
+        if bound is None or bound.externals is not externals:
+            bound = bind(self, externals)
+            self._bound = bound if externals is self._views else None
+        return bound
+
+    def _run_bound(self, bound: BoundRun) -> None:
+        at = -1
+        try:
+            with np.errstate(all="ignore") if self.kernels.host_errors else nullcontext():
+                for at, call in bound.calls:  # noqa: B007 - ``at`` names the failed node
+                    call()
+        except (K.OpRuntimeError, ValueError, ArithmeticError, IndexError) as exc:
+            raise _failed(at, self.steps[at], exc, self._writers_before(at)) from None
+
+    def _writers_before(self, index: int) -> list[int]:
+        return [i for i, s in enumerate(self.steps[:index])
+                if s.dst >= 0 or s.kind is OpKind.INPLACE]
+
+    def _run_nodes(self, externals: Sequence[np.ndarray]) -> None:
+        """Node by node, views resolved as they come (a graph whose views cannot be bound)."""
         values: list[Any] = [None] * len(self.steps)
         written: list[int] = []
         for index, step in enumerate(self.steps):
@@ -92,7 +134,6 @@ class CompiledGraph:
                 raise _failed(index, step, exc, written) from None
             if step.dst >= 0 or step.kind is OpKind.INPLACE:
                 written.append(index)
-        self.runs += 1
 
     def _run_step(self, step: Step, inputs: list[Any], externals: Sequence[np.ndarray]) -> Any:
         kernels = self.kernels
@@ -101,14 +142,15 @@ class CompiledGraph:
         if step.kind is OpKind.INPLACE:
             kernels.run_inplace(step.op, inputs, step.in_metas, step.params)
             return inputs[OPS[step.op].dst_input or 0]
-        out = externals[step.dst] if step.direct else self._scratch(step)
+        out = externals[step.dst] if step.direct else self.scratch(step)
         kernels.run_compute(step.op, inputs, step.in_metas, step.params, out)
         if step.dst >= 0 and not step.direct:
             dst_meta = tensor_meta(self.spec.tensors[step.dst])
             K.convert(externals[step.dst], dst_meta.dtype, out, step.meta.dtype)
         return out
 
-    def _scratch(self, step: Step) -> np.ndarray:
+    def scratch(self, step: Step) -> np.ndarray:
+        """The arena slot of ``step``'s result, as an array of its shape and dtype."""
         dtype = K.numpy_dtype(step.meta.dtype)
         arena: Memory = self.arena
         view: np.ndarray = arena[step.slot:step.slot + step.meta.nbytes].view(dtype).reshape(

@@ -27,7 +27,8 @@ def capabilities(backend: Backend, peers: PeerLinks) -> list[str]:
     if backend.zero_copy:
         offered.append("zero-copy")
     if backend.supports_graphs:
-        offered += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies", "scale-bias"]
+        offered += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies", "scale-bias",
+                    "fused-ops"]
         if backend.packed_kernels and kernels.available():
             offered.append("packed-kernels")
     if peers.endpoint:

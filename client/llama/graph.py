@@ -99,37 +99,45 @@ class StageGraphs:
         g = Graph()
         x: GraphTensor = g.input(need(io.x_in))
         n = len(stage.weights)
+        fused = "fused-ops" in stage.client.info.capabilities
         for k, (layer, kv) in enumerate(zip(stage.weights, stage.kv)):
             x = self._block(g, x, layer, kv, io, self.chunk(mode),
-                            out=io.x_out if k == n - 1 else None)
+                            out=io.x_out if k == n - 1 else None, fused=fused)
         if stage.last:
             self._head(g, x, stage, mode, io)
         return g
 
     def _block(self, g: Graph, x: GraphTensor, w: LayerWeights,
                kv: tuple[RemoteTensor, RemoteTensor], io: ModeIO, T: int,
-               out: RemoteTensor | None) -> GraphTensor:
-        """One transformer layer: x + attention(norm(x)), then + ffn(norm(.))."""
+               out: RemoteTensor | None, fused: bool) -> GraphTensor:
+        """One transformer layer: x + attention(norm(x)), then + ffn(norm(.)). ``fused``: the
+        worker has the ``attention`` and ``swiglu`` ops (``fused-ops``)."""
         eps = self.config.norm_eps
         h = g.mul(g.rms_norm(x, eps=eps), w.attn_norm)
-        x = g.add(x, self._attention(g, h, w, kv, io, T))
+        x = g.add(x, self._attention(g, h, w, kv, io, T, fused))
         h = g.mul(g.rms_norm(x, eps=eps), w.ffn_norm)
-        return g.add(x, self._ffn(g, h, w), out=out)
+        return g.add(x, self._ffn(g, h, w, fused), out=out)
 
     def _attention(self, g: Graph, h: GraphTensor, w: LayerWeights,
-                   kv: tuple[RemoteTensor, RemoteTensor], io: ModeIO, T: int) -> GraphTensor:
+                   kv: tuple[RemoteTensor, RemoteTensor], io: ModeIO, T: int,
+                   fused: bool) -> GraphTensor:
+        """A decode step (T = 1) ropes q and k in one node (neighbours in the QKV product, and
+        a one-row q stays contiguous) and, on a worker with ``fused-ops``, attends in one
+        ``attention`` node; longer chunks go through the matmul / soft_max / matmul
+        composition (BLAS does their products faster than the fused loop)."""
         cfg, n_ctx = self.config, self.n_ctx
         n_h, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = w.linear["qkv"].apply(g, h)                       # (T, (n_h + 2 n_kv) hd)
         row = qkv.shape[1] * 4
-        q = g.view(qkv, (T, n_h, hd), (row, hd * 4, 4))
-        k = g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), n_h * hd * 4)
+        q, k = self._rope_qk(g, qkv, io, T)
         v = g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), (n_h + n_kv) * hd * 4)
-        q = g.rope(q, io.pos, n_dims=cfg.rope_dims, mode=cfg.rope_mode, freq_base=cfg.rope_base)
-        k = g.rope(k, io.pos, n_dims=cfg.rope_dims, mode=cfg.rope_mode, freq_base=cfg.rope_base)
         k_cache, v_cache = kv
         g.set_rows(k_cache, k, io.pos)
         g.set_rows(v_cache, v, io.pos)
+        if fused and T == 1:
+            att = g.attention(q, k_cache[:n_ctx], v_cache[:n_ctx], io.mask,
+                              scale=1.0 / math.sqrt(hd))
+            return w.linear["wo"].apply(g, g.reshape(att, (T, n_h * hd)))
         scores = g.matmul(self._by_kv_head(g, q, T), _heads_first(k_cache[:n_ctx]),
                           transpose_b=True)                     # (n_kv, G T, n_ctx)
         probs = g.soft_max(g.reshape(scores, (n_kv, cfg.gqa_group, T, n_ctx)), io.mask,
@@ -137,6 +145,26 @@ class StageGraphs:
         att = g.matmul(g.reshape(probs, (n_kv, cfg.gqa_group * T, n_ctx)),
                        _heads_first(v_cache[:n_ctx]))          # (n_kv, G T, hd)
         return w.linear["wo"].apply(g, self._by_token(g, att, T))
+
+    def _rope_qk(self, g: Graph, qkv: GraphTensor, io: ModeIO,
+                 T: int) -> tuple[GraphTensor, GraphTensor]:
+        """q (T, n_h, hd) and k (T, n_kv, hd) of the QKV product, roped."""
+        cfg = self.config
+        n_h, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        row = qkv.shape[1] * 4
+
+        def rope(x: GraphTensor) -> GraphTensor:
+            return g.rope(x, io.pos, n_dims=cfg.rope_dims, mode=cfg.rope_mode,
+                          freq_base=cfg.rope_base)
+
+        if T == 1:
+            qk = rope(g.view(qkv, (T, n_h + n_kv, hd), (row, hd * 4, 4)))
+            qk_row = (n_h + n_kv) * hd * 4
+            return (g.view(qk, (T, n_h, hd), (qk_row, hd * 4, 4)),
+                    g.view(qk, (T, n_kv, hd), (qk_row, hd * 4, 4), n_h * hd * 4))
+        q = g.view(qkv, (T, n_h, hd), (row, hd * 4, 4))
+        k = g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), n_h * hd * 4)
+        return rope(q), rope(k)
 
     def _by_kv_head(self, g: Graph, q: GraphTensor, T: int) -> GraphTensor:
         """(T, n_heads, hd) -> (n_kv, G*T, hd): query head h reads KV head h // G."""
@@ -154,9 +182,11 @@ class StageGraphs:
         tokens_first = g.permute(g.reshape(att, (n_kv, group, T, hd)), (2, 0, 1, 3))
         return g.reshape(g.cont(tokens_first), (T, n_kv * group * hd))
 
-    def _ffn(self, g: Graph, h: GraphTensor, w: LayerWeights) -> GraphTensor:
+    def _ffn(self, g: Graph, h: GraphTensor, w: LayerWeights, fused: bool) -> GraphTensor:
         d_ff = self.config.d_ff
         gate_up = w.linear["gate_up"].apply(g, h)               # (T, 2 d_ff)
+        if fused:
+            return w.linear["down"].apply(g, g.swiglu(gate_up))
         T, row = gate_up.shape[0], gate_up.shape[1] * 4
         gate = g.view(gate_up, (T, d_ff), (row, 4))
         up = g.view(gate_up, (T, d_ff), (row, 4), d_ff * 4)

@@ -467,10 +467,15 @@ def _soft_max(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out
     xp = namespace(out)
     if len(xs) > 1:
         xp.add(out, _ufunc_src(xs[1], ms[1]), out=out, dtype=_F32)
+    _soft_max_rows(out)
+
+
+def _soft_max_rows(out: np.ndarray) -> None:
+    """``out = softmax(out)`` over the last axis, in place; an all ``-inf`` row gives zeros."""
     peak = out.max(axis=-1, keepdims=True)
     peak[peak == -np.inf] = 0
     out -= peak
-    xp.exp(out, out=out)
+    namespace(out).exp(out, out=out)
     total = out.sum(axis=-1, keepdims=True)
     total[total == 0] = 1
     out /= total
@@ -483,9 +488,11 @@ def _rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np
     pass through. Angles are computed in float64 (ggml accumulates them in float32, so it differs by a few
     ulps of the angle). Allocates two temporaries of half the rotated part.
     """
+    n_dims = int(p["n_dims"])
+    if _fused_rope(xs, ms, p, out, n_dims):
+        return
     _load(out, xs[0], ms[0])
     xp = namespace(out)
-    n_dims = int(p["n_dims"])
     half = n_dims // 2
     inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * xp.arange(half) / n_dims)
     theta = xs[1].astype(np.float64)[:, None] * inv_freq  # (T, half)
@@ -499,6 +506,95 @@ def _rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np
     x0 -= x1_sin
     x1 *= cos
     x1 += x0_sin
+
+
+_INV_FREQ: dict[tuple[int, float, float], np.ndarray] = {}
+"""The rotation frequencies of the rope parameters seen (a few per model; 64 at most)."""
+
+
+def _fused_rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray,
+                n_dims: int) -> bool:
+    """The numba rope (``kernels.fused``: same angles, same float32 operations) for float32 x
+    (T, H, D) on the host; False where it does not apply (numba missing, another dtype, rank or
+    namespace), and the numpy composition runs."""
+    fused = kernels.fused_kernels()
+    if fused is None or type(out) is not np.ndarray or ms[0].dtype != "float32" or out.ndim != 3:
+        return False
+    key = (n_dims, p["freq_base"], p["freq_scale"])
+    inv_freq = _INV_FREQ.get(key)
+    if inv_freq is None:
+        inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * np.arange(n_dims // 2) / n_dims)
+        if len(_INV_FREQ) < 64:
+            _INV_FREQ[key] = inv_freq
+    fused.rope(xs[0], xs[1], inv_freq, p["mode"] == "neox", n_dims, out)
+    return True
+
+
+def _attention(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """``softmax(scale * q k^T + mask) v`` per query row and head, GQA-grouped (``ops._attention``):
+    q (T, H, D), k and v (S, H_kv, D), optional mask broadcasting to (T, S), out (T, H, D).
+
+    On the host with numba and float32 inputs: one fused loop (``kernels.fused.attention``) that
+    skips masked keys. Otherwise the composition the unfused graph runs (per KV head: a batched
+    matmul, the masked softmax of :func:`_soft_max_rows`, a matmul), over any namespace."""
+    q, k, v = xs[:3]
+    T, S = q.shape[0], k.shape[0]
+    fused = kernels.fused_kernels()
+    if (fused is not None and type(out) is np.ndarray
+            and all(m.dtype == "float32" for m in ms)):
+        mask = (np.broadcast_to(xs[3], (T, S)) if len(xs) > 3
+                else np.zeros((1, S), np.float32))
+        fused.attention(q, k, v, mask, _F32(p["scale"]), out)
+        return
+    _attention_composed(xs, ms, p, out)
+
+
+def _attention_composed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params,
+                        out: np.ndarray) -> None:
+    """Per KV head, per block of its query heads and rows (scores of at most
+    :data:`_ATTENTION_BLOCK` floats, or one row of one head): matmul, masked softmax, matmul."""
+    xp = namespace(out)
+    q, k, v = (as_float32(x, m.dtype) for x, m in zip(xs[:3], ms[:3], strict=True))
+    T, S = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    mask = _ufunc_src(xs[3], ms[3]) if len(xs) > 3 else None
+    if mask is not None:
+        mask = xp.broadcast_to(mask, (T, S))
+    heads = max(1, min(group, _ATTENTION_BLOCK // max(1, S)))
+    rows = max(1, min(T, _ATTENTION_BLOCK // max(1, S * heads)))
+    blocks = ((kh, h0, min(h0 + heads, (kh + 1) * group), t0)
+              for kh in range(k.shape[1]) for h0 in range(kh * group, (kh + 1) * group, heads)
+              for t0 in range(0, T, rows))
+    for kh, h0, h1, t0 in blocks:
+        qs = xp.swapaxes(q[t0:t0 + rows, h0:h1], 0, 1)               # (heads, rows, D)
+        scores = xp.matmul(qs, xp.swapaxes(k[:, kh], 0, 1))            # (heads, rows, S)
+        scores *= _F32(p["scale"])
+        if mask is not None:
+            scores += mask[t0:t0 + rows]
+        _soft_max_rows(scores)
+        out[t0:t0 + rows, h0:h1] = xp.swapaxes(xp.matmul(scores, v[:, kh]), 0, 1)
+
+
+_ATTENTION_BLOCK: Final = 1 << 20
+"""float32 scores the composed attention holds at once (4 MiB), unless one row of one head
+needs more (that many keys are in memory, or charged as temporaries, already)."""
+
+
+def _swiglu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """``silu(x[..., :n]) * x[..., n:]`` for x (..., 2n) (ggml's swiglu: the fused gate-up
+    product of a llama FFN, gate first). numba on the host for float32, else silu then mul."""
+    n = out.shape[-1]
+    x = xs[0]
+    fused = kernels.fused_kernels()
+    if fused is not None and type(out) is np.ndarray and ms[0].dtype == "float32":
+        fused.swiglu(x.reshape(-1, 2 * n), out.reshape(-1, n))
+        return
+    x = _ufunc_src(x, ms[0])
+    gate = x[..., :n]
+    _sigmoid_into(gate, out)
+    xp = namespace(out)
+    xp.multiply(out, gate, out=out, dtype=_F32)
+    xp.multiply(out, x[..., n:], out=out, dtype=_F32)
 
 
 def _diag_mask_inf(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
@@ -558,7 +654,7 @@ _COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
     "matmul": _matmul, "mul_mat_q": _mul_mat_q, "pack": _pack, "mul_mat_packed": _mul_mat_packed,
     "unpack": _unpack, "get_rows_packed": _get_rows_packed, "dequantize": _dequantize, "get_rows": _get_rows,
     "rms_norm": _rms_norm, "layer_norm": _layer_norm, "soft_max": _soft_max, "rope": _rope,
-    "diag_mask_inf": _diag_mask_inf, "cont": _cont, "concat": _concat,
+    "diag_mask_inf": _diag_mask_inf, "attention": _attention, "swiglu": _swiglu, "cont": _cont, "concat": _concat,
     "sum": _sum, "mean": _mean, "argmax": _argmax,
 }
 

@@ -39,6 +39,7 @@ __all__ = [
     "KernelUnavailable",
     "available",
     "dequantize",
+    "fused_kernels",
     "gguf_row_bytes",
     "matmul",
     "pack",
@@ -57,6 +58,7 @@ TILE_BYTES: Final = 1 << 20
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
 _pool: list[ThreadPoolExecutor] = []
+_fused: list[ModuleType] = []
 MIN_SPLIT_ROWS: Final = 64
 """Row ranges shorter than this stay in one thread (a hand-off costs more than they do)."""
 
@@ -77,6 +79,17 @@ def _jit() -> ModuleType:
         raise KernelUnavailable("quantized matmul kernels need numba: pip install 'zmq-rpc[llm]'")
     from . import jit
     return jit
+
+
+def fused_kernels() -> ModuleType | None:
+    """The numba kernels of the small per-token ops (:mod:`.fused`), or None without numba (the
+    callers then run their numpy composition)."""
+    if not _fused:
+        if not available():
+            return None
+        from . import fused as module
+        _fused.append(module)
+    return _fused[0]
 
 
 def set_threads(n: int) -> None:
@@ -130,6 +143,9 @@ def warm(qtype: str) -> float:
     w = pack(src, qtype)
     matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
     matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
+    if "fused" not in _warm:
+        _warm_fused()
+        _warm["fused"] = 0.0
     _warm[qtype] = time.perf_counter() - start
     return _warm[qtype]
 
@@ -180,3 +196,16 @@ def take_rows(w: np.ndarray, qtype: str, idx: np.ndarray, out: np.ndarray) -> No
     for i, r in enumerate(idx.tolist()):
         dq(w, out.shape[1], r, r + 1, column, r, *flags)
         out[i] = column[:, 0]
+
+
+def _warm_fused() -> None:
+    """Compile (or load) the fused small-op kernels for the array layouts a llama graph gives
+    them: q and rope's x strided views of a fused QKV product, contiguous caches and outputs."""
+    module = fused_kernels()
+    if module is None:
+        return
+    qkv = np.zeros((1, 5, 4), np.float32)
+    q, kv, out = qkv[:, :4], np.zeros((3, 1, 4), np.float32), np.zeros((1, 4, 4), np.float32)
+    module.attention(q, kv, kv, np.zeros((1, 3), np.float32), np.float32(0.5), out)
+    module.rope(q, np.zeros(1, np.int32), np.ones(2), False, 4, out)
+    module.swiglu(np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32))
