@@ -6,14 +6,18 @@ Three in-process workers are shared by the whole module; models are loaded once 
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import WorkerProcess
 from devices import on_gpu
 from llama_reference import ReferenceLlama
-from zmq_rpc.client import Client, Graph
+from zmq_rpc.client import Client, ConnectionLost, Graph
 from zmq_rpc.client.gguf_model import LlamaGGUF
 from zmq_rpc.client.llama import LlamaModel, file_runs, plan_stages, sample_token
 from zmq_rpc.client.tokenizer import load_tokenizer
@@ -301,6 +305,47 @@ def test_progress_reports_bytes_and_close_frees_memory(gguf: LlamaGGUF,
     assert clients[2].device_memory().free == free_before
     with pytest.raises(RuntimeError):
         m.prefill([1])
+
+
+FAULT_BOUND_S = 5.0 + 1.0
+"""The clients' failure-detection bound: the heartbeat timeout + 1 s (tests/test_faults.py)."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig, phase", [(signal.SIGKILL, "upload"), (signal.SIGKILL, "layout"),
+                                        (signal.SIGSTOP, "layout")])
+def test_a_worker_lost_mid_load_fails_the_load_in_the_bound_and_frees_the_other(
+        gguf: LlamaGGUF, spawn_worker: Callable[..., WorkerProcess], sig: int,
+        phase: str) -> None:
+    """Loading issues everything at once; a worker killed or frozen while its weights arrive
+    or are laid out still fails the load with ConnectionLost within the bound, and the model's
+    state on the surviving worker is freed (no graph or buffer left behind)."""
+    survivor, victim = spawn_worker(), spawn_worker()
+    with Client(survivor.endpoint) as first, Client(victim.endpoint) as second:
+        free_before = first.device_memory().free
+        lost: list[float] = []
+
+        def strike(now: bool) -> None:
+            if now and not lost:
+                os.kill(victim.proc.pid, sig)
+                lost.append(time.monotonic())
+
+        def progress(done: int, total: int) -> None:
+            strike(phase == "upload" and done > 0)
+
+        def status(line: str) -> None:
+            strike(phase == "layout" and line.startswith("laying out"))
+
+        try:
+            with pytest.raises(ConnectionLost):
+                LlamaModel.load(gguf, [first, second], progress=progress, status=status)
+            assert lost and time.monotonic() - lost[0] < FAULT_BOUND_S
+        finally:
+            if sig == signal.SIGSTOP:
+                os.kill(victim.proc.pid, signal.SIGCONT)
+        assert first.device_memory().free == free_before
+        with LlamaModel.load(gguf, [first]) as alone:           # the survivor serves on
+            assert alone.generate([1, 2, 3], 2, stop_ids=()) is not None
 
 
 @pytest.mark.timeout(60)
