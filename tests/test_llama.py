@@ -6,8 +6,11 @@ Three in-process workers are shared by the whole module; models are loaded once 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -305,6 +308,53 @@ def test_progress_reports_bytes_and_close_frees_memory(gguf: LlamaGGUF,
     assert clients[2].device_memory().free == free_before
     with pytest.raises(RuntimeError):
         m.prefill([1])
+
+
+FIRST_STEPS = """
+import json, sys
+from numba.core.registry import CPUDispatcher
+from zmq_rpc.client import Client
+from zmq_rpc.client.gguf_model import load_gguf
+from zmq_rpc.client.llama import LlamaModel
+from zmq_rpc.worker.server import WorkerConfig, WorkerServer
+
+def signatures():
+    out = {}
+    for name in ("jit", "fused"):
+        module = sys.modules.get("zmq_rpc.worker.kernels." + name)
+        for key, fn in (vars(module) if module else {}).items():
+            if isinstance(fn, CPUDispatcher):
+                out[name + "." + key] = len(fn.signatures)
+    return out
+
+server = WorkerServer(WorkerConfig(bind="tcp://127.0.0.1:*"))
+client = Client(server.start())
+try:
+    with LlamaModel.load(load_gguf(sys.argv[1]), [client], weights=sys.argv[2]) as model:
+        loaded = signatures()
+        model.prefill(list(range(300, 340)))     # a whole chunk and a partial one
+        model.decode(7)
+        print(json.dumps([loaded, signatures()]))
+finally:
+    client.close()
+    server.stop()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("weights", ["quantized", "f32"])
+def test_the_first_steps_after_a_load_compile_and_load_no_kernel(gguf: LlamaGGUF,
+                                                                 weights: str) -> None:
+    """The load prepares every numba kernel the stage graphs run (there is no warm-up run): in a
+    fresh process, the first prefill and decode after it add no compiled signature (each one is
+    a compile, or a load from numba's disk cache: tens of milliseconds on a first token)."""
+    pytest.importorskip("numba")
+    out = subprocess.run([sys.executable, "-P", "-c", FIRST_STEPS, str(gguf.path), weights],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr
+    loaded, ran = json.loads(out.stdout.strip().splitlines()[-1])
+    assert any(name.startswith("fused.") for name in loaded)
+    assert ran == loaded
 
 
 FAULT_BOUND_S = 5.0 + 1.0
