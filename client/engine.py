@@ -622,6 +622,8 @@ class _IoLoop:
         """close() was asked for (whoever drove the connection then saw it)."""
         self.poll_items: list[tuple[Any, int]] = [
             (self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN), (engine._wake_r, zmq.POLLIN)]
+        self.wake_fd = engine._wake_r.fileno()
+        """How ``zmq_poll`` names the wake-up socket in its events (a plain socket: by its fd)."""
         self.beat_ms = int(opts.heartbeat * 1000)
         self.wake_poller = zmq.Poller()
         self.wake_poller.register(engine._wake_r, zmq.POLLIN)
@@ -671,8 +673,8 @@ class _IoLoop:
         connection events, then new requests; False once close() was asked for. ``calls``:
         an inline caller's, whose replies end its reading."""
         engine = self.engine
-        if engine._wake_r in events:
-            engine._drain_wake()
+        if engine._wake_r in events or self.wake_fd in events:
+            engine._drain_wake()       # undrained, it would keep every poll returning at once
         if self.dealer in events or self.monitor in events:
             self._receive(calls)
         if self.monitor in events:
