@@ -336,6 +336,14 @@ class Client:
         and its reply comes back on this thread, with no hop through the I/O thread."""
         return cast(T, self._engine.call(issue, *args, **kwargs))
 
+    def _request(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any] = (),
+                 on_reply: Callable[[p.Message, list[zmq.Frame]], Any] | None = None,
+                 timeout: float | None = None, reply_bytes: int = 0) -> Any:
+        """``_call(...).result()`` for a blocking call of one request: on an idle connection
+        it goes out and its reply comes back on this thread, with no future at all."""
+        return self._engine.request(cmd, msg, payload, on_reply or _no_result, timeout,
+                                    reply_bytes)
+
     def _new_handle(self) -> int:
         with self._handle_lock:
             return next(self._handles)
@@ -498,7 +506,7 @@ class Client:
 
     def ping(self) -> None:
         """One tiny round trip (what the latency benchmark measures)."""
-        self._sync(self.ping_async)
+        self._request(Cmd.PING, p.Empty())
 
     def ping_async(self) -> Future[None]:
         return self._call(Cmd.PING, p.Empty())

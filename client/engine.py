@@ -82,6 +82,14 @@ BLOCKED_POLL_MS = 50
 """While the window is full, how often the I/O thread looks at new requests (arming their
 timeouts) when no reply comes sooner."""
 
+REFILL_EVERY = 16
+"""While reading a batch of replies, send from the backlog after this many (keeps the window,
+and so the worker, busy)."""
+
+
+_SENT: tuple[Any, ...] = ()
+
+
 @dataclass(frozen=True)
 class RequestTiming:
     """Where one request's time went, in seconds: the client's clock for its own parts, the
@@ -139,8 +147,11 @@ class Call:
 
     cmd: Cmd
     req_id: int
-    frames: list[Any]
-    future: Future[Any]
+    frames: Sequence[Any]
+    """Header and payload; an empty tuple once sent (the payload may be freed)."""
+    future: Future[Any] | None
+    """None for a synchronous call driven by its caller (:meth:`Engine.request`): its outcome
+    lands in ``value``/``error`` instead."""
     deadline: float
     on_reply: OnReply | None
     nbytes: int = 0
@@ -151,6 +162,14 @@ class Call:
     submitted_ns: int = 0
     sent_ns: int = 0
     """Submitted and sent, by ``perf_counter_ns`` (taken only when the engine traces)."""
+    value: Any = None
+    error: BaseException | None = None
+
+    def outcome(self) -> Any:
+        """A future-less call's result, or its error raised."""
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 @dataclass(eq=False)
@@ -238,6 +257,28 @@ class Engine:
         like the payload does, so large downloads are paced too.
         """
         future: Future[Any] = RunningFuture()
+        self._enqueue(self._new_call(cmd, msg, payload, on_reply, timeout, reply_bytes, future))
+        return future
+
+    def request(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any] = (),
+                on_reply: OnReply | None = None, timeout: float | None = None,
+                reply_bytes: int = 0) -> Any:
+        """``submit(...).result()``, with no thread hop and no future when the engine is idle:
+        the request goes out and its reply is read on this thread (a synchronous call of one
+        request). Otherwise (busy, closed, a callback) it is submitted and waited for."""
+        io = self._take_idle()
+        if io is None:
+            return self.submit(cmd, msg, payload, on_reply, timeout, reply_bytes).result()
+        try:
+            call = self._new_call(cmd, msg, payload, on_reply, timeout, reply_bytes, None)
+            io.exchange(call)
+        finally:
+            self._release(io)
+        return call.outcome()
+
+    def _new_call(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any],
+                  on_reply: OnReply | None, timeout: float | None, reply_bytes: int,
+                  future: Future[Any] | None) -> Call:
         req_id = next(self._ids)
         header = p.encode_request(cmd, req_id, msg)
         wait = self.options.timeout if timeout is None else timeout
@@ -246,10 +287,8 @@ class Engine:
             nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
         else:
             frames, nbytes = [header], reply_bytes
-        call = Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply, nbytes,
+        return Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply, nbytes,
                     submitted_ns=time.perf_counter_ns() if self.options.trace else 0)
-        self._enqueue(call)
-        return future
 
     def reserve(self, timeout: float | None = None) -> Reservation:
         """Hold a place in the send order; fill it with :meth:`filling` (from any thread).
@@ -317,6 +356,9 @@ class Engine:
     def _give_back(self, io: _IoLoop) -> None:
         """End of an inline call: the connection back to the I/O thread, woken if it has work."""
         self._local.io = None
+        self._release(io)
+
+    def _release(self, io: _IoLoop) -> None:
         self._socket_lock.release()
         if io.in_flight or io.backlog or io.closing or not self._inbox.empty():
             self._wake()
@@ -500,7 +542,7 @@ def _pump_together(loops: Sequence[_IoLoop], future: Future[Any], calls: list[Ca
     _io_thread.active = True
     try:
         settled = 0.0
-        while not all(c.future.done() for c in calls):
+        while not all(c.settled for c in calls):
             if future.done():
                 if future.exception() is not None:
                     return
@@ -519,7 +561,7 @@ def _pump_together(loops: Sequence[_IoLoop], future: Future[Any], calls: list[Ca
             for io in loops:
                 if not io._round({s: e for s, e in events.items() if owner[s] is io}):
                     for call in calls:
-                        _fail(call.future, ClientClosed("the client was closed"))
+                        _fail_call(call, ClientClosed("the client was closed"))
                     return
     finally:
         _io_thread.active = False
@@ -558,7 +600,21 @@ def _all_done(calls: list[Call]) -> bool:
 
 def _fail_call(call: Call, error: BaseException) -> None:
     call.settled = True
-    _fail(call.future, error)
+    if call.future is not None:
+        _fail(call.future, error)
+    elif call.error is None:
+        call.value, call.error = None, error
+
+
+def _settle(call: Call, value: Any, error: BaseException | None) -> None:
+    """Give ``call`` its outcome: to its future, or (a synchronous call's) to its fields."""
+    future = call.future
+    if future is None:
+        call.value, call.error = value, error
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 def _fail(future: Future[Any], error: BaseException) -> None:
@@ -622,7 +678,10 @@ class _IoLoop:
         """close() was asked for (whoever drove the connection then saw it)."""
         self.poll_items: list[tuple[Any, int]] = [
             (self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN), (engine._wake_r, zmq.POLLIN)]
+        self.wake_fd = engine._wake_r.fileno()
+        """How ``zmq_poll`` names the wake-up socket in its events (a plain socket: by its fd)."""
         self.beat_ms = int(opts.heartbeat * 1000)
+        self.trace = opts.trace
         self.wake_poller = zmq.Poller()
         self.wake_poller.register(engine._wake_r, zmq.POLLIN)
 
@@ -671,8 +730,8 @@ class _IoLoop:
         connection events, then new requests; False once close() was asked for. ``calls``:
         an inline caller's, whose replies end its reading."""
         engine = self.engine
-        if engine._wake_r in events:
-            engine._drain_wake()
+        if engine._wake_r in events or self.wake_fd in events:
+            engine._drain_wake()       # undrained, it would keep every poll returning at once
         if self.dealer in events or self.monitor in events:
             self._receive(calls)
         if self.monitor in events:
@@ -709,12 +768,56 @@ class _IoLoop:
         finally:
             _io_thread.active = False
 
-    def _poll_timeout_ms(self) -> int:
-        """Until the next deadline, at most a heartbeat interval."""
+    def exchange(self, call: Call) -> None:
+        """Send a synchronous caller's ``call`` (nothing ahead of it) and drive the connection
+        on this thread until it is settled. The call's deadline stays out of the shared heap
+        (this loop watches it) unless the caller leaves early (an exception)."""
+        if self.lost is not None or (self.ever_up and not self.up):
+            _fail_call(call, self._refusal())
+            return
+        self._send(call, self.engine.options.trace)
+        self.last_sent = time.monotonic()
+        try:
+            self._await(call)
+        finally:
+            if not call.settled:        # the I/O thread times it out from now on
+                heapq.heappush(self.deadlines, (call.deadline, call.req_id))
+
+    def _await(self, call: Call) -> None:
+        engine, items, dealer, calls = self.engine, self.poll_items, self.dealer, [call]
+        _io_thread.active = True
+        try:
+            while True:
+                engine._pump_sleeping = True
+                timeout = self._poll_timeout_ms(call.deadline) if engine._inbox.empty() else 0
+                events = zmq_poll(items, timeout)
+                engine._pump_sleeping = False
+                if len(events) == 1 and events[0][0] is dealer:   # the usual: replies, only
+                    self._receive(calls)
+                    if _all_done(calls):
+                        return
+                    events = []         # then the round's chores (timeouts, new requests)
+                if not self._round(dict(events), calls):
+                    _fail_call(call, ClientClosed("the client was closed"))
+                    return
+                if _all_done(calls):
+                    return
+                if call.deadline <= time.monotonic():
+                    self.in_flight.pop(call.req_id, None)
+                    self.in_flight_bytes -= call.nbytes
+                    self._time_out(call)
+                    return
+        finally:
+            _io_thread.active = False
+
+    def _poll_timeout_ms(self, deadline: float = float("inf")) -> int:
+        """Until the next deadline (the heap's or ``deadline``), at most a heartbeat interval."""
         beat = self.beat_ms
-        if not self.deadlines:
+        if self.deadlines and self.deadlines[0][0] < deadline:
+            deadline = self.deadlines[0][0]
+        elif deadline == float("inf"):
             return beat
-        wait = int((self.deadlines[0][0] - time.monotonic()) * 1000) + 1
+        wait = int((deadline - time.monotonic()) * 1000) + 1
         return beat if wait > beat else wait if wait > 0 else 0
 
     # ------------------------------------------------------------------------- sending
@@ -789,7 +892,7 @@ class _IoLoop:
             self.dealer.send(call.frames[0])
         else:
             self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
-        call.frames = []
+        call.frames = _SENT
         call.sent = True
         self.in_flight[call.req_id] = call
         self.in_flight_bytes += call.nbytes
@@ -810,9 +913,10 @@ class _IoLoop:
 
     def _receive(self, calls: list[Call] | None = None) -> None:
         """Take the replies that are in (up to 1024 at a time); with ``calls`` (an inline
-        caller's), stop once they are done."""
+        caller's), stop once they are done. Every ``REFILL_EVERY`` replies the window is topped
+        up from the backlog: read to the end first, and the worker would run dry meanwhile."""
         dealer, more = self.dealer, zmq.NOBLOCK
-        for _ in range(1024):
+        for count in range(1, 1025):
             try:
                 frame = dealer.recv(more, copy=False)
             except zmq.Again:
@@ -824,6 +928,8 @@ class _IoLoop:
             self._on_reply(frames)
             if calls is not None and _all_done(calls):
                 return
+            if not count % REFILL_EVERY and self.backlog:
+                self.send_backlog()
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -837,20 +943,20 @@ class _IoLoop:
         if call is None:
             return  # a reply to a request that already timed out, or a heartbeat
         self.in_flight_bytes -= call.nbytes
-        received = time.perf_counter_ns() if self.engine.options.trace else 0
+        received = time.perf_counter_ns() if self.trace else 0
         call.settled = True
         try:
             result = p.decode_reply(call.cmd, header)
             if isinstance(result, RpcError):
-                call.future.set_exception(result)
+                _settle(call, None, result)
             else:
                 _check_reply_payload(call.cmd, result, frames)
-                value = call.on_reply(result, frames[1:]) if call.on_reply else result
-                call.future.set_result(value)
+                _settle(call, call.on_reply(result, frames[1:]) if call.on_reply else result,
+                        None)
                 if received:
                     self._record(call, result, received)
         except BaseException as exc:
-            _fail(call.future, exc)
+            _fail_call(call, exc)
 
     def _session_lost(self, said: object) -> None:
         if self.lost is not None:

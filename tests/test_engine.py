@@ -8,14 +8,14 @@ import inspect
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import pytest
 import zmq
 from zmq_rpc.broker import protocol as p
-from zmq_rpc.broker.protocol import Cmd
+from zmq_rpc.broker.protocol import Cmd, ErrorCode
 from zmq_rpc.client import (
     AsyncClient,
     BadEndpoint,
@@ -23,6 +23,8 @@ from zmq_rpc.client import (
     ClientClosed,
     ConnectionLost,
     RpcError,
+    SessionLost,
+    Timeout,
 )
 from zmq_rpc.client.engine import Engine, check_endpoint
 from zmq_rpc.worker.server import WorkerServer
@@ -126,24 +128,119 @@ def test_close_races_eight_submitting_threads(worker: WorkerServer) -> None:
         assert len(futures) == 8 * 200
 
 
-def test_sync_call_on_an_idle_engine_runs_on_the_callers_thread(
-        worker: WorkerServer, make_client: Callable[..., Client]) -> None:
-    client = make_client(worker.endpoint)
+def _reply_threads(client: Client, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that read each reply of ``client`` from now on."""
+    io = client._engine._io
+    assert io is not None
     seen: list[str] = []
-    real = client._engine.submit
+    real = io._on_reply
 
-    def submit(*args: Any, **kw: Any) -> Future[Any]:
-        future = real(*args, **kw)
-        future.add_done_callback(lambda _: seen.append(threading.current_thread().name))
-        return future
-    client._engine.submit = submit  # type: ignore[method-assign]
-    client.ping()
-    assert seen == [threading.current_thread().name]
+    def on_reply(frames: list[zmq.Frame]) -> None:
+        seen.append(threading.current_thread().name)
+        real(frames)
+    monkeypatch.setattr(io, "_on_reply", on_reply)
+    return seen
+
+
+def test_sync_call_on_an_idle_engine_runs_on_the_callers_thread(
+        worker: WorkerServer, make_client: Callable[..., Client],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    client = make_client(worker.endpoint)
+    seen = _reply_threads(client, monkeypatch)
+    client.ping()                                         # one request, no future at all
+    client.alloc_buffer(64)                               # Engine.call: issue() inline
+    assert seen == [threading.current_thread().name] * 2
     pending = [client.ping_async() for _ in range(50)]   # pipelined: the I/O thread's
-    client.ping()
+    client.ping()                                         # waits its turn behind them
     for future in pending:
         future.result(timeout=10)
-    assert "zmq-rpc-client-io" in seen
+    assert "zmq-rpc-client-io" in seen and len(seen) == 53
+    assert not client._engine._io.in_flight               # type: ignore[union-attr]
+    seen.clear()
+    client.ping()                                         # idle again: back on this thread
+    assert seen == [threading.current_thread().name]
+
+
+@pytest.fixture
+def silent_router() -> Iterator[zmq.Socket[bytes]]:
+    """A ROUTER that takes requests and answers only what the test sends (linger 0)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.bind("tcp://127.0.0.1:0")
+    yield sock
+    sock.close(linger=0)
+    ctx.term()
+
+
+def _endpoint(sock: zmq.Socket[bytes]) -> str:
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _answer(router: zmq.Socket[bytes], reply: Callable[[int], bytes]) -> threading.Thread:
+    """Answer the next request on ``router`` with ``reply(req_id)``, from a thread."""
+    def run() -> None:
+        who, header = router.recv_multipart()
+        router.send_multipart([who, reply(p.unpack_header(header)[1])])
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_sync_request_times_out_and_leaves_the_engine_idle(
+        silent_router: zmq.Socket[bytes]) -> None:
+    engine = Engine(_endpoint(silent_router))
+    try:
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(Timeout, match="PING"):
+                engine.request(Cmd.PING, p.Empty(), timeout=0.3)
+            assert 0.25 < time.monotonic() - started < 3.0
+            assert engine._io is not None and not engine._io.in_flight
+            silent_router.recv_multipart()                # it did go out
+        answering = _answer(silent_router, lambda req_id: p.encode_reply(req_id, p.Empty()))
+        assert isinstance(engine.request(Cmd.PING, p.Empty()), p.Ack)
+        answering.join(5)
+    finally:
+        engine.close()
+
+
+def test_sync_request_raises_what_the_reply_or_its_handler_says(
+        silent_router: zmq.Socket[bytes]) -> None:
+    engine = Engine(_endpoint(silent_router))
+    try:
+        _answer(silent_router, lambda req_id: p.encode_reply(req_id, p.Empty())).join(0)
+
+        def broken(reply: p.Message, frames: list[zmq.Frame]) -> None:
+            raise ValueError("the handler broke")
+        with pytest.raises(ValueError, match="handler broke"):
+            engine.request(Cmd.PING, p.Empty(), on_reply=broken)
+        _answer(silent_router, lambda req_id: p.encode_error(req_id, ErrorCode.NO_SESSION, "gone"))
+        with pytest.raises(SessionLost, match="gone"):
+            engine.request(Cmd.PING, p.Empty())
+        started = time.monotonic()
+        for _ in range(2):                                # for good, and at once
+            with pytest.raises(SessionLost):
+                engine.request(Cmd.PING, p.Empty())
+            with pytest.raises(SessionLost):
+                engine.submit(Cmd.PING, p.Empty()).result(timeout=5)
+        assert time.monotonic() - started < 1.0
+    finally:
+        engine.close()
+
+
+def test_close_from_another_thread_ends_a_waiting_sync_request(
+        silent_router: zmq.Socket[bytes]) -> None:
+    engine = Engine(_endpoint(silent_router))
+    closer = threading.Timer(0.2, engine.close)
+    closer.start()
+    started = time.monotonic()
+    with pytest.raises(ClientClosed):
+        engine.request(Cmd.PING, p.Empty())               # default timeout: 60 s
+    assert time.monotonic() - started < 5.0
+    closer.join(5)
+    assert not engine._thread.is_alive()
 
 
 def test_sync_and_async_calls_from_many_threads_keep_order(
@@ -155,11 +252,13 @@ def test_sync_and_async_calls_from_many_threads_keep_order(
 
     def work(k: int) -> None:
         try:
-            for i in range(50):
-                if i % 2:
-                    client.device_memory()
+            for i in range(60):
+                if i % 3 == 0:
+                    client.device_memory()            # Engine.call
+                elif i % 3 == 1:
+                    client.ping()                     # Engine.request: no future
                 else:
-                    client.ping_async().result(10)
+                    client.ping_async().result(10)    # the I/O thread's
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -211,6 +310,43 @@ def test_no_session_reply_is_session_lost_for_good(worker: WorkerServer,
             time.sleep(0.01)
     with pytest.raises(SessionLost):
         client.alloc_buffer(16)
+
+
+def test_a_wake_up_during_a_poll_is_drained_and_the_io_thread_sleeps(
+        worker: WorkerServer, make_client: Callable[..., Client],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request submitted while the I/O thread polls writes the wake-up socket; that round must
+    read it. zmq_poll names a plain socket by its fd, and left unread it made every later poll
+    return at once: the thread spun through every graph run in flight (~80% of a core per
+    connection while a model generated)."""
+    from zmq_rpc.client import Graph
+    from zmq_rpc.client import engine as engine_module
+    client = make_client(worker.endpoint)
+    wake_fd = client._engine._wake_r.fileno()
+    wakes = [0]
+    poll = engine_module.zmq_poll
+
+    def counting_poll(items: Any, timeout: Any = None) -> Any:
+        events = poll(items, timeout)
+        if threading.current_thread() is client._engine._thread:
+            wakes[0] += sum(1 for sock, _ in events if sock == wake_fd)
+        return events
+
+    monkeypatch.setattr(engine_module, "zmq_poll", counting_poll)
+    x = client.alloc_buffer(512 * 512 * 4).tensor((512, 512), "float32")
+    g = Graph()
+    y = g.input(x)
+    for _ in range(40):                           # a run long enough to spin through
+        y = g.matmul(y, x)
+    g.add(y, 0.0, out=x)
+    for _ in range(3):
+        slow = client.compute_async(g)
+        time.sleep(0.05)                          # the I/O thread now polls for its reply
+        pings = [client.ping_async() for _ in range(3)]   # submitted while it is in flight
+        slow.result(timeout=60)
+        for ping in pings:
+            ping.result(timeout=60)
+    assert wakes[0] <= 20, f"the wake-up socket was reported {wakes[0]} times"
 
 
 # ------------------------------------------------------------------------- the two faces

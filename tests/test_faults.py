@@ -98,6 +98,25 @@ def test_frozen_worker_fails_in_flight_then_serves_after_sigcont(
         assert client.get_tensor(t).shape == (MiB,)
 
 
+def test_frozen_worker_fails_a_waiting_sync_call_on_the_callers_thread(
+        spawn_worker: Callable[..., WorkerProcess], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blocking call on an idle client reads its reply on the caller's thread; while it waits
+    there the connection's health is still watched: ConnectionLost within the bound."""
+    proc = spawn_worker()
+    with Client(proc.endpoint) as client:
+        client.ping()
+        monkeypatch.setattr(client._engine, "submit", None)  # no hop through the I/O thread
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        try:
+            frozen = time.monotonic()
+            with pytest.raises(ConnectionLost):
+                client.ping()
+            assert time.monotonic() - frozen < BOUND_S
+        finally:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        monkeypatch.undo()
+
+
 def test_restarted_worker_answers_the_old_session_with_session_lost(
         spawn_worker: Callable[..., WorkerProcess]) -> None:
     bind = f"tcp://127.0.0.1:{free_port()}"

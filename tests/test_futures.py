@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import (
+    ALL_COMPLETED,
+    FIRST_COMPLETED,
+    FIRST_EXCEPTION,
+    Future,
+    InvalidStateError,
+    as_completed,
+    wait,
+)
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 import pytest
@@ -94,3 +105,101 @@ def test_new_futures_run_and_cannot_be_cancelled() -> None:
     assert not future.cancel() and not future.cancelled()
     threading.Timer(0.05, future.set_result, (7,)).start()
     assert future.result(timeout=5) == 7 and future.done() and not future.running()
+
+
+# --------------------------------------------------------- RunningFuture, the engine's future
+
+def _settle_later(future: Future[Any], value: Any, delay: float = 0.02) -> threading.Thread:
+    setter = future.set_exception if isinstance(value, BaseException) else future.set_result
+    thread = threading.Thread(target=lambda: (time.sleep(delay), setter(value)))
+    thread.start()
+    return thread
+
+
+def test_running_future_waits_and_times_out_like_a_stock_future() -> None:
+    future = new_future()
+    with pytest.raises(FuturesTimeout):
+        future.result(timeout=0.01)
+    with pytest.raises(FuturesTimeout):
+        future.exception(timeout=0.01)
+    _settle_later(future, "late").join()
+    assert future.result(0) == "late" and future.exception(0) is None
+    with pytest.raises(InvalidStateError):
+        future.set_result("again")
+    with pytest.raises(InvalidStateError):
+        future.set_exception(KeyError("again"))
+    broken = new_future()
+    _settle_later(broken, KeyError("k"))
+    assert isinstance(broken.exception(timeout=5), KeyError)
+    with pytest.raises(KeyError):
+        broken.result(0)
+    assert "finished raised KeyError" in repr(broken)
+
+
+def test_running_future_callbacks_run_once_before_or_after_settling(
+        caplog: pytest.LogCaptureFixture) -> None:
+    future = new_future()
+    seen: list[Any] = []
+    future.add_done_callback(lambda f: seen.append(("before", f.result())))
+    future.add_done_callback(lambda f: 1 / 0)      # logged, the others still run
+    future.add_done_callback(lambda f: seen.append(("after-bad", f.result())))
+    future.set_result(3)
+    future.add_done_callback(lambda f: seen.append(("late", f.result())))
+    assert seen == [("before", 3), ("after-bad", 3), ("late", 3)]
+    assert "exception calling callback" in caplog.text
+
+
+@pytest.mark.parametrize("when", [FIRST_COMPLETED, FIRST_EXCEPTION, ALL_COMPLETED])
+def test_running_futures_work_with_concurrent_futures_wait(when: str) -> None:
+    early = resolved("early")
+    parts = [new_future() for _ in range(4)]
+    threads = [_settle_later(p, i if i != 2 else ValueError("two"), 0.01 * (i + 1))
+               for i, p in enumerate(parts)]
+    done, not_done = wait([early, *parts], timeout=10, return_when=when)
+    if when == ALL_COMPLETED:
+        assert not not_done and len(done) == 5
+    elif when == FIRST_EXCEPTION:
+        assert parts[2] in done
+    else:
+        assert early in done
+    for thread in threads:
+        thread.join()
+    assert [f.done() for f in parts] == [True] * 4
+
+
+def test_running_futures_work_with_as_completed_and_asyncio() -> None:
+    parts = [new_future() for _ in range(3)]
+    threads = [_settle_later(p, i, 0.01 * (3 - i)) for i, p in enumerate(parts)]
+    assert {f.result(0) for f in as_completed(parts, timeout=10)} == {0, 1, 2}
+
+    async def main() -> list[Any]:
+        a, b = new_future(), new_future()
+        _settle_later(a, "a")
+        _settle_later(b, RuntimeError("b"))
+        return await asyncio.gather(asyncio.wrap_future(a), asyncio.wrap_future(b),
+                                    return_exceptions=True)
+
+    got = asyncio.run(main())
+    assert got[0] == "a" and isinstance(got[1], RuntimeError)
+    for thread in threads:
+        thread.join()
+
+
+def _append_result(future: Future[Any], out: list[Any]) -> None:
+    out.append(future.result(10))
+
+
+def test_running_future_wakes_every_waiter_when_settled_from_another_thread() -> None:
+    for round_ in range(200):          # the Condition is built by the first waiter: race it
+        future = new_future()
+        got: list[Any] = []
+        waiters = [threading.Thread(target=_append_result, args=(future, got))
+                   for _ in range(3)]
+        for thread in waiters:
+            thread.start()
+        if round_ % 2:
+            time.sleep(0.0005)
+        future.set_result(round_)
+        for thread in waiters:
+            thread.join(10)
+        assert got == [round_] * 3

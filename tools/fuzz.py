@@ -102,13 +102,19 @@ def record_corpus(endpoint: str) -> list[Seed]:
 
 
 def _record(client: Any, seeds: list[Seed]) -> None:
-    submit = client._engine.submit
+    """Keep what ``client`` sends: through its engine's ``submit`` (a future) and ``request``
+    (a blocking call of one request, read on the caller's thread)."""
+    engine = client._engine
+    for name in ("submit", "request"):
+        setattr(engine, name, _recording(getattr(engine, name), seeds))
 
+
+def _recording(send: Callable[..., Any], seeds: list[Seed]) -> Callable[..., Any]:
     def recording(cmd: Cmd, msg: p.Message, payload: Any = (), *args: Any, **kw: Any) -> Any:
         seeds.append(Seed(int(cmd), tuple(msg.to_fields()),
                           tuple(bytes(memoryview(f)) for f in payload)))
-        return submit(cmd, msg, payload, *args, **kw)
-    client._engine.submit = recording
+        return send(cmd, msg, payload, *args, **kw)
+    return recording
 
 
 def _exercise(a: Any, b: Any, graph_cls: Any, hand_off: Callable[..., Any]) -> None:
