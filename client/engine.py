@@ -739,7 +739,7 @@ class _IoLoop:
         an inline caller's, whose replies end its reading."""
         engine = self.engine
         if self.wake_fd in events:
-            engine._drain_wake()
+            engine._drain_wake()       # undrained, it would keep every poll returning at once
         if self.dealer in events or self.monitor in events:
             self._receive(calls)
         if self.monitor in events:

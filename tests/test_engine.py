@@ -352,6 +352,43 @@ def test_no_session_reply_is_session_lost_for_good(worker: WorkerServer,
         client.alloc_buffer(16)
 
 
+def test_a_wake_up_during_a_poll_is_drained_and_the_io_thread_sleeps(
+        worker: WorkerServer, make_client: Callable[..., Client],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request submitted while the I/O thread polls writes the wake-up socket; that round must
+    read it. zmq_poll names a plain socket by its fd, and left unread it made every later poll
+    return at once: the thread spun through every graph run in flight (~80% of a core per
+    connection while a model generated)."""
+    from zmq_rpc.client import Graph
+    from zmq_rpc.client import engine as engine_module
+    client = make_client(worker.endpoint)
+    wake_fd = client._engine._wake_r.fileno()
+    wakes = [0]
+    poll = engine_module.zmq_poll
+
+    def counting_poll(items: Any, timeout: Any = None) -> Any:
+        events = poll(items, timeout)
+        if threading.current_thread() is client._engine._thread:
+            wakes[0] += sum(1 for sock, _ in events if sock == wake_fd)
+        return events
+
+    monkeypatch.setattr(engine_module, "zmq_poll", counting_poll)
+    x = client.alloc_buffer(512 * 512 * 4).tensor((512, 512), "float32")
+    g = Graph()
+    y = g.input(x)
+    for _ in range(40):                           # a run long enough to spin through
+        y = g.matmul(y, x)
+    g.add(y, 0.0, out=x)
+    for _ in range(3):
+        slow = client.compute_async(g)
+        time.sleep(0.05)                          # the I/O thread now polls for its reply
+        pings = [client.ping_async() for _ in range(3)]   # submitted while it is in flight
+        slow.result(timeout=60)
+        for ping in pings:
+            ping.result(timeout=60)
+    assert wakes[0] <= 20, f"the wake-up socket was reported {wakes[0]} times"
+
+
 # ------------------------------------------------------------------------- the two faces
 
 
