@@ -506,10 +506,10 @@ class Client:
 
     def ping(self) -> None:
         """One tiny round trip (what the latency benchmark measures)."""
-        self._request(Cmd.PING, p.Empty())
+        self._engine.request(Cmd.PING, _EMPTY, (), _no_result)
 
     def ping_async(self) -> Future[None]:
-        return self._call(Cmd.PING, p.Empty())
+        return self._call(Cmd.PING, _EMPTY)
 
     # ----------------------------------------------------------------------------- graphs
 
@@ -630,6 +630,10 @@ class RegisteredGraph:
 
 
 Inputs = dict[RemoteTensor, Any] | Sequence[tuple[RemoteTensor, Any]] | None
+
+
+_EMPTY = p.Empty()
+"""The fields of a request that has none (messages are frozen: one instance serves all)."""
 
 
 def _no_result(reply: p.Message, frames: list[zmq.Frame]) -> None:

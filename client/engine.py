@@ -801,7 +801,10 @@ class _IoLoop:
                 timeout = self._poll_timeout_ms(call.deadline) if engine._inbox.empty() else 0
                 events = zmq_poll(items, timeout)
                 engine._pump_sleeping = False
-                if len(events) == 1 and events[0][0] is dealer:   # the usual: replies, only
+                if len(events) == 1 and events[0][0] is dealer:   # the usual: its reply
+                    self._take_one(dealer)
+                    if call.settled and not self.blocked_readers:
+                        return
                     self._receive(calls)
                     if _all_done(calls):
                         return
@@ -818,6 +821,15 @@ class _IoLoop:
                     return
         finally:
             _io_thread.active = False
+
+    def _take_one(self, dealer: zmq.Socket[bytes]) -> None:
+        """Read the message that poll said is in."""
+        frame = dealer.recv(zmq.NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = dealer.recv(zmq.NOBLOCK, copy=False)
+            frames.append(frame)
+        self._on_reply(frames)
 
     def _poll_timeout_ms(self, deadline: float = _NEVER) -> int:
         """Until the next deadline (or ``deadline``), at most a heartbeat interval."""
