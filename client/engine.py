@@ -11,9 +11,14 @@ when a socket changes threads):
   high-water mark anywhere drops a reply), matches replies to futures, lands reply payloads
   where the caller asked, and fails futures on timeout, connection loss and close. When nothing
   is in flight it lets go of the lock and sleeps on its wake-up socket;
-- a **caller in a synchronous call** (:meth:`Engine.inline`) that finds the engine idle: it takes
-  the lock, sends its requests and reads their replies itself, with no hop through the I/O
-  thread (half the latency of a tiny call), then gives the lock back.
+- a **caller in a synchronous call** (:meth:`Engine.request` for one request, with no future at
+  all; :meth:`Engine.call` / :meth:`Engine.inline` for several) that finds the engine idle: it
+  takes the lock, sends its requests and reads their replies itself, with no hop through the
+  I/O thread, still watching the monitor, the deadlines and the wake-up socket (close, other
+  threads' requests, which it sends too), then gives the lock back.
+
+The futures are :class:`~.futures.RunningFuture` (a lock each, a Condition only for a thread
+that waits); readers blocked on futures settled in one batch of replies are woken together.
 
 Failure detection (the README's contract): a worker that dies, freezes or becomes unreachable
 fails every request in flight and every new one with ``ConnectionLost`` once libzmq's heartbeat
