@@ -14,6 +14,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -111,6 +112,17 @@ class WorkerProcess:
             raise RuntimeError(f"worker did not start: {line!r} {self.proc.stderr.read()!r}")
         self.endpoint = line.rsplit(" ", 1)[1].strip()
 
+    def freeze(self, timeout: float = 10) -> None:
+        """SIGSTOP, then wait until every thread is stopped: ``kill`` returns once the signal
+        is queued, and under load a worker thread can still answer a request for a few ms."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        tasks = f"/proc/{self.proc.pid}/task"
+        while os.path.isdir(tasks) and not all(_stopped(f"{tasks}/{t}/stat")
+                                                for t in os.listdir(tasks)):
+            assert time.monotonic() < deadline, "the worker did not stop"
+            time.sleep(0.001)
+
     def terminate(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -119,6 +131,14 @@ class WorkerProcess:
             if stream is not None:
                 stream.close()
         return code
+
+
+def _stopped(stat: str) -> bool:
+    try:
+        with open(stat) as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except OSError:
+        return True                 # the thread is gone
 
 
 @pytest.fixture

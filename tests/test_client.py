@@ -277,7 +277,7 @@ def test_request_timeout_on_frozen_worker(spawn_worker: Callable[..., WorkerProc
     proc = spawn_worker()
     client = make_client(proc.endpoint, timeout=0.5)
     client.ping()
-    os.kill(proc.proc.pid, signal.SIGSTOP)          # a frozen worker
+    proc.freeze()                                   # a frozen worker
     try:
         with pytest.raises(Timeout, match="PING"):
             client.ping()

@@ -106,7 +106,7 @@ def test_frozen_worker_fails_a_waiting_sync_call_on_the_callers_thread(
     with Client(proc.endpoint) as client:
         client.ping()
         monkeypatch.setattr(client._engine, "submit", None)  # no hop through the I/O thread
-        os.kill(proc.proc.pid, signal.SIGSTOP)
+        proc.freeze()
         try:
             frozen = time.monotonic()
             with pytest.raises(ConnectionLost):
