@@ -158,6 +158,9 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
     mv, dq, flags = _jit().KERNELS[qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, k = w.shape[0], x.shape[1]
+    if x.shape[0] == 1 and _state["threads"] == 1:    # a decode step: straight to the kernel
+        mv(w, x[0], out[0], 0, rows, *flags)
+        return
     if x.shape[0] <= MATVEC_ROWS:
         for t in range(x.shape[0]):
             _rows(mv, (w, x[t], out[t]), 0, rows, flags)
@@ -209,3 +212,4 @@ def _warm_fused() -> None:
     module.attention(q, kv, kv, np.zeros((1, 3), np.float32), np.float32(0.5), out)
     module.rope(q, np.zeros(1, np.int32), np.ones(2), False, 4, out)
     module.swiglu(np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32))
+    module.rms_norm(np.zeros((1, 4), np.float32), np.float32(1e-5), np.zeros((1, 4), np.float32))
