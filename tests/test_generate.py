@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.timeout(240),
 
 PHASES = ["starting 2 local worker(s)", "connecting to 2 worker(s)", "opening ", "opened in ",
           "upload weights", "laying out weights (",
-          "allocating the KV cache and registering graphs", "warming up", "loading the tokenizer",
+          "allocating the KV cache and registering graphs", "loading the tokenizer",
           "stage 0: layers 0-", "stage 1: layers "]
 
 

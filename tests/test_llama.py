@@ -6,14 +6,21 @@ Three in-process workers are shared by the whole module; models are loaded once 
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import WorkerProcess
 from devices import on_gpu
 from llama_reference import ReferenceLlama
-from zmq_rpc.client import Client, Graph
+from zmq_rpc.client import Client, ConnectionLost, Graph
 from zmq_rpc.client.gguf_model import LlamaGGUF
 from zmq_rpc.client.llama import LlamaModel, file_runs, plan_stages, sample_token
 from zmq_rpc.client.tokenizer import load_tokenizer
@@ -301,6 +308,94 @@ def test_progress_reports_bytes_and_close_frees_memory(gguf: LlamaGGUF,
     assert clients[2].device_memory().free == free_before
     with pytest.raises(RuntimeError):
         m.prefill([1])
+
+
+FIRST_STEPS = """
+import json, sys
+from numba.core.registry import CPUDispatcher
+from zmq_rpc.client import Client
+from zmq_rpc.client.gguf_model import load_gguf
+from zmq_rpc.client.llama import LlamaModel
+from zmq_rpc.worker.server import WorkerConfig, WorkerServer
+
+def signatures():
+    out = {}
+    for name in ("jit", "fused"):
+        module = sys.modules.get("zmq_rpc.worker.kernels." + name)
+        for key, fn in (vars(module) if module else {}).items():
+            if isinstance(fn, CPUDispatcher):
+                out[name + "." + key] = len(fn.signatures)
+    return out
+
+server = WorkerServer(WorkerConfig(bind="tcp://127.0.0.1:*"))
+client = Client(server.start())
+try:
+    with LlamaModel.load(load_gguf(sys.argv[1]), [client], weights=sys.argv[2]) as model:
+        loaded = signatures()
+        model.prefill(list(range(300, 340)))     # a whole chunk and a partial one
+        model.decode(7)
+        print(json.dumps([loaded, signatures()]))
+finally:
+    client.close()
+    server.stop()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("weights", ["quantized", "f32"])
+def test_the_first_steps_after_a_load_compile_and_load_no_kernel(gguf: LlamaGGUF,
+                                                                 weights: str) -> None:
+    """The load prepares every numba kernel the stage graphs run (there is no warm-up run): in a
+    fresh process, the first prefill and decode after it add no compiled signature (each one is
+    a compile, or a load from numba's disk cache: tens of milliseconds on a first token)."""
+    pytest.importorskip("numba")
+    out = subprocess.run([sys.executable, "-P", "-c", FIRST_STEPS, str(gguf.path), weights],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr
+    loaded, ran = json.loads(out.stdout.strip().splitlines()[-1])
+    assert any(name.startswith("fused.") for name in loaded)
+    assert ran == loaded
+
+
+FAULT_BOUND_S = 5.0 + 1.0
+"""The clients' failure-detection bound: the heartbeat timeout + 1 s (tests/test_faults.py)."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig, phase", [(signal.SIGKILL, "upload"), (signal.SIGKILL, "layout"),
+                                        (signal.SIGSTOP, "layout")])
+def test_a_worker_lost_mid_load_fails_the_load_in_the_bound_and_frees_the_other(
+        gguf: LlamaGGUF, spawn_worker: Callable[..., WorkerProcess], sig: int,
+        phase: str) -> None:
+    """Loading issues everything at once; a worker killed or frozen while its weights arrive
+    or are laid out still fails the load with ConnectionLost within the bound, and the model's
+    state on the surviving worker is freed (no graph or buffer left behind)."""
+    survivor, victim = spawn_worker(), spawn_worker()
+    with Client(survivor.endpoint) as first, Client(victim.endpoint) as second:
+        free_before = first.device_memory().free
+        lost: list[float] = []
+
+        def strike(now: bool) -> None:
+            if now and not lost:
+                os.kill(victim.proc.pid, sig)
+                lost.append(time.monotonic())
+
+        def progress(done: int, total: int) -> None:
+            strike(phase == "upload" and done > 0)
+
+        def status(line: str) -> None:
+            strike(phase == "layout" and line.startswith("laying out"))
+
+        try:
+            with pytest.raises(ConnectionLost):
+                LlamaModel.load(gguf, [first, second], progress=progress, status=status)
+            assert lost and time.monotonic() - lost[0] < FAULT_BOUND_S
+        finally:
+            if sig == signal.SIGSTOP:
+                os.kill(victim.proc.pid, signal.SIGCONT)
+        assert first.device_memory().free == free_before
+        with LlamaModel.load(gguf, [first]) as alone:           # the survivor serves on
+            assert alone.generate([1, 2, 3], 2, stop_ids=()) is not None
 
 
 @pytest.mark.timeout(60)

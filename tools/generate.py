@@ -3,7 +3,7 @@
 What the screen shows, in order (status on stderr, the answer alone on stdout): a line per start-up
 phase as it begins (starting local workers, connecting, opening the model), a tqdm bar for the
 weight upload (bytes, bytes/s, ETA), a line per later phase (laying the weights out on the workers,
-KV cache and graphs, warm-up, tokenizer), the answer as it streams, and a summary whose parts add
+KV cache and graphs, tokenizer), the answer as it streams, and a summary whose parts add
 up: start-up by phase, sizes in MiB, rates in tokens/s, the mean time per token split into the
 workers' compute and the rest. Ctrl-C ends the answer with a newline, prints ``interrupted``, stops
 the local workers cleanly and exits 130; SIGTERM and SIGHUP do the same with 143 and 129.

@@ -14,6 +14,7 @@ from typing import Any
 from ..broker import graph as g
 from ..broker import protocol as p
 from ..broker.protocol import Cmd, ErrorCode, WireError
+from .backends import numpy_ops as K
 from .backends.base import Backend, View
 from .graph_exec import CompiledGraph, compile_graph
 from .memory import SessionMemory
@@ -52,6 +53,8 @@ class GraphCommands:
         graph = self._compile(session, msg.graph)
         self.memory.allocate(session, graph.memory_charge, "graph scratch arena",
                              lambda: graph.ensure_arena(self.backend))
+        if self.backend.kernels is K.NUMPY_KERNELS:     # host arrays: numba kernels, if any
+            K.prepare(step.op for step in graph.steps)
         session.graphs[msg.handle] = graph
         session.usage.graph_nodes += nodes
         return NO_REPLY

@@ -7,8 +7,8 @@ shapes across steps: attention always reads the whole cache (``n_ctx`` rows) and
 rows past each query's position. The last stage ends with the final norm and the LM head; in
 ``decode`` and ``prefill`` also the argmax and its embedding (``x_next``) for chained decoding.
 
-Graph building is plain data; :meth:`StageGraphs.register` issues the registrations from the
-caller's thread and waits for them.
+Graph building is plain data; :meth:`StageGraphs.register_async` issues the registrations from
+the caller's thread and :meth:`StageGraphs.collect` waits for them.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from .load import Layout
 from .plan import ModeIO, Stage, need
 from .weights import LayerWeights
 
-__all__ = ["Mode", "StageGraphs"]
+__all__ = ["Mode", "Registrations", "StageGraphs"]
 
 Mode = Literal["decode", "prefill", "full"]
+Registrations = dict[tuple[Stage, Mode], Future[RegisteredGraph]]
+"""Each stage's and mode's registration in flight."""
 
 
 class StageGraphs:
@@ -44,13 +46,31 @@ class StageGraphs:
 
     def register(self, stages: Sequence[Stage], modes: Sequence[Mode]) -> None:
         """Build and register every stage's graph for each of ``modes`` (pipelined)."""
-        futures: dict[tuple[Stage, Mode], Future[RegisteredGraph]] = {}
+        self.collect(self.register_async(stages, modes))
+
+    def register_async(self, stages: Sequence[Stage], modes: Sequence[Mode]) -> Registrations:
+        """Build every stage's graph for each of ``modes`` and issue its registration; nothing
+        waits (:meth:`collect` does)."""
+        futures: Registrations = {}
         for stage in stages:
             for mode in modes:
                 io = stage.io[mode] = self._make_io(stage, mode)
                 futures[stage, mode] = stage.client.register_async(self.build(stage, mode, io))
+        return futures
+
+    @staticmethod
+    def collect(futures: Registrations, *, strict: bool = True) -> None:
+        """Wait for every registration and keep each one that succeeded in its stage's
+        ``graphs`` (so that closing the model frees it); then, if ``strict``, raise the first
+        failure."""
+        errors = []
         for (stage, mode), future in futures.items():
-            stage.graphs[mode] = future.result()
+            try:
+                stage.graphs[mode] = future.result()
+            except Exception as exc:  # noqa: BLE001 - the first one is raised once all are in
+                errors.append(exc)
+        if errors and strict:
+            raise errors[0]
 
     def _make_io(self, stage: Stage, mode: str) -> ModeIO:
         """One small buffer holding this stage's step tensors for ``mode``."""

@@ -6,7 +6,14 @@ as the file lays them out: each stage's tensors form a few contiguous ranges of 
 graph per stage then lays them out there as the stage graphs read them (Q/K/V and gate/up
 stacked; in the form the :class:`~.weights.WeightFormat` says) and the staging buffer is freed.
 
-Runs on the caller's thread; it blocks on the uploads' and builds' futures only.
+Nothing waits between those steps: a worker runs a session's requests in the order they were
+sent, so :meth:`WeightLoader.start` issues every stage's allocations, fills and build at once (the
+workers' round trips and the client's next steps overlap) and :class:`PendingLoad` waits for them.
+Only the kernels' preparation is waited for first (its compile may take minutes on a machine's
+first load, longer than the other requests' timeout), and a cache's lookups (the misses are
+uploaded next).
+
+Runs on the caller's thread; it blocks on the requests' futures only.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from .plan import FUSED, NORMS, Stage, head_tensor, layer_tensor, stage_sources,
 from .source import StageSource, WeightSource
 from .weights import LayerWeights, WeightFormat
 
-__all__ = ["ALIGN", "KERNEL_TIMEOUT", "Layout", "LoadStats", "Progress", "WeightLoader", "file_runs"]
+__all__ = ["ALIGN", "KERNEL_TIMEOUT", "Layout", "LoadStats", "PendingLoad", "Progress",
+           "WeightLoader", "file_runs"]
 
 ALIGN = 64
 """Byte alignment of each tensor group placed in a worker buffer."""
@@ -59,7 +67,8 @@ class LoadStats:
     build_seconds: float
     """The workers laying the uploaded bytes out as resident weights (dequantizing in f32 mode)."""
     total_seconds: float
-    """The whole load: upload, build, KV cache, graph registration and warm-up."""
+    """The whole load: kernels, upload, build, KV cache and graph registration (until the first
+    step may run)."""
     sources: tuple[StageSource, ...] = ()
     """Where each worker's weights came from (its file, its cache, an upload), in stage order."""
     kernel_seconds: float = 0.0
@@ -128,6 +137,45 @@ class Loaded:
     kernel_seconds: float = 0.0
 
 
+@dataclass(eq=False)
+class PendingLoad:
+    """A load whose requests are all issued; :meth:`finish` waits for them."""
+
+    started: float
+    kernel_seconds: float
+    layout_line: str
+    """The status line of the build phase."""
+    uploads: dict[Future[Any], int] = field(default_factory=dict)
+    """Each uploaded piece's acknowledgement and its bytes (the progress counts them)."""
+    fills: list[Future[Any]] = field(default_factory=list)
+    """The other fills: the workers' file reads, the cache misses' uploads."""
+    builds: list[Future[Any]] = field(default_factory=list)
+    sources: list[StageSource] = field(default_factory=list)
+    upload_bytes: int = 0
+
+    def finish(self, progress: Progress | None = None,
+               status: Callable[[str], None] | None = None) -> Loaded:
+        """Wait for the fills (``progress`` as the upload's acknowledgements arrive), then the
+        builds; the first failure is raised."""
+        total, done = sum(self.uploads.values()), 0
+        if progress is not None:
+            progress(0, total)
+        for future in as_completed(self.uploads):
+            future.result()
+            done += self.uploads[future]
+            if progress is not None:
+                progress(done, total)
+        for future in self.fills:
+            future.result()
+        uploaded = time.perf_counter()
+        if status is not None:
+            status(self.layout_line)
+        for future in self.builds:
+            future.result()
+        return Loaded(self.upload_bytes, uploaded - self.started, time.perf_counter() - uploaded,
+                      tuple(self.sources), self.kernel_seconds)
+
+
 class WeightLoader:
     """Puts each stage's weights on its worker in format ``fmt`` (fills ``Stage.weights``,
     ``embd``, ``out_norm``, ``lm_head`` and ``buffers``)."""
@@ -142,18 +190,20 @@ class WeightLoader:
              status: Callable[[str], None] | None = None) -> Loaded:
         """Stage each worker's file ranges, fill them from the best source the worker offers
         (its file, its cache, an upload), then build its resident weights there."""
+        return self.start(stages, status).finish(progress, status)
+
+    def start(self, stages: Sequence[Stage],
+              status: Callable[[str], None] | None = None) -> PendingLoad:
+        """Prepare the kernels (waited for), then issue every stage's staging buffer, fills and
+        build without waiting: the stages' weights are bound (``Stage.weights`` ...), so graphs
+        reading them may be registered before :meth:`PendingLoad.finish`."""
         kernel_seconds = self._prepare_kernels(stages, status)
-        start = time.perf_counter()
+        pending = PendingLoad(time.perf_counter(), kernel_seconds,
+                              f"laying out weights ({self.fmt}) on {len(stages)} worker(s)")
         staged = [self._stage_file_ranges(stage) for stage in stages]
-        sources, upload_bytes = self._fill(staged, progress)
-        uploaded = time.perf_counter()
-        if status is not None:
-            status(f"laying out weights ({self.fmt}) on {len(stages)} worker(s)")
-        builds = [f for s in staged for f in self._build_resident(s)]
-        for future in builds:
-            future.result()
-        return Loaded(upload_bytes, uploaded - start, time.perf_counter() - uploaded,
-                      tuple(sources), kernel_seconds)
+        self._fill(staged, pending)
+        pending.builds = [f for s in staged for f in self._build_resident(s)]
+        return pending
 
     def _prepare_kernels(self, stages: Sequence[Stage], status: Callable[[str], None] | None
                          ) -> float:
@@ -185,35 +235,30 @@ class WeightLoader:
             future.result()
         return time.perf_counter() - start if futures else 0.0
 
-    def _fill(self, staged: Sequence[_Staged], progress: Progress | None
-              ) -> tuple[list[StageSource], int]:
-        """Fill every staging buffer; (how each stage was filled, bytes sent in all)."""
+    def _fill(self, staged: Sequence[_Staged], pending: PendingLoad) -> None:
+        """Issue the fill of every staging buffer (into ``pending``): how each stage is filled,
+        the requests, the bytes sent."""
         picks = [self.source.pick(s) for s in staged]
-        waits: list[Future[Any]] = []
         lookups = {}
         for s, (source, _) in zip(staged, picks):
             if source == "file":
-                waits.append(self.source.from_file(s))
+                pending.fills.append(self.source.from_file(s))
             elif source == "cache":
                 lookups[id(s)] = self.source.cache_lookups(s)
-        uploads = [u for s, (source, _) in zip(staged, picks) if source == "upload"
-                   for u in s.uploads]
-        sent = self._upload(uploads, progress)
-        reports = []
+            elif source == "upload":
+                pending.uploads.update(self._upload(s.uploads))
+        pending.upload_bytes = sum(pending.uploads.values())
         for s, (source, note) in zip(staged, picks):
             endpoint = s.stage.client.endpoint
             if source == "cache":
                 futures, hits, nbytes = self.source.upload_misses(lookups[id(s)])
-                waits += futures
-                sent += nbytes
-                reports.append(StageSource(endpoint, source, nbytes, hits,
-                                           len(lookups[id(s)]) - hits, note))
+                pending.fills += futures
+                pending.upload_bytes += nbytes
+                pending.sources.append(StageSource(endpoint, source, nbytes, hits,
+                                                   len(lookups[id(s)]) - hits, note))
             else:
                 nbytes = sum(int(d.nbytes) for t, d in s.uploads) if source == "upload" else 0
-                reports.append(StageSource(endpoint, source, nbytes, note=note))
-        for future in waits:
-            future.result()
-        return reports, sent
+                pending.sources.append(StageSource(endpoint, source, nbytes, note=note))
 
     def _stage_file_ranges(self, stage: Stage) -> _Staged:
         """Allocate a staging buffer holding the stage's tensors as the file lays them out, and
@@ -239,18 +284,9 @@ class WeightLoader:
         return staged
 
     @staticmethod
-    def _upload(uploads: list[tuple[RemoteTensor, np.ndarray]], progress: Progress | None) -> int:
-        """Pipelined set_tensor_async of every piece; progress as acknowledgements arrive."""
-        parts = {t.client.set_tensor_async(t, data): int(data.nbytes) for t, data in uploads}
-        total, done = sum(parts.values()), 0
-        if progress is not None:
-            progress(0, total)
-        for future in as_completed(parts):
-            future.result()
-            done += parts[future]
-            if progress is not None:
-                progress(done, total)
-        return total
+    def _upload(uploads: list[tuple[RemoteTensor, np.ndarray]]) -> dict[Future[Any], int]:
+        """Pipelined set_tensor_async of every piece: each acknowledgement and its bytes."""
+        return {t.client.set_tensor_async(t, data): int(data.nbytes) for t, data in uploads}
 
     def _build_resident(self, staged: _Staged) -> list[Future[Any]]:
         """One compute graph on the stage's worker lays the staged bytes out as the weights the

@@ -216,19 +216,3 @@ class StepRunner:
         wanted = {"logits": io.logits, "token": io.token}.get(fetch) if stage.last else None
         return LinkedRun(stage.graphs[mode], [(need(t), a) for t, a in inputs if t is not None],
                          [wanted] if wanted is not None else [], x=io.x_in, y=io.x_out)
-
-    def warm_up(self, modes: Sequence[Mode]) -> None:
-        """Run each graph once with every token on the scratch row and nothing visible, so the
-        first real step does not pay for the first touch of its arena and cache pages."""
-        futures = []
-        for mode in modes:
-            T, n_ctx = self.graphs.chunk(mode), self.cache.n_ctx
-            pos = np.full(T, n_ctx, np.int32)
-            mask = np.full((T, n_ctx), -np.inf, np.float32)
-            x = np.zeros((T, self.gguf.config.d_model), np.float32)
-            for stage in self.stages:
-                run = self._stage_run(stage, mode, pos, mask, x, 1, "none")
-                futures.append(stage.client.run_async(run.graph, list(run.inputs)))
-        for future in futures:
-            future.result()
-

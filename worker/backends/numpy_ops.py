@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Final
@@ -691,6 +691,20 @@ def run_compute(op: str, inputs: Sequence[np.ndarray], metas: Sequence[TensorMet
         return
     with np.errstate(all="ignore"):
         _COMPUTE_KERNELS[op](inputs, metas, params, out)
+
+
+NUMBA_OPS: Final = frozenset({"attention", "rope", "swiglu"})
+"""Ops whose host kernels are numba loops (:mod:`~zmq_rpc.worker.kernels.fused`) where numba
+imports."""
+
+
+def prepare(ops: Iterable[str]) -> float:
+    """Compile (or load from numba's disk cache) the numba kernels that ``ops`` run on host
+    arrays, so that a registered graph's first run does not (a decode token would pay tens of
+    milliseconds); seconds it took."""
+    if NUMBA_OPS.isdisjoint(ops) or not kernels.available():
+        return 0.0
+    return kernels.warm_fused()
 
 
 # --------------------------------------------------------------------------------------- views

@@ -48,6 +48,7 @@ __all__ = [
     "take_rows",
     "threads",
     "warm",
+    "warm_fused",
 ]
 
 MATVEC_ROWS: Final = 2
@@ -143,11 +144,21 @@ def warm(qtype: str) -> float:
     w = pack(src, qtype)
     matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
     matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
-    if "fused" not in _warm:
-        _warm_fused()
-        _warm["fused"] = 0.0
+    warm_fused()
     _warm[qtype] = time.perf_counter() - start
     return _warm[qtype]
+
+
+def warm_fused() -> float:
+    """Compile (or load from the on-disk cache) the fused small-op kernels (:mod:`.fused`) for the
+    layouts a llama graph gives them; seconds it took, 0 if done before in this process or
+    without numba."""
+    if "fused" in _warm or fused_kernels() is None:
+        return 0.0
+    start = time.perf_counter()
+    _warm_fused()
+    _warm["fused"] = time.perf_counter() - start
+    return _warm["fused"]
 
 
 def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
@@ -207,9 +218,12 @@ def _warm_fused() -> None:
     module = fused_kernels()
     if module is None:
         return
-    qkv = np.zeros((1, 5, 4), np.float32)
-    q, kv, out = qkv[:, :4], np.zeros((3, 1, 4), np.float32), np.zeros((1, 4, 4), np.float32)
-    module.attention(q, kv, kv, np.zeros((1, 3), np.float32), np.float32(0.5), out)
-    module.rope(q, np.zeros(1, np.int32), np.ones(2), False, 4, out)
+    qkv = np.zeros((2, 5, 4), np.float32)
+    kv, out = np.zeros((3, 1, 4), np.float32), np.zeros((2, 4, 4), np.float32)
+    mask = np.zeros((1, 3), np.float32)
+    for m in (mask, np.broadcast_to(mask, (1, 3))):       # no mask; a graph's (read-only view)
+        module.attention(qkv[:1, :4], kv, kv, m, np.float32(0.5), out[:1])
+    for x in (qkv[:1, :4], qkv[:, :4]):   # one token's rows are contiguous, a chunk's are not
+        module.rope(x, np.zeros(len(x), np.int32), np.ones(2), False, 4, out[:len(x)])
     module.swiglu(np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32))
     module.rms_norm(np.zeros((1, 4), np.float32), np.float32(1e-5), np.zeros((1, 4), np.float32))
