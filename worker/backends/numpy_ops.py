@@ -693,7 +693,7 @@ def run_compute(op: str, inputs: Sequence[np.ndarray], metas: Sequence[TensorMet
         _COMPUTE_KERNELS[op](inputs, metas, params, out)
 
 
-NUMBA_OPS: Final = frozenset({"attention", "rope", "swiglu"})
+NUMBA_OPS: Final = frozenset({"attention", "rms_norm", "rope", "swiglu"})
 """Ops whose host kernels are numba loops (:mod:`~zmq_rpc.worker.kernels.fused`) where numba
 imports."""
 
