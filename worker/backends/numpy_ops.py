@@ -456,8 +456,8 @@ def _rms_norm(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out
     if (fused is not None and type(out) is np.ndarray and ms[0].dtype == "float32"
             and ms[0].contiguous and out.ndim):
         width = out.shape[-1]
-        fused.rms_norm(x.reshape(-1, width), _F32(p["eps"]), out.reshape(-1, width))
-        return
+        if _compiled(fused.rms_norm, x.reshape(-1, width), _F32(p["eps"]), out.reshape(-1, width)):
+            return
     _load(out, x, ms[0])
     out /= _root_mean_square(out, p["eps"])
 
@@ -533,13 +533,24 @@ def _fused_rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, o
     fused = kernels.fused_kernels()
     if fused is None or type(out) is not np.ndarray or ms[0].dtype != "float32" or out.ndim != 3:
         return False
+    x, pos = np.ascontiguousarray(xs[0]), np.ascontiguousarray(xs[1])
     key = (n_dims, p["freq_base"], p["freq_scale"])
     inv_freq = _INV_FREQ.get(key)
     if inv_freq is None:
         inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * np.arange(n_dims // 2) / n_dims)
         if len(_INV_FREQ) < 64:
             _INV_FREQ[key] = inv_freq
-    fused.rope(xs[0], xs[1], inv_freq, p["mode"] == "neox", n_dims, out)
+    return _compiled(fused.rope, x, pos, inv_freq, p["mode"] == "neox", n_dims, out)
+
+
+def _compiled(kernel: Callable[..., None], *args: Any) -> bool:
+    """Run a numba kernel of ``kernels.fused`` on ``args``; False (nothing written) when its
+    warmed signature does not take them (a read-only array, say): they never compile at run
+    time, and the caller runs its numpy composition instead."""
+    try:
+        kernel(*args)
+    except TypeError:
+        return False
     return True
 
 
@@ -558,8 +569,9 @@ def _attention(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, ou
         mask = (np.zeros((1, S), np.float32) if len(xs) < 4
                 else xs[3] if xs[3].ndim == 2 and xs[3].shape[1] == S
                 else np.broadcast_to(xs[3], (T, S)))
-        fused.attention(q, k, v, mask, _F32(p["scale"]), out)
-        return
+        q, k, v, mask = (np.ascontiguousarray(a) for a in (q, k, v, mask))
+        if _compiled(fused.attention, q, k, v, mask, _F32(p["scale"]), out):
+            return
     _attention_composed(xs, ms, p, out)
 
 
@@ -600,8 +612,8 @@ def _swiglu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: 
     n = out.shape[-1]
     x = xs[0]
     fused = kernels.fused_kernels()
-    if fused is not None and type(out) is np.ndarray and ms[0].dtype == "float32":
-        fused.swiglu(x.reshape(-1, 2 * n), out.reshape(-1, n))
+    if (fused is not None and type(out) is np.ndarray and ms[0].dtype == "float32"
+            and _compiled(fused.swiglu, x.reshape(-1, 2 * n), out.reshape(-1, n))):
         return
     x = _ufunc_src(x, ms[0])
     gate = x[..., :n]
