@@ -88,6 +88,7 @@ and so the worker, busy)."""
 
 
 _SENT: tuple[Any, ...] = ()
+_NEVER = float("inf")
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,9 @@ class Call:
 
     cmd: Cmd
     req_id: int
-    frames: Sequence[Any]
-    """Header and payload; an empty tuple once sent (the payload may be freed)."""
+    frames: bytes | list[Any] | tuple[Any, ...]
+    """The header alone, or header and payload; an empty tuple once sent (the payload may be
+    freed)."""
     future: Future[Any] | None
     """None for a synchronous call driven by its caller (:meth:`Engine.request`): its outcome
     lands in ``value``/``error`` instead."""
@@ -282,11 +284,12 @@ class Engine:
         req_id = next(self._ids)
         header = p.encode_request(cmd, req_id, msg)
         wait = self.options.timeout if timeout is None else timeout
+        frames: bytes | list[Any]
         if payload:
             frames = [header, *payload]
             nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
         else:
-            frames, nbytes = [header], reply_bytes
+            frames, nbytes = header, reply_bytes
         return Call(cmd, req_id, frames, future, time.monotonic() + wait, on_reply, nbytes,
                     submitted_ns=time.perf_counter_ns() if self.options.trace else 0)
 
@@ -533,12 +536,10 @@ def _pump_together(loops: Sequence[_IoLoop], future: Future[Any], calls: list[Ca
     threads', woken as the connections are given back)."""
     poller = zmq.Poller()
     owner: dict[Any, _IoLoop] = {}
-    named: dict[int, Any] = {}
     for io in loops:
-        for sock in (io.dealer, io.monitor, io.engine._wake_r):
+        for sock in (io.dealer, io.monitor, io.wake_fd):
             poller.register(sock, zmq.POLLIN)
             owner[sock] = io
-        named[io.engine._wake_r.fileno()] = io.engine._wake_r   # poll reports it by its fd
     _io_thread.active = True
     try:
         settled = 0.0
@@ -555,7 +556,7 @@ def _pump_together(loops: Sequence[_IoLoop], future: Future[Any], calls: list[Ca
             timeout = 0 if waiting else min(io._poll_timeout_ms() for io in loops)
             if settled:
                 timeout = min(timeout, int(TOGETHER_GRACE_S * 1000) + 1)
-            events = {named.get(s, s): e for s, e in poller.poll(timeout)}
+            events = dict(poller.poll(timeout))
             for io in loops:
                 io.engine._pump_sleeping = False
             for io in loops:
@@ -669,6 +670,11 @@ class _IoLoop:
         self.in_flight: dict[int, Call] = {}
         self.in_flight_bytes = 0
         self.deadlines: list[tuple[float, int]] = []
+        """A heap of (deadline, req_id): reservations, and calls whose deadline is earlier than
+        the last one in ``fifo`` (a shorter timeout)."""
+        self.fifo: deque[Call] = deque()
+        """Calls in deadline order, the usual case (one timeout, deadlines rising with
+        submission): appended and dropped in O(1), no tuple per call."""
         self.last_sent = time.monotonic()
         self.up = False
         self.ever_up = False
@@ -676,10 +682,12 @@ class _IoLoop:
         """Set for good when the worker no longer knows our session."""
         self.closing = False
         """close() was asked for (whoever drove the connection then saw it)."""
-        self.poll_items: list[tuple[Any, int]] = [
-            (self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN), (engine._wake_r, zmq.POLLIN)]
         self.wake_fd = engine._wake_r.fileno()
-        """How ``zmq_poll`` names the wake-up socket in its events (a plain socket: by its fd)."""
+        """The wake-up socket, as poll reports it (a plain socket is reported by its fd)."""
+        self.poll_items: list[tuple[Any, int]] = [
+            (self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN), (self.wake_fd, zmq.POLLIN)]
+        self.blocked_readers: list[RunningFuture[Any]] = []
+        """Futures settled in this batch of replies whose readers wait to be woken."""
         self.beat_ms = int(opts.heartbeat * 1000)
         self.trace = opts.trace
         self.wake_poller = zmq.Poller()
@@ -730,7 +738,7 @@ class _IoLoop:
         connection events, then new requests; False once close() was asked for. ``calls``:
         an inline caller's, whose replies end its reading."""
         engine = self.engine
-        if engine._wake_r in events or self.wake_fd in events:
+        if self.wake_fd in events:
             engine._drain_wake()       # undrained, it would keep every poll returning at once
         if self.dealer in events or self.monitor in events:
             self._receive(calls)
@@ -741,10 +749,11 @@ class _IoLoop:
         if self.closing:
             return False
         self.send_backlog()
-        if len(self.deadlines) > 2 * (len(self.in_flight) + len(self.backlog)) + 4096:
+        if len(self.deadlines) + len(self.fifo) > \
+                2 * (len(self.in_flight) + len(self.backlog)) + 4096:
             self._compact_deadlines()
         now = time.monotonic()
-        if self.deadlines and self.deadlines[0][0] <= now:
+        if self._next_deadline() <= now:
             self._expire(now)
         if now - self.last_sent >= engine.options.heartbeat:
             self._heartbeat()
@@ -781,7 +790,7 @@ class _IoLoop:
             self._await(call)
         finally:
             if not call.settled:        # the I/O thread times it out from now on
-                heapq.heappush(self.deadlines, (call.deadline, call.req_id))
+                self._watch(call)
 
     def _await(self, call: Call) -> None:
         engine, items, dealer, calls = self.engine, self.poll_items, self.dealer, [call]
@@ -810,15 +819,24 @@ class _IoLoop:
         finally:
             _io_thread.active = False
 
-    def _poll_timeout_ms(self, deadline: float = float("inf")) -> int:
-        """Until the next deadline (the heap's or ``deadline``), at most a heartbeat interval."""
+    def _poll_timeout_ms(self, deadline: float = _NEVER) -> int:
+        """Until the next deadline (or ``deadline``), at most a heartbeat interval."""
         beat = self.beat_ms
-        if self.deadlines and self.deadlines[0][0] < deadline:
-            deadline = self.deadlines[0][0]
-        elif deadline == float("inf"):
+        deadline = min(deadline, self._next_deadline())
+        if deadline == _NEVER:
             return beat
         wait = int((deadline - time.monotonic()) * 1000) + 1
         return beat if wait > beat else wait if wait > 0 else 0
+
+    def _next_deadline(self) -> float:
+        """The earliest deadline of a pending call or reservation (answered calls at the head
+        of ``fifo`` are dropped on the way)."""
+        fifo = self.fifo
+        while fifo and fifo[0].settled:
+            fifo.popleft()
+        first = fifo[0].deadline if fifo else _NEVER
+        heap = self.deadlines
+        return heap[0][0] if heap and heap[0][0] < first else first
 
     # ------------------------------------------------------------------------- sending
 
@@ -843,7 +861,18 @@ class _IoLoop:
             _fail_item(item, self._refusal())
             return
         self.backlog.append(item)
-        heapq.heappush(self.deadlines, (item.deadline, item.req_id))
+        if type(item) is Call:
+            self._watch(item)
+        else:
+            heapq.heappush(self.deadlines, (item.deadline, item.req_id))
+
+    def _watch(self, call: Call) -> None:
+        """Time ``call`` out at its deadline (see ``fifo``)."""
+        fifo = self.fifo
+        if not fifo or fifo[-1].deadline <= call.deadline:
+            fifo.append(call)
+        else:
+            heapq.heappush(self.deadlines, (call.deadline, call.req_id))
 
     def send_now(self, call: Call) -> None:
         """Send ``call`` at once (an inline caller's, nothing ahead of it) or queue it."""
@@ -854,7 +883,7 @@ class _IoLoop:
             self.admit(call)
             self.send_backlog()
             return
-        heapq.heappush(self.deadlines, (call.deadline, call.req_id))
+        self._watch(call)
         self._send(call, opts.trace)
         self.last_sent = time.monotonic()
 
@@ -888,10 +917,11 @@ class _IoLoop:
     def _send(self, call: Call, trace: bool) -> None:
         if trace:
             call.sent_ns = time.perf_counter_ns()
-        if len(call.frames) == 1:
-            self.dealer.send(call.frames[0])
+        frames = call.frames
+        if isinstance(frames, bytes):
+            self.dealer.send(frames)
         else:
-            self.dealer.send_multipart(call.frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
+            self.dealer.send_multipart(frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
         call.frames = _SENT
         call.sent = True
         self.in_flight[call.req_id] = call
@@ -906,7 +936,7 @@ class _IoLoop:
         self.backlog.popleft()
         for call in reversed(calls):
             self.backlog.appendleft(call)
-            heapq.heappush(self.deadlines, (call.deadline, call.req_id))
+            self._watch(call)
         return True
 
     # ------------------------------------------------------------------------ receiving
@@ -914,7 +944,15 @@ class _IoLoop:
     def _receive(self, calls: list[Call] | None = None) -> None:
         """Take the replies that are in (up to 1024 at a time); with ``calls`` (an inline
         caller's), stop once they are done. Every ``REFILL_EVERY`` replies the window is topped
-        up from the backlog: read to the end first, and the worker would run dry meanwhile."""
+        up from the backlog (read to the end first, and the worker would run dry meanwhile) and
+        the threads blocked on the futures settled so far are woken."""
+        try:
+            self._read(calls)
+        finally:
+            if self.blocked_readers:
+                self._wake_readers()
+
+    def _read(self, calls: list[Call] | None) -> None:
         dealer, more = self.dealer, zmq.NOBLOCK
         for count in range(1, 1025):
             try:
@@ -928,8 +966,16 @@ class _IoLoop:
             self._on_reply(frames)
             if calls is not None and _all_done(calls):
                 return
-            if not count % REFILL_EVERY and self.backlog:
-                self.send_backlog()
+            if not count % REFILL_EVERY:
+                if self.blocked_readers:
+                    self._wake_readers()
+                if self.backlog:
+                    self.send_backlog()
+
+    def _wake_readers(self) -> None:
+        readers, self.blocked_readers = self.blocked_readers, []
+        for future in readers:
+            future._wake_readers()
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -951,8 +997,13 @@ class _IoLoop:
                 _settle(call, None, result)
             else:
                 _check_reply_payload(call.cmd, result, frames)
-                _settle(call, call.on_reply(result, frames[1:]) if call.on_reply else result,
-                        None)
+                value = call.on_reply(result, frames[1:]) if call.on_reply else result
+                future = call.future
+                if type(future) is RunningFuture:
+                    if future._set_result_quietly(value):
+                        self.blocked_readers.append(future)
+                else:
+                    _settle(call, value, None)
                 if received:
                     self._record(call, result, received)
         except BaseException as exc:
@@ -982,25 +1033,35 @@ class _IoLoop:
             getattr(reply, "compute_ns", 0) / 1e9))
 
     def _compact_deadlines(self) -> None:
-        """Drop heap entries of answered calls (they otherwise stay until their deadline)."""
-        live = [*self.in_flight.values(), *self.backlog]
-        self.deadlines = [(c.deadline, c.req_id) for c in live
-                          if not (isinstance(c, Call) and c.settled)]
+        """Drop the entries of answered calls (they otherwise stay until their deadline, or in
+        ``fifo`` until the calls before them are answered)."""
+        self.fifo = deque(c for c in self.fifo if not c.settled)
+        live = {*self.in_flight, *(c.req_id for c in self.backlog)}
+        self.deadlines = [entry for entry in self.deadlines if entry[1] in live]
         heapq.heapify(self.deadlines)
 
     def _expire(self, now: float) -> None:
+        fifo = self.fifo
+        while fifo and fifo[0].deadline <= now:
+            due = fifo.popleft()
+            if not due.settled:
+                self._expire_call(due)
         while self.deadlines and self.deadlines[0][0] <= now:
             _, req_id = heapq.heappop(self.deadlines)
-            call = self.in_flight.pop(req_id, None)
+            call = self.in_flight.get(req_id)
             if call is not None:
-                self.in_flight_bytes -= call.nbytes  # its late reply, if any, is dropped
-                self._time_out(call)
+                self._expire_call(call)
                 continue
             item = next((c for c in self.backlog if c.req_id == req_id), None)
             if isinstance(item, Call):
                 self._time_out(item)
             elif isinstance(item, Reservation):
                 self._expire_reservation(item)
+
+    def _expire_call(self, call: Call) -> None:
+        if self.in_flight.pop(call.req_id, None) is not None:
+            self.in_flight_bytes -= call.nbytes     # its late reply, if any, is dropped
+        self._time_out(call)
 
     def _time_out(self, call: Call) -> None:
         where = "waiting to be sent" if not call.sent else "sent, no reply"

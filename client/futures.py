@@ -117,6 +117,28 @@ class RunningFuture(Future[T]):
         if self._callbacks:
             self._run_callbacks()
 
+    def _set_result_quietly(self, result: T) -> bool:
+        """``set_result`` for the engine, which reads replies in batches: everything but waking
+        a thread blocked in ``result()``; True when there is one, and the engine then calls
+        :meth:`_wake_readers` at the end of its batch (a pipelining reader wakes once per
+        batch, not once per reply)."""
+        with self._lock:
+            if self._state == FINISHED or self._state in _CANCELLED:
+                raise InvalidStateError(f"{self._state}: {self!r}")
+            self._result = result
+            self._state = FINISHED
+            for waiter in self._waiting or ():
+                waiter.add_result(self)
+            blocked = self._cond is not None
+        if self._callbacks:
+            self._run_callbacks()
+        return blocked
+
+    def _wake_readers(self) -> None:
+        with self._lock:
+            if self._cond is not None:
+                self._cond.notify_all()
+
     def _wake(self, failed: bool) -> None:
         """Under the lock, just settled: tell whoever waits (usually nobody)."""
         for waiter in self._waiting or ():

@@ -230,6 +230,46 @@ def test_sync_request_raises_what_the_reply_or_its_handler_says(
         engine.close()
 
 
+@pytest.mark.skipif(not hasattr(time, "pthread_getcpuclockid"), reason="needs thread CPU clocks")
+def test_io_thread_sleeps_while_it_waits_for_replies(silent_router: zmq.Socket[bytes]) -> None:
+    """Requests in flight, none answered, wake-ups from new requests: the I/O thread drains
+    its wake-up socket and sleeps in poll (it used to miss the socket in poll's answer, which
+    names a plain socket by its fd, and spin until the engine went idle)."""
+    engine = Engine(_endpoint(silent_router))
+    try:
+        pending = [engine.submit(Cmd.PING, p.Empty()) for _ in range(3)]
+        for _ in range(3):
+            time.sleep(0.05)
+            pending.append(engine.submit(Cmd.PING, p.Empty()))   # wakes the I/O thread
+        clock = time.pthread_getcpuclockid(engine._thread.ident or 0)
+        cpu, wall = time.clock_gettime(clock), time.monotonic()
+        time.sleep(0.5)
+        used = time.clock_gettime(clock) - cpu
+        assert used < 0.25 * (time.monotonic() - wall), f"I/O thread busy {used:.3f} s"
+        assert not any(f.done() for f in pending)
+    finally:
+        engine.close()
+
+
+def test_each_request_times_out_at_its_own_deadline(silent_router: zmq.Socket[bytes]) -> None:
+    """Deadlines in submission order (the engine's timeout) and out of it (shorter ones)."""
+    from zmq_rpc.client.engine import EngineOptions
+    engine = Engine(_endpoint(silent_router), EngineOptions(timeout=0.6))
+    try:
+        started = time.monotonic()
+        default = [engine.submit(Cmd.PING, p.Empty()) for _ in range(3)]
+        short = engine.submit(Cmd.PING, p.Empty(), timeout=0.2)
+        long = engine.submit(Cmd.PING, p.Empty(), timeout=30)
+        assert isinstance(short.exception(timeout=5), Timeout)
+        assert time.monotonic() - started < 0.55 and not any(f.done() for f in default)
+        for future in default:
+            assert isinstance(future.exception(timeout=5), Timeout)
+        assert 0.55 < time.monotonic() - started < 3.0 and not long.done()
+    finally:
+        engine.close()
+    assert isinstance(long.exception(timeout=5), ClientClosed)
+
+
 def test_close_from_another_thread_ends_a_waiting_sync_request(
         silent_router: zmq.Socket[bytes]) -> None:
     engine = Engine(_endpoint(silent_router))

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from zmq_rpc.client.futures import (
+    RunningFuture,
     Steps,
     all_of,
     failed,
@@ -203,3 +204,32 @@ def test_running_future_wakes_every_waiter_when_settled_from_another_thread() ->
         for thread in waiters:
             thread.join(10)
         assert got == [round_] * 3
+
+
+def test_quiet_settling_wakes_a_blocked_reader_only_when_asked() -> None:
+    """The engine settles a batch of replies, then wakes their blocked readers at once."""
+    future: RunningFuture[Any] = RunningFuture()
+    assert future._set_result_quietly(1) is False          # nobody waits: nothing to wake
+    assert future.result(0) == 1
+    future = RunningFuture()
+    got: list[Any] = []
+    reader = threading.Thread(target=_append_result, args=(future, got))
+    reader.start()
+    while future._cond is None:                              # the reader is blocked
+        time.sleep(0.001)
+    seen: list[Any] = []
+    future.add_done_callback(lambda f: seen.append(f.result()))
+    waiter = threading.Thread(target=lambda: seen.append(len(wait([future], timeout=10).done)))
+    waiter.start()
+    time.sleep(0.05)
+    assert future._set_result_quietly("v") is True
+    assert seen[0] == "v"                                    # callbacks ran at once
+    waiter.join(5)
+    assert seen[1:] == [1]                                   # concurrent.futures.wait too
+    assert future.done() and future.result(0) == "v"
+    assert reader.is_alive() and not got                     # woken when the batch ends
+    future._wake_readers()
+    reader.join(5)
+    assert got == ["v"] and not reader.is_alive()
+    with pytest.raises(InvalidStateError):
+        future._set_result_quietly("again")
