@@ -101,6 +101,11 @@ class CompiledGraph:
             self._run_bound(bound)
         self.runs += 1
 
+    def bind_ahead(self, externals: Sequence[np.ndarray]) -> None:
+        """Bind the run to ``externals`` (the cached :attr:`views`) now, at registration, so that
+        the first run costs what the next ones do."""
+        self._bind(externals)
+
     def _bind(self, externals: Sequence[np.ndarray]) -> BoundRun | None:
         """The run bound to ``externals`` (bound on first use, kept while they are the views)."""
         bound = self._bound
