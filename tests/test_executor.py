@@ -21,7 +21,7 @@ from zmq_rpc.broker import peer as wire_peer
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.graph import GraphSpec, Node
 from zmq_rpc.broker.protocol import Cmd, DType, ErrorCode, TensorRef
-from zmq_rpc.worker import linked
+from zmq_rpc.worker import graph_exec, linked
 from zmq_rpc.worker.backends.base import Backend
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
 from zmq_rpc.worker.executor import Executor
@@ -598,6 +598,26 @@ def test_graph_arenas_are_counted_and_come_from_the_backend(
     assert h.answers()[0].ok and h.executor.budget.used == used + arena   # borrowed, given back
     h.call(A, Cmd.GRAPH_FREE, p.BufferOp(handle=3))
     assert h.answers()[0].ok and h.executor.budget.used == used
+
+
+def test_a_registered_graph_is_bound_at_registration_so_its_first_run_is_like_the_next(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    binds: list[int] = []
+    real = graph_exec.bind
+    monkeypatch.setattr(graph_exec, "bind", lambda g, ext: binds.append(1) or real(g, ext))
+    x = f32(1, 64)
+    h.alloc(A, 1, 512)
+    spec = GraphSpec((x, f32(1, 64, 256)), (Node("neg", (-1,), {}), Node("neg", (0,), {}, dst=1)))
+    h.call(A, Cmd.GRAPH_REGISTER, wire_graph.GraphRegister(handle=3, graph=spec))
+    assert h.answers()[0].ok and binds == [1]
+    for _ in range(2):
+        h.call(A, Cmd.GRAPH_RUN, wire_graph.GraphRun(handle=3, inputs=[], fetch=[]))
+        assert h.answers()[0].ok
+    assert binds == [1]
+    h.alloc(A, 2, 64)                      # a new buffer leaves the views as they were
+    h.call(A, Cmd.FREE_BUFFER, p.BufferOp(handle=2))    # a freed one drops them: bound again
+    h.call(A, Cmd.GRAPH_RUN, wire_graph.GraphRun(handle=3, inputs=[], fetch=[]))
+    assert all(a.ok for a in h.answers()) and binds == [1, 1]
 
 
 def test_goodbye_frees_everything_and_fails_what_waited(h: Harness) -> None:

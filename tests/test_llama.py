@@ -138,6 +138,32 @@ def test_prefill_logits_match_reference(model: Callable[..., LlamaModel], stages
 
 
 @pytest.mark.timeout(180)
+def test_a_worker_without_fused_ops_gets_unfused_graphs_and_the_same_tokens(
+        gguf: LlamaGGUF, clients: list[Client], prompt_ids: list[int], ref_greedy: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that does not advertise ``fused-ops`` (protocol 1.6) is never sent an
+    ``attention`` or ``swiglu`` node: its decode graph attends through matmul / soft_max."""
+    import dataclasses
+    old = Client(clients[2].endpoint, timeout=60.0)
+    try:
+        old.info = dataclasses.replace(old.info, capabilities=tuple(
+            c for c in old.info.capabilities if c != "fused-ops"))
+        sent: list[str] = []
+        register = old.register_async
+
+        def recording(graph: Graph) -> Any:
+            sent.extend(node.op for node in graph.nodes)
+            return register(graph)
+
+        monkeypatch.setattr(old, "register_async", recording)
+        with LlamaModel.load(gguf, [old]) as m:
+            assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
+        assert "soft_max" in sent and not {"attention", "swiglu"} & set(sent)
+    finally:
+        old.close()
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("stages, options", LAYOUTS)
 def test_greedy_generation_matches_reference(model: Callable[..., LlamaModel], stages: int,
                                              options: dict[str, Any], prompt_ids: list[int],

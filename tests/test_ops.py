@@ -532,6 +532,32 @@ def test_fused_attention_and_swiglu_match_their_numpy_composition() -> None:
         np.testing.assert_allclose(run("swiglu", [x]), run("mul", [silu, x[:, 48:]]), rtol=1e-6)
 
 
+def test_fused_kernels_never_compile_while_a_graph_runs() -> None:
+    """Arrays their warmed signature does not take (read-only ones here) run the numpy
+    composition: compiling a new specialization would hold the backend thread for seconds."""
+    fused = numpy_ops.kernels.fused_kernels()
+    if fused is None or _DEVICE["name"] != "cpu":
+        pytest.skip("numba kernels run on host arrays only")
+    names = ("attention", "rope", "swiglu", "rms_norm")
+    compiled = {name: len(getattr(fused, name).signatures) for name in names}
+    rng = np.random.default_rng(2)
+    q, k, v = rng.standard_normal((3, 2, 4, 8)).astype(np.float32)
+    for a in (q, k, v):
+        a.setflags(write=False)
+    close(run("attention", [q, k, v], {"scale": 0.5}), attention_ref(q, k, v, None, 0.5),
+          rtol=1e-5, atol=1e-6)
+    pos = np.arange(2, dtype=np.int32)
+    pos.setflags(write=False)
+    close(run("rope", [q, pos], {"n_dims": 8}), rope_ref(q, pos, 8, "normal", 10000.0, 1.0),
+          rtol=1e-5, atol=1e-5)
+    x = q.reshape(2, 32)
+    close(run("rms_norm", [x], {"eps": 1e-5}),
+          x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5), rtol=1e-5)
+    with np.errstate(all="ignore"):
+        close(run("swiglu", [x]), run("mul", [run("silu", [x[:, :16]]), x[:, 16:]]), rtol=1e-6)
+    assert {name: len(getattr(fused, name).signatures) for name in names} == compiled
+
+
 @pytest.mark.parametrize("shapes,message", [
     (((1, 9, 64), (8, 3, 32), (8, 3, 32)), r"head size of q"),
     (((1, 8, 4), (8, 3, 4), (8, 3, 4)), r"q heads 8 must be a multiple of k heads 3"),

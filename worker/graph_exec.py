@@ -101,6 +101,11 @@ class CompiledGraph:
             self._run_bound(bound)
         self.runs += 1
 
+    def bind_ahead(self, externals: Sequence[np.ndarray]) -> None:
+        """Bind the run to ``externals`` (the cached :attr:`views`) now, at registration, so that
+        the first run costs what the next ones do."""
+        self._bind(externals)
+
     def _bind(self, externals: Sequence[np.ndarray]) -> BoundRun | None:
         """The run bound to ``externals`` (bound on first use, kept while they are the views)."""
         bound = self._bound
@@ -359,15 +364,17 @@ def _written_buffers(spec: GraphSpec, steps: list[Step], roots: list[int]) -> fr
 
 
 def _index_checks(steps: list[Step]) -> list[tuple[int, int, int]]:
-    """(node, external src, rows) for get_rows/set_rows whose indices come from external tensors."""
+    """(node, external src, rows) for get_rows/set_rows whose indices come from external tensors;
+    one check per (src, rows), the first node's (a llama's decode graph writes every layer's KV
+    rows at the same positions)."""
     view_of_external = _views_of_external(steps)
-    checks = []
+    checks: dict[tuple[int, int], int] = {}
     for i, step in enumerate(steps):
         position = {"get_rows": 1, "set_rows": 2}.get(step.op)
         src = step.srcs[position] if position is not None else 0
         if position is not None and (src < 0 or view_of_external[src]):
-            checks.append((i, src, step.in_metas[0].shape[0]))
-    return checks
+            checks.setdefault((src, step.in_metas[0].shape[0]), i)
+    return [(node, src, rows) for (src, rows), node in checks.items()]
 
 
 def _views_of_external(steps: list[Step]) -> list[bool]:

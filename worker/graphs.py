@@ -55,6 +55,7 @@ class GraphCommands:
                              lambda: graph.ensure_arena(self.backend))
         if self.backend.kernels is K.NUMPY_KERNELS:     # host arrays: numba kernels, if any
             K.prepare(step.op for step in graph.steps)
+        graph.bind_ahead(self._externals(session, graph))
         session.graphs[msg.handle] = graph
         session.usage.graph_nodes += nodes
         return NO_REPLY

@@ -153,10 +153,18 @@ class PendingLoad:
     sources: list[StageSource] = field(default_factory=list)
     upload_bytes: int = 0
 
+    uploaded: float = 0.0
+
     def finish(self, progress: Progress | None = None,
                status: Callable[[str], None] | None = None) -> Loaded:
-        """Wait for the fills (``progress`` as the upload's acknowledgements arrive), then the
-        builds; the first failure is raised."""
+        """:meth:`wait_fills`, then :meth:`wait_builds`."""
+        self.wait_fills(progress, status)
+        return self.wait_builds()
+
+    def wait_fills(self, progress: Progress | None = None,
+                   status: Callable[[str], None] | None = None) -> None:
+        """Wait for the fills (``progress`` as the upload's acknowledgements arrive); the first
+        failure is raised. ``status``: the line of the build phase, once they are in."""
         total, done = sum(self.uploads.values()), 0
         if progress is not None:
             progress(0, total)
@@ -167,13 +175,17 @@ class PendingLoad:
                 progress(done, total)
         for future in self.fills:
             future.result()
-        uploaded = time.perf_counter()
+        self.uploaded = time.perf_counter()
         if status is not None:
             status(self.layout_line)
+
+    def wait_builds(self) -> Loaded:
+        """Wait for the builds (after :meth:`wait_fills`); the first failure is raised."""
         for future in self.builds:
             future.result()
-        return Loaded(self.upload_bytes, uploaded - self.started, time.perf_counter() - uploaded,
-                      tuple(self.sources), self.kernel_seconds)
+        return Loaded(self.upload_bytes, self.uploaded - self.started,
+                      time.perf_counter() - self.uploaded, tuple(self.sources),
+                      self.kernel_seconds)
 
 
 class WeightLoader:

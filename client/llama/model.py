@@ -108,17 +108,22 @@ class LlamaModel:
         return model
 
     def _load(self, progress: Progress | None, status: Status, source: WeightSource) -> None:
-        """Everything is issued at once (each worker runs it in order) and then waited for:
-        weights, KV cache and graph registrations. No warm-up run: the kernels are compiled
-        before the upload and the buffers populated when allocated, so the first prefill and
-        decode cost what the next ones do (measured with and without one)."""
+        """Everything is issued as early as it can be (each worker runs its requests in order)
+        and waited for once: the weights' fills and builds, then the KV cache; while the
+        workers lay the weights out, the client builds the stage graphs and registers them
+        (not during the upload: the caller's thread would hold the GIL that the I/O thread
+        sends with). No warm-up run: the kernels are compiled before the upload, the graphs'
+        numba kernels prepared and their runs bound when they are registered, the buffers
+        populated when allocated, so the first prefill and decode cost what the next ones
+        do."""
         start = time.perf_counter()
         pending = WeightLoader(self.gguf, self.format, source).start(self.stages, status)
         for stage in self.stages:
             self.cache.allocate(stage)
+        pending.wait_fills(progress, status)
         registrations = self.graphs.register_async(self.stages, ("decode", "prefill"))
         try:
-            loaded = pending.finish(progress, status)
+            loaded = pending.wait_builds()
         except Exception:
             self.graphs.collect(registrations, strict=False)   # close() frees what registered
             raise

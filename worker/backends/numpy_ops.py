@@ -367,8 +367,10 @@ def _pack(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np
 def _mul_mat_packed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     """out = x @ W.T for a packed W, with the numba kernels (``worker/kernels``)."""
     x = as_float32(xs[0], ms[0].dtype).reshape(-1, ms[0].shape[-1])
-    with _kernels():
+    try:
         kernels.matmul(x, xs[1], p["qtype"], out.reshape(x.shape[0], -1))
+    except kernels.KernelUnavailable as exc:
+        raise OpRuntimeError(str(exc)) from None
 
 
 def _unpack(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
@@ -396,9 +398,13 @@ def _kernels() -> Iterator[None]:
 
 def _check_index(idx: np.ndarray, n: int, what: str) -> None:
     """Reject index values outside [0, n) before they are used (no negative wraparound)."""
-    if idx.size == 0:
-        return
-    lo, hi = int(idx.min()), int(idx.max())
+    if idx.size <= 1:               # a decode step's one position: no reductions
+        if idx.size:
+            lo = hi = int(idx.reshape(-1)[0])
+        else:
+            return
+    else:
+        lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= n:
         raise OpRuntimeError(f"{what}: index {lo if lo < 0 else hi} is out of range [0, {n})")
 
@@ -444,8 +450,15 @@ def _root_mean_square(x: F32, eps: float) -> F32:
 
 
 def _rms_norm(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
-    """x / sqrt(mean(x^2) + eps) over the last axis (ggml: no weight)."""
-    _load(out, xs[0], ms[0])
+    """x / sqrt(mean(x^2) + eps) over the last axis (ggml: no weight); numba on the host for
+    contiguous float32 rows (``kernels.fused.rms_norm``)."""
+    x, fused = xs[0], kernels.fused_kernels()
+    if (fused is not None and type(out) is np.ndarray and ms[0].dtype == "float32"
+            and ms[0].contiguous and out.ndim):
+        width = out.shape[-1]
+        if _compiled(fused.rms_norm, x.reshape(-1, width), _F32(p["eps"]), out.reshape(-1, width)):
+            return
+    _load(out, x, ms[0])
     out /= _root_mean_square(out, p["eps"])
 
 
@@ -520,13 +533,24 @@ def _fused_rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, o
     fused = kernels.fused_kernels()
     if fused is None or type(out) is not np.ndarray or ms[0].dtype != "float32" or out.ndim != 3:
         return False
+    x, pos = np.ascontiguousarray(xs[0]), np.ascontiguousarray(xs[1])
     key = (n_dims, p["freq_base"], p["freq_scale"])
     inv_freq = _INV_FREQ.get(key)
     if inv_freq is None:
         inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * np.arange(n_dims // 2) / n_dims)
         if len(_INV_FREQ) < 64:
             _INV_FREQ[key] = inv_freq
-    fused.rope(xs[0], xs[1], inv_freq, p["mode"] == "neox", n_dims, out)
+    return _compiled(fused.rope, x, pos, inv_freq, p["mode"] == "neox", n_dims, out)
+
+
+def _compiled(kernel: Callable[..., None], *args: Any) -> bool:
+    """Run a numba kernel of ``kernels.fused`` on ``args``; False (nothing written) when its
+    warmed signature does not take them (a read-only array, say): they never compile at run
+    time, and the caller runs its numpy composition instead."""
+    try:
+        kernel(*args)
+    except TypeError:
+        return False
     return True
 
 
@@ -542,10 +566,12 @@ def _attention(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, ou
     fused = kernels.fused_kernels()
     if (fused is not None and type(out) is np.ndarray
             and all(m.dtype == "float32" for m in ms)):
-        mask = (np.broadcast_to(xs[3], (T, S)) if len(xs) > 3
-                else np.zeros((1, S), np.float32))
-        fused.attention(q, k, v, mask, _F32(p["scale"]), out)
-        return
+        mask = (np.zeros((1, S), np.float32) if len(xs) < 4
+                else xs[3] if xs[3].ndim == 2 and xs[3].shape[1] == S
+                else np.broadcast_to(xs[3], (T, S)))
+        q, k, v, mask = (np.ascontiguousarray(a) for a in (q, k, v, mask))
+        if _compiled(fused.attention, q, k, v, mask, _F32(p["scale"]), out):
+            return
     _attention_composed(xs, ms, p, out)
 
 
@@ -586,8 +612,8 @@ def _swiglu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: 
     n = out.shape[-1]
     x = xs[0]
     fused = kernels.fused_kernels()
-    if fused is not None and type(out) is np.ndarray and ms[0].dtype == "float32":
-        fused.swiglu(x.reshape(-1, 2 * n), out.reshape(-1, n))
+    if (fused is not None and type(out) is np.ndarray and ms[0].dtype == "float32"
+            and _compiled(fused.swiglu, x.reshape(-1, 2 * n), out.reshape(-1, n))):
         return
     x = _ufunc_src(x, ms[0])
     gate = x[..., :n]
@@ -679,7 +705,7 @@ def run_compute(op: str, inputs: Sequence[np.ndarray], metas: Sequence[TensorMet
         _COMPUTE_KERNELS[op](inputs, metas, params, out)
 
 
-NUMBA_OPS: Final = frozenset({"attention", "rope", "swiglu"})
+NUMBA_OPS: Final = frozenset({"attention", "rms_norm", "rope", "swiglu"})
 """Ops whose host kernels are numba loops (:mod:`~zmq_rpc.worker.kernels.fused`) where numba
 imports."""
 

@@ -89,6 +89,9 @@ def fused_kernels() -> ModuleType | None:
         if not available():
             return None
         from . import fused as module
+        start = time.perf_counter()
+        _warm_fused(module)
+        _warm["fused"] = time.perf_counter() - start
         _fused.append(module)
     return _fused[0]
 
@@ -155,9 +158,6 @@ def warm_fused() -> float:
     without numba."""
     if "fused" in _warm or fused_kernels() is None:
         return 0.0
-    start = time.perf_counter()
-    _warm_fused()
-    _warm["fused"] = time.perf_counter() - start
     return _warm["fused"]
 
 
@@ -169,6 +169,9 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
     mv, dq, flags = _jit().KERNELS[qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, k = w.shape[0], x.shape[1]
+    if x.shape[0] == 1 and _state["threads"] == 1:    # a decode step: straight to the kernel
+        mv(w, x[0], out[0], 0, rows, *flags)
+        return
     if x.shape[0] <= MATVEC_ROWS:
         for t in range(x.shape[0]):
             _rows(mv, (w, x[t], out[t]), 0, rows, flags)
@@ -209,17 +212,16 @@ def take_rows(w: np.ndarray, qtype: str, idx: np.ndarray, out: np.ndarray) -> No
         out[i] = column[:, 0]
 
 
-def _warm_fused() -> None:
-    """Compile (or load) the fused small-op kernels for the array layouts a llama graph gives
-    them: q and rope's x strided views of a fused QKV product, contiguous caches and outputs."""
-    module = fused_kernels()
-    if module is None:
-        return
-    qkv = np.zeros((2, 5, 4), np.float32)
-    kv, out = np.zeros((3, 1, 4), np.float32), np.zeros((2, 4, 4), np.float32)
-    mask = np.zeros((1, 3), np.float32)
-    for m in (mask, np.broadcast_to(mask, (1, 3))):       # no mask; a graph's (read-only view)
-        module.attention(qkv[:1, :4], kv, kv, m, np.float32(0.5), out[:1])
-    for x in (qkv[:1, :4], qkv[:, :4]):   # one token's rows are contiguous, a chunk's are not
-        module.rope(x, np.zeros(len(x), np.int32), np.ones(2), False, 4, out[:len(x)])
+def _warm_fused(module: ModuleType) -> None:
+    """Compile (or load) the fused small-op kernels for the one signature each is called with
+    (C-contiguous float32 arrays; rope's positions int32 or int64), then forbid compiling: a
+    graph whose arrays would need another specialization gets a TypeError, and its op runs the
+    numpy composition, instead of holding the backend thread for seconds of compilation."""
+    q, kv, out = np.zeros((1, 4, 4), np.float32), np.zeros((3, 1, 4), np.float32), np.zeros((1, 4, 4), np.float32)
+    module.attention(q, kv, kv, np.zeros((1, 3), np.float32), np.float32(0.5), out)
+    for dtype in (np.int32, np.int64):
+        module.rope(q, np.zeros(1, dtype), np.ones(2), False, 4, out)
     module.swiglu(np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32))
+    module.rms_norm(np.zeros((1, 4), np.float32), np.float32(1e-5), np.zeros((1, 4), np.float32))
+    for kernel in (module.attention, module.rope, module.swiglu, module.rms_norm):
+        kernel.disable_compile()

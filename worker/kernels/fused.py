@@ -1,6 +1,7 @@
 """numba kernels of the small per-token graph ops: attention, rope, swiglu (float32, CPU).
 
-Owns the compiled loops; only the worker's backend thread calls them (through
+Owns the compiled loops (numpy's error model: a division by zero gives inf or NaN, as in numpy);
+only the worker's backend thread calls them (through
 :mod:`~zmq_rpc.worker.backends.numpy_ops`, which falls back to its numpy composition where numba
 is missing or the arrays are not the float32 ones these loops take). Importing this module needs
 numba; compiled code is cached on disk (``cache=True``), like :mod:`.jit`'s.
@@ -19,6 +20,8 @@ whole 512-row cache and a masked softmax) took ~190 us per layer, rope ~60 us pe
 - :func:`rope`: the rotation of :func:`~zmq_rpc.worker.backends.numpy_ops` ``_rope`` with the same
   float64 angles and the same float32 operations in the same order (strict float semantics).
 - :func:`swiglu`: ``silu(x[:, :n]) * x[:, n:]`` per row (strict float semantics, numpy's order).
+- :func:`rms_norm`: ``x / sqrt(mean(x^2) + eps)`` per row: the sum of squares reassociated (as
+  numpy's pairwise sum is, in another order), the rest in numpy's operations.
 """
 
 from __future__ import annotations
@@ -29,14 +32,14 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["attention", "rope", "swiglu"]
+__all__ = ["attention", "rms_norm", "rope", "swiglu"]
 
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 _F32 = np.float32
 _NEG_INF = -np.inf
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model="numpy")
 def _scores(q: Any, k: Any, kh: int, mask: Any, scale: float, s: Any) -> float:
     """``s[j] = scale * q . k[j, kh] + mask[j]`` (``-inf`` unread where masked); the peak."""
     peak = _NEG_INF
@@ -55,7 +58,7 @@ def _scores(q: Any, k: Any, kh: int, mask: Any, scale: float, s: Any) -> float:
     return peak
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model="numpy")
 def _weighted(s: Any, peak: float, v: Any, kh: int, out: Any) -> None:
     """``out = sum_j exp(s[j] - peak) v[j, kh] / sum_j exp(s[j] - peak)`` over unmasked j."""
     out[:] = 0.0
@@ -73,7 +76,7 @@ def _weighted(s: Any, peak: float, v: Any, kh: int, out: Any) -> None:
             out[d] *= inv
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model="numpy")
 def attention(q: Any, k: Any, v: Any, mask: Any, scale: float, out: Any) -> None:
     """``out[t, h] = softmax(scale * q[t, h] . k[:, kh] + mask[t]) @ v[:, kh]`` for q (T, H, D),
     k and v (S, H_kv, D), mask (T, S) (a (1, S) mask serves every row), out (T, H, D); all
@@ -91,7 +94,7 @@ def attention(q: Any, k: Any, v: Any, mask: Any, scale: float, out: Any) -> None
             _weighted(s, peak, v, kh, out[t, h])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def rope(x: Any, pos: Any, inv_freq: Any, neox: bool, n_dims: int, out: Any) -> None:
     """x (T, H, D) float32 rotated at positions pos (T,) into out (T, H, D): the features
     ``(2i, 2i+1)`` (or ``(i, i + n_dims/2)`` for neox) by ``pos * inv_freq[i]``; the rest copied."""
@@ -111,7 +114,7 @@ def rope(x: Any, pos: Any, inv_freq: Any, neox: bool, n_dims: int, out: Any) -> 
                 out[t, h, d] = x[t, h, d]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def swiglu(x: Any, out: Any) -> None:
     """out (T, n) = silu(x[:, :n]) * x[:, n:] for x (T, 2n), float32 (silu(g) = g / (1 + e^-g))."""
     n = out.shape[1]
@@ -120,3 +123,21 @@ def swiglu(x: Any, out: Any) -> None:
             g = x[t, i]
             sig = _F32(1.0) / (_F32(1.0) + _F32(math.exp(-g)))
             out[t, i] = sig * g * x[t, n + i]
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True, error_model="numpy")
+def _sum_of_squares(x: Any) -> Any:
+    acc = _F32(0.0)
+    for i in range(x.shape[0]):
+        acc += x[i] * x[i]
+    return acc
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def rms_norm(x: Any, eps: float, out: Any) -> None:
+    """out (T, n) = x / sqrt(sum(x^2) / n + eps) per row of x (T, n), float32."""
+    inv_n = _F32(1.0) / _F32(x.shape[1])
+    for t in range(x.shape[0]):
+        rms = _F32(math.sqrt(_F32(_F32(_sum_of_squares(x[t]) * inv_n) + eps)))
+        for i in range(x.shape[1]):
+            out[t, i] = x[t, i] / rms
