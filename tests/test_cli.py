@@ -155,3 +155,32 @@ def test_parsing_every_flag_leaves_numpy_unloaded_so_threads_pins_blas(tmp_path:
                          timeout=30, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_worker_whose_stdout_reader_went_away_serves_and_stops_on_sigterm() -> None:
+    """The launcher closes its end of the worker's stdout before the worker prints its address
+    (it crashed, or read nothing): the worker says so in its log, serves all the same, and
+    SIGTERM ends it with exit 0 (it used to raise BrokenPipeError in main() and leave its
+    server threads running, deaf to signals)."""
+    proc = subprocess.Popen([WORKER, "--bind", "tcp://127.0.0.1:*"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        endpoint = ""
+        deadline = time.monotonic() + 30
+        while not endpoint and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if " listening on " in line:
+                endpoint = line.rsplit(" listening on ", 1)[1].split()[0]
+        assert endpoint, "the worker never logged its address"
+        with Client(endpoint) as client:
+            client.ping()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(SHUTDOWN_BOUND_S + 5) == 0
+        assert "cannot write the worker's address to stdout" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

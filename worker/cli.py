@@ -271,16 +271,37 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
-    print(f"zmq-rpc-worker listening on {endpoint}", flush=True)
-    if server.metrics_address:
-        print(f"zmq-rpc-worker metrics on {server.metrics_address}/metrics", flush=True)
-    code = 0
+    code = 1
+    try:
+        lines = [f"zmq-rpc-worker listening on {endpoint}"]
+        if server.metrics_address:
+            lines.append(f"zmq-rpc-worker metrics on {server.metrics_address}/metrics")
+        announce(lines)
+        code = serve_until(stop, server)
+    finally:     # whatever went wrong, the server's threads must not outlive main()
+        code = stop_within(server, SHUTDOWN_BOUND_S, code)
+    return code
+
+
+def announce(lines: list[str]) -> None:
+    """Print what a launcher reads on stdout. A stdout that is closed or whose reader went away
+    is logged, not fatal: the worker serves all the same (the address is in the log too), and
+    SIGINT/SIGTERM still stop it."""
+    try:
+        for line in lines:
+            print(line, flush=True)
+    except (OSError, ValueError) as exc:      # BrokenPipeError, EBADF, a closed file
+        log.warning("cannot write the worker's address to stdout (%s); serving anyway", exc)
+        sys.stdout = open(os.devnull, "w")    # no second error when the interpreter flushes it
+
+
+def serve_until(stop: threading.Event, server: WorkerServer) -> int:
+    """Wait for a stop signal (exit code 0) or for a worker thread to end on its own (1)."""
     while not stop.wait(0.5):
         if not server.running():
             log.error("a worker thread ended on its own; stopping")
-            code = 1
-            break
-    return stop_within(server, SHUTDOWN_BOUND_S, code)
+            return 1
+    return 0
 
 
 def stop_within(server: WorkerServer, bound: float, code: int) -> int:
