@@ -378,7 +378,8 @@ class Client:
 
     def free_buffer(self, buffer: RemoteBuffer) -> None:
         """Free a buffer now (the session frees the rest when the client closes)."""
-        self._sync(self.free_buffer_async, buffer)
+        self._own_buffer(buffer)
+        self._request(Cmd.FREE_BUFFER, p.BufferOp(handle=buffer.handle))
 
     def free_buffer_async(self, buffer: RemoteBuffer) -> Future[None]:
         self._own_buffer(buffer)
@@ -386,7 +387,8 @@ class Client:
 
     def clear_buffer(self, buffer: RemoteBuffer, value: int = 0) -> None:
         """Set every byte of the buffer to ``value`` (0..255)."""
-        self._sync(self.clear_buffer_async, buffer, value)
+        self._own_buffer(buffer)
+        self._request(Cmd.CLEAR_BUFFER, p.ClearBuffer(handle=buffer.handle, value=value))
 
     def clear_buffer_async(self, buffer: RemoteBuffer, value: int = 0) -> Future[None]:
         self._own_buffer(buffer)
@@ -450,7 +452,9 @@ class Client:
     def memset_tensor(self, tensor: RemoteTensor, value: int, offset: int = 0,
                       size: int | None = None) -> None:
         """Set bytes [offset, offset+size) of the tensor's data to ``value`` (0..255)."""
-        self._sync(self.memset_tensor_async, tensor, value, offset, size)
+        self._own(tensor)
+        self._request(Cmd.MEMSET_TENSOR, p.MemsetTensor(
+            tensor=tensor.ref, value=value, offset=offset, size=-1 if size is None else size))
 
     def memset_tensor_async(self, tensor: RemoteTensor, value: int, offset: int = 0,
                             size: int | None = None) -> Future[None]:
@@ -477,7 +481,9 @@ class Client:
 
     def device_memory(self) -> MemoryInfo:
         """Free and total bytes this worker may hand out (all sessions together)."""
-        return self._sync(self.device_memory_async)
+        return cast(MemoryInfo, self._request(
+            Cmd.DEVICE_MEMORY, p.Empty(),
+            on_reply=lambda r, f: MemoryInfo(r.free, r.total)))  # type: ignore[attr-defined]
 
     def device_memory_async(self) -> Future[MemoryInfo]:
         return self._call(Cmd.DEVICE_MEMORY, p.Empty(),
@@ -499,7 +505,7 @@ class Client:
 
     def synchronize(self) -> None:
         """Return once every request issued before it to this worker has run."""
-        self._sync(self.synchronize_async)
+        self._request(Cmd.SYNCHRONIZE, p.Empty())
 
     def synchronize_async(self) -> Future[None]:
         return self._call(Cmd.SYNCHRONIZE, p.Empty())
