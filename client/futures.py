@@ -96,24 +96,20 @@ class RunningFuture(Future[T]):
         return self._state == FINISHED or self._state in _CANCELLED
 
     def set_result(self, result: T) -> None:
-        with self._lock:
-            if self._state == FINISHED or self._state in _CANCELLED:
-                raise InvalidStateError(f"{self._state}: {self!r}")
-            self._result = result
-            self._state = FINISHED
-            if self._waiting or self._cond is not None:
-                self._wake(False)
-        if self._callbacks:
-            self._run_callbacks()
+        self._settle(result, None, failed=False)
 
     def set_exception(self, exception: BaseException | None) -> None:
+        self._settle(None, exception, failed=True)
+
+    def _settle(self, result: T | None, exception: BaseException | None, failed: bool) -> None:
+        """Finish with ``result`` or ``exception``; wake waiters, then run callbacks."""
         with self._lock:
             if self._state == FINISHED or self._state in _CANCELLED:
                 raise InvalidStateError(f"{self._state}: {self!r}")
-            self._exception = exception
+            self._result, self._exception = result, exception
             self._state = FINISHED
             if self._waiting or self._cond is not None:
-                self._wake(True)
+                self._wake(failed)
         if self._callbacks:
             self._run_callbacks()
 
