@@ -24,9 +24,12 @@ Module map (thread that runs it):
   (backend).
 - ``stash``: chunks that arrive before their receive starts, bounded per sender (backend).
 - ``graph_exec``: graph compile (validation, arena plan) and execution (backend).
+- ``graph_bind``: a compiled graph bound to its arrays once, run as a tight loop of prepared
+  kernel calls (backend).
 - ``backends.base``: the ``Backend`` protocol; ``backends.numpy_backend``, ``backends.cupy_backend``
   implement it, ``backends.numpy_ops`` holds the kernels (backend).
-- ``kernels``: packed quantized matmul kernels (numba when installed) (backend).
+- ``kernels``: packed quantized matmul kernels, and ``kernels.fused`` the fused decode kernels
+  (attention, swiglu, rope, rms_norm) (numba when installed) (backend).
 - ``devices``: ``--device`` names, parsed without importing numpy (the main thread, with the flags).
 - ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``).
 """
