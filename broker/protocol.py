@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 
@@ -95,6 +95,9 @@ from .wire import (
     timing_field,
     wire_message,
 )
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = [  # the protocol's vocabulary; wire's names are re-exported so callers need one import
     "DTYPE_NAMES", "MAX_DIM", "MAX_HANDLE", "MAX_HEADER_BYTES", "MAX_RANK", "MAX_STRING",
@@ -503,8 +506,9 @@ def encode_error(req_id: int, code: ErrorCode, message: str) -> bytes:
     return _packb([int(code), req_id, message[:MAX_STRING]])
 
 
-def unpack_header(frame: bytes | memoryview) -> list[Any]:
-    """Parse a header frame into its msgpack array, with size and shape checks."""
+def unpack_header(frame: bytes | memoryview | zmq.Frame) -> list[Any]:
+    """Parse a header frame into its msgpack array, with size and shape checks (a ``zmq.Frame``
+    is read in place: cheaper than its ``.buffer``, a new memoryview each time)."""
     if len(frame) > MAX_HEADER_BYTES:
         raise BadRequest(f"header of {len(frame)} bytes is over {MAX_HEADER_BYTES}",
                          code=ErrorCode.BAD_REQUEST)

@@ -57,7 +57,7 @@ from ..broker.protocol import Cmd
 from .calls import Call, OnReply, Reservation, drain_inbox, fail_call, fail_item
 from .calls import RequestTiming as RequestTiming
 from .futures import RunningFuture
-from .inline import exchange, pump, pump_together
+from .inline import pump, pump_together, request
 from .io_loop import IoLoop, io_thread
 from .io_loop import on_io_thread as on_io_thread
 from .security import CurveClient
@@ -187,11 +187,11 @@ class Engine:
         if io is None:
             return self.submit(cmd, msg, payload, on_reply, timeout, reply_bytes).result()
         try:
-            call = self._new_call(cmd, msg, payload, on_reply, timeout, reply_bytes, None)
-            exchange(io, call)
+            wait = self.options.timeout if timeout is None else timeout
+            return request(io, cmd, next(self._ids), msg, payload, on_reply,
+                           time.monotonic() + wait, reply_bytes)
         finally:
             self._release(io)
-        return call.outcome()
 
     def _new_call(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any],
                   on_reply: OnReply | None, timeout: float | None, reply_bytes: int,

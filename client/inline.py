@@ -18,15 +18,137 @@ from typing import Any
 import zmq
 from zmq import zmq_poll
 
-from ..broker.errors import ClientClosed
-from .calls import Call, all_done, fail_call
-from .io_loop import IoLoop, io_thread
+from ..broker import protocol as p
+from ..broker.errors import ClientClosed, RpcError
+from ..broker.protocol import STATUS_OK, Cmd
+from .calls import SENT, Call, OnReply, all_done, fail_call
+from .io_loop import IoLoop, check_reply_payload, io_thread
+from .link import SYNC_SLICE_MS
+
+SYNC_SLICE_S = SYNC_SLICE_MS / 1000
 
 TOGETHER_GRACE_S = 0.5
 """How long :func:`pump_together` still reads the replies of its other requests once its
 future has succeeded (a copy's source worker answers a moment after the bytes landed): the
 connections are then idle for the caller's next request. Past it (or at once when the future
 failed) the I/O threads read them."""
+
+
+def request(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence[Any],
+            on_reply: OnReply | None, deadline: float, reply_bytes: int) -> Any:
+    """One synchronous request, sent and answered on this thread: its result (``on_reply``'s,
+    or the reply), or its error raised.
+
+    Its usual course (the connection up, its own successful reply within ``SYNC_SLICE_MS``)
+    is a send and a blocking receive on the DEALER alone, like a bare socket's, and leaves
+    nothing behind: no :class:`Call`, no entry in flight, no deadline. Anything else (another
+    message first, an error reply, no reply within the slice, a short timeout, tracing) makes
+    it a call in flight driven by :func:`_await`, which watches the monitor, the deadlines and
+    the wake-up socket as every inline caller does. So close(), other threads' requests and
+    connection events wait at most ``SYNC_SLICE_MS`` for a synchronous caller's notice."""
+    link = io.link
+    if io.trace or link.lost is not None or (link.ever_up and not link.up):
+        return _exchanged(io, cmd, req_id, msg, payload, on_reply, deadline, reply_bytes)
+    header = p.encode_request(cmd, req_id, msg)
+    dealer = io.dealer
+    if payload:
+        nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
+        dealer.send_multipart([header, *payload], copy=nbytes < zmq.COPY_THRESHOLD)
+    else:
+        nbytes = reply_bytes
+        dealer.send(header)
+    now = time.monotonic()
+    link.last_sent = now
+    io_thread.active = True
+    try:
+        frames = None
+        if deadline - now > SYNC_SLICE_S:
+            bare = _bare_reply(cmd)         # while the request is on its way
+            expected = p.encode_reply(req_id, bare) if bare is not None else b""
+            try:
+                frame = dealer.recv(copy=False)     # blocks at most SYNC_SLICE_MS (RCVTIMEO)
+            except zmq.Again:
+                pass
+            else:
+                if bare is not None and not frame.more and frame.bytes == expected:
+                    return on_reply(bare, []) if on_reply is not None else bare
+                frames = _rest(dealer, frame)
+                value = _own_reply(cmd, req_id, frames, on_reply)
+                if value is not _NOT_OURS:
+                    return value
+        return _in_flight(io, Call(cmd, req_id, SENT, None, deadline, on_reply, nbytes,
+                                   sent=True), frames)
+    finally:
+        io_thread.active = False
+
+
+def _in_flight(io: IoLoop, call: Call, frames: list[zmq.Frame] | None) -> Any:
+    """The rest of :func:`request` for ``call``, sent and now in flight (``frames``: a
+    message already read for it, not its successful reply)."""
+    io.in_flight[call.req_id] = call
+    io.in_flight_bytes += call.nbytes
+    if frames is not None:
+        io._on_reply(frames)
+    try:
+        if not call.settled or io.blocked_readers:
+            _await(io, call, [] if frames is not None else None)
+    finally:
+        if not call.settled:        # the I/O thread times it out from now on
+            io.deadlines.watch(call)
+    return call.outcome()
+
+
+_NOT_OURS = object()
+
+_BARE_REPLIES: dict[Cmd, p.Message | None] = {}
+
+
+def _bare_reply(cmd: Cmd) -> p.Message | None:
+    """The reply to ``cmd`` that has no fields (an Ack), when there is one: a success reply
+    byte-identical to its encoding decodes to this very instance, and carries no payload."""
+    try:
+        return _BARE_REPLIES[cmd]
+    except KeyError:
+        pass
+    bare: p.Message | None = None
+    try:
+        first, second = (p.decode_reply(cmd, [STATUS_OK, 0]) for _ in range(2))
+    except RpcError:
+        pass                            # a reply with required fields
+    else:
+        if first is second and isinstance(first, p.Message) and not first.payload_count():
+            bare = first
+    _BARE_REPLIES[cmd] = bare
+    return bare
+
+
+def _own_reply(cmd: Cmd, req_id: int, frames: list[zmq.Frame], on_reply: OnReply | None) -> Any:
+    """What the reply in ``frames`` settles our request with, if it is our request's successful
+    reply (its error raised if it is not a valid one); else ``_NOT_OURS`` (for
+    ``IoLoop._on_reply``: a late reply, a keep-alive's, an error, garbage)."""
+    try:
+        header = p.unpack_header(frames[0])
+    except RpcError:
+        return _NOT_OURS
+    if header[1] != req_id or header[0] != STATUS_OK:
+        return _NOT_OURS
+    reply = p.decode_reply(cmd, header)
+    if isinstance(reply, RpcError):
+        return _NOT_OURS
+    check_reply_payload(cmd, reply, frames)
+    return on_reply(reply, frames[1:]) if on_reply else reply
+
+
+def _exchanged(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence[Any],
+               on_reply: OnReply | None, deadline: float, reply_bytes: int) -> Any:
+    """:func:`request` as a :class:`Call` from the start (tracing, or the connection down)."""
+    header = p.encode_request(cmd, req_id, msg)
+    frames: bytes | list[Any] = [header, *payload] if payload else header
+    nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
+    call = Call(cmd, req_id, frames, None, deadline, on_reply, nbytes,
+                submitted_ns=time.perf_counter_ns() if io.trace else 0)
+    exchange(io, call)
+    return call.outcome()
 
 
 def exchange(io: IoLoop, call: Call) -> None:
@@ -45,26 +167,30 @@ def exchange(io: IoLoop, call: Call) -> None:
             io.deadlines.watch(call)
 
 
-def _await(io: IoLoop, call: Call) -> None:
+def _await(io: IoLoop, call: Call, events: list[tuple[Any, int]] | None = None) -> None:
+    """Drive the connection until ``call`` is settled (or its deadline passed); ``events``:
+    what a poll already reported, handled first."""
     engine, items, dealer, calls = io.engine, io.poll_items, io.dealer, [call]
     io_thread.active = True
     try:
         while True:
-            engine._pump_sleeping = True
-            timeout = io.poll_timeout_ms(call.deadline) if engine._inbox.empty() else 0
-            events = zmq_poll(items, timeout)
-            engine._pump_sleeping = False
-            if len(events) == 1 and events[0][0] is dealer:   # the usual: its reply
-                _take_one(io, dealer)
-                if call.settled and not io.blocked_readers:
-                    return
-                io.receive(calls)
-                if all_done(calls):
-                    return
-                events = []         # then the round's chores (timeouts, new requests)
+            if events is None:
+                engine._pump_sleeping = True
+                timeout = io.poll_timeout_ms(call.deadline) if engine._inbox.empty() else 0
+                events = zmq_poll(items, timeout)
+                engine._pump_sleeping = False
+                if len(events) == 1 and events[0][0] is dealer:   # the usual: its reply
+                    _take_one(io, dealer)
+                    if call.settled and not io.blocked_readers:
+                        return
+                    io.receive(calls)
+                    if all_done(calls):
+                        return
+                    events = []     # then the round's chores (timeouts, new requests)
             if not io.handle(dict(events), calls):
                 fail_call(call, ClientClosed("the client was closed"))
                 return
+            events = None
             if all_done(calls):
                 return
             if call.deadline <= time.monotonic():
@@ -76,12 +202,21 @@ def _await(io: IoLoop, call: Call) -> None:
 
 def _take_one(io: IoLoop, dealer: zmq.Socket[bytes]) -> None:
     """Read the message that poll said is in."""
-    frame = dealer.recv(zmq.NOBLOCK, copy=False)
+    io._on_reply(_recv(dealer))
+
+
+def _recv(dealer: zmq.Socket[bytes]) -> list[zmq.Frame]:
+    """The message that poll said is in, all its frames."""
+    return _rest(dealer, dealer.recv(zmq.NOBLOCK, copy=False))
+
+
+def _rest(dealer: zmq.Socket[bytes], frame: zmq.Frame) -> list[zmq.Frame]:
+    """The message whose first frame is ``frame``: the rest is there with it."""
     frames = [frame]
     while frame.more:
         frame = dealer.recv(zmq.NOBLOCK, copy=False)
         frames.append(frame)
-    io._on_reply(frames)
+    return frames
 
 
 def pump(io: IoLoop, calls: list[Call]) -> None:

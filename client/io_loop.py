@@ -272,7 +272,7 @@ class IoLoop:
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
-            header = p.unpack_header(frames[0].buffer)
+            header = p.unpack_header(frames[0])
         except RpcError as exc:
             log.warning("dropping an unreadable reply: %s", exc)
             return
@@ -289,7 +289,7 @@ class IoLoop:
             if isinstance(result, RpcError):
                 settle(call, None, result)
             else:
-                _check_reply_payload(call.cmd, result, frames)
+                check_reply_payload(call.cmd, result, frames)
                 value = call.on_reply(result, frames[1:]) if call.on_reply else result
                 future = call.future
                 if type(future) is RunningFuture:
@@ -368,7 +368,7 @@ class IoLoop:
         self.link.close()
 
 
-def _check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:
+def check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:
     expected = reply.payload_count()
     if len(frames) - 1 != expected:
         raise BadRequest(f"{cmd.name} reply has {len(frames) - 1} payload frame(s), "

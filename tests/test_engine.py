@@ -129,16 +129,17 @@ def test_close_races_eight_submitting_threads(worker: WorkerServer) -> None:
 
 
 def _reply_threads(client: Client, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the threads that read each reply of ``client`` from now on."""
-    io = client._engine._io
-    assert io is not None
+    """The names of the threads that handle each reply of ``client`` from now on (the reply
+    handler of the pings and allocations below runs on the thread that read the reply, on the
+    synchronous fast path as on the I/O thread's)."""
+    from zmq_rpc.client import client as client_module
     seen: list[str] = []
-    real = io._on_reply
+    real = client_module._no_result
 
-    def on_reply(frames: list[zmq.Frame]) -> None:
+    def on_reply(reply: p.Message, frames: list[zmq.Frame]) -> None:
         seen.append(threading.current_thread().name)
-        real(frames)
-    monkeypatch.setattr(io, "_on_reply", on_reply)
+        real(reply, frames)
+    monkeypatch.setattr(client_module, "_no_result", on_reply)
     return seen
 
 

@@ -2,10 +2,13 @@
 # they come off the wire and are checked field by field by the protocol's decoders.
 from typing import Any
 
+import zmq
+
 class Packer:
     def __init__(self, *, use_bin_type: bool = ..., autoreset: bool = ...) -> None: ...
     def pack(self, obj: Any) -> bytes: ...
 
 def packb(o: Any, *, use_bin_type: bool = ...) -> bytes: ...
-def unpackb(packed: bytes | bytearray | memoryview, *, raw: bool = ...,
+# packed: any object with the buffer protocol; pyzmq's stubs do not say that zmq.Frame has it
+def unpackb(packed: bytes | bytearray | memoryview | zmq.Frame, *, raw: bool = ...,
             strict_map_key: bool = ..., use_list: bool = ...) -> Any: ...
