@@ -382,6 +382,8 @@ class Message:
     def to_fields(self) -> list[Any]:
         """The header's fields, in order, as msgpack-ready values (later-minor fields that
         hold their default left off the end)."""
+        if _BARE.get(type(self)) is self:   # every field at its default: none on the wire
+            return []
         spec, defaults = _SPECS[type(self)], _LATER_DEFAULTS[type(self)]
         if not spec:
             return []

@@ -187,9 +187,8 @@ class Engine:
         if io is None:
             return self.submit(cmd, msg, payload, on_reply, timeout, reply_bytes).result()
         try:
-            wait = self.options.timeout if timeout is None else timeout
             return request(io, cmd, next(self._ids), msg, payload, on_reply,
-                           time.monotonic() + wait, reply_bytes)
+                           self.options.timeout if timeout is None else timeout, reply_bytes)
         finally:
             self._release(io)
 

@@ -35,9 +35,9 @@ failed) the I/O threads read them."""
 
 
 def request(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence[Any],
-            on_reply: OnReply | None, deadline: float, reply_bytes: int) -> Any:
-    """One synchronous request, sent and answered on this thread: its result (``on_reply``'s,
-    or the reply), or its error raised.
+            on_reply: OnReply | None, wait: float, reply_bytes: int) -> Any:
+    """One synchronous request (``wait``: its timeout in seconds), sent and answered on this
+    thread: its result (``on_reply``'s, or the reply), or its error raised.
 
     Its usual course (the connection up, its own successful reply within ``SYNC_SLICE_MS``)
     is a send and a blocking receive on the DEALER alone, like a bare socket's, and leaves
@@ -45,26 +45,32 @@ def request(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence
     message first, an error reply, no reply within the slice, a short timeout, tracing) makes
     it a call in flight driven by :func:`_await`, which watches the monitor, the deadlines and
     the wake-up socket as every inline caller does. So close(), other threads' requests and
-    connection events wait at most ``SYNC_SLICE_MS`` for a synchronous caller's notice."""
+    connection events wait at most ``SYNC_SLICE_MS`` for a synchronous caller's notice.
+
+    Everything is made ready before the send: on a busy machine the code between a send and
+    its receive does not overlap the worker's share, it delays the receive."""
     link = io.link
     if io.trace or link.lost is not None or (link.ever_up and not link.up):
-        return _exchanged(io, cmd, req_id, msg, payload, on_reply, deadline, reply_bytes)
+        return _exchanged(io, cmd, req_id, msg, payload, on_reply, wait, reply_bytes)
     header = p.encode_request(cmd, req_id, msg)
-    dealer = io.dealer
-    if payload:
-        nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
-        dealer.send_multipart([header, *payload], copy=nbytes < zmq.COPY_THRESHOLD)
-    else:
-        nbytes = reply_bytes
-        dealer.send(header)
     now = time.monotonic()
+    fast = wait > SYNC_SLICE_S
+    bare = _BARE_REPLIES.get(cmd, _UNKNOWN) if fast else None
+    if bare is _UNKNOWN:
+        bare = _bare_reply(cmd)
+    expected = p.encode_reply(req_id, bare) if bare is not None else b""
+    dealer = io.dealer
     link.last_sent = now
     io_thread.active = True
     try:
+        nbytes = reply_bytes
+        if payload:
+            nbytes += sum(memoryview(f).nbytes for f in payload)
+            dealer.send_multipart([header, *payload], copy=nbytes < zmq.COPY_THRESHOLD)
+        else:
+            dealer.send(header)
         frames = None
-        if deadline - now > SYNC_SLICE_S:
-            bare = _bare_reply(cmd)         # while the request is on its way
-            expected = p.encode_reply(req_id, bare) if bare is not None else b""
+        if fast:
             try:
                 frame = dealer.recv(copy=False)     # blocks at most SYNC_SLICE_MS (RCVTIMEO)
             except zmq.Again:
@@ -76,7 +82,7 @@ def request(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence
                 value = _own_reply(cmd, req_id, frames, on_reply)
                 if value is not _NOT_OURS:
                     return value
-        return _in_flight(io, Call(cmd, req_id, SENT, None, deadline, on_reply, nbytes,
+        return _in_flight(io, Call(cmd, req_id, SENT, None, now + wait, on_reply, nbytes,
                                    sent=True), frames)
     finally:
         io_thread.active = False
@@ -101,15 +107,13 @@ def _in_flight(io: IoLoop, call: Call, frames: list[zmq.Frame] | None) -> Any:
 _NOT_OURS = object()
 
 _BARE_REPLIES: dict[Cmd, p.Message | None] = {}
+_UNKNOWN = p.Empty()
+"""Not in ``_BARE_REPLIES`` yet (a message, for the type of ``_BARE_REPLIES.get``)."""
 
 
 def _bare_reply(cmd: Cmd) -> p.Message | None:
     """The reply to ``cmd`` that has no fields (an Ack), when there is one: a success reply
     byte-identical to its encoding decodes to this very instance, and carries no payload."""
-    try:
-        return _BARE_REPLIES[cmd]
-    except KeyError:
-        pass
     bare: p.Message | None = None
     try:
         first, second = (p.decode_reply(cmd, [STATUS_OK, 0]) for _ in range(2))
@@ -140,12 +144,12 @@ def _own_reply(cmd: Cmd, req_id: int, frames: list[zmq.Frame], on_reply: OnReply
 
 
 def _exchanged(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence[Any],
-               on_reply: OnReply | None, deadline: float, reply_bytes: int) -> Any:
+               on_reply: OnReply | None, wait: float, reply_bytes: int) -> Any:
     """:func:`request` as a :class:`Call` from the start (tracing, or the connection down)."""
     header = p.encode_request(cmd, req_id, msg)
     frames: bytes | list[Any] = [header, *payload] if payload else header
     nbytes = sum(memoryview(f).nbytes for f in payload) + reply_bytes
-    call = Call(cmd, req_id, frames, None, deadline, on_reply, nbytes,
+    call = Call(cmd, req_id, frames, None, time.monotonic() + wait, on_reply, nbytes,
                 submitted_ns=time.perf_counter_ns() if io.trace else 0)
     exchange(io, call)
     return call.outcome()
