@@ -49,7 +49,10 @@ class Harness:
         self.table = SessionTable(self.sessions, self.limits, self.accounts, self.outbox,
                                   NullRecorder(), PeerCleanup(self.dropped.append,
                                                               self.forgotten.append),
-                                  lambda: cast(p.HelloReply, FakeHello()))
+                                  self)
+
+    def hello_reply(self) -> p.HelloReply:
+        return cast(p.HelloReply, FakeHello())
 
     def _send(self, frames: list[Any], copy: bool = True, track: bool = False) -> None:
         self.sent.append((bytes(frames[0]), p.unpack_header(bytes(frames[1]))))

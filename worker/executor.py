@@ -75,7 +75,7 @@ class Executor:
                                  self.outbox, server_name)
         self.table = SessionTable(self.sessions, limits, self.accounts, self.outbox,
                                   self.metrics, PeerCleanup(peers.drop_link, peers.forget),
-                                  self.report.hello_reply)
+                                  self.report)
         self.routes = self._routes(Views(backend, limits.max_buffer_size, self.accounts))
 
     @property

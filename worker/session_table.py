@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from ..broker import protocol as p
 from ..broker.protocol import ErrorCode, WireError
@@ -56,19 +57,27 @@ class PeerCleanup:
     """Drop a session's transfers and stashed chunks (their ``done`` is not called)."""
 
 
+class Greeter(Protocol):
+    """Who says what this worker is (:class:`~zmq_rpc.worker.self_report.SelfReport`)."""
+
+    def hello_reply(self) -> p.HelloReply:
+        """HELLO's reply."""
+        ...
+
+
 class SessionTable:
     """The open sessions by routing id, and their opening and closing."""
 
     def __init__(self, sessions: dict[bytes, Session], limits: WorkerLimits,
                  accounts: SessionMemory, outbox: Outbox, metrics: Recorder, peers: PeerCleanup,
-                 hello_reply: Callable[[], p.HelloReply]) -> None:
+                 greeter: Greeter) -> None:
         self.sessions = sessions
         self.limits = limits
         self.accounts = accounts
         self.outbox = outbox
         self.metrics = metrics
         self.peers = peers
-        self.hello_reply = hello_reply
+        self.greeter = greeter
         self._ids = 0
 
     def hello(self, session: Session, msg: p.Hello, req: Request) -> Outcome:
@@ -83,7 +92,7 @@ class SessionTable:
             self._open(session, msg.client)
         session.timing = session.timing or msg.timing
         session.minor = msg.minor
-        reply = self.hello_reply()
+        reply = self.greeter.hello_reply()
         if msg.minor < 6:          # an older client decodes no field it does not know
             reply = dataclasses.replace(reply, device_details=())
         return reply, []
