@@ -12,25 +12,17 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import pytest
-
-CUDA_EXTRA = "pip install 'zmq-rpc[cuda]'"
+from zmq_rpc.worker.devices import cuda_unavailable
 
 
 @functools.cache
 def cuda_missing() -> str | None:
     """Why cuda tests cannot run here, or None when cupy imports and sees a GPU."""
-    if importlib.util.find_spec("cupy") is None:
-        return f"cuda backend: cupy is not installed ({CUDA_EXTRA}) and needs an NVIDIA GPU"
-    try:
-        import cupy
-        count = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception as exc:  # no driver, a driver too old for this cupy
-        return f"cuda backend: cupy is installed but CUDA is not usable: {exc!r}"
-    return None if count else "cuda backend: cupy is installed but sees no CUDA device"
+    reason = cuda_unavailable()
+    return None if reason is None else f"cuda backend: {reason}"
 
 
 def cupy_module() -> Any:

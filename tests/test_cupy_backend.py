@@ -38,6 +38,7 @@ from zmq_rpc.client import (
     to_bfloat16,
 )
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
+from zmq_rpc.worker.devices import cuda_unavailable
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = [
@@ -48,8 +49,6 @@ pytestmark = [
     pytest.mark.filterwarnings("default"),
 ]
 
-_REASON = "the cupy backend tests need cupy and a CUDA device (pip install zmq-rpc[cuda])"
-
 
 @pytest.fixture(scope="module", autouse=True)
 def cupy_mod() -> Any:
@@ -58,16 +57,10 @@ def cupy_mod() -> Any:
     A fixture rather than a module-level skip: the tests are still collected, so running this
     file alone on a machine without a GPU reports them skipped and exits 0 (not 5, "no tests").
     """
-    try:
-        cupy = pytest.importorskip("cupy", reason=_REASON, exc_type=ImportError)
-    except TypeError:  # pytest < 8.2 has no exc_type
-        cupy = pytest.importorskip("cupy", reason=_REASON)
-    try:
-        count = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception as exc:  # no driver, a driver too old for this cupy, no device visible
-        pytest.skip(f"cupy is installed but CUDA is not usable: {exc!r}")
-    if count < 1:
-        pytest.skip("cupy is installed but sees no CUDA device")
+    reason = cuda_unavailable()
+    if reason is not None:
+        pytest.skip(f"the cupy backend tests need cupy and a CUDA device: {reason}")
+    import cupy
     return cupy
 
 

@@ -360,11 +360,11 @@ def test_a_wake_up_during_a_poll_is_drained_and_the_io_thread_sleeps(
     return at once: the thread spun through every graph run in flight (~80% of a core per
     connection while a model generated)."""
     from zmq_rpc.client import Graph
-    from zmq_rpc.client import engine as engine_module
+    from zmq_rpc.client import io_loop as io_loop_module
     client = make_client(worker.endpoint)
     wake_fd = client._engine._wake_r.fileno()
     wakes = [0]
-    poll = engine_module.zmq_poll
+    poll = io_loop_module.zmq_poll
 
     def counting_poll(items: Any, timeout: Any = None) -> Any:
         events = poll(items, timeout)
@@ -372,7 +372,7 @@ def test_a_wake_up_during_a_poll_is_drained_and_the_io_thread_sleeps(
             wakes[0] += sum(1 for sock, _ in events if sock == wake_fd)
         return events
 
-    monkeypatch.setattr(engine_module, "zmq_poll", counting_poll)
+    monkeypatch.setattr(io_loop_module, "zmq_poll", counting_poll)
     x = client.alloc_buffer(512 * 512 * 4).tensor((512, 512), "float32")
     g = Graph()
     y = g.input(x)

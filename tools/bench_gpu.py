@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..client import Client, Graph, RemoteTensor
+from ..worker.devices import cuda_unavailable
 from .baselines import ServerProcess
 from .bench import BenchContext, CaseResult, elapsed, interleave, register_case, worker_argv
 
@@ -37,19 +38,6 @@ MATMUL_SIDE = 2048
 MATMUL_LAYERS = 8
 ENCODER = {"layers": 6, "hidden": 384, "heads": 12, "ffn": 1536, "tokens": 128, "batch": 32}
 GB = 1e9
-
-
-def cuda_unavailable() -> str | None:
-    """Why the GPU rows cannot run here, or None."""
-    try:
-        import cupy
-    except ImportError as exc:
-        return f"cupy does not import ({exc}): pip install 'zmq-rpc[cuda]' on a machine with a GPU"
-    try:
-        count = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception as exc:  # no driver, or one too old for this cupy
-        return f"CUDA is not usable: {exc!r}"
-    return None if count else "cupy sees no CUDA device"
 
 
 def _worker(ctx: BenchContext, device: str) -> Client:

@@ -20,8 +20,17 @@ Module map (thread that runs it):
 - ``memory``: ``MemoryBudget`` (bytes handed out against ``--mem``) and ``SessionMemory`` (every
   byte a session holds, charged to its quota and the budget at once) (backend).
 - ``quotas``: per-session quotas and materialized frames in flight until sent (backend).
-- ``peer_links``: worker-to-worker sockets: the PULL, lazy PUSH links, chunks, acks, deadlines
-  (backend).
+- ``peer_links``: worker-to-worker transfers: the peer PULL socket (read, decoded, dispatched) and
+  the executor's entry points, routed to the four pieces below (backend).
+- ``peer_push``: the PUSH sockets to other workers: opened lazily, reused, monitored for drops,
+  never blocking a send (backend).
+- ``peer_send``: a send cut into chunks with headers encoded ahead, then pushed (zero-copy,
+  copied or materialized and charged) (backend).
+- ``peer_receive``: receives in progress: chunks checked and landed in their destinations, early
+  chunks stashed (backend; no socket).
+- ``peer_acks``: sends and probes waiting for an acknowledgement: acks, deadlines, dropped peers
+  (backend; no socket).
+- ``peer_endpoints``: which peer endpoints may be connected to, and as whom (backend; no socket).
 - ``stash``: chunks that arrive before their receive starts, bounded per sender (backend).
 - ``graph_exec``: graph compile (validation, arena plan) and execution (backend).
 - ``graph_bind``: a compiled graph bound to its arrays once, run as a tight loop of prepared

@@ -19,3 +19,23 @@ def parse_device(device: str) -> tuple[str, int]:
         return "cuda", int(index or 0)
     raise ValueError(f"unknown device {device!r}: expected cpu, cuda (GPU 0) or cuda:N "
                      "(N = 0, 1, ...; one worker per GPU)")
+
+
+CUDA_EXTRA = "pip install 'zmq-rpc[cuda]'"
+"""How to get the cuda backend's dependency (an extra: cupy needs an NVIDIA GPU and driver)."""
+
+
+def cuda_unavailable() -> str | None:
+    """Why a cuda worker cannot run here (cupy missing, CUDA unusable, no device), or None.
+
+    Imports cupy (and with it numpy) only when called: never from flag parsing.
+    """
+    import importlib.util
+    if importlib.util.find_spec("cupy") is None:
+        return f"cupy is not installed ({CUDA_EXTRA} on a machine with an NVIDIA GPU)"
+    try:
+        import cupy
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no driver, a driver too old for this cupy, a broken install
+        return f"cupy is installed but CUDA is not usable: {exc!r}"
+    return None if count else "cupy is installed but sees no CUDA device"

@@ -1,0 +1,168 @@
+"""The DEALER to one worker and what is known of its health: the socket's options, libzmq's
+monitor (handshakes, disconnects), the session the worker may have forgotten, the keep-alive
+ping and the goodbye.
+
+Threads: created by the engine's I/O thread, then owned by whoever drives the connection (the
+holder of ``Engine._socket_lock``: the I/O thread or a synchronous caller); closed by the I/O
+thread. A failure it learns of is reported to the connection's driver through ``on_failure``,
+on the same thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ..broker import protocol as p
+from ..broker.errors import AuthenticationFailed, ConnectionLost, RpcError, SessionLost
+from ..broker.protocol import Cmd, ErrorCode
+
+if TYPE_CHECKING:
+    from .engine import EngineOptions
+
+log = logging.getLogger("zmq_rpc.client")
+
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+PING_HEADER = p.encode_request(Cmd.PING, 0, p.Empty())
+"""The keep-alive ping (request id 0: its reply matches nothing and is dropped)."""
+
+
+class Link:
+    """One worker's DEALER, its monitor, and whether the worker can be reached (``up``), ever
+    could (``ever_up``) or has forgotten our session for good (``lost``)."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
+                 options: EngineOptions, on_failure: Callable[[RpcError], None]) -> None:
+        self.endpoint = endpoint
+        self.options = options
+        self.on_failure = on_failure
+        """Fails what is pending (the connection's driver's ``fail_pending``)."""
+        self.dealer = ctx.socket(zmq.DEALER)
+        self.monitor: zmq.Socket[bytes] | None = None
+        self.up = False
+        self.ever_up = False
+        self.lost: RpcError | None = None
+        """Set for good when the worker no longer knows our session."""
+        self.last_sent = time.monotonic()
+        try:
+            self._configure(options)
+            self.monitor = self.dealer.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+            self.dealer.connect(endpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    def _configure(self, opts: EngineOptions) -> None:
+        dealer = self.dealer
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.ROUTING_ID, opts.identity)
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, opts.zmq_heartbeat_ms)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmq_heartbeat_timeout_ms)
+        dealer.setsockopt(zmq.HEARTBEAT_TTL, opts.zmq_heartbeat_timeout_ms)
+        if opts.curve is not None:
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, opts.curve.server_key)
+            dealer.setsockopt(zmq.CURVE_PUBLICKEY, opts.curve.keys.public)
+            dealer.setsockopt(zmq.CURVE_SECRETKEY, opts.curve.keys.secret)
+
+    @property
+    def down(self) -> bool:
+        """Requests cannot go out now: the session is lost, or the connection was up and is not
+        (zmq keeps reconnecting meanwhile)."""
+        return self.lost is not None or (self.ever_up and not self.up)
+
+    def refusal(self) -> RpcError:
+        """Why a request cannot go out now (the connection is known to be down)."""
+        if self.lost is not None:
+            return self.lost
+        return ConnectionLost(f"the connection to {self.endpoint} is down "
+                              "(zmq keeps reconnecting); the request was not sent")
+
+    # ----------------------------------------------------------------------- what we hear
+
+    def read_monitor(self) -> None:
+        """Take in what the monitor reports (handshakes, disconnects)."""
+        assert self.monitor is not None
+        while self.monitor.poll(0):
+            message = recv_monitor_message(self.monitor)
+            event = message["event"]
+            if event & HANDSHAKE_FAILED:
+                self._handshake_failed(event, message["value"])
+            elif event == zmq.EVENT_DISCONNECTED and self.up:
+                self.up = False
+                self.on_failure(ConnectionLost(
+                    f"connection to {self.endpoint} lost; requests in flight may or may "
+                    "not have run, queued ones were not sent"))
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                again = self.ever_up and not self.up
+                self.up = self.ever_up = True
+                if again and self.lost is None:
+                    self.ping()        # a restarted worker answers NO_SESSION: we learn it now
+
+    def _handshake_failed(self, event: int, value: int) -> None:
+        """The worker refused us (ZAP said no), or the handshake broke (a wrong server key, one
+        side without CURVE): fail what waits now rather than at its timeout. libzmq retries."""
+        self.up = False
+        where = self.endpoint.partition("#")[0]
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"the worker at {where} refused this client's CURVE key (ZAP status {value}): "
+                   "its public key must be in the worker's --authorized-keys directory")
+        elif self.options.curve is not None:
+            why = (f"the CURVE handshake with {where} failed ({handshake_error(value)}): is the "
+                   "worker's public key right, and does the worker run with "
+                   "--curve-secret-key?")
+        else:
+            why = (f"the handshake with {where} failed ({handshake_error(value)}): the worker "
+                   "may require CURVE (pass curve_key= and the worker's key)")
+        self.on_failure(AuthenticationFailed(why))
+
+    def session_lost(self, said: object) -> None:
+        """The worker answered NO_SESSION: every request from now on fails, for good."""
+        if self.lost is not None:
+            return
+        self.lost = SessionLost(
+            f"the worker at {self.endpoint} no longer knows this client's session "
+            "(it was restarted, or the session expired): its buffers and graphs are gone; "
+            f"open a new Client (the worker said: {str(said)[:200]})", code=ErrorCode.NO_SESSION)
+        log.warning("%s", self.lost.message)
+        self.on_failure(self.lost)
+
+    # ------------------------------------------------------------------------ what we say
+
+    def heartbeat(self, now: float) -> None:
+        """Ping the worker when nothing was sent for ``options.heartbeat`` seconds (keeps the
+        session alive)."""
+        if self.up and now - self.last_sent >= self.options.heartbeat:
+            self.ping()
+
+    def ping(self) -> None:
+        self.dealer.send(PING_HEADER)
+        self.last_sent = time.monotonic()
+
+    def goodbye(self) -> None:
+        """Tell the worker to free our session now (best effort, not waited for)."""
+        if self.up and self.lost is None:
+            self.dealer.send(p.encode_request(Cmd.GOODBYE, 0, p.Empty()))
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.dealer.disable_monitor()
+            self.monitor.close(linger=0)
+        self.dealer.close(linger=200 if self.up else 0)
+
+
+def handshake_error(value: int) -> str:
+    """libzmq's handshake failure value: a ZMQ_PROTOCOL_ERROR_* code, else an errno."""
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
+            return name[len("PROTOCOL_ERROR_"):].lower().replace("_", " ")
+    return zmq.strerror(value) if 0 < value < 0x10000000 else f"code 0x{value:x}"
