@@ -26,7 +26,9 @@ from zmq_rpc.worker.backends.base import Backend
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
 from zmq_rpc.worker.executor import Executor
 from zmq_rpc.worker.linked import LinkedRun, Stage
+from zmq_rpc.worker.peer_endpoints import PeerSecurity
 from zmq_rpc.worker.peer_links import PeerLinks
+from zmq_rpc.worker.peer_push import PushLinks
 from zmq_rpc.worker.session import WorkerLimits
 
 pytestmark = pytest.mark.timeout(10)
@@ -81,20 +83,28 @@ class FakeLink:
         return FakeTracker(done=True) if track else None
 
 
+class FakePushLinks(PushLinks):
+    """PUSH links with no socket: every link is one :class:`FakeLink`, every endpoint trusted."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], link: FakeLink) -> None:
+        super().__init__(ctx, PeerSecurity())
+        self.link = link
+
+    def check_verified(self, endpoint: str) -> None:
+        """Every fake endpoint counts as one that answered a probe."""
+
+    def get(self, endpoint: str) -> zmq.Socket[bytes]:
+        return cast(zmq.Socket[bytes], self.link)
+
+
 class FakePeers(PeerLinks):
     """Peer links with an endpoint but no socket: every link is a :class:`FakeLink`."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend,
                  events: list[tuple[Any, ...]]) -> None:
-        super().__init__(ctx, backend)
-        self.endpoint = "inproc://fake-peer"
         self.link = FakeLink(events)
-
-    def _check_verified(self, endpoint: str) -> None:
-        """Every fake endpoint counts as one that answered a probe."""
-
-    def _link(self, endpoint: str) -> zmq.Socket[bytes]:
-        return cast(zmq.Socket[bytes], self.link)
+        super().__init__(ctx, backend, links=FakePushLinks(ctx, self.link))
+        self.endpoint = "inproc://fake-peer"
 
 
 @dataclass(frozen=True)
@@ -502,7 +512,7 @@ def test_a_send_behind_a_request_starts_before_that_ones_reply(
     assert h.events == [("write", BIG), ("push", np.full(4, 9, np.float32).tobytes()),
                         ("reply", waiting)]
     assert h.answered() == [waiting]               # the send: when the peer acknowledges
-    h.peers._on_ack(wire_peer.Ack(token(4), True, "ok"))
+    h.peers.acks.on_ack(wire_peer.Ack(token(4), True, "ok"))
     assert h.answered() == [send]
 
 

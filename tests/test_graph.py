@@ -330,7 +330,8 @@ OP_CASES: list[OpCase] = [
            lambda w: kernels.pack(w, "q4_1"), atol=0),
     OpCase("mul_mat_packed-q4_1", (_f(_normal(2, 64)), (kernels.pack(_Q41, "q4_1"), "uint8")),
            lambda g, x, w: g.mul_mat_packed(x, w, qtype="q4_1"),
-           lambda x, w: x.astype(np.float64) @ quant.dequantize(_Q41, "q4_1").T, atol=1e-4),
+           # 2 rows: decode products, whose inputs are rounded to two int8 levels (kernels/intdot.py)
+           lambda x, w: x.astype(np.float64) @ quant.dequantize(_Q41, "q4_1").T, atol=1e-3),
     OpCase("unpack-q4_1", ((kernels.pack(_Q41, "q4_1"), "uint8"),), lambda g, w: g.unpack(w, qtype="q4_1"),
            lambda w: quant.dequantize(_Q41, "q4_1"), atol=0),
     OpCase("get_rows_packed-q4_1", ((kernels.pack(_Q41, "q4_1"), "uint8"), _f(np.array([2, 0, 2], np.int32))),

@@ -4,11 +4,21 @@ No sockets: the layout, the repack, the numba matrix-vector and tile kernels, th
 op rules. The oracle is ``gguf.quants.dequantize`` of the original GGUF bytes: the packed dequantizer
 must match it bit for bit; products must match float64 ``x @ W.T`` of those weights within
 ``MV_RTOL * (|x| @ |W|.T)`` (float32 accumulation over up to a few thousand terms, reassociated).
+The decode products of q4_0, q4_1 and q8_0 (``kernels.intdot``) round the inputs to two int8 levels
+per block of 32 first (``x ~ dx (HI xq1 + xq2)``, ``dx = max|x| / 127 / HI``): they must match float64
+``xhat @ W.T`` for ``xhat`` those rounded inputs within the same ``MV_RTOL``, and so float64 ``x @ W.T``
+within ``MV_RTOL * (|x| @ |W|.T)`` plus the rounding bound ``(0.51 dx) @ |d q|.T`` (half a step per
+input, with room for float32 rounding in the step; ``d q`` the weights without q4_1's min term).
 Random blocks: random quants, with scales drawn from zero, -0, float16 denormals, +-65504 and ordinary
 values (every row length class: one block, several, an odd count, SmolLM2's widths).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +30,8 @@ pytest.importorskip("numba")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 from zmq_rpc.worker import kernels  # noqa: E402
 from zmq_rpc.worker.backends import numpy_ops  # noqa: E402
-from zmq_rpc.worker.kernels import jit  # noqa: E402
+from zmq_rpc.worker.kernels import intdot, jit  # noqa: E402
+from zmq_rpc.worker.kernels.layout import INTERLEAVED  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)  # the first call of each qtype compiles its kernels (~10 s)
 
@@ -74,11 +85,48 @@ def row_lengths(qtype: str) -> list[int]:
     return base + [k for k in (576, 1536) if k % per_block == 0 and k not in base]
 
 
-def close_product(got: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+def close_product(got: np.ndarray, x: np.ndarray, w: np.ndarray, slack: np.ndarray | float = 0.0) -> None:
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     bound = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
-    bad = np.abs(got - ref) > MV_RTOL * bound + 1e-30
+    bad = np.abs(got - ref) > MV_RTOL * bound + slack + 1e-30
     assert not bad.any(), f"{bad.sum()} of {bad.size} outside tolerance; worst {np.abs(got - ref)[bad].max()}"
+
+
+def int8_inputs(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two-level int8 rounding of ``intdot.quantize_x``, in numpy: ``(xhat, dx)`` with ``xhat = dx *
+    (HI xq1 + xq2)`` (float64, shaped as ``x``) and ``dx`` per input (its block's step)."""
+    f32, hi = np.float32, intdot.HI
+    blocks = x.astype(f32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    e = amax / f32(127)
+    dx = e / f32(hi)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(amax > 0, f32(127) / amax, f32(0)).astype(f32)
+    q1 = np.rint(blocks * inv)
+    q2 = np.clip(np.rint((blocks - q1 * e) * (inv * f32(hi))), -127, 127)
+    steps = hi * q1.astype(np.float64) + q2
+    return ((dx.astype(np.float64) * steps).reshape(x.shape),
+            np.broadcast_to(dx, blocks.shape).reshape(x.shape).astype(np.float64))
+
+
+def q4_1_mins(data: np.ndarray) -> np.ndarray:
+    """The ``m`` of each weight of a q4_1 GGUF weight, float32 (R, K)."""
+    m = data.reshape(data.shape[0], -1, 20)[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
+    return np.repeat(m, 32, axis=1)
+
+
+def close_int8_product(got: np.ndarray, x: np.ndarray, qtype: str, data: np.ndarray) -> None:
+    """An integer decode product: tight against the rounded inputs, and within the stated rounding
+    bound of the float product."""
+    w = oracle(qtype, data).astype(np.float64)
+    m = q4_1_mins(data).astype(np.float64) if qtype == "q4_1" else np.zeros_like(w)
+    xhat, dx = int8_inputs(x)
+    x64 = x.astype(np.float64)
+    ref = xhat @ (w - m).T + x64 @ m.T
+    bound = np.abs(xhat) @ np.abs(w - m).T + np.abs(x64) @ np.abs(m).T
+    bad = np.abs(got - ref) > MV_RTOL * bound + 1e-30
+    assert not bad.any(), f"{bad.sum()} of {bad.size} off the int8 product; worst {np.abs(got - ref)[bad].max()}"
+    close_product(got, x, w.astype(np.float32), slack=(0.51 * dx) @ np.abs(w - m).T)
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +180,46 @@ def test_matvec_matches_float_product_of_gguf_weights(qtype: str) -> None:
         x = rng.standard_normal((1, k)).astype(np.float32)
         out = np.full((1, rows), np.nan, np.float32)
         kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
-        close_product(out, x, w)
+        if qtype in INTERLEAVED:
+            close_int8_product(out, x, qtype, data)
+        else:
+            close_product(out, x, w)
+
+
+PORTABLE_SCRIPT = """
+import sys
+import numpy as np
+from zmq_rpc.worker import kernels
+from zmq_rpc.worker.kernels import intdot
+assert not intdot.VNNI, "expected the portable sums"
+data = np.load(sys.argv[1])
+out = {}
+for qtype in ("q4_0", "q4_1", "q8_0"):
+    y = np.full((1, data[qtype].shape[0]), np.nan, np.float32)
+    kernels.matmul(data["x"], kernels.pack(data[qtype], qtype), qtype, y)
+    out[qtype] = y
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_portable_integer_sums_match_the_vnni_ones(tmp_path: Path) -> None:
+    """Compiled for a CPU without AVX512-VNNI (numba told to compile for an AVX2 Haswell, its own
+    cache), the integer kernels take the portable vector IR and give the same products."""
+    rng = np.random.default_rng(21)
+    weights = {q: random_weight(rng, q, 35, 96) for q in ("q4_0", "q4_1", "q8_0")}
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x, **weights)
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+f16c,+fma",
+           "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", PORTABLE_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                   env=env, check=True, timeout=170)
+    portable = np.load(tmp_path / "out.npz")
+    for qtype, data in weights.items():
+        here = np.empty((1, 35), np.float32)
+        kernels.matmul(x, kernels.pack(data, qtype), qtype, here)
+        close_int8_product(portable[qtype], x, qtype, data)
+        np.testing.assert_allclose(portable[qtype], here, rtol=1e-6, atol=1e-6 * np.abs(here).max())
 
 
 @pytest.mark.parametrize("qtype", kernels.QTYPES)
@@ -161,7 +248,10 @@ def test_two_threads_give_the_same_rows(qtype: str, n_rows: int) -> None:
         out = np.full((n_rows, 1000), np.nan, np.float32)
         kernels.matmul(x, packed, qtype, out)
         outs.append(out)
-    close_product(outs[1], x, oracle(qtype, data))
+    if qtype in INTERLEAVED and n_rows <= kernels.MATVEC_ROWS:
+        close_int8_product(outs[1], x, qtype, data)
+    else:
+        close_product(outs[1], x, oracle(qtype, data))
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6 * np.abs(outs[0]).max())
 
 
@@ -201,7 +291,8 @@ def test_thread_split_covers_the_rows_once_on_16_row_boundaries(lo: int, hi: int
 
 def test_every_qtype_has_kernels_and_families_share_them() -> None:
     assert set(jit.KERNELS) == set(kernels.QTYPES)
-    assert jit.KERNELS["q4_0"][0] is jit.KERNELS["q5_1"][0] and jit.KERNELS["q4_0"][2] != jit.KERNELS["q5_1"][2]
+    assert jit.KERNELS["q4_0"][0] is jit.KERNELS["q4_1"][0] and jit.KERNELS["q4_0"][2] != jit.KERNELS["q4_1"][2]
+    assert jit.KERNELS["q5_0"][1] is jit.KERNELS["q5_1"][1] and jit.KERNELS["q5_0"][2] != jit.KERNELS["q5_1"][2]
 
 
 # ----------------------------------------------------------------------------------- ops, kernels

@@ -33,7 +33,7 @@ from zmq_rpc.broker.protocol import Cmd, ErrorCode, WireError
 from zmq_rpc.broker.wire import printable
 from zmq_rpc.client import AuthenticationFailed, Client, TransferError
 from zmq_rpc.client.security import resolve_curve
-from zmq_rpc.worker.peer_links import check_numeric, resolve_endpoint
+from zmq_rpc.worker.peer_endpoints import check_numeric, resolve_endpoint
 from zmq_rpc.worker.server import InsecureBind, WorkerConfig, WorkerServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -512,7 +512,7 @@ def test_a_link_that_cannot_take_a_message_never_blocks_the_worker() -> None:
     links = PeerLinks(ctx, NumpyBackend(), bind="tcp://127.0.0.1:*")
     try:
         dead_end = "tcp://127.0.0.1:9"
-        links._link(dead_end).disconnect(dead_end)      # what a failed handshake leaves: no pipe
+        links.links.get(dead_end).disconnect(dead_end)      # what a failed handshake leaves: no pipe
         outcome: list[str | None] = []
         start = time.monotonic()
         with pytest.raises(WireError, match="cannot take a message now") as err:

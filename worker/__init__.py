@@ -4,8 +4,10 @@ Module map (thread that runs it):
 
 - ``server``: :class:`WorkerServer` (the creating thread: start, stop, join) and
   :class:`BackendThread` (the backend thread's poll loop: PAIR, peer PULL, control, timers).
-- ``executor``: the scheduler: sessions, their queues, the ``Cmd -> Route`` dispatch table,
-  transfer completions (backend thread).
+- ``executor``: the scheduler: requests in, each session's queue and its ordering rules, the
+  ``Cmd -> Route`` dispatch table, transfer completions (backend thread).
+- ``session_table``: the open sessions: HELLO (version, routing id, ``--max-sessions``), and
+  closing one (GOODBYE, expiry, memory pressure): what it frees and fails (backend).
 - ``requests``: the dispatch vocabulary: ``Request``, ``Route``, admissions and outcomes (backend).
 - ``session``: ``Session``, ``Buffer``, checked ``Views`` of buffers, ``WorkerLimits`` (backend).
 - ``buffers``: buffer and tensor commands: alloc, free, clear, set, get, memset, copy (backend).
@@ -20,8 +22,17 @@ Module map (thread that runs it):
 - ``memory``: ``MemoryBudget`` (bytes handed out against ``--mem``) and ``SessionMemory`` (every
   byte a session holds, charged to its quota and the budget at once) (backend).
 - ``quotas``: per-session quotas and materialized frames in flight until sent (backend).
-- ``peer_links``: worker-to-worker sockets: the PULL, lazy PUSH links, chunks, acks, deadlines
-  (backend).
+- ``peer_links``: worker-to-worker transfers: the peer PULL socket (read, decoded, dispatched) and
+  the executor's entry points, routed to the four pieces below (backend).
+- ``peer_push``: the PUSH sockets to other workers: opened lazily, reused, monitored for drops,
+  never blocking a send (backend).
+- ``peer_send``: a send cut into chunks with headers encoded ahead, then pushed (zero-copy,
+  copied or materialized and charged) (backend).
+- ``peer_receive``: receives in progress: chunks checked and landed in their destinations, early
+  chunks stashed (backend; no socket).
+- ``peer_acks``: sends and probes waiting for an acknowledgement: acks, deadlines, dropped peers
+  (backend; no socket).
+- ``peer_endpoints``: which peer endpoints may be connected to, and as whom (backend; no socket).
 - ``stash``: chunks that arrive before their receive starts, bounded per sender (backend).
 - ``graph_exec``: graph compile (validation, arena plan) and execution (backend).
 - ``graph_bind``: a compiled graph bound to its arrays once, run as a tight loop of prepared

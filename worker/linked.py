@@ -26,7 +26,7 @@ from ..broker import graph as g
 from ..broker.protocol import Cmd, WireError
 from .backends.base import Backend
 from .graphs import GraphCommands
-from .peer_links import Push
+from .peer_send import Push
 from .quotas import Charged
 from .requests import Later, Outcome, Request, Route
 from .session import Reply, Session, TrackedPayload, Views, overlap

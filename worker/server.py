@@ -36,7 +36,8 @@ from .executor import DRAIN_BATCH, Executor
 from .heap import IdleTrim
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
 from .model_files import ModelFiles
-from .peer_links import PeerLinks, PeerSecurity
+from .peer_endpoints import PeerSecurity
+from .peer_links import PeerLinks
 from .quotas import default_session_share
 from .session import WorkerLimits
 from .tensor_cache import TensorCache

@@ -2,7 +2,7 @@
 
 Owned by the backend thread (the executor calls these handlers). They check the session's side
 of a transfer (views, buffers) and hand :class:`~zmq_rpc.worker.peer_links.PeerLinks` only what
-it needs: a view or a :class:`~zmq_rpc.worker.peer_links.Source`, the session as the transfer's
+it needs: a view or a :class:`~zmq_rpc.worker.peer_send.Source`, the session as the transfer's
 owner, and a ``done`` callable that tells the executor how the transfer ended.
 """
 
@@ -13,7 +13,9 @@ from collections.abc import Callable
 from ..broker import peer as wire
 from ..broker.protocol import Cmd, TensorRef
 from .backends.base import View
-from .peer_links import ZERO_COPY_BYTES, Done, PeerLinks, Push, Source
+from .peer_acks import Done
+from .peer_links import PeerLinks
+from .peer_send import ZERO_COPY_BYTES, Push, Source
 from .quotas import Charged
 from .requests import Admission, Later, Outcome, Request, Route
 from .session import NO_REPLY, Reply, Session, Views

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 SLOT_BYTES = 4 << 20
-"""One pinned slot: a peer chunk (``peer_links.CHUNK_BYTES``)."""
+"""One pinned slot: a peer chunk (``peer_send.CHUNK_BYTES``)."""
 SLOTS = 4
 """Slots per direction: 16 MiB of page-locked memory each way."""
 

@@ -7,8 +7,10 @@ needs numba; nothing is compiled until a kernel is first called, and compiled co
 worker start on a machine pays the compile (a few seconds per family of types).
 
 :data:`KERNELS` maps each qtype to its two kernels and the flags that select it within its family
-(one compiled function per family: q4_0/q4_1/q5_0/q5_1, q4_k/q5_k, f16/bf16; q8_0 and q6_k alone; a
-flag is tested once per sub-block, outside the vectorized loops):
+(one compiled function per family: q4_0/q4_1, q5_0/q5_1, q4_k/q5_k, f16/bf16; q8_0 and q6_k alone; a
+flag is tested once per sub-block, outside the vectorized loops). The matrix-vector products of q4_0,
+q4_1 and q8_0 are integer kernels that round ``x`` to int8 first (:mod:`.intdot`, ~6x faster); the
+others, here, multiply float32 by float32:
 
 - ``mv(w, x, y, r0, r1, *flags)``: rows ``r0..r1`` of ``y = W @ x`` for one float32 vector ``x`` (K,);
 - ``dq(w, k, r0, r1, out, c0, *flags)``: ``out[:, r - c0] = W[r, :]`` for rows ``r0..r1``: a transposed
@@ -16,10 +18,8 @@ flag is tested once per sub-block, outside the vectorized loops):
 
 How the loops are built (the prototype measured 2-5x between layouts): for each sub-block of 32 weights
 the innermost loop runs over a tile of :data:`TILE` rows, reading ``p[16s + j, r]`` with unit stride;
-for Q4_0/Q4_1 and Q8_0 it sums the whole sub-block's ``q * x[j]`` of a row in a register (the loop over
-``j`` unrolled) and applies the scales at once (``y += d * acc + m * sum(x)``), one sweep of the rows
-per sub-block; the other types accumulate into one float32 per row, one sweep per byte position
-``j``, then apply the scales. LLVM vectorizes the row loop (8 or 16 rows per instruction). numba computes every integer expression in 64 bits; LLVM narrows it back only when
+they accumulate into one float32 per row, one sweep per byte position ``j``, then apply the scales
+(q4_0/q4_1/q8_0, whose codes are stored by fours, are dequantized from int32 words of 4 bytes). LLVM vectorizes the row loop (8 or 16 rows per instruction). numba computes every integer expression in 64 bits; LLVM narrows it back only when
 each operand is visibly an 8/16/32-bit value, so codes are read as ``np.int32(byte)``, every result is
 cast to ``np.int32`` before it becomes a float, and bit masks come from the uint32 table :data:`_BIT`
 (a computed ``1 << j`` or a shift by ``j`` kept the whole loop in 64-bit lanes: half the elements per
@@ -38,6 +38,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+
+from .intdot import mv_q4, mv_q8_0
+from .layout import INTERLEAVED
 
 __all__ = ["KERNELS", "TILE", "pack"]
 
@@ -101,32 +104,8 @@ def _sum4(p: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
             acc[i] += _F32(np.int32(v & 15)) * x0 + _F32(np.int32(v >> 4)) * x1
 
 
-@njit(inline="always")
-def _block4(blk: Any, xb: Any, ds: Any, ms: Any, c: float, has_min: bool, yt: Any) -> None:
-    """One sub-block of 4-bit codes into rows ``yt``: ``yt[i] += d[i] (q_i . x) + m[i] c``
-    (q4_1: ``c = sum(x)``) or ``d[i] (q_i . x + c)`` (q4_0: ``c = -8 sum(x)``), for ``blk`` the
-    sub-block's 16 byte rows (16, n) and ``xb`` its 32 inputs.
-
-    The dot product of each row stays in a register over the 16 bytes (the loop over them is
-    unrolled), so the rows are swept once per sub-block; the same sum accumulated in an array,
-    one sweep per byte (:func:`_sum4`, still the K-quants'), measured 1.2x slower on
-    SmolLM2's Q4_1 matrices (15.0 vs 12.7 ms per token, quiet, one thread)."""
-    if has_min:
-        for i in range(blk.shape[1]):
-            acc = _F32(0)
-            for j in range(16):
-                v = np.int32(blk[j, i])
-                acc += _F32(np.int32(v & 15)) * xb[j] + _F32(np.int32(v >> 4)) * xb[j + 16]
-            yt[i] += ds[i] * acc + ms[i] * c
-    else:
-        for i in range(blk.shape[1]):
-            acc = _F32(0)
-            for j in range(16):
-                v = np.int32(blk[j, i])
-                acc += _F32(np.int32(v & 15)) * xb[j] + _F32(np.int32(v >> 4)) * xb[j + 16]
-            yt[i] += ds[i] * (acc + c)
-
-
+_I8, _I16, _I24 = np.int32(8), np.int32(16), np.int32(24)
+_W4, _W8, _W12, _W15, _W16, _W20, _W24, _W28 = (np.uint32(v) for v in (4, 8, 12, 15, 16, 20, 24, 28))
 _BIT = np.array([1 << i for i in range(32)], np.uint32)
 """``1 << i`` as uint32: a bit mask read from an array keeps the bit tests in 32-bit vector lanes (numba
 computes integer expressions in 64 bits; LLVM narrows them back only when every operand is a 32-bit value)."""
@@ -174,29 +153,24 @@ def _sum6(p: Any, h: Any, g: int, x: Any, t0: int, t1: int, acc: Any) -> None:
 
 
 @_jit
-def _mv_blocks(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool, five: bool) -> None:
-    """q4_0 (neither flag), q4_1 (``has_min``), q5_0 (``five``), q5_1 (both): rows r0..r1 of ``W @ x``."""
+def _mv_q5(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool) -> None:
+    """q5_0, q5_1 (``has_min``): rows r0..r1 of ``W @ x``."""
     R, ns = w.shape[0], x.shape[0] // 32
     flat = w.reshape(-1)
     d = _sec(flat, 0, ns, R, np.float32, 4)
     off = 4 * ns * R
     m = _sec(flat, off if has_min else 0, ns, R, np.float32, 4)   # d again without a min (unused)
     off += 4 * ns * R if has_min else 0
-    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)       # unused without 5th bits
-    off += 4 * ns * R if five else 0
-    p = _sec(flat, off, 16 * ns, R, np.uint8, 1)
+    h = _sec(flat, off, ns, R, np.uint32, 4)
+    p = _sec(flat, off + 4 * ns * R, 16 * ns, R, np.uint8, 1)
     xs = _xsums(x, 32)
-    bias = _F32(16) if five else _F32(8)
+    bias = _F32(16)
     acc = np.empty(TILE, np.float32)
     for t0 in range(r0, r1, TILE):
         t1 = min(t0 + TILE, r1)
         yt = y[t0:t1]
         yt[:] = 0
         for s in range(ns):
-            if not five:
-                _block4(p[16 * s:16 * s + 16, t0:t1], x[32 * s:32 * s + 32], d[s][t0:t1],
-                        m[s][t0:t1], xs[s] if has_min else -bias * xs[s], has_min, yt)
-                continue
             _sum5(p, h, s, x, t0, t1, acc)
             ds = d[s][t0:t1]
             if has_min:
@@ -207,25 +181,6 @@ def _mv_blocks(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool, five: bo
                 shift = bias * xs[s]
                 for i in range(t1 - t0):
                     yt[i] += ds[i] * (acc[i] - shift)
-
-
-@_jit
-def _mv_q8_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ns = w.shape[0], x.shape[0] // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    q = _sec(flat, 4 * ns * R, 32 * ns, R, np.int8, 1)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            blk, xb, ds = q[32 * s:32 * s + 32, t0:t1], x[32 * s:32 * s + 32], d[s][t0:t1]
-            for i in range(t1 - t0):
-                acc = _F32(0)
-                for j in range(32):
-                    acc += _F32(blk[j, i]) * xb[j]
-                yt[i] += ds[i] * acc
 
 
 @njit(inline="always")
@@ -357,6 +312,24 @@ def _dq4(p: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
 
 
 @njit(inline="always")
+def _dq4_fours(p: Any, s: int, g: int, r0: int, r1: int, out: Any, c0: int) -> None:
+    """Codes ``32s + 4g + b`` and ``32s + 16 + 4g + b`` (b < 4) from the words of q4_0/q4_1's codes
+    stored by fours (word ``[4s + g, r]`` = bytes ``16s + 4g..+3`` of row ``r``)."""
+    row = p[4 * s + g][r0:r1]
+    o0, o1 = r0 - c0, r1 - c0
+    a0, a1, a2, a3 = (out[32 * s + 4 * g][o0:o1], out[32 * s + 4 * g + 1][o0:o1],
+                      out[32 * s + 4 * g + 2][o0:o1], out[32 * s + 4 * g + 3][o0:o1])
+    b0, b1, b2, b3 = (out[32 * s + 16 + 4 * g][o0:o1], out[32 * s + 17 + 4 * g][o0:o1],
+                      out[32 * s + 18 + 4 * g][o0:o1], out[32 * s + 19 + 4 * g][o0:o1])
+    for i in range(r1 - r0):
+        v = row[i]
+        a0[i], b0[i] = _F32(np.int32(v & _W15)), _F32(np.int32((v >> _W4) & _W15))
+        a1[i], b1[i] = _F32(np.int32((v >> _W8) & _W15)), _F32(np.int32((v >> _W12) & _W15))
+        a2[i], b2[i] = _F32(np.int32((v >> _W16) & _W15)), _F32(np.int32((v >> _W20) & _W15))
+        a3[i], b3[i] = _F32(np.int32((v >> _W24) & _W15)), _F32(np.int32(v >> _W28))
+
+
+@njit(inline="always")
 def _dq5(p: Any, h: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
     row, hs = p[16 * s + j][r0:r1], h[s][r0:r1]
     a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
@@ -386,9 +359,10 @@ def _dq_min(out: Any, s: int, r0: int, r1: int, c0: int, ds: Any, ms: Any) -> No
             o[i] = ds[i] * o[i] + ms[i]
 
 
-@_jit_exact
+@njit(inline="always")
 def _dq_blocks(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: bool, five: bool) -> None:
-    """q4_0, q4_1, q5_0, q5_1 (flags as :func:`_mv_blocks`) rows r0..r1 into ``out`` (K, r - c0)."""
+    """q4_0 (neither flag), q4_1 (``has_min``), q5_0 (``five``), q5_1 (both) rows r0..r1 into ``out``
+    (K, r - c0)."""
     R, ns = w.shape[0], k // 32
     flat = w.reshape(-1)
     d = _sec(flat, 0, ns, R, np.float32, 4)
@@ -398,12 +372,14 @@ def _dq_blocks(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: boo
     h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)
     off += 4 * ns * R if five else 0
     p = _sec(flat, off, 16 * ns, R, np.uint8, 1)
+    words = _sec(flat, off, 4 * ns, R, np.uint32, 4)                 # q4_0, q4_1: by fours
     for s in range(ns):
-        for j in range(16):
-            if five:
+        if five:
+            for j in range(16):
                 _dq5(p, h, s, j, r0, r1, out, c0)
-            else:
-                _dq4(p, s, j, r0, r1, out, c0)
+        else:
+            for g in range(4):
+                _dq4_fours(words, s, g, r0, r1, out, c0)
         if has_min:
             _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
         else:
@@ -411,17 +387,35 @@ def _dq_blocks(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: boo
 
 
 @_jit_exact
+def _dq_q4(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: bool) -> None:
+    """q4_0, q4_1 (``has_min``): as :func:`_dq_blocks`."""
+    _dq_blocks(w, k, r0, r1, out, c0, has_min, False)
+
+
+@_jit_exact
+def _dq_q5(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: bool) -> None:
+    """q5_0, q5_1 (``has_min``): as :func:`_dq_blocks`."""
+    _dq_blocks(w, k, r0, r1, out, c0, has_min, True)
+
+
+@_jit_exact
 def _dq_q8_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     R, ns = w.shape[0], k // 32
     flat = w.reshape(-1)
     d = _sec(flat, 0, ns, R, np.float32, 4)
-    q = _sec(flat, 4 * ns * R, 32 * ns, R, np.int8, 1)
+    q = _sec(flat, 4 * ns * R, 8 * ns, R, np.int32, 4)               # by fours: byte b = code 4g + b
     for s in range(ns):
         ds = d[s][r0:r1]
-        for j in range(32):
-            row, o = q[32 * s + j][r0:r1], out[32 * s + j][r0 - c0:r1 - c0]
+        for g in range(8):
+            row, o0, o1 = q[8 * s + g][r0:r1], r0 - c0, r1 - c0
+            a, b, c, e = (out[32 * s + 4 * g][o0:o1], out[32 * s + 4 * g + 1][o0:o1],
+                          out[32 * s + 4 * g + 2][o0:o1], out[32 * s + 4 * g + 3][o0:o1])
             for i in range(r1 - r0):
-                o[i] = _F32(row[i]) * ds[i]
+                v = row[i]
+                a[i] = _F32(np.int32(np.int32(v << _I24) >> _I24)) * ds[i]
+                b[i] = _F32(np.int32(np.int32(v << _I16) >> _I24)) * ds[i]
+                c[i] = _F32(np.int32(np.int32(v << _I8) >> _I24)) * ds[i]
+                e[i] = _F32(np.int32(v >> _I24)) * ds[i]
 
 
 @njit(inline="always")
@@ -504,9 +498,9 @@ def _dq_u16(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, bf16: bool) -> 
 
 KERNELS: dict[str, tuple[Any, Any, tuple[bool, ...]]] = {
     "f16": (_mv_u16, _dq_u16, (False,)), "bf16": (_mv_u16, _dq_u16, (True,)),
-    "q8_0": (_mv_q8_0, _dq_q8_0, ()),
-    "q4_0": (_mv_blocks, _dq_blocks, (False, False)), "q4_1": (_mv_blocks, _dq_blocks, (True, False)),
-    "q5_0": (_mv_blocks, _dq_blocks, (False, True)), "q5_1": (_mv_blocks, _dq_blocks, (True, True)),
+    "q8_0": (mv_q8_0, _dq_q8_0, ()),
+    "q4_0": (mv_q4, _dq_q4, (False,)), "q4_1": (mv_q4, _dq_q4, (True,)),
+    "q5_0": (_mv_q5, _dq_q5, (False,)), "q5_1": (_mv_q5, _dq_q5, (True,)),
     "q4_k": (_mv_kquant, _dq_kquant, (False,)), "q5_k": (_mv_kquant, _dq_kquant, (True,)),
     "q6_k": (_mv_q6_k, _dq_q6_k, ()),
 }
@@ -529,9 +523,10 @@ def _f16_bytes(lo: Any, hi: Any) -> Any:
 
 
 @_jit_exact
-def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: int) -> None:
+def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: int, fours: bool) -> None:
     """q8_0, q4_0, q4_1, q5_0, q5_1: ``nf`` float16 factors, ``hbytes`` of 5th bits, ``qbytes`` of
-    quants per block, each copied to its section (transposed: block-major, row last)."""
+    quants per block, each copied to its section (transposed: block-major, row last; the quants by
+    fours of bytes with ``fours``: byte ``4g + b`` of row ``r`` at ``[g, r, b]``)."""
     R, nb = src.shape[0], src.shape[1] // block
     flat = out.reshape(-1)
     bits = flat[:4 * nf * nb * R].view(np.float32)
@@ -551,8 +546,14 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
                 for r in range(t0, t1):
                     hb[4 * r + i] = src[r, base + 2 * nf + i]
             for j in range(qbytes):
-                dst8 = q[(b * qbytes + j) * R:(b * qbytes + j + 1) * R]
                 col = base + 2 * nf + hbytes + j
+                if fours:
+                    g, lane = j // 4, j % 4
+                    dst4 = q[(b * qbytes + 4 * g) * R:(b * qbytes + 4 * g + 4) * R]
+                    for r in range(t0, t1):
+                        dst4[4 * r + lane] = src[r, col]
+                    continue
+                dst8 = q[(b * qbytes + j) * R:(b * qbytes + j + 1) * R]
                 for r in range(t0, t1):
                     dst8[r] = src[r, col]
 
@@ -665,7 +666,7 @@ def pack(src: Any, qtype: str, out: Any) -> None:
         _pack_k45(src, out, qtype == "q5_k")
     else:
         nf, hbytes, qbytes = _SIMPLE[qtype]
-        _pack_simple(src, out, 2 * nf + hbytes + qbytes, nf, hbytes, qbytes)
+        _pack_simple(src, out, 2 * nf + hbytes + qbytes, nf, hbytes, qbytes, qtype in INTERLEAVED)
 
 
 _SIMPLE = {"q8_0": (1, 0, 32), "q4_0": (1, 0, 16), "q4_1": (2, 0, 16), "q5_0": (1, 4, 16), "q5_1": (2, 4, 16)}

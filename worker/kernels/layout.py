@@ -18,9 +18,9 @@ section is aligned for its dtype when the tensor is 4-byte aligned). With ``nb``
 or ``K/256``) and ``ns = K/32`` sub-blocks of 32 weights::
 
     f16, bf16  w    u16 [K, R]                      the weights, transposed (f16/bf16 bits unchanged)
-    q8_0       d    f32 [nb, R]   q   i8 [nb*32, R]                               w = d*q
-    q4_0       d    f32 [nb, R]   p   u8 [ns*16, R]                               w = d*(q - 8)
-    q4_1       d, m f32 [nb, R]   p   u8 [ns*16, R]                               w = d*q + m
+    q8_0       d    f32 [nb, R]   q   i8 [nb*8, R, 4]                             w = d*q
+    q4_0       d    f32 [nb, R]   p   u8 [ns*4, R, 4]                             w = d*(q - 8)
+    q4_1       d, m f32 [nb, R]   p   u8 [ns*4, R, 4]                             w = d*q + m
     q5_0       d    f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*16, R]             w = d*(q - 16)
     q5_1       d, m f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*16, R]             w = d*q + m
     q4_k       d, dmin f32 [nb, R]  sc, mn u8 [ns, R]  p u8 [ns*16, R]          w = d*sc*q - dmin*mn
@@ -29,7 +29,10 @@ or ``K/256``) and ``ns = K/32`` sub-blocks of 32 weights::
 
 ``p`` (pairs): byte ``j`` of sub-block ``s`` holds the low 4 bits of weight ``32s + j`` in its low nibble
 and those of weight ``32s + j + 16`` in its high nibble (Q4_0's own pairing; K-quants pair differently in
-GGUF and are regrouped). ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``. q6_k works
+GGUF and are regrouped). q8_0, q4_0 and q4_1 (:data:`INTERLEAVED`) store these bytes *by fours*: byte
+``4g + b`` (b < 4) of a sub-block's row sits at ``[4s + g, r, b]`` (q8_0: code ``32s + 4g + b`` at
+``[8s + g, r, b]``), so the 4 bytes one int32 lane of the integer kernels (:mod:`.intdot`) takes are
+adjacent, and 16 rows of them fill one 64-byte vector. ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``. q6_k works
 in its 16-weight scale groups ``g`` instead: byte ``8g + j`` (j < 8) of ``p`` pairs weights ``16g + j``
 and ``16g + 8 + j`` (one accumulator per scale), and byte ``4g + j`` (j < 4) of ``h`` holds the 5th-6th
 bits of weights ``16g + j``, ``16g + 8 + j``, ``16g + 4 + j``, ``16g + 12 + j`` in its bit pairs 0-1,
@@ -49,11 +52,13 @@ import numpy.typing as npt
 
 from ...broker.ops import PACKED_BLOCKS
 
-__all__ = ["PACKED", "QTYPES", "gguf_row_bytes", "pack", "packed_row_bytes", "unpack_codes"]
+__all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack", "packed_row_bytes", "unpack_codes"]
 
 #: qtype -> (weights per GGUF block, GGUF bytes per block, packed bytes per block and row).
 PACKED: Final[dict[str, tuple[int, int, int]]] = dict(PACKED_BLOCKS)
 QTYPES: Final = tuple(PACKED)
+INTERLEAVED: Final = frozenset({"q8_0", "q4_0", "q4_1"})
+"""Types whose code bytes are stored by fours (the integer kernels of :mod:`.intdot` read them)."""
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
@@ -218,17 +223,25 @@ def _pairs16(codes: np.ndarray) -> U8:
     return pairs
 
 
+def _by_fours(section: np.ndarray) -> np.ndarray:
+    """(J, R) -> (J/4, R, 4): the 4 bytes ``4g..4g+3`` of each row side by side (INTERLEAVED types)."""
+    rows = section.shape[1]
+    out: np.ndarray = section.reshape(-1, 4, rows).transpose(0, 2, 1)
+    return out
+
+
 def _sections(qtype: str, codes: np.ndarray, f: dict[str, np.ndarray]) -> list[np.ndarray]:
     """The packed sections of one weight, in storage order (each with the row as last axis)."""
     t = {k: v.T for k, v in f.items()}
     if qtype == "q8_0":
-        return [t["d"], codes.astype(np.int8).T]
+        return [t["d"], _by_fours(codes.astype(np.int8).T)]
     if qtype == "q6_k":
         return [t["d"], _high2(codes), t["sc"], _pairs16(codes)]
     scales = [t["d"], t["m"]] if "m" in t else [t["d"], t["dmin"]] if "dmin" in t else [t["d"]]
     high = [_high1(codes)] if qtype in ("q5_0", "q5_1", "q5_k") else []
     sub = [t["sc"], t["mn"]] if "sc" in t else []
-    return scales + high + sub + [_pairs(codes)]
+    pairs = _pairs(codes)
+    return scales + high + sub + [_by_fours(pairs) if qtype in INTERLEAVED else pairs]
 
 
 def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None, *, jit: bool = True) -> U8:

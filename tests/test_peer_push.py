@@ -1,0 +1,76 @@
+"""The PUSH links to other workers (worker/peer_push.py), on inproc sockets closed with linger 0."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from zmq_rpc.broker.protocol import WireError
+from zmq_rpc.worker.peer_endpoints import PeerSecurity
+from zmq_rpc.worker.peer_push import MAX_LINKS, PushLinks
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@pytest.fixture
+def links() -> Iterator[PushLinks]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    links = PushLinks(ctx, PeerSecurity())
+    try:
+        yield links
+    finally:
+        links.close()
+        ctx.term()                    # hangs (and the timeout fails the test) if one leaked
+
+
+def test_a_link_is_reused_and_the_least_recently_used_closes_beyond_the_limit(
+        links: PushLinks) -> None:
+    first = links.get("inproc://peer-0")
+    opened = [links.get(f"inproc://peer-{i}") for i in range(1, MAX_LINKS)]
+    assert links.get("inproc://peer-0") is first          # reused, and now the most recent
+    links.get("inproc://one-too-many")
+    assert len(links) == MAX_LINKS and len(links.monitors) == MAX_LINKS
+    assert "inproc://peer-1" not in links and opened[0].closed
+    assert "inproc://peer-0" in links and not first.closed
+
+
+def test_a_dropped_link_is_closed_and_the_next_use_reconnects(links: PushLinks) -> None:
+    sock = links.get("inproc://peer")
+    links.drop("inproc://peer")
+    links.drop("inproc://peer")                           # twice: nothing left to close
+    assert sock.closed and "inproc://peer" not in links and not links.monitors
+    again = links.get("inproc://peer")
+    assert again is not sock and not again.closed
+
+
+def test_a_disconnection_is_seen_once(links: PushLinks) -> None:
+    pull = links.ctx.socket(zmq.PULL)
+    try:
+        pull.bind("tcp://127.0.0.1:*")
+        endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        links.get(endpoint).send(b"x")
+        assert pull.recv() == b"x"
+        assert not links.disconnected(endpoint)
+    finally:
+        pull.close(linger=0)
+    deadline = time.monotonic() + 5
+    while not links.disconnected(endpoint):
+        assert time.monotonic() < deadline, "the link never reported its peer gone"
+        time.sleep(0.01)
+    assert not links.disconnected(endpoint)               # said once
+    assert not links.disconnected("tcp://127.0.0.1:9")    # never opened: nothing to say
+
+
+def test_without_curve_only_probed_endpoints_may_be_pushed_to(links: PushLinks) -> None:
+    with pytest.raises(WireError, match="has not answered a peer probe"):
+        links.check_verified("tcp://10.0.0.1:5")
+    links.verify("tcp://10.0.0.1:5")
+    links.check_verified("tcp://10.0.0.1:5")
+
+
+def test_an_endpoint_refused_by_security_opens_no_socket(links: PushLinks) -> None:
+    with pytest.raises(WireError, match="names an IP address"):
+        links.get("tcp://localhost:5")
+    assert len(links) == 0

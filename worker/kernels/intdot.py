@@ -1,0 +1,272 @@
+"""Integer matrix-vector products for decode: int8 activations times packed 4-bit and 8-bit codes.
+
+Owns the integer decode kernels of q4_0, q4_1 and q8_0 (the types of a "Q4_0"/"Q4_1"/"Q8_0" llama
+file). Only the worker's backend thread calls them, or the helper threads it hands disjoint row
+ranges to (``kernels.set_threads``): every kernel releases the GIL. Compiled code is cached on disk
+as :mod:`.jit`'s is.
+
+llama.cpp's method. The float kernels of :mod:`.jit` convert every code to float32 and multiply it
+by its input: about 4 codes per instruction, so they run at ~4 GB/s of weights, far below the
+memory's bandwidth. Here the input vector ``x`` is quantized once per product to int8 blocks of 32
+(``x ~ dx * xq``, ``dx = max|x| / 127`` per block, ``xq = rint(x / dx)``), and the codes meet their
+inputs in integer products summed into int32 (``isum = sum q * xq``, exact), so that one
+``vpdpbusd`` (AVX512-VNNI: 64 unsigned bytes times 64 signed bytes, summed by fours into 16 int32
+lanes) does 64 multiply-adds; the scales are applied once per 32-weight block and row::
+
+    q4_0   y += d * dx * (isum - 8 * sum xq)          (w = d * (q - 8))
+    q4_1   y += d * dx * isum + m * sum x             (w = d * q + m; ``sum x`` in float32, exact)
+    q8_0   y += d * dx * (isum' - 128 * sum xq)       (isum' over q + 128: the unsigned operand)
+
+The error this adds is the rounding of the inputs: at most ``dx / 2`` per input, so at most
+``sum_blocks dx / 2 * sum |w|`` per output (the tests hold the kernels to that bound; llama.cpp
+makes the same error in its Q8 dot products). Measured on SmolLM2's Q4_1 matrices (one thread):
+~25 GB/s of weights against ~4 GB/s for the float kernel.
+
+The packed layout (:mod:`.layout`): the codes of q4_0/q4_1/q8_0 are *interleaved by fours*: the 4
+bytes of a row that one int32 lane takes are adjacent, and consecutive rows follow, so one 64-byte
+load brings 4 bytes of 16 rows. The sweep over the rows of one sub-block (:func:`_sweep_q4`,
+:func:`_sweep_q8`) is written in LLVM IR (numba cannot express a 512-bit vector): on a CPU with
+AVX512-VNNI it calls ``llvm.x86.avx512.vpdpbusd.512``; elsewhere (or when numba is told to
+compile for another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``) the same sums in plain vector
+IR (widen, multiply, add the four products of each lane), which any LLVM target compiles; the
+choice depends only on the CPU features numba compiles for, which are part of numba's cache key, so
+a cached kernel always matches the CPU. Rows past the last multiple of 16 go through a scalar loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils, config
+from numba.core.codegen import get_host_cpu_features
+from numba.extending import intrinsic
+
+__all__ = ["HI", "TILE", "VNNI", "mv_q4", "mv_q8_0", "quantize_x"]
+
+TILE = 4096
+"""Rows per output tile (16 KiB of float32 accumulators, in L1 while the sub-blocks sweep them)."""
+_F32 = np.float32
+HI = 254
+"""Steps of the second int8 level per step of the first: ``x ~ dx * (HI * xq1 + xq2)``."""
+_FMAX = np.float32(np.finfo(np.float32).max)
+
+
+def _numba_cpu_features() -> set[str]:
+    """The CPU features numba compiles for (its own rule: ``NUMBA_CPU_FEATURES`` or the host's)."""
+    numba_config: Any = config
+    host: Any = get_host_cpu_features
+    features = numba_config.CPU_FEATURES if numba_config.CPU_FEATURES is not None else host()
+    return set(str(features).split(","))
+
+
+VNNI = {"+avx512f", "+avx512bw", "+avx512vnni"} <= _numba_cpu_features()
+"""Whether the sweeps use ``vpdpbusd`` (else the portable vector IR: same sums, slower)."""
+
+_I32, _I64, _F = ir.IntType(32), ir.IntType(64), ir.FloatType()
+_V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F, 16)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vtype: ir.VectorType) -> ir.Value:
+    undef = ir.Constant(vtype, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vtype.count), [0] * vtype.count))
+
+
+_declare: Any = cgutils.get_or_insert_function
+
+
+def _dot4(builder: ir.IRBuilder, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
+    """``acc[i] += sum_j a.u8[4i + j] * b.i8[4i + j]`` over 16 int32 lanes (``vpdpbusd``)."""
+    if VNNI:
+        fnty = ir.FunctionType(_V16I, [_V16I, _V16I, _V16I])
+        dp = _declare(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(dp, [acc, a, b])
+    v64i8, v64i32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, 64)
+    prod = builder.mul(builder.zext(builder.bitcast(a, v64i8), v64i32),
+                       builder.sext(builder.bitcast(b, v64i8), v64i32))
+    undef = ir.Constant(v64i32, ir.Undefined)
+    for j in range(4):
+        lanes = ir.Constant(ir.VectorType(_I32, 16), [4 * i + j for i in range(16)])
+        acc = builder.add(acc, builder.shuffle_vector(prod, undef, lanes))
+    return acc
+
+
+def _at(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, vtype: ir.Type) -> ir.Value:
+    return builder.inttoptr(builder.add(base, offset), ir.PointerType(vtype))
+
+
+_SWEEP_SIG = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.intp, types.intp,
+                        types.float32, types.float32, types.int32, types.intp)
+
+
+def _sweep_codegen(groups: int, nibbles: bool) -> Any:
+    """IR of one sub-block's sweep over ``n`` rows (a multiple of 16): ``y[i] += (float(isum_i + ioff)
+    * fx) * d[i] + m[i] * c1``, where ``isum_i = HI * (q_i . xq1) + q_i . xq2`` over the codes ``q_i``
+    of row ``i``, held in ``groups`` int32 words (word ``g`` at byte ``p + g * gstride + 4 i``), and the
+    input codes at ``xw1``, ``xw2`` (int8, one int32 word per 4): with ``nibbles`` each word holds 8
+    codes (low nibbles for inputs ``4g..4g+3``, high for ``16+4g..``; ``m`` is read), else 4 signed
+    codes (made unsigned by +128, which ``ioff`` takes back; ``m`` unused). All pointers are
+    addresses (int64), the arrays being kept alive by the caller."""
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        y, p, gstride, d, m, xw1, xw2, fx, c1, ioff, n = args
+        words = 2 * groups if nibbles else groups
+        xs = [[_splat(builder, builder.load(_at(builder, xw, ir.Constant(_I64, 4 * k), _I32), align=4), _V16I)
+               for k in range(words)] for xw in (xw1, xw2)]
+        hi_scale = ir.Constant(_V16I, [HI] * 16)
+        fxv, c1v, ioffv = _splat(builder, fx, _V16F), _splat(builder, c1, _V16F), _splat(builder, ioff, _V16I)
+        low = ir.Constant(_V16I, [0x0F0F0F0F] * 16)
+        four = ir.Constant(_V16I, [4] * 16)
+        sign = ir.Constant(_V16I, [-0x7F7F7F80] * 16)      # 0x80808080: flips each byte's sign bit
+        start, step = ir.Constant(_I64, 0), ir.Constant(_I64, 16)
+        with cgutils.for_range_slice(builder, start, n, step, intp=_I64) as (i, _):
+            off4 = builder.mul(i, ir.Constant(_I64, 4))
+            acc = [ir.Constant(_V16I, [0] * 16)] * 2
+            for g in range(groups):
+                at = builder.add(builder.mul(gstride, ir.Constant(_I64, g)), off4)
+                v = builder.load(_at(builder, p, at, _V16I), align=1)
+                codes = ([builder.and_(v, low), builder.and_(builder.lshr(v, four), low)] if nibbles
+                         else [builder.xor(v, sign)])
+                for h, c in enumerate(codes):
+                    acc = [_dot4(builder, a, c, x[h * groups + g]) for a, x in zip(acc, xs)]
+            isum = builder.add(builder.add(builder.mul(acc[0], hi_scale), acc[1]), ioffv)
+            t = builder.fmul(builder.fmul(builder.sitofp(isum, _V16F), fxv),
+                             builder.load(_at(builder, d, off4, _V16F), align=4))
+            if nibbles:
+                t = builder.fadd(t, builder.fmul(builder.load(_at(builder, m, off4, _V16F), align=4), c1v))
+            yp = _at(builder, y, off4, _V16F)
+            builder.store(builder.fadd(builder.load(yp, align=4), t), yp, align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _sweep_q4_typing(typingctx: Any, y: Any, p: Any, gstride: Any, d: Any, m: Any, xw1: Any, xw2: Any, fx: Any,
+                     c1: Any, ioff: Any, n: Any) -> Any:
+    return _SWEEP_SIG, _sweep_codegen(4, True)
+
+
+def _sweep_q8_typing(typingctx: Any, y: Any, p: Any, gstride: Any, d: Any, m: Any, xw1: Any, xw2: Any, fx: Any,
+                     c1: Any, ioff: Any, n: Any) -> Any:
+    return _SWEEP_SIG, _sweep_codegen(8, False)
+
+
+_sweep_q4: Any = intrinsic(_sweep_q4_typing)
+_sweep_q8: Any = intrinsic(_sweep_q8_typing)
+
+
+# ------------------------------------------------------------------------------------ the kernels
+
+
+@njit(inline="always")
+def _code(xq1: Any, xq2: Any, k: int) -> Any:
+    """Input ``k`` in steps of the block's ``dx``: ``HI xq1 + xq2``."""
+    return HI * np.int64(xq1[k]) + np.int64(xq2[k])
+
+
+@njit(cache=True, nogil=True)
+def quantize_x(x: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """``x`` (K,) float32 in int8 blocks of 32, two levels: ``(xq1, xq2, dx, sq, sx)``, ``x ~ dx * (HI xq1
+    + xq2)``: the codes (K,) int8 (``xq1 = rint(x / e)``, ``e = max|x| / 127``; ``xq2`` the rest
+    ``x - e xq1`` in steps of ``dx = e / HI``), ``dx`` per block, the code sums ``HI sum xq1 + sum xq2``
+    (int32) and the float32 sums of ``x`` per block. A block with a NaN or an infinity gets codes 0
+    and ``dx`` NaN (its products come out NaN)."""
+    ns = x.shape[0] // 32
+    xq1, xq2 = np.zeros(x.shape[0], np.int8), np.zeros(x.shape[0], np.int8)
+    dx, sq, sx = np.empty(ns, np.float32), np.zeros(ns, np.int32), np.empty(ns, np.float32)
+    for s in range(ns):
+        amax, total, bad = _F32(0), _F32(0), False
+        for j in range(32):
+            v = x[32 * s + j]
+            a = abs(v)
+            total += v
+            bad |= not a <= _FMAX
+            if a > amax:
+                amax = a
+        sx[s] = total
+        if bad:
+            dx[s] = np.float32(np.nan)
+            continue
+        e = amax / _F32(127)
+        dx[s] = e / _F32(HI)
+        if amax == 0:
+            continue
+        inv = _F32(127) / amax
+        inv2 = inv * _F32(HI)
+        acc = 0
+        for j in range(32):
+            v = x[32 * s + j]
+            q1 = np.rint(v * inv)
+            q2 = min(max(np.rint((v - q1 * e) * inv2), _F32(-127)), _F32(127))
+            xq1[32 * s + j], xq2[32 * s + j] = np.int8(q1), np.int8(q2)
+            acc += HI * np.int64(q1) + np.int64(q2)
+        sq[s] = acc
+    return xq1, xq2, dx, sq, sx
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def mv_q4(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool) -> None:
+    """q4_0 (``has_min`` False), q4_1: rows r0..r1 of ``y = W @ x`` (the int8 method above)."""
+    R, ns = w.shape[0], x.shape[0] // 32
+    flat = w.reshape(-1)
+    d = flat[:4 * ns * R].view(np.float32).reshape((ns, R))
+    off = 8 * ns * R if has_min else 4 * ns * R
+    m = flat[off - 4 * ns * R:off].view(np.float32).reshape((ns, R))   # d again without a min (unused)
+    p = flat[off:off + 16 * ns * R].view(np.uint32).reshape((4 * ns, R))
+    xq1, xq2, dx, sq, sx = quantize_x(x)
+    xw1, xw2 = xq1.view(np.int32), xq2.view(np.int32)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        n = t1 - t0
+        n16 = n // 16 * 16
+        yt = y[t0:t1]
+        yt[:] = 0
+        for s in range(ns):
+            c1 = sx[s] if has_min else _F32(0)
+            ioff = np.int32(0) if has_min else np.int32(-8 * sq[s])
+            ds, ms, fx = d[s][t0:t1], m[s][t0:t1], dx[s]
+            _sweep_q4(yt.ctypes.data, p[4 * s][t0:t1].ctypes.data, 4 * R, ds.ctypes.data, ms.ctypes.data,
+                      xw1[8 * s:8 * s + 8].ctypes.data, xw2[8 * s:8 * s + 8].ctypes.data, fx, c1, ioff, n16)
+            for i in range(n16, n):
+                acc = 0
+                for g in range(4):
+                    word = np.int64(p[4 * s + g][t0 + i])
+                    for b in range(4):
+                        byte = (word >> (8 * b)) & 255
+                        acc += (byte & 15) * _code(xq1, xq2, 32 * s + 4 * g + b)
+                        acc += (byte >> 4) * _code(xq1, xq2, 32 * s + 16 + 4 * g + b)
+                t = (_F32(np.int32(acc + ioff)) * fx) * ds[i]
+                if has_min:
+                    t += ms[i] * c1
+                yt[i] += t
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def mv_q8_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
+    """q8_0: rows r0..r1 of ``y = W @ x`` (the int8 method above)."""
+    R, ns = w.shape[0], x.shape[0] // 32
+    flat = w.reshape(-1)
+    d = flat[:4 * ns * R].view(np.float32).reshape((ns, R))
+    q = flat[4 * ns * R:36 * ns * R]
+    words = q.view(np.uint32).reshape((8 * ns, R))
+    codes = q.view(np.int8).reshape((8 * ns, 4 * R))
+    xq1, xq2, dx, sq, _ = quantize_x(x)
+    xw1, xw2 = xq1.view(np.int32), xq2.view(np.int32)
+    for t0 in range(r0, r1, TILE):
+        t1 = min(t0 + TILE, r1)
+        n = t1 - t0
+        n16 = n // 16 * 16
+        yt = y[t0:t1]
+        yt[:] = 0
+        for s in range(ns):
+            ds, fx = d[s][t0:t1], dx[s]
+            _sweep_q8(yt.ctypes.data, words[8 * s][t0:t1].ctypes.data, 4 * R, ds.ctypes.data, ds.ctypes.data,
+                      xw1[8 * s:8 * s + 8].ctypes.data, xw2[8 * s:8 * s + 8].ctypes.data, fx, _F32(0),
+                      np.int32(-128 * sq[s]), n16)
+            for i in range(n16, n):
+                acc = 0
+                for g in range(8):
+                    for b in range(4):
+                        acc += np.int64(codes[8 * s + g][4 * (t0 + i) + b]) * _code(xq1, xq2, 32 * s + 4 * g + b)
+                yt[i] += (_F32(np.int32(acc)) * fx) * ds[i]

@@ -1,0 +1,124 @@
+"""Sends and probes waiting for a peer's acknowledgement, on the backend thread: outcomes and faults.
+
+Owned by the backend thread (through :class:`~zmq_rpc.worker.peer_links.PeerLinks`). No sockets:
+what it needs of the links comes as callables (whether a link dropped its connection, drop a link,
+trust an endpoint that answered a probe). Each wait ends exactly once, through its ``done``: the
+peer's acknowledgement (ok or refused), its deadline, or a deadline cut to
+:data:`PEER_GONE_GRACE_S` once the peer's connection dropped; a closing session's waits end
+silently (:meth:`AwaitedAcks.forget`: the executor answers their requests itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..broker import peer as wire
+from .metrics import NullRecorder, Recorder
+
+PEER_GONE_GRACE_S = 1.0
+"""After a peer's connection drops, how long its acknowledgements may still arrive (they come
+back on the peer's own link, so a dropped connection alone does not prove the copy failed)."""
+WATCH_INTERVAL_S = 0.05
+"""How often the links with transfers waiting for an acknowledgement are checked for drops."""
+
+Done = Callable[[str | None], None]
+"""Told once how a transfer ended: None when it succeeded, else what went wrong."""
+
+
+@dataclass
+class Outgoing:
+    """A PEER_SEND or PEER_PROBE waiting for the peer's acknowledgement."""
+
+    owner: object
+    done: Done
+    endpoint: str
+    deadline: float
+    what: str
+    probe: bool = False
+    gone: bool = False
+    """The peer's connection dropped while this waited: the deadline was cut to the grace."""
+
+
+@dataclass(frozen=True)
+class LinkHooks:
+    """What the waits need of the PUSH links, as callables (the links stay socket owners)."""
+
+    disconnected: Callable[[str], bool]
+    """Whether the link to an endpoint dropped its connection since the last look."""
+    drop: Callable[[str], None]
+    """Close the link to an endpoint (its peer failed us)."""
+    verify: Callable[[str], None]
+    """An endpoint answered a probe: it may be pushed to."""
+
+
+class AwaitedAcks:
+    """The backend thread's sends and probes in flight, by transfer token."""
+
+    def __init__(self, links: LinkHooks) -> None:
+        self.links = links
+        self.pending: dict[bytes, Outgoing] = {}
+        self.metrics: Recorder = NullRecorder()
+        self._next_watch = 0.0
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def wait(self, token: bytes, out: Outgoing) -> None:
+        """Wait for ``token``'s acknowledgement (drops of its link before now are forgotten)."""
+        self.links.disconnected(out.endpoint)
+        self.pending[token] = out
+
+    def cancel(self, token: bytes) -> None:
+        """Stop waiting without an outcome (its send failed: the caller reports that)."""
+        self.pending.pop(token, None)
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a wait, None when nothing waits."""
+        return min((out.deadline for out in self.pending.values()), default=None)
+
+    def on_ack(self, ack: wire.Ack) -> None:
+        """A peer answered: end the wait on its token (unknown tokens are ignored: late)."""
+        out = self.pending.pop(ack.token, None)
+        if out is None:
+            return
+        if ack.ok and out.probe:
+            self.links.verify(out.endpoint)
+        if not out.probe:
+            self.metrics.transfer("out", ack.ok)
+        out.done(None if ack.ok else f"{out.what} refused by the peer: {ack.message}")
+
+    def expire(self, now: float) -> None:
+        """Fail the waits past their deadline (watching links for drops every so often)."""
+        if self.pending and now >= self._next_watch:
+            self._watch(now)
+        for token, out in list(self.pending.items()):
+            if now >= out.deadline:
+                del self.pending[token]
+                self._fail(out)
+
+    def forget(self, owner: object) -> None:
+        """Drop a closing session's waits without calling their ``done``."""
+        for token in [t for t, out in self.pending.items() if out.owner is owner]:
+            del self.pending[token]
+
+    def _watch(self, now: float) -> None:
+        """Cut the wait of transfers whose peer's connection dropped (its worker died or
+        stopped: its acknowledgement will not come) to :data:`PEER_GONE_GRACE_S`."""
+        self._next_watch = now + WATCH_INTERVAL_S
+        gone = {ep for ep in {out.endpoint for out in self.pending.values()}
+                if self.links.disconnected(ep)}
+        for out in self.pending.values():
+            if out.endpoint in gone and not out.gone:
+                out.gone = True
+                out.deadline = min(out.deadline, now + PEER_GONE_GRACE_S)
+
+    def _fail(self, out: Outgoing) -> None:
+        if not out.probe:
+            self.metrics.transfer("out", False)
+        self.links.drop(out.endpoint)
+        out.done(f"{out.what}: the peer's connection dropped and no acknowledgement "
+                 f"came within {PEER_GONE_GRACE_S:g} s (its worker stopped or died)"
+                 if out.gone else
+                 f"{out.what}: no acknowledgement within the timeout (peer unreachable, "
+                 "dead or too slow)")

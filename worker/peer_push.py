@@ -1,0 +1,144 @@
+"""Outgoing peer connections, on the backend thread: one PUSH socket per peer, their life and sends.
+
+Owned by the backend thread (through :class:`~zmq_rpc.worker.peer_links.PeerLinks`), which creates,
+uses and closes every socket here. A link opens on first use, is reused (most recently used kept
+longest, at most :data:`MAX_LINKS`), never blocks a send (SNDTIMEO 0: a send no connection can
+take fails its transfer and drops the link, the next use reconnects) and carries a monitor socket
+so that a peer whose connection dropped is noticed while a transfer waits on it.
+
+Whom a link may reach is decided before it opens: :class:`~zmq_rpc.worker.peer_endpoints.PeerSecurity`
+(numeric addresses only; with CURVE, known worker keys only) and, without CURVE, only endpoints
+that answered this worker's probe (:meth:`PushLinks.check_verified`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from ..broker.protocol import ErrorCode, WireError
+from ..broker.wire import printable
+from .peer_endpoints import PeerSecurity
+
+MAX_LINKS = 64
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 6000
+"""ZMTP heartbeats on every link: a peer host that vanishes without closing its connections
+(power, cable) is seen as disconnected after at most ~8 s."""
+
+
+class PushLinks:
+    """The PUSH sockets to other workers' peer ports, by endpoint."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], security: PeerSecurity) -> None:
+        self.ctx = ctx
+        self.security = security
+        self.sockets: dict[str, zmq.Socket[bytes]] = {}
+        self.monitors: dict[str, zmq.Socket[bytes]] = {}
+        """Each link's socket monitor (disconnections), read while a transfer waits on it."""
+        self.verified: set[str] = set()
+        """Peer endpoints that answered our probe: the only ones pushed to without CURVE."""
+
+    def __contains__(self, endpoint: object) -> bool:
+        return endpoint in self.sockets
+
+    def __len__(self) -> int:
+        return len(self.sockets)
+
+    def close(self) -> None:
+        """Close every link (what is still queued on them is dropped)."""
+        for endpoint in list(self.sockets):
+            self.drop(endpoint)
+
+    def check_verified(self, endpoint: str) -> None:
+        """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
+        handshake: the answer carries a random token only that endpoint received), so a client
+        cannot make a worker send tensors to a port that is not a zmq-rpc worker. With CURVE
+        the handshake with a known worker key is the check (:class:`PeerSecurity`)."""
+        if self.security.keys is None and endpoint not in self.verified:
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"{printable(endpoint, 100)} has not answered a peer probe from this "
+                            "worker (PEER_PROBE it first; is it a zmq-rpc worker?): this "
+                            "worker does not push there")
+
+    def verify(self, endpoint: str) -> None:
+        """``endpoint`` answered a probe of this worker: it may be pushed to."""
+        self.verified.add(endpoint)
+
+    def get(self, endpoint: str) -> zmq.Socket[bytes]:
+        """The PUSH socket to ``endpoint``: reused, most recently used last; at most MAX_LINKS
+        stay open (a peer can name any reply address: never let that exhaust our sockets)."""
+        sock = self.sockets.pop(endpoint, None)
+        if sock is not None:
+            self.sockets[endpoint] = sock
+            return sock
+        address, server_key = self.security.address(endpoint)
+        while len(self.sockets) >= MAX_LINKS:
+            self.drop(next(iter(self.sockets)))
+        sock = self._open(address, server_key)
+        self.sockets[endpoint] = sock
+        self.monitors[endpoint] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return sock
+
+    def _open(self, address: str, server_key: bytes | None) -> zmq.Socket[bytes]:
+        try:
+            sock = self.ctx.socket(zmq.PUSH)
+        except zmq.ZMQError as exc:
+            raise WireError(ErrorCode.TRANSFER_FAILED, f"cannot open a peer link: {exc}") from None
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 0)     # never block the backend thread (see send)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        keys = self.security.keys
+        if keys is not None and server_key is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"cannot connect to peer {printable(address, 100)}: {exc}") from None
+        return sock
+
+    def drop(self, endpoint: str) -> None:
+        """Close a link whose peer failed us (or whose session closed): what is queued on it is
+        dropped, the next use reconnects."""
+        sock = self.sockets.pop(endpoint, None)
+        monitor = self.monitors.pop(endpoint, None)
+        if sock is not None and monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def disconnected(self, endpoint: str) -> bool:
+        """Whether the link to ``endpoint`` dropped its connection since the last look."""
+        monitor = self.monitors.get(endpoint)
+        dropped = False
+        while monitor is not None and monitor.poll(0):
+            monitor.recv_multipart()
+            dropped = True          # the monitor reports nothing but disconnections
+        return dropped
+
+    def send(self, link: zmq.Socket[bytes], endpoint: str, frames: list[Any],
+             track: bool = False, copy: bool = False) -> zmq.MessageTracker | None:
+        """Hand frames to a link without ever blocking (links have SNDTIMEO 0): a PUSH whose
+        connection cannot take a message (none up, its pipe gone) would otherwise block the
+        backend thread, and with it every client, for good (seen in the long fuzz). Such a
+        send fails its transfer with TRANSFER_FAILED and the link is dropped (the next use
+        reconnects)."""
+        try:
+            return link.send_multipart(frames, copy=copy, track=track)
+        except zmq.ZMQError as exc:
+            self.drop(endpoint)
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"the link to peer {printable(endpoint, 100)} cannot take a "
+                            f"message now ({zmq.strerror(exc.errno or 0)}): no connection "
+                            "to it is up") from None
+
+    def send_to(self, endpoint: str, frames: list[Any]) -> None:
+        """Copy ``frames`` onto the link to ``endpoint`` (opened if needed), never blocking."""
+        self.send(self.get(endpoint), endpoint, frames)
