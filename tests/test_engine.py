@@ -128,18 +128,20 @@ def test_close_races_eight_submitting_threads(worker: WorkerServer) -> None:
         assert len(futures) == 8 * 200
 
 
-def _reply_threads(client: Client, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the threads that handle each reply of ``client`` from now on (the reply
-    handler of the pings and allocations below runs on the thread that read the reply, on the
+def _reply_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that handle each reply from now on (the reply handler of the
+    pings and allocations below, ``no_result``, runs on the thread that read the reply, on the
     synchronous fast path as on the I/O thread's)."""
     from zmq_rpc.client import client as client_module
+    from zmq_rpc.client import connection as connection_module
     seen: list[str] = []
-    real = client_module._no_result
+    real = connection_module.no_result
 
     def on_reply(reply: p.Message, frames: list[zmq.Frame]) -> None:
         seen.append(threading.current_thread().name)
         real(reply, frames)
-    monkeypatch.setattr(client_module, "_no_result", on_reply)
+    monkeypatch.setattr(connection_module, "no_result", on_reply)
+    monkeypatch.setattr(client_module, "no_result", on_reply)
     return seen
 
 
@@ -147,7 +149,7 @@ def test_sync_call_on_an_idle_engine_runs_on_the_callers_thread(
         worker: WorkerServer, make_client: Callable[..., Client],
         monkeypatch: pytest.MonkeyPatch) -> None:
     client = make_client(worker.endpoint)
-    seen = _reply_threads(client, monkeypatch)
+    seen = _reply_threads(monkeypatch)
     client.ping()                                         # one request, no future at all
     client.alloc_buffer(64)                               # Engine.call: issue() inline
     assert seen == [threading.current_thread().name] * 2
