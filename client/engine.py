@@ -382,12 +382,19 @@ class Engine:
 
     def _park(self, io: IoLoop) -> None:
         """Nothing in flight: sleep on the wake-up socket only (an inline caller may drive the
-        connection meanwhile); the heartbeat interval wakes us for the keep-alive ping."""
+        connection meanwhile); the heartbeat interval wakes us for the keep-alive ping.
+
+        A caller driving the connection polls the same wake-up socket: when there is work in
+        the inbox (close, other threads' requests) the byte we drained is written again, or
+        a caller that polled just after we drained would sleep through it (its poll's
+        timeout: up to a heartbeat interval, or its deadline)."""
         self._io_sleeping = True
         if self._inbox.empty():
             io.wake_poller.poll(int(self.options.heartbeat * 1000))
         self._io_sleeping = False
         self._drain_wake()
+        if not self._inbox.empty():
+            self._wake()    # the wake-up may have been a synchronous caller's: keep it for its poll
 
     def _drain_wake(self) -> None:
         try:

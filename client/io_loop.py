@@ -101,6 +101,8 @@ class IoLoop:
         While the backlog waits for room in the window, new requests would only queue behind
         it: submitters do not wake the thread then (a pipelining caller would keep it spinning),
         and it looks at its inbox at the next reply, or within ``BLOCKED_POLL_MS``."""
+        if self.closing:        # a synchronous caller saw close() and gave the connection back
+            return False
         engine = self.engine
         blocked = bool(self.backlog)
         if not blocked:

@@ -4,6 +4,7 @@ slow one, close from another thread, many threads at once)."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -149,21 +150,38 @@ def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
     assert order == ["other", "sync"]
 
 
-def test_close_wakes_a_sync_caller_within_the_slice(router: zmq.Socket[bytes]) -> None:
-    engine = Engine(router.getsockopt_string(zmq.LAST_ENDPOINT))
-    closed_at: list[float] = []
+@pytest.mark.parametrize("delay", [0.2, "random"])
+def test_close_wakes_a_sync_caller_within_the_slice(router: zmq.Socket[bytes],
+                                                    delay: float | str) -> None:
+    """close() from another thread, whenever it comes, ends a synchronous call at once and
+    joins the I/O thread at once. (The I/O thread, parked on the same wake-up socket, used to
+    drain the caller's wake-up: a caller that polled just after slept through close() until
+    its poll's timeout, 2 s; and once the caller had seen close() the I/O thread polled for
+    the failed call's reply, 2 s, before it looked.)"""
+    rounds = 1 if delay == 0.2 else 40
+    rng = random.Random(7)
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    woken, closing = 0.0, 0.0
+    for _ in range(rounds):
+        engine = Engine(endpoint)
+        wait = 0.2 if delay == 0.2 else rng.uniform(0, 0.006)
+        times: list[float] = []
 
-    def close() -> None:
-        time.sleep(0.2)
-        closed_at.append(time.monotonic())
-        engine.close()
-    closer = threading.Thread(target=close)
-    closer.start()
-    with pytest.raises(ClientClosed):
-        engine.request(Cmd.PING, p.Empty())               # default timeout: 60 s
-    woken = time.monotonic() - closed_at[0]
-    closer.join(5)
+        def close(engine: Engine = engine, wait: float = wait,
+                  times: list[float] = times) -> None:
+            time.sleep(wait)
+            times.append(time.monotonic())
+            engine.close()                                # joins the I/O thread
+            times.append(time.monotonic())
+        closer = threading.Thread(target=close)
+        closer.start()
+        with pytest.raises(ClientClosed):
+            engine.request(Cmd.PING, p.Empty())           # default timeout: 60 s
+        woken = max(woken, time.monotonic() - times[0])
+        closer.join(5)
+        closing = max(closing, times[1] - times[0])
     assert woken < 1.0, f"woken {woken:.3f} s after close()"
+    assert closing < 1.0, f"close() took {closing:.3f} s"
 
 
 def _ping_while_closing(client: Client, threads: int = 8, calls: int = 300) -> list[str]:
