@@ -4,8 +4,10 @@ Module map (thread that runs it):
 
 - ``server``: :class:`WorkerServer` (the creating thread: start, stop, join) and
   :class:`BackendThread` (the backend thread's poll loop: PAIR, peer PULL, control, timers).
-- ``executor``: the scheduler: sessions, their queues, the ``Cmd -> Route`` dispatch table,
-  transfer completions (backend thread).
+- ``executor``: the scheduler: requests in, each session's queue and its ordering rules, the
+  ``Cmd -> Route`` dispatch table, transfer completions (backend thread).
+- ``session_table``: the open sessions: HELLO (version, routing id, ``--max-sessions``), and
+  closing one (GOODBYE, expiry, memory pressure): what it frees and fails (backend).
 - ``requests``: the dispatch vocabulary: ``Request``, ``Route``, admissions and outcomes (backend).
 - ``session``: ``Session``, ``Buffer``, checked ``Views`` of buffers, ``WorkerLimits`` (backend).
 - ``buffers``: buffer and tensor commands: alloc, free, clear, set, get, memset, copy (backend).

@@ -8,7 +8,8 @@ decodes them, and answers every one of them on the same PAIR, an error reply inc
 Dispatch: ``self.routes`` maps each command to its :class:`~zmq_rpc.worker.requests.Route` (the
 handler, the buffers it writes, how it is admitted). The handlers live by job in
 :mod:`~zmq_rpc.worker.buffers`, :mod:`~zmq_rpc.worker.graphs`, :mod:`~zmq_rpc.worker.transfers`
-and :mod:`~zmq_rpc.worker.linked`; replies leave through :class:`~zmq_rpc.worker.outbox.Outbox`.
+and :mod:`~zmq_rpc.worker.linked`; replies leave through :class:`~zmq_rpc.worker.outbox.Outbox`;
+opening (HELLO) and closing sessions is :class:`~zmq_rpc.worker.session_table.SessionTable`'s.
 
 Ordering: each session has a FIFO. A request runs only after every earlier request of its session
 has run; a request whose precondition does not hold yet (a buffer it writes still being sent
@@ -28,7 +29,6 @@ import zmq
 from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, ErrorCode, WireError
-from ..broker.wire import printable
 from .backends.base import Backend
 from .buffers import BufferCommands
 from .graphs import GraphCommands
@@ -43,6 +43,7 @@ from .quotas import Quotas, check
 from .requests import Admission, Later, Outcome, Request, Route
 from .self_report import SelfReport
 from .session import NO_REPLY, Session, Views, WorkerLimits
+from .session_table import PeerCleanup, SessionTable
 from .tensor_cache import TensorCache
 from .transfers import PeerCommands
 
@@ -53,31 +54,12 @@ log = logging.getLogger("zmq_rpc.worker")
 DRAIN_BATCH = 512
 """Most requests taken from the PAIR per poll wake-up before replies are flushed."""
 
-PRESSURE_SILENCE = 6.0
-"""When memory is short, sessions silent this long (3 heartbeats of zmq-rpc's client) are closed
-to make room, instead of holding their memory for the whole session timeout."""
-
-MIN_CLIENT_ID = 16
-WEAK_ID = (f"HELLO refused: this connection has no client-chosen routing id of at least "
-           f"{MIN_CLIENT_ID} bytes. Sessions are keyed by it, so it must be unguessable: set "
-           f"ZMQ_ROUTING_ID to {MIN_CLIENT_ID} random bytes (not starting with 0x00) before "
-           "connecting (zmq_rpc.client does).")
-
-
-def strong_client_id(client_id: bytes) -> bool:
-    """Whether a routing id can key a session: client-chosen, random-length enough to be
-    unguessable. libzmq names a peer that chose none ``0x00`` + a counter that any other
-    connection can name after it leaves; such a peer gets no session."""
-    return len(client_id) >= MIN_CLIENT_ID and client_id[0] != 0
-
-
 class Executor:
     """Runs validated requests against a backend, in order per session."""
 
     def __init__(self, backend: Backend, limits: WorkerLimits, send: Send, server_name: str,
                  peers: PeerLinks, metrics: Recorder | None = None) -> None:
         self.metrics = metrics or NullRecorder()
-        self._session_ids = 0
         self.backend = backend
         self.limits = limits
         self.server_name = server_name
@@ -86,11 +68,14 @@ class Executor:
         self.budget = MemoryBudget(limits.memory_limit)
         self.accounts = SessionMemory(
             self.budget, Quotas(memory=limits.session_memory or limits.memory_limit),
-            self._close_silent)
+            lambda keep: self.table.close_silent(keep))
         self.outbox = Outbox(send, self.accounts.inflight,
                              self.metrics.client_out if self.metrics.enabled else None)
         self.report = SelfReport(backend, limits, self.budget, peers, self.sessions,
                                  self.outbox, server_name)
+        self.table = SessionTable(self.sessions, limits, self.accounts, self.outbox,
+                                  self.metrics, PeerCleanup(peers.drop_link, peers.forget),
+                                  self.report)
         self.routes = self._routes(Views(backend, limits.max_buffer_size, self.accounts))
 
     @property
@@ -103,7 +88,7 @@ class Executor:
         graphs = GraphCommands(self.backend, views, self.accounts, self.limits.max_graph_work)
         transfers = PeerCommands(self.peers, views, self._transfer_done)
         routes = {
-            Cmd.HELLO: Route(self._hello, admission=Admission.OPENS),
+            Cmd.HELLO: Route(self.table.hello, admission=Admission.OPENS),
             Cmd.PING: Route(_nothing),
             Cmd.SYNCHRONIZE: Route(_nothing),
             Cmd.GOODBYE: Route(self._goodbye),
@@ -295,7 +280,7 @@ class Executor:
             return
         req.in_flight = False
         if error is not None:
-            self._fail_queue(session, ErrorCode.TRANSFER_FAILED, "an earlier transfer this "
+            self.table.fail_queue(session, ErrorCode.TRANSFER_FAILED, "an earlier transfer this "
                              f"request was queued behind failed: {error}",
                              req, req.transfer_failed(error))
             return
@@ -312,103 +297,18 @@ class Executor:
 
     # -------------------------------------------------------------------------- sessions
 
-    def _hello(self, session: Session, msg: p.Hello, req: Request) -> Outcome:
-        if msg.major != p.PROTOCOL_VERSION[0]:
-            raise WireError(ErrorCode.VERSION_MISMATCH,
-                            f"client speaks protocol {msg.major}.{msg.minor}, worker speaks "
-                            f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}")
-        if not strong_client_id(session.client_id):
-            raise WireError(ErrorCode.BAD_REQUEST, WEAK_ID)
-        if self.sessions.get(session.client_id) is not session:
-            self._make_room_for_a_session()
-            session.name = printable(msg.client, 64) or "client"
-            self._session_ids += 1
-            session.sid = self._session_ids
-            self.sessions[session.client_id] = session
-            log.info("session %s opened by client %r (id %s); %d open", session.label,
-                     session.name, session.client_id.hex()[:8], len(self.sessions),
-                     extra={"event": "session_opened", **session.log_fields(),
-                            "open": len(self.sessions)})
-        session.timing = session.timing or msg.timing
-        session.minor = msg.minor
-        reply = self.report.hello_reply()
-        if msg.minor < 6:          # an older client decodes no field it does not know
-            reply = dataclasses.replace(reply, device_details=())
-        return reply, []
-
-    def _make_room_for_a_session(self) -> None:
-        """OUT_OF_MEMORY unless one more session fits ``--max-sessions`` (sessions silent for
-        PRESSURE_SILENCE are closed first: their clients are gone)."""
-        limit = self.limits.max_sessions
-        if len(self.sessions) < limit:
-            return
-        now = time.monotonic()
-        for other in list(self.sessions.values()):
-            if now - other.last_seen > PRESSURE_SILENCE:
-                self.close_session(other, f"{limit} sessions were open (--max-sessions) and it "
-                                          f"was silent for {now - other.last_seen:.0f} s")
-        if len(self.sessions) >= limit:
-            raise WireError(ErrorCode.OUT_OF_MEMORY, f"HELLO refused: this worker already "
-                            f"serves {len(self.sessions)} sessions, its limit (--max-sessions "
-                            f"{limit}); try again when one closes")
-
     def _goodbye(self, session: Session, msg: p.Empty, req: Request) -> Outcome:
         self._drop(session, req)          # answered below, not failed with the rest
-        self.close_session(session, "said goodbye")
+        self.table.close(session, "said goodbye")
         return NO_REPLY
 
     def close_session(self, session: Session, why: str) -> None:
-        """Free everything the session owns; fail what it still has queued and what waits for
-        a transfer (a client that said GOODBYE still gets a reply to each)."""
-        freed = sum(b.size for b in session.buffers.values())
-        freed += sum(graph.memory_charge for graph in session.graphs.values())
-        self.accounts.uncharge(session, freed)       # materialized sends stay counted until sent
-        for endpoint in self.accounts.inflight.links_of(session.usage):
-            self.peers.drop_link(endpoint)        # what it queued there is dropped
-        session.buffers.clear()
-        session.views.clear()
-        session.graphs.clear()
-        self.sessions.pop(session.client_id, None)
-        self.peers.forget(session)
-        unfinished = f"session closed ({why}) before this transfer finished"
-        for req in session.answered_later:
-            self.outbox.error(session.client_id, req.req_id, ErrorCode.NO_SESSION, unfinished)
-        session.answered_later.clear()
-        head = session.queue[0] if session.queue and session.queue[0].in_flight else None
-        self._fail_queue(session, ErrorCode.NO_SESSION, f"session closed ({why})", head,
-                         unfinished)
-        log.info("session %s of client %r (id %s) closed (%s): freed %d bytes; %d open",
-                 session.label, session.name, session.client_id.hex()[:8], why, freed,
-                 len(self.sessions), extra={"event": "session_closed", **session.log_fields(),
-                                            "reason": why, "freed_bytes": freed,
-                                            "open": len(self.sessions)})
+        """Free everything the session owns and fail what it still waits for."""
+        self.table.close(session, why)
 
     def fail_queued(self, code: ErrorCode, message: str) -> None:
         """Answer every request still waiting in any session's queue with an error."""
-        for session in self.sessions.values():
-            self._fail_queue(session, code, message)
-
-    def _fail_queue(self, session: Session, code: ErrorCode, message: str,
-                    own: Request | None = None, own_message: str = "") -> None:
-        """Answer every queued request with an error (``own_message`` for ``own``, the request
-        whose own transfer failed)."""
-        queue = list(session.queue)
-        session.queue.clear()
-        session.usage.queued_bytes = 0
-        for req in queue:
-            self.metrics.request(req.cmd, code, 0, 0)
-            text = own_message if req is own else message
-            self.outbox.error(session.client_id, req.req_id, code, text)
-
-    def _close_silent(self, keep: Session) -> None:
-        """Memory is short: close sessions silent for PRESSURE_SILENCE (their client is gone:
-        zmq-rpc's client pings every 2 s) to make room."""
-        now = time.monotonic()
-        for other in list(self.sessions.values()):
-            if other is not keep and other.usage.memory and \
-                    now - other.last_seen > PRESSURE_SILENCE:
-                self.close_session(other, f"memory is short and it was silent for "
-                                          f"{now - other.last_seen:.0f} s")
+        self.table.fail_queued(code, message)
 
     def reap(self) -> None:
         """Give back the bytes of materialized replies and pushes that libzmq has sent."""
@@ -416,9 +316,7 @@ class Executor:
 
     def expire_sessions(self, now: float) -> None:
         """Close sessions silent for longer than the session timeout."""
-        for session in list(self.sessions.values()):
-            if now - session.last_seen > self.limits.session_timeout:
-                self.close_session(session, f"no message for {self.limits.session_timeout:g} s")
+        self.table.expire(now)
 
     # ----------------------------------------------------------------------- for the loop
 

@@ -5,7 +5,7 @@ Owned by the backend thread (the executor keeps one :class:`InFlight` and each s
 
 - **sessions** (``--max-sessions``, default :data:`DEFAULT_MAX_SESSIONS`): the HELLO that would
   open one more is refused with OUT_OF_MEMORY saying so (after closing sessions silent for
-  ``PRESSURE_SILENCE``: their clients are gone);
+  ``session_table.PRESSURE_SILENCE``: their clients are gone);
 - **memory** (``--session-mem``, default :func:`default_session_share`: 3/4 of ``--mem``, so one
   greedy or hostile session always leaves a quarter of ``--mem`` to the others): a session's
   buffers, registered graphs' arenas and numpy temporaries, one-off graphs while they run, and
