@@ -5,7 +5,13 @@ can and never reads a reply; meanwhile a well-behaved client with default settin
 measured a median ping of 0.12 ms rising to 156 ms and the worker's RSS to 641 MiB (3.2 GiB when
 the backend was busy); before bounded queues the same flood here timed a ping out after 60 s.
 Stated bound: the median ping under the flood stays within 10x of the idle median measured just
-before (plus 1 ms for scheduler noise on 2 shared cores), and the worker's RSS under 120 MiB.
+before plus 10 ms, and the worker's RSS under 120 MiB. Starvation, what this test is about, gave
+medians of 156 ms and timeouts after 60 s. The 10 ms: on 2 cores the flooder, the worker's two
+threads and this client share the CPUs, and the median under the flood lands near 0.5 ms or at
+2-7 ms by how they are scheduled (quiet A/B, 3 runs each: 1.1x-15.1x of idle before and after the
+client engine's rewrite; the old bound, 10x + 1 ms, failed 1 run in 3 on both). Not bounded
+here: the tail. p99 is 140-165 ms in those runs, most likely libzmq's proxy (broker.py) forwarding
+the flooder's requests in bursts with blocking sends into the full PAIR, when it forwards no reply.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ def test_flooding_session_does_not_starve_another(
     busy = statistics.median(busy_samples)
     print(f"ping median idle {idle:.3f} ms, under flood {busy:.3f} ms ({busy / idle:.1f}x), "
           f"p99 {sorted(busy_samples)[296]:.1f} ms; worker RSS {rss} MiB")
-    assert busy <= 10 * idle + 1.0
+    assert busy <= 10 * idle + 10.0
     assert rss < 120              # 169 MiB here with unbounded queues (641 MiB in the issue)
     client.alloc_buffer(1 << 20)                      # and the worker still serves
 
