@@ -56,7 +56,8 @@ import numpy.typing as npt
 
 from ...broker.ops import PACKED_BLOCKS
 
-__all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack", "packed_row_bytes", "unpack_codes"]
+__all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack", "packed_row_bytes", "read_row_bytes",
+           "unpack_codes"]
 
 #: qtype -> (weights per GGUF block, GGUF bytes per block, packed bytes per block and row).
 PACKED: Final[dict[str, tuple[int, int, int]]] = dict(PACKED_BLOCKS)
@@ -81,6 +82,12 @@ def packed_row_bytes(qtype: str, k: int) -> int:
     """Bytes per row of a packed weight with ``k`` inputs."""
     nb, _, packed_bytes = _geometry(qtype, k)
     return nb * packed_bytes
+
+
+def read_row_bytes(qtype: str, k: int) -> int:
+    """Bytes per row that a matrix-vector product reads: the packed row but for the unused room
+    after the INTERLEAVED types' float16 scales (those read as many bytes as GGUF stores)."""
+    return gguf_row_bytes(qtype, k) if qtype in INTERLEAVED else packed_row_bytes(qtype, k)
 
 
 def gguf_row_bytes(qtype: str, k: int) -> int:
