@@ -5,7 +5,8 @@ For every packed qtype, on weights shaped like SmolLM2-135M's 30 layers (Q/K/V a
 multiples of 256), in one child process per thread count (``--threads``, BLAS pinned to the same
 count), repetitions interleaved:
 
-- decode: one matrix-vector product per matrix; GB/s of packed weight bytes read, against a plain
+- decode: one matrix-vector product per matrix; GB/s of the packed weight bytes it reads
+  (``layout.read_row_bytes``: q4_0/q4_1/q8_0 leave the room after their float16 scales unread), against a plain
   numpy copy of as many bytes (the memory bandwidth; target >= 0.5x) and against numpy float32
   ``dot`` on the dequantized matrices (the f32 mode's work);
 - prefill: 32 and 128 activation rows through 4 layers (tile dequantization + BLAS) against float32
@@ -78,12 +79,13 @@ def _interleave(runners: dict[str, Callable[[], float]], reps: int) -> dict[str,
 def measure_type(qtype: str, reps: int, rng: np.random.Generator) -> dict[str, list[float]]:
     """Samples (GB/s for decode, tokens/s for prefill) of one qtype, kernels and baselines."""
     from ..worker import kernels
+    from ..worker.kernels.layout import read_row_bytes
     gguf = [random_gguf(rng, qtype, r, k) for r, k in shapes(qtype, LAYERS)]
     packed = [kernels.pack(w, qtype) for w in gguf]
     kernels.warm(qtype)
     dense = [kernels.dequantize(w, qtype, k) for w, (_, k) in zip(packed, shapes(qtype, LAYERS))]
     del gguf
-    nbytes = sum(w.nbytes for w in packed)
+    nbytes = sum(w.shape[0] * read_row_bytes(qtype, k) for w, (_, k) in zip(packed, shapes(qtype, LAYERS)))
     src = np.frombuffer(rng.bytes(nbytes), np.uint8)
     dst = np.empty_like(src)
     xs = [rng.standard_normal((1, w.shape[1]), dtype=np.float32) for w in dense]
@@ -151,7 +153,7 @@ def type_rows(qtype: str, s: dict[str, list[float]], threads: int) -> list[CaseR
     return [
         CaseResult("kernels", f"kernels mv {tag}", "GB/s", s["mv kernel"], {"numpy copy": s["mv copy"]},
                    Target(0.5, True), True,
-                   note=f"{mb:.0f} MB packed, 120 mat-vecs; {statistics.median(s['mv seconds']) * 1e3:.1f} ms"),
+                   note=f"{mb:.0f} MB read, 120 mat-vecs; {statistics.median(s['mv seconds']) * 1e3:.1f} ms"),
         CaseResult("kernels", f"kernels mv {tag} vs f32 dot", "ms", [t * 1e3 for t in s["mv seconds"]],
                    {"numpy f32 dot": [t * 1e3 for t in s["mv f32 dot seconds"]]}, Target(1.0, False), False,
                    note="the same products on dequantized float32 weights (f32 mode's work)"),

@@ -39,7 +39,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .intdot import mv_q4, mv_q8_0
+from .intdot import _half, mv_q4, mv_q8_0
 from .layout import INTERLEAVED
 
 __all__ = ["KERNELS", "TILE", "pack"]
@@ -242,19 +242,6 @@ def _mv_q6_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
                 yt[i] += db[i] * _F32(sg[i]) * (acc[i] - off)
 
 
-def _half_typing(typingctx: Any, bits: Any) -> Any:
-    """float16 bits (uint16) -> float32, exact (LLVM ``fpext half``: one ``vcvtph2ps`` per vector with F16C)."""
-    if bits != types.uint16:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
-
-
-_half: Any = intrinsic(_half_typing)
-
-
 def _bfloat_typing(typingctx: Any, bits: Any) -> Any:
     """bfloat16 bits (uint16) -> float32, exact (the bits moved to the top half of a float32)."""
     if bits != types.uint16:
@@ -372,18 +359,25 @@ def _dq_blocks(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: boo
     h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)
     off += 4 * ns * R if five else 0
     p = _sec(flat, off, 16 * ns, R, np.uint8, 1)
-    words = _sec(flat, off, 4 * ns, R, np.uint32, 4)                 # q4_0, q4_1: by fours
+    words = _sec(flat, off, 4 * ns, R, np.uint32, 4)                 # q4_0, q4_1: by fours,
+    d16 = _sec(flat, 0, ns, R, np.uint16, 2)                          # float16 scales
+    m16 = _sec(flat, 2 * ns * R if has_min else 0, ns, R, np.uint16, 2)
+    ds, ms = np.empty(r1 - r0, np.float32), np.empty(r1 - r0, np.float32)
     for s in range(ns):
         if five:
             for j in range(16):
                 _dq5(p, h, s, j, r0, r1, out, c0)
+            ds[:], ms[:] = d[s][r0:r1], m[s][r0:r1]
         else:
             for g in range(4):
                 _dq4_fours(words, s, g, r0, r1, out, c0)
+            dh, mh = d16[s][r0:r1], m16[s][r0:r1]
+            for i in range(r1 - r0):
+                ds[i], ms[i] = _half(dh[i]), _half(mh[i])
         if has_min:
-            _dq_min(out, s, r0, r1, c0, d[s][r0:r1], m[s][r0:r1])
+            _dq_min(out, s, r0, r1, c0, ds, ms)
         else:
-            _dq_offset(out, s, r0, r1, c0, d[s][r0:r1], _F32(16) if five else _F32(8))
+            _dq_offset(out, s, r0, r1, c0, ds, _F32(16) if five else _F32(8))
 
 
 @_jit_exact
@@ -402,10 +396,13 @@ def _dq_q5(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: bool) -
 def _dq_q8_0(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     R, ns = w.shape[0], k // 32
     flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
+    d = _sec(flat, 0, ns, R, np.uint16, 2)                           # float16 scales
     q = _sec(flat, 4 * ns * R, 8 * ns, R, np.int32, 4)               # by fours: byte b = code 4g + b
+    ds = np.empty(r1 - r0, np.float32)
     for s in range(ns):
-        ds = d[s][r0:r1]
+        dh = d[s][r0:r1]
+        for i in range(r1 - r0):
+            ds[i] = _half(dh[i])
         for g in range(8):
             row, o0, o1 = q[8 * s + g][r0:r1], r0 - c0, r1 - c0
             a, b, c, e = (out[32 * s + 4 * g][o0:o1], out[32 * s + 4 * g + 1][o0:o1],
@@ -530,6 +527,9 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
     R, nb = src.shape[0], src.shape[1] // block
     flat = out.reshape(-1)
     bits = flat[:4 * nf * nb * R].view(np.float32)
+    halves = flat[:2 * nf * nb * R].view(np.uint16)                 # by fours: the scales stay float16
+    if fours:
+        flat[2 * nf * nb * R:4 * nf * nb * R] = 0
     hoff = 4 * nf * nb * R
     h = flat[hoff:hoff + hbytes * nb * R]
     q = flat[hoff + hbytes * nb * R:]
@@ -538,6 +538,11 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
         for b in range(nb):
             base = b * block
             for f in range(nf):
+                if fours:
+                    dst16 = halves[(f * nb + b) * R:(f * nb + b + 1) * R]
+                    for r in range(t0, t1):
+                        dst16[r] = np.uint16(src[r, base + 2 * f]) | (np.uint16(src[r, base + 2 * f + 1]) << np.uint16(8))
+                    continue
                 dst = bits[(f * nb + b) * R:(f * nb + b + 1) * R]
                 for r in range(t0, t1):
                     dst[r] = _f16_bytes(src[r, base + 2 * f], src[r, base + 2 * f + 1])

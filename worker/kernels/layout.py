@@ -8,8 +8,9 @@ draws the blocks). A matrix-vector kernel that walks a row's 16-byte block canno
 (the work per block is too short); one that, for each block and each byte position, sweeps over *all
 rows at once* is: the inner loop reads consecutive bytes of consecutive rows and keeps one float32
 accumulator per row. So the packed form is the GGUF data transposed to ``[block][byte][row]``, with the
-float16 scales converted to float32 once (numba has no float16 scalar) and the nibbles regrouped so that
-every 4-bit type shares one inner loop.
+float16 scales converted to float32 once (numba has no float16 scalar; except q4_0, q4_1, q8_0, whose
+integer kernels convert 16 at once) and the nibbles regrouped so that every 4-bit type shares one inner
+loop.
 
 A packed weight of ``R`` rows and ``K`` inputs is a uint8 tensor ``(R, P)`` (``P`` = packed bytes per
 row, :func:`packed_row_bytes`), but its bytes are *not* row-major: it is a sequence of sections, each a
@@ -18,9 +19,9 @@ section is aligned for its dtype when the tensor is 4-byte aligned). With ``nb``
 or ``K/256``) and ``ns = K/32`` sub-blocks of 32 weights::
 
     f16, bf16  w    u16 [K, R]                      the weights, transposed (f16/bf16 bits unchanged)
-    q8_0       d    f32 [nb, R]   q   i8 [nb*8, R, 4]                             w = d*q
-    q4_0       d    f32 [nb, R]   p   u8 [ns*4, R, 4]                             w = d*(q - 8)
-    q4_1       d, m f32 [nb, R]   p   u8 [ns*4, R, 4]                             w = d*q + m
+    q8_0       d    f16 [nb, R]   0 [2nb*R]   q   i8 [nb*8, R, 4]                 w = d*q
+    q4_0       d    f16 [nb, R]   0 [2nb*R]   p   u8 [ns*4, R, 4]                 w = d*(q - 8)
+    q4_1       d, m f16 [nb, R]   0 [4nb*R]   p   u8 [ns*4, R, 4]                 w = d*q + m
     q5_0       d    f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*16, R]             w = d*(q - 16)
     q5_1       d, m f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*16, R]             w = d*q + m
     q4_k       d, dmin f32 [nb, R]  sc, mn u8 [ns, R]  p u8 [ns*16, R]          w = d*sc*q - dmin*mn
@@ -32,7 +33,10 @@ and those of weight ``32s + j + 16`` in its high nibble (Q4_0's own pairing; K-q
 GGUF and are regrouped). q8_0, q4_0 and q4_1 (:data:`INTERLEAVED`) store these bytes *by fours*: byte
 ``4g + b`` (b < 4) of a sub-block's row sits at ``[4s + g, r, b]`` (q8_0: code ``32s + 4g + b`` at
 ``[8s + g, r, b]``), so the 4 bytes one int32 lane of the integer kernels (:mod:`.intdot`) takes are
-adjacent, and 16 rows of them fill one 64-byte vector. ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``. q6_k works
+adjacent, and 16 rows of them fill one 64-byte vector. Their scales stay float16, as in GGUF (a decode
+token reads 17% fewer bytes of q4_1: the kernels are bound by memory bandwidth); the bytes after them
+(``0``: zeros, never read) keep the section offsets and the packed sizes of ``PACKED_BLOCKS`` (the
+sizes clients allocate by) as they were with float32 scales. ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``. q6_k works
 in its 16-weight scale groups ``g`` instead: byte ``8g + j`` (j < 8) of ``p`` pairs weights ``16g + j``
 and ``16g + 8 + j`` (one accumulator per scale), and byte ``4g + j`` (j < 4) of ``h`` holds the 5th-6th
 bits of weights ``16g + j``, ``16g + 8 + j``, ``16g + 4 + j``, ``16g + 12 + j`` in its bit pairs 0-1,
@@ -52,7 +56,8 @@ import numpy.typing as npt
 
 from ...broker.ops import PACKED_BLOCKS
 
-__all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack", "packed_row_bytes", "unpack_codes"]
+__all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack", "packed_row_bytes", "read_row_bytes",
+           "unpack_codes"]
 
 #: qtype -> (weights per GGUF block, GGUF bytes per block, packed bytes per block and row).
 PACKED: Final[dict[str, tuple[int, int, int]]] = dict(PACKED_BLOCKS)
@@ -77,6 +82,12 @@ def packed_row_bytes(qtype: str, k: int) -> int:
     """Bytes per row of a packed weight with ``k`` inputs."""
     nb, _, packed_bytes = _geometry(qtype, k)
     return nb * packed_bytes
+
+
+def read_row_bytes(qtype: str, k: int) -> int:
+    """Bytes per row that a matrix-vector product reads: the packed row but for the unused room
+    after the INTERLEAVED types' float16 scales (those read as many bytes as GGUF stores)."""
+    return gguf_row_bytes(qtype, k) if qtype in INTERLEAVED else packed_row_bytes(qtype, k)
 
 
 def gguf_row_bytes(qtype: str, k: int) -> int:
@@ -230,18 +241,26 @@ def _by_fours(section: np.ndarray) -> np.ndarray:
     return out
 
 
+def _half_scales(*scales: np.ndarray) -> list[np.ndarray]:
+    """INTERLEAVED types' float16 scale sections (values that came from float16: exact), then the
+    unused half of the float32 room the sizes give them."""
+    bits = [v.astype(np.float16).view(np.uint16) for v in scales]
+    return [*bits, *(np.zeros_like(b) for b in bits)]
+
+
 def _sections(qtype: str, codes: np.ndarray, f: dict[str, np.ndarray]) -> list[np.ndarray]:
     """The packed sections of one weight, in storage order (each with the row as last axis)."""
     t = {k: v.T for k, v in f.items()}
     if qtype == "q8_0":
-        return [t["d"], _by_fours(codes.astype(np.int8).T)]
+        return [*_half_scales(t["d"]), _by_fours(codes.astype(np.int8).T)]
     if qtype == "q6_k":
         return [t["d"], _high2(codes), t["sc"], _pairs16(codes)]
     scales = [t["d"], t["m"]] if "m" in t else [t["d"], t["dmin"]] if "dmin" in t else [t["d"]]
     high = [_high1(codes)] if qtype in ("q5_0", "q5_1", "q5_k") else []
     sub = [t["sc"], t["mn"]] if "sc" in t else []
-    pairs = _pairs(codes)
-    return scales + high + sub + [_by_fours(pairs) if qtype in INTERLEAVED else pairs]
+    if qtype in INTERLEAVED:
+        return [*_half_scales(*scales), _by_fours(_pairs(codes))]
+    return scales + high + sub + [_pairs(codes)]
 
 
 def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None, *, jit: bool = True) -> U8:
