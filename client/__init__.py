@@ -1,8 +1,27 @@
-"""The zmq-rpc client library: remote buffers, tensors and (later) graphs on zmq-rpc workers.
+"""The zmq-rpc client library: remote buffers, tensors and graphs on zmq-rpc workers.
 
 Public API: :class:`Client` (blocking methods and ``_async`` twins returning
 ``concurrent.futures.Future``), :class:`AsyncClient` (asyncio), :class:`RemoteBuffer`,
 :class:`RemoteTensor`, and the exception tree re-exported from :mod:`zmq_rpc.broker.errors`.
+
+Module map (thread that runs it):
+
+- ``client``: :class:`Client`, the futures face (any thread): ``connection`` (HELLO, the
+  session's life, issuing requests), ``tensor_calls`` (buffers and tensor bytes), ``graph_calls``
+  (graphs and linked runs); ``remote`` the handles they hand out (plain data, any thread).
+- ``aio``: :class:`AsyncClient`, the asyncio face over the same engine (the event loop's thread).
+- ``engine``: one worker connection: submit, the I/O thread, close (any thread submits; the
+  I/O thread runs it). Whoever holds its socket lock drives the connection: ``io_loop``
+  (backlog, in flight, send and receive rounds), ``link`` (the DEALER, monitor, handshake,
+  keep-alive), ``deadlines`` (timers, socket-free), ``calls`` (what passes between threads),
+  ``inline`` (a synchronous call driven on the caller's own thread).
+- ``futures``: future combinators and the lean ``RunningFuture`` (callbacks run on the thread
+  that settles them, usually the I/O thread).
+- ``peer``: worker-to-worker copies and hand-offs (any thread; route state under a lock).
+- ``graph``: graph building (plain data, any thread). ``pipeline``: stages over workers (the
+  caller's thread). ``llama``: a llama GGUF across workers (the caller's thread; see its map).
+- ``files``, ``gguf_file``, ``gguf_model``, ``tokenizer``: model files and the worker-side
+  file reads and cache (the caller's thread). ``security``, ``arrays``: pure helpers.
 """
 
 from ..broker.errors import (
