@@ -71,6 +71,19 @@ def client(worker: WorkerServer, make_client: Callable[..., Client]) -> Client:
 
 
 @pytest.fixture
+def silent_router() -> Iterator[zmq.Socket[bytes]]:
+    """A ROUTER that takes requests and answers only what the test sends (linger 0)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.bind("tcp://127.0.0.1:0")
+    yield sock
+    sock.close(linger=0)
+    ctx.term()
+
+
+@pytest.fixture
 def zmq_ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     yield ctx

@@ -8,7 +8,7 @@ import inspect
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -162,19 +162,6 @@ def test_sync_call_on_an_idle_engine_runs_on_the_callers_thread(
     seen.clear()
     client.ping()                                         # idle again: back on this thread
     assert seen == [threading.current_thread().name]
-
-
-@pytest.fixture
-def silent_router() -> Iterator[zmq.Socket[bytes]]:
-    """A ROUTER that takes requests and answers only what the test sends (linger 0)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.bind("tcp://127.0.0.1:0")
-    yield sock
-    sock.close(linger=0)
-    ctx.term()
 
 
 def _endpoint(sock: zmq.Socket[bytes]) -> str:

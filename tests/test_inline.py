@@ -21,33 +21,20 @@ from zmq_rpc.worker.server import WorkerServer
 
 
 @pytest.fixture
-def router() -> Iterator[zmq.Socket[bytes]]:
-    """A ROUTER that answers only what the test sends (linger 0)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.bind("tcp://127.0.0.1:0")
-    yield sock
-    sock.close(linger=0)
-    ctx.term()
-
-
-@pytest.fixture
-def engine(router: zmq.Socket[bytes]) -> Iterator[Engine]:
-    engine = Engine(router.getsockopt_string(zmq.LAST_ENDPOINT))
+def engine(silent_router: zmq.Socket[bytes]) -> Iterator[Engine]:
+    engine = Engine(silent_router.getsockopt_string(zmq.LAST_ENDPOINT))
     yield engine
     engine.close()
 
 
-def _serve(router: zmq.Socket[bytes],
+def _serve(silent_router: zmq.Socket[bytes],
            replies: Callable[[int], list[list[bytes]]], delay: float = 0.0) -> threading.Thread:
     """Answer the next request with the messages ``replies(req_id)``, after ``delay`` s."""
     def run() -> None:
-        who, header = router.recv_multipart()
+        who, header = silent_router.recv_multipart()
         time.sleep(delay)
         for message in replies(p.unpack_header(header)[1]):
-            router.send_multipart([who, *message])
+            silent_router.send_multipart([who, *message])
     thread = threading.Thread(target=run)
     thread.start()
     return thread
@@ -63,16 +50,16 @@ def _idle(engine: Engine) -> bool:
 
 
 def test_stray_replies_first_are_dropped_and_ours_still_read(
-        router: zmq.Socket[bytes], engine: Engine) -> None:
+        silent_router: zmq.Socket[bytes], engine: Engine) -> None:
     """The keep-alive's reply (id 0) and late replies (to requests that timed out) come before
     ours; none is taken for ours."""
-    served = _serve(router, lambda req_id: [
+    served = _serve(silent_router, lambda req_id: [
         _ack(0), [p.encode_error(req_id + 1000, ErrorCode.BAD_REQUEST, "stray")], _ack(req_id)])
     assert isinstance(engine.request(Cmd.PING, p.Empty()), p.Ack)
     served.join(5)
     stale = p.DeviceMemoryReply(total=1, free=1)
     fresh = p.DeviceMemoryReply(total=1 << 30, free=1 << 20)
-    served = _serve(router, lambda req_id: [[p.encode_reply(req_id - 1, stale)],
+    served = _serve(silent_router, lambda req_id: [[p.encode_reply(req_id - 1, stale)],
                                             [p.encode_reply(req_id, fresh)]])
     assert engine.request(Cmd.DEVICE_MEMORY, p.Empty()) == fresh
     served.join(5)
@@ -80,28 +67,28 @@ def test_stray_replies_first_are_dropped_and_ours_still_read(
 
 
 def test_a_reply_with_a_frame_too_many_raises_and_the_engine_goes_on(
-        router: zmq.Socket[bytes], engine: Engine) -> None:
-    served = _serve(router, lambda req_id: [[*_ack(req_id), b"junk"]])
+        silent_router: zmq.Socket[bytes], engine: Engine) -> None:
+    served = _serve(silent_router, lambda req_id: [[*_ack(req_id), b"junk"]])
     with pytest.raises(BadRequest, match="payload frame"):
         engine.request(Cmd.PING, p.Empty())
     served.join(5)
-    served = _serve(router, lambda req_id: [_ack(req_id)])
+    served = _serve(silent_router, lambda req_id: [_ack(req_id)])
     assert isinstance(engine.request(Cmd.PING, p.Empty()), p.Ack)
     served.join(5)
     assert _idle(engine)
 
 
 def test_an_unreadable_reply_is_dropped_and_ours_still_read(
-        router: zmq.Socket[bytes], engine: Engine) -> None:
-    served = _serve(router, lambda req_id: [[b"\xc1 not msgpack"], _ack(req_id)])
+        silent_router: zmq.Socket[bytes], engine: Engine) -> None:
+    served = _serve(silent_router, lambda req_id: [[b"\xc1 not msgpack"], _ack(req_id)])
     assert isinstance(engine.request(Cmd.PING, p.Empty()), p.Ack)
     served.join(5)
 
 
-def test_a_reply_with_fields_is_decoded(router: zmq.Socket[bytes], engine: Engine) -> None:
+def test_a_reply_with_fields_is_decoded(silent_router: zmq.Socket[bytes], engine: Engine) -> None:
     """Not an Ack: decoded field by field, and handed to ``on_reply`` with its frames."""
     reply = p.DeviceMemoryReply(total=1 << 30, free=1 << 20)
-    served = _serve(router, lambda req_id: [[p.encode_reply(req_id, reply)]])
+    served = _serve(silent_router, lambda req_id: [[p.encode_reply(req_id, reply)]])
     got = engine.request(Cmd.DEVICE_MEMORY, p.Empty(),
                          on_reply=lambda r, frames: (r, list(frames)))
     served.join(5)
@@ -109,9 +96,9 @@ def test_a_reply_with_fields_is_decoded(router: zmq.Socket[bytes], engine: Engin
 
 
 def test_a_reply_slower_than_the_slice_is_still_ours(
-        router: zmq.Socket[bytes], engine: Engine) -> None:
+        silent_router: zmq.Socket[bytes], engine: Engine) -> None:
     """Past ``SYNC_SLICE_MS`` the caller watches every socket; the reply still ends its call."""
-    served = _serve(router, lambda req_id: [_ack(req_id)], delay=20 * SYNC_SLICE_MS / 1000)
+    served = _serve(silent_router, lambda req_id: [_ack(req_id)], delay=20 * SYNC_SLICE_MS / 1000)
     started = time.monotonic()
     assert isinstance(engine.request(Cmd.PING, p.Empty()), p.Ack)
     assert time.monotonic() - started >= 20 * SYNC_SLICE_MS / 1000
@@ -120,20 +107,20 @@ def test_a_reply_slower_than_the_slice_is_still_ours(
 
 
 def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
-        router: zmq.Socket[bytes], engine: Engine) -> None:
+        silent_router: zmq.Socket[bytes], engine: Engine) -> None:
     """A synchronous caller whose reply is slow sends what other threads submit meanwhile
     (within ``SYNC_SLICE_MS``), so theirs are answered first."""
     first = threading.Event()
     order: list[str] = []
 
     def answer() -> None:
-        who, header = router.recv_multipart()           # the slow one
+        who, header = silent_router.recv_multipart()           # the slow one
         slow_id = p.unpack_header(header)[1]
         first.set()
-        who, header = router.recv_multipart()           # another thread's, sent meanwhile
-        router.send_multipart([who, *_ack(p.unpack_header(header)[1])])
+        who, header = silent_router.recv_multipart()           # another thread's, sent meanwhile
+        silent_router.send_multipart([who, *_ack(p.unpack_header(header)[1])])
         time.sleep(0.1)
-        router.send_multipart([who, *_ack(slow_id)])
+        silent_router.send_multipart([who, *_ack(slow_id)])
     thread = threading.Thread(target=answer)
     thread.start()
 
@@ -151,7 +138,7 @@ def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
 
 
 @pytest.mark.parametrize("delay", [0.2, "random"])
-def test_close_wakes_a_sync_caller_within_the_slice(router: zmq.Socket[bytes],
+def test_close_wakes_a_sync_caller_within_the_slice(silent_router: zmq.Socket[bytes],
                                                     delay: float | str) -> None:
     """close() from another thread, whenever it comes, ends a synchronous call at once and
     joins the I/O thread at once. (The I/O thread, parked on the same wake-up socket, used to
@@ -160,7 +147,7 @@ def test_close_wakes_a_sync_caller_within_the_slice(router: zmq.Socket[bytes],
     the failed call's reply, 2 s, before it looked.)"""
     rounds = 1 if delay == 0.2 else 40
     rng = random.Random(7)
-    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    endpoint = silent_router.getsockopt_string(zmq.LAST_ENDPOINT)
     woken, closing = 0.0, 0.0
     for _ in range(rounds):
         engine = Engine(endpoint)
