@@ -280,15 +280,6 @@ def test_set_threads_refuses_zero() -> None:
         kernels.set_threads(0)
 
 
-@pytest.mark.parametrize(("lo", "hi", "n"), [(0, 1000, 2), (0, 1000, 3), (16, 49152, 2), (5, 70, 4),
-                                             (0, 10, 2)])
-def test_thread_split_covers_the_rows_once_on_16_row_boundaries(lo: int, hi: int, n: int) -> None:
-    parts = kernels._split(lo, hi, n)
-    assert parts[0][0] == lo and parts[-1][1] == hi and len(parts) <= n
-    assert all(a < b for a, b in parts) and all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))
-    assert all((a - lo) % 16 == 0 for a, _ in parts)
-
-
 def test_every_qtype_has_kernels_and_families_share_them() -> None:
     assert set(jit.KERNELS) == set(kernels.QTYPES)
     assert jit.KERNELS["q4_0"][0] is jit.KERNELS["q4_1"][0] and jit.KERNELS["q4_0"][2] != jit.KERNELS["q4_1"][2]

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..worker.cli import BLAS_THREAD_VARS
+from ..worker.cli import blas_env
 from .bench import BenchContext, CaseResult, Target, register_case
 
 LAYERS = 30
@@ -173,7 +173,7 @@ def case_kernels(ctx: BenchContext) -> list[CaseResult]:
     reps = ctx.reps(7, 3)
     out = []
     for threads in (1, 2):
-        env = {**os.environ, **{var: str(threads) for var in BLAS_THREAD_VARS}}
+        env = {**os.environ, **blas_env(threads)}
         samples = _run([str(threads), str(reps)], env)
         out += [row for qtype in kernels.QTYPES for row in type_rows(qtype, samples[qtype], threads)]
     with tempfile.TemporaryDirectory() as cache:

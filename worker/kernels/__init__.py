@@ -1,7 +1,7 @@
 """Quantized matmul kernels for the CPU worker: packed weights (:mod:`.layout`) times float32 activations.
 
-Owned by the worker's backend thread (module state: the thread count, the helper threads, the set of
-warmed qtypes). :func:`matmul` picks the path by the number of activation rows:
+Owned by the worker's backend thread (module state: the thread count, the set of warmed qtypes).
+:func:`matmul` picks the path by the number of activation rows:
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
   (:mod:`.jit`), reading each weight byte once;
@@ -9,10 +9,12 @@ warmed qtypes). :func:`matmul` picks the path by the number of activation rows:
   :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and each tile
   goes through BLAS (``x @ tile``).
 
-With :func:`set_threads` ``n > 1`` each kernel call is split into ``n`` row ranges (multiples of 16
-rows): the calling thread runs the first, ``n - 1`` helper threads (a pool this module owns, started on
-first use) run the others; the kernels release the GIL, so they run at once. The helpers touch nothing
-but their rows of the output.
+With :func:`set_threads` ``n > 1`` each kernel call over at least :data:`MIN_SPLIT_ROWS` rows per
+thread is split into ``n`` row ranges (:mod:`.split`: numba's OpenMP pool; inner bounds on
+multiples of 16 rows): the backend thread runs the first range, ``n - 1`` pool threads the others,
+at once (the kernels release the GIL). The pool threads touch nothing but their rows of the output
+and no module state; the backend thread stays the only owner of everything else. Where the pool
+cannot start (no libgomp), products run on one thread and a warning says why, once.
 
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.
@@ -21,9 +23,9 @@ packing is plain numpy and works without it, the products raise :class:`KernelUn
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any, Final
 
@@ -58,10 +60,12 @@ TILE_BYTES: Final = 1 << 20
 
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
-_pool: list[ThreadPoolExecutor] = []
 _fused: list[ModuleType] = []
+_split: list[ModuleType | None] = []
 MIN_SPLIT_ROWS: Final = 64
-"""Row ranges shorter than this stay in one thread (a hand-off costs more than they do)."""
+"""A product is split over ``n`` threads only from ``n * MIN_SPLIT_ROWS`` rows on (below, a split
+costs more than it saves)."""
+_log = logging.getLogger(__name__)
 
 
 class KernelUnavailable(RuntimeError):
@@ -101,38 +105,36 @@ def set_threads(n: int) -> None:
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     _state["threads"] = n
-    while _pool:
-        _pool.pop().shutdown(wait=True)
 
 
 def threads() -> int:
-    """Threads each product uses."""
+    """Threads a large product is split over (back to 1 once a split found no thread pool)."""
     return _state["threads"]
 
 
-def _split(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
-    """``lo..hi`` in ``n`` ranges, inner boundaries on multiples of 16 rows (empty ranges dropped)."""
-    cuts = [lo] + [lo + (hi - lo) * t // n // 16 * 16 for t in range(1, n)] + [hi]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+def _splitter() -> ModuleType | None:
+    """:mod:`.split` once its thread pool started; None where it cannot (a warning says why,
+    once, and the thread count drops to 1)."""
+    if not _split:
+        from . import split
+        problem = split.problem()
+        if problem is not None:
+            _log.warning("kernels: %s: products run on one thread", problem)
+        _split.append(split if problem is None else None)
+    if _split[0] is None:
+        _state["threads"] = 1
+    return _split[0]
 
 
 def _rows(kernel: Callable[..., None], head: tuple[Any, ...], lo: int, hi: int,
           tail: tuple[Any, ...]) -> None:
-    """``kernel(*head, a, b, *tail)`` over the rows ``lo..hi``: in this thread, or split with the
-    helper threads."""
-    n = threads()
-    if n == 1 or hi - lo < MIN_SPLIT_ROWS * n:
+    """``kernel(*head, a, b, *tail)`` over the rows ``lo..hi``: in this thread, or split over
+    :func:`threads` threads (:mod:`.split`)."""
+    n = _state["threads"]
+    if n == 1 or hi - lo < MIN_SPLIT_ROWS * n or (splitter := _splitter()) is None:
         kernel(*head, lo, hi, *tail)
         return
-    if not _pool:
-        _pool.append(ThreadPoolExecutor(n - 1, thread_name_prefix="kernels"))
-    first, *rest = _split(lo, hi, n)
-    futures = [_pool[0].submit(kernel, *head, a, b, *tail) for a, b in rest]
-    try:
-        kernel(*head, *first, *tail)
-    finally:
-        for future in futures:
-            future.result()
+    splitter.run(kernel, head, lo, hi, tail, n)
 
 
 def warm(qtype: str) -> float:
@@ -147,6 +149,10 @@ def warm(qtype: str) -> float:
     w = pack(src, qtype)
     matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
     matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
+    if _state["threads"] > 1 and (splitter := _splitter()) is not None:     # the split wrappers
+        mv, dq, flags = _jit().KERNELS[qtype]
+        splitter.run(mv, (w, np.zeros(k, np.float32), np.empty(16, np.float32)), 0, 16, flags, 2)
+        splitter.run(dq, (w, k), 0, 16, (np.empty((k, 16), np.float32), 0, *flags), 2)
     warm_fused()
     _warm[qtype] = time.perf_counter() - start
     return _warm[qtype]
@@ -169,8 +175,11 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
     mv, dq, flags = _jit().KERNELS[qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, k = w.shape[0], x.shape[1]
-    if x.shape[0] == 1 and _state["threads"] == 1:    # a decode step: straight to the kernel
-        mv(w, x[0], out[0], 0, rows, *flags)
+    if x.shape[0] == 1:    # a decode step
+        if _state["threads"] == 1:
+            mv(w, x[0], out[0], 0, rows, *flags)
+        else:
+            _rows(mv, (w, x[0], out[0]), 0, rows, flags)
         return
     if x.shape[0] <= MATVEC_ROWS:
         for t in range(x.shape[0]):
