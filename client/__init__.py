@@ -14,7 +14,8 @@ Module map (thread that runs it):
   I/O thread runs it). Whoever holds its socket lock drives the connection: ``io_loop``
   (backlog, in flight, send and receive rounds), ``link`` (the DEALER, monitor, handshake,
   keep-alive), ``deadlines`` (timers, socket-free), ``calls`` (what passes between threads),
-  ``inline`` (a synchronous call driven on the caller's own thread).
+  ``handover`` (a blocking call takes the idle connection, and gives it back; an Ack's round
+  trip), ``inline`` (a synchronous call driven on the caller's own thread).
 - ``futures``: future combinators and the lean ``RunningFuture`` (callbacks run on the thread
   that settles them, usually the I/O thread).
 - ``peer``: worker-to-worker copies and hand-offs (any thread; route state under a lock).

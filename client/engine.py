@@ -14,12 +14,13 @@ threads):
   is in flight it lets go of the lock and sleeps on its wake-up socket;
 - a **caller in a synchronous call** (:meth:`Engine.request` for one request, with no future at
   all; :meth:`Engine.call` / :meth:`Engine.inline` for several) that finds the engine idle: it
-  takes the lock, sends its requests and reads their replies itself (``inline.py``), with no
-  hop through the I/O thread, still watching the monitor, the deadlines and the wake-up socket
-  (close, other threads' requests, which it sends too), then gives the lock back.
+  takes the lock (``handover.py``), sends its requests and reads their replies itself
+  (``inline.py``), with no hop through the I/O thread, still watching the monitor, the deadlines
+  and the wake-up socket (close, other threads' requests, which it sends too), then gives the
+  lock back.
 
-This module owns the hand-over: submission (any thread), the lock, the wake-up socket, and the
-I/O thread's life (start, park, finish).
+This module owns submission (any thread), the lock, the wake-up socket, and the I/O thread's
+life (start, park, finish); :class:`~.handover.Handover`, its base, the blocking calls.
 
 The futures are :class:`~.futures.RunningFuture` (a lock each, a Condition only for a thread
 that waits); readers blocked on futures settled in one batch of replies are woken together.
@@ -57,7 +58,8 @@ from ..broker.protocol import Cmd
 from .calls import Call, OnReply, Reservation, drain_inbox, fail_call, fail_item
 from .calls import RequestTiming as RequestTiming
 from .futures import RunningFuture
-from .inline import pump, pump_together, request
+from .handover import Handover, Local
+from .inline import pump_together
 from .io_loop import IoLoop, io_thread
 from .io_loop import on_io_thread as on_io_thread
 from .security import CurveClient
@@ -71,9 +73,6 @@ until its backend thread copies it out, so a client that shares a worker with ma
 a smaller ``window_bytes``."""
 
 SCHEMES = ("tcp", "ipc", "inproc")
-
-FINISHING_WAIT = 0.002
-"""How long a synchronous call waits for an idle holder to let go of the connection."""
 
 MAX_TIMINGS = 100_000
 """Timings kept until read (:meth:`Engine.drain_timings`); older ones are dropped."""
@@ -122,7 +121,7 @@ class EngineOptions:
     """Speak CURVE with this key pair to a worker with this public key (None: plain ZMTP)."""
 
 
-class Engine:
+class Engine(Handover):
     """One connection to one worker: an I/O thread, and the caller's thread when it is idle."""
 
     def __init__(self, endpoint: str, options: EngineOptions | None = None,
@@ -145,7 +144,7 @@ class Engine:
         """Orders submissions against close(): nothing is queued after the close marker."""
         self._socket_lock = threading.Lock()
         """Held by whoever drives the connection (see the module docstring)."""
-        self._local = _Local()
+        self._local = Local()
         self._io: IoLoop | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -176,21 +175,6 @@ class Engine:
         future: Future[Any] = RunningFuture()
         self._enqueue(self._new_call(cmd, msg, payload, on_reply, timeout, reply_bytes, future))
         return future
-
-    def request(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any] = (),
-                on_reply: OnReply | None = None, timeout: float | None = None,
-                reply_bytes: int = 0) -> Any:
-        """``submit(...).result()``, with no thread hop and no future when the engine is idle:
-        the request goes out and its reply is read on this thread (a synchronous call of one
-        request). Otherwise (busy, closed, a callback) it is submitted and waited for."""
-        io = self._take_idle()
-        if io is None:
-            return self.submit(cmd, msg, payload, on_reply, timeout, reply_bytes).result()
-        try:
-            return request(io, cmd, next(self._ids), msg, payload, on_reply,
-                           self.options.timeout if timeout is None else timeout, reply_bytes)
-        finally:
-            self._release(io)
 
     def _new_call(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any],
                   on_reply: OnReply | None, timeout: float | None, reply_bytes: int,
@@ -236,65 +220,6 @@ class Engine:
                 for call in calls:
                     fail_call(call, error)
             self._wake()
-
-    @contextmanager
-    def inline(self) -> Iterator[None]:
-        """Run the requests submitted from this thread inside the block on this thread, when the
-        engine is idle: sent at once, their replies read here when the block ends (no thread
-        hop). Otherwise (the I/O thread is busy, or this is a future callback) a no-op."""
-        io = self._take_idle()
-        if io is None:
-            yield
-            return
-        calls: list[Call] = []
-        self._local.io, self._local.calls = io, calls
-        try:
-            yield
-            pump(io, calls)
-        finally:
-            self._give_back(io)
-
-    def call(self, issue: Callable[..., Future[Any]], *args: Any, **kwargs: Any) -> Any:
-        """``issue(*args, **kwargs).result()``, inline when the engine is idle (what
-        :meth:`inline` does, without a generator in the way of every blocking call)."""
-        io = self._take_idle()
-        if io is None:
-            return issue(*args, **kwargs).result()
-        calls: list[Call] = []
-        local = self._local
-        local.io, local.calls = io, calls
-        try:
-            future = issue(*args, **kwargs)
-            pump(io, calls)
-        finally:
-            self._give_back(io)
-        return future.result()
-
-    def _give_back(self, io: IoLoop) -> None:
-        """End of an inline call: the connection back to the I/O thread, woken if it has work."""
-        self._local.io = None
-        self._release(io)
-
-    def _release(self, io: IoLoop) -> None:
-        self._socket_lock.release()
-        if io.in_flight or io.backlog or io.closing or not self._inbox.empty():
-            self._wake()
-
-    def _take_idle(self) -> IoLoop | None:
-        """The connection, locked, if nothing else is using or waiting for it. Whoever holds it
-        with nothing in flight or queued is finishing its last round: wait for it (at most
-        ``FINISHING_WAIT`` s) rather than hand the call over."""
-        io = self._io
-        if io is None or self._local.io is not None or io_thread.active:
-            return None
-        lock = self._socket_lock
-        if not lock.acquire(blocking=False) and (
-                io.in_flight or io.backlog or not lock.acquire(timeout=FINISHING_WAIT)):
-            return None
-        if self._closed or io.closing or io.in_flight or io.backlog or not self._inbox.empty():
-            self._socket_lock.release()
-            return None
-        return io
 
     def close(self, timeout: float | None = None) -> None:
         """Fail what is pending with ClientClosed, say goodbye, close the socket and the context,
@@ -442,17 +367,6 @@ def call_together(engines: Sequence[Engine], issue: Callable[[], Future[Any]]) -
         for engine, io in taken:
             engine._give_back(io)
     return future.result()
-
-
-class _Local(threading.local):
-    """Per thread, per engine: where this thread's submissions go (see ``_enqueue``)."""
-
-    io: IoLoop | None = None
-    """The connection, while this thread drives it inline."""
-    calls: list[Call] = []
-    """The calls this thread submitted inline (reset per inline call)."""
-    filling: list[Call] | None = None
-    """The calls filling a reservation (see :meth:`Engine.filling`)."""
 
 
 def _as_rpc_error(endpoint: str, exc: BaseException) -> BaseException:

@@ -10,6 +10,7 @@ callback it runs knows not to block.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -47,18 +48,12 @@ def request(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence
     the wake-up socket as every inline caller does. So close(), other threads' requests and
     connection events wait at most ``SYNC_SLICE_MS`` for a synchronous caller's notice.
 
-    Everything is made ready before the send: on a busy machine the code between a send and
-    its receive does not overlap the worker's share, it delays the receive."""
+    (A request whose success is an Ack takes a shorter course still: ``Handover.request``.)"""
     link = io.link
-    if io.trace or link.lost is not None or (link.ever_up and not link.up):
+    if io.trace or link.down:
         return _exchanged(io, cmd, req_id, msg, payload, on_reply, wait, reply_bytes)
     header = p.encode_request(cmd, req_id, msg)
     now = time.monotonic()
-    fast = wait > SYNC_SLICE_S
-    bare = _BARE_REPLIES.get(cmd, _UNKNOWN) if fast else None
-    if bare is _UNKNOWN:
-        bare = _bare_reply(cmd)
-    expected = p.encode_reply(req_id, bare) if bare is not None else b""
     dealer = io.dealer
     link.last_sent = now
     io_thread.active = True
@@ -69,23 +64,41 @@ def request(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence
             dealer.send_multipart([header, *payload], copy=nbytes < zmq.COPY_THRESHOLD)
         else:
             dealer.send(header)
-        frames = None
-        if fast:
+        frame = None
+        if wait > SYNC_SLICE_S:
             try:
                 frame = dealer.recv(copy=False)     # blocks at most SYNC_SLICE_MS (RCVTIMEO)
             except zmq.Again:
                 pass
-            else:
-                if bare is not None and not frame.more and frame.bytes == expected:
-                    return on_reply(bare, []) if on_reply is not None else bare
-                frames = _rest(dealer, frame)
-                value = _own_reply(cmd, req_id, frames, on_reply)
-                if value is not _NOT_OURS:
-                    return value
-        return _in_flight(io, Call(cmd, req_id, SENT, None, now + wait, on_reply, nbytes,
-                                   sent=True), frames)
+        return _sent(io, cmd, req_id, frame, on_reply, now + wait, nbytes)
     finally:
         io_thread.active = False
+
+
+def after_send(io: IoLoop, cmd: Cmd, req_id: int, frame: zmq.Frame | None,
+               on_reply: OnReply | None, deadline: float, nbytes: int) -> Any:
+    """The rest of a synchronous request sent by ``Handover.request`` whose reply was not the
+    Ack it hoped for: ``frame`` (the first part of what came instead, or None: nothing within
+    ``SYNC_SLICE_MS``) read as any reply, or the request in flight and driven to its end."""
+    io_thread.active = True
+    try:
+        return _sent(io, cmd, req_id, frame, on_reply, deadline, nbytes)
+    finally:
+        io_thread.active = False
+
+
+def _sent(io: IoLoop, cmd: Cmd, req_id: int, frame: zmq.Frame | None,
+          on_reply: OnReply | None, deadline: float, nbytes: int) -> Any:
+    """A sent request's outcome: ``frame`` (a message's first part, if one came) its reply,
+    or the request in flight until its end."""
+    frames = None
+    if frame is not None:
+        frames = _rest(io.dealer, frame)
+        value = _own_reply(cmd, req_id, frames, on_reply)
+        if value is not _NOT_OURS:
+            return value
+    return _in_flight(io, Call(cmd, req_id, SENT, None, deadline, on_reply, nbytes,
+                               sent=True), frames)
 
 
 def _in_flight(io: IoLoop, call: Call, frames: list[zmq.Frame] | None) -> Any:
@@ -106,24 +119,36 @@ def _in_flight(io: IoLoop, call: Call, frames: list[zmq.Frame] | None) -> Any:
 
 _NOT_OURS = object()
 
-_BARE_REPLIES: dict[Cmd, p.Message | None] = {}
-_UNKNOWN = p.Empty()
-"""Not in ``_BARE_REPLIES`` yet (a message, for the type of ``_BARE_REPLIES.get``)."""
+_COURSES: dict[tuple[Cmd, type[p.Message]], tuple[bytes, p.Message] | None] = {}
+
+
+def bare_course(cmd: Cmd, msg: p.Message) -> tuple[bytes, p.Message] | None:
+    """For a ``cmd`` request of ``msg``'s type without fields, whose success is a reply without
+    fields or payload (an Ack): its header's head (:func:`~zmq_rpc.broker.protocol.request_head`)
+    and that reply, the one instance a success decodes to. Else None."""
+    key = (cmd, type(msg))
+    try:
+        return _COURSES[key]
+    except KeyError:
+        pass
+    bare = _bare_reply(cmd)
+    course = None
+    if bare is not None and not dataclasses.fields(msg):
+        course = (p.request_head(cmd), bare)
+    _COURSES[key] = course
+    return course
 
 
 def _bare_reply(cmd: Cmd) -> p.Message | None:
     """The reply to ``cmd`` that has no fields (an Ack), when there is one: a success reply
     byte-identical to its encoding decodes to this very instance, and carries no payload."""
-    bare: p.Message | None = None
     try:
         first, second = (p.decode_reply(cmd, [STATUS_OK, 0]) for _ in range(2))
     except RpcError:
-        pass                            # a reply with required fields
-    else:
-        if first is second and isinstance(first, p.Message) and not first.payload_count():
-            bare = first
-    _BARE_REPLIES[cmd] = bare
-    return bare
+        return None                     # a reply with required fields
+    if first is second and isinstance(first, p.Message) and not first.payload_count():
+        return first
+    return None
 
 
 def _own_reply(cmd: Cmd, req_id: int, frames: list[zmq.Frame], on_reply: OnReply | None) -> Any:

@@ -20,7 +20,7 @@ pytest.importorskip("gguf")
 
 from test_kernels import random_weight, row_lengths  # noqa: E402
 from zmq_rpc.worker import kernels  # noqa: E402
-from zmq_rpc.worker.kernels import jit, split  # noqa: E402
+from zmq_rpc.worker.kernels import intgemm, jit, split  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)   # first use compiles each type's wrappers (~2 s each)
 
@@ -116,6 +116,8 @@ def test_set_threads_then_back_to_one(split_calls: list[tuple[int, int, int]]) -
 def test_every_kernel_has_a_parallel_wrapper() -> None:
     for mv, dq, _ in jit.KERNELS.values():
         assert mv in split.PARALLEL and dq in split.PARALLEL
+    for gemm, _ in intgemm.GEMM.values():
+        assert gemm in split.PARALLEL
 
 
 def test_without_the_pool_products_run_on_one_thread(monkeypatch: pytest.MonkeyPatch,

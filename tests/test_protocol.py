@@ -199,6 +199,17 @@ def test_golden_error_and_ok_replies() -> None:
     assert p.encode_reply(5, p.Empty()).hex() == "920005"
 
 
+@pytest.mark.parametrize("req_id", [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32,
+                                    2**63 - 1, 2**64 - 1])
+@pytest.mark.parametrize("cmd", [Cmd.PING, Cmd.SYNCHRONIZE, Cmd.STATUS])
+def test_heads_and_packed_ids_are_the_encoders_bytes(cmd: Cmd, req_id: int) -> None:
+    """A synchronous caller's fast course builds a field-less request and its Ack from a head
+    and the packed id: the very bytes of encode_request / encode_reply, at every id width."""
+    assert p.request_head(cmd) + p.pack_id(req_id) == p.encode_request(cmd, req_id, p.Empty())
+    assert p.BARE_REPLY_HEAD + p.pack_id(req_id) == p.encode_reply(req_id, p.Ack())
+    assert p.request_head(Cmd.PING).hex() == "9202" and p.BARE_REPLY_HEAD.hex() == "9200"
+
+
 # ------------------------------------------------------------------- decoding is validation
 
 

@@ -31,7 +31,7 @@ Use: :func:`run` ``(kernel, head, lo, hi, tail, n)`` calls ``kernel(*head, a, b,
 from ``lo``, so vector sweeps of 16 rows never straddle two threads), at once. ``kernel`` is a
 numba dispatcher compiled with ``nogil=True`` whose rows ``a..b`` write only rows ``a..b`` of its
 output, with a parallel wrapper in :data:`PARALLEL` (the matrix-vector and dequantization kernels
-of :mod:`.jit` and :mod:`.intdot` here; a new kernel, e.g. an integer GEMM, adds its own with
+of :mod:`.jit`, :mod:`.intdot` and :mod:`.intgemm` here; a new kernel adds its own with
 :func:`register`). The wrappers are compiled on first use and cached on disk like the kernels
 (``cache=True``: ~2 s each the first time, loaded in milliseconds after).
 """
@@ -46,7 +46,7 @@ import numba as _numba
 import numpy as np
 from numba import njit, prange
 
-from . import intdot, jit
+from . import intdot, intgemm, jit
 
 numba: Any = _numba      # numba's config and thread functions are untyped
 
@@ -153,11 +153,26 @@ def _dq_u16(w: Any, k: int, b: Any, out: Any, c0: int, bf16: bool) -> None:   # 
         jit._dq_u16(w, k, b[i], b[i + 1], out, c0, bf16)
 
 
+@_parallel
+def _gemm_q4(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, b: Any,
+             has_min: bool) -> None:   # pragma: no cover (compiled)
+    for i in prange(b.shape[0] - 1):
+        intgemm.gemm_q4(w, xq1, xq2, dx, sq, sx, y, b[i], b[i + 1], has_min)
+
+
+@_parallel
+def _gemm_q8_0(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any,
+               b: Any) -> None:   # pragma: no cover (compiled)
+    for i in prange(b.shape[0] - 1):
+        intgemm.gemm_q8_0(w, xq1, xq2, dx, sq, sx, y, b[i], b[i + 1])
+
+
 PARALLEL: dict[Any, Any] = {
     intdot.mv_q4: _mv_q4, intdot.mv_q8_0: _mv_q8_0, jit._mv_q5: _mv_q5, jit._mv_kquant: _mv_kquant,
     jit._mv_q6_k: _mv_q6_k, jit._mv_u16: _mv_u16,
     jit._dq_q4: _dq_q4, jit._dq_q5: _dq_q5, jit._dq_q8_0: _dq_q8_0, jit._dq_kquant: _dq_kquant,
     jit._dq_q6_k: _dq_q6_k, jit._dq_u16: _dq_u16,
+    intgemm.gemm_q4: _gemm_q4, intgemm.gemm_q8_0: _gemm_q8_0,
 }
 """kernel -> its parallel wrapper: ``wrapper(*head, bounds, *tail)`` runs ``kernel(*head, a, b, *tail)``
 over the ranges of ``bounds``. A new kernel (e.g. an integer GEMM) adds its own with :func:`register`."""

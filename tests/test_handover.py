@@ -1,0 +1,132 @@
+"""A blocking call on an idle engine (``client/handover.py``): the Ack's short course (two
+headers' bytes, a send, a receive, a byte comparison), every way off it, and the connection
+given back before ``on_reply`` runs. The other ways off the caller's path are test_inline's."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.protocol import Cmd, ErrorCode
+from zmq_rpc.client import handover
+from zmq_rpc.client.engine import Engine
+
+
+@pytest.fixture
+def engine(silent_router: zmq.Socket[bytes]) -> Iterator[Engine]:
+    engine = Engine(silent_router.getsockopt_string(zmq.LAST_ENDPOINT))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def off_course(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The request ids that left the short course (``inline.after_send``)."""
+    ids: list[int] = []
+    after_send = handover.after_send
+
+    def spy(io: Any, cmd: Cmd, req_id: int, *rest: Any) -> Any:
+        ids.append(req_id)
+        return after_send(io, cmd, req_id, *rest)
+    monkeypatch.setattr(handover, "after_send", spy)
+    return ids
+
+
+def _answer(router: zmq.Socket[bytes], count: int,
+            replies: Callable[[bytes, int], list[list[bytes]]]) -> threading.Thread:
+    """Answer the next ``count`` requests with ``replies(header, req_id)``."""
+    def run() -> None:
+        for _ in range(count):
+            who, header, *_ = router.recv_multipart()
+            for message in replies(header, p.unpack_header(header)[1]):
+                router.send_multipart([who, *message])
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _ack(header: bytes, req_id: int) -> list[list[bytes]]:
+    return [[p.encode_reply(req_id, p.Ack())]]
+
+
+@pytest.mark.parametrize("first_id", [1, 2**16 - 2, 2**32 - 2, 2**63 - 2])
+def test_acks_take_the_short_course_at_every_id_width(
+        silent_router: zmq.Socket[bytes], engine: Engine, off_course: list[int],
+        first_id: int) -> None:
+    """The request goes out as encode_request would write it, and its Ack is recognized by
+    its bytes, whatever the width of its id; nothing is left in flight."""
+    engine._ids = itertools.count(first_id)
+    headers: list[bytes] = []
+
+    def replies(header: bytes, req_id: int) -> list[list[bytes]]:
+        headers.append(header)
+        return _ack(header, req_id)
+    served = _answer(silent_router, 3, replies)
+    assert engine.request(Cmd.PING, p.Empty()) is p.decode_reply(Cmd.PING, [p.STATUS_OK, 0])
+    assert engine.request(Cmd.SYNCHRONIZE, p.Empty(), on_reply=lambda r, f: ("done", f)) == \
+        ("done", [])
+    assert engine.request(Cmd.PING, p.Empty(), timeout=30.0) is not None
+    served.join(5)
+    assert headers == [p.encode_request(cmd, first_id + i, p.Empty())
+                       for i, cmd in enumerate([Cmd.PING, Cmd.SYNCHRONIZE, Cmd.PING])]
+    assert off_course == []
+    io = engine._io
+    assert io is not None and not io.in_flight and not io.backlog and not io.deadlines.next() < 1e9
+
+
+@pytest.mark.parametrize("reply", ["error", "timing", "junk frame", "stray first"])
+def test_any_other_reply_leaves_the_course_and_is_read_as_before(
+        silent_router: zmq.Socket[bytes], engine: Engine, off_course: list[int],
+        reply: str) -> None:
+    """An error, an Ack with fields, an Ack with a frame too many, another message first:
+    each is read the ordinary way (raised, decoded, refused, skipped)."""
+    def replies(header: bytes, req_id: int) -> list[list[bytes]]:
+        if reply == "error":
+            return [[p.encode_error(req_id, ErrorCode.INTERNAL, "no")]]
+        if reply == "timing":
+            return [[p.encode_reply(req_id, p.Ack(timing=(1, 2)))]]
+        if reply == "junk frame":
+            return [[p.encode_reply(req_id, p.Ack()), b"junk"]]
+        return [[p.encode_reply(0, p.Ack())], [p.encode_reply(req_id, p.Ack())]]
+    served = _answer(silent_router, 1, replies)
+    try:
+        result = engine.request(Cmd.PING, p.Empty())
+    except Exception as exc:  # noqa: BLE001
+        result = exc
+    served.join(5)
+    assert off_course == [1]
+    if reply == "error":
+        assert isinstance(result, Exception) and "no" in str(result)
+    elif reply == "timing":
+        assert result == p.Ack(timing=(1, 2))
+    elif reply == "junk frame":
+        assert isinstance(result, Exception) and "payload frame" in str(result)
+    else:
+        assert isinstance(result, p.Ack)
+    io = engine._io
+    assert io is not None and not io.in_flight and not io.backlog
+
+
+def test_requests_with_fields_or_payload_do_not_take_the_course(
+        silent_router: zmq.Socket[bytes], engine: Engine, off_course: list[int]) -> None:
+    served = _answer(silent_router, 2, _ack)
+    assert isinstance(engine.request(Cmd.FREE_BUFFER, p.BufferOp(handle=3)), p.Ack)
+    assert isinstance(engine.request(Cmd.PING, p.Empty(), payload=[b"x"]), p.Ack)
+    served.join(5)
+    assert off_course == []       # the general path (inline.request), not this course
+
+
+def test_on_reply_runs_with_the_connection_given_back(
+        silent_router: zmq.Socket[bytes], engine: Engine) -> None:
+    """``on_reply`` may itself make a blocking call on the same engine (it used to run while
+    the caller held the connection: such a call waited for it, forever)."""
+    served = _answer(silent_router, 2, _ack)
+    nested = engine.request(Cmd.PING, p.Empty(),
+                            on_reply=lambda r, f: engine.request(Cmd.SYNCHRONIZE, p.Empty()))
+    served.join(5)
+    assert isinstance(nested, p.Ack)
