@@ -246,7 +246,7 @@ def quantize_x(x: Any) -> tuple[Any, Any, Any, Any, Any]:
     return xq1, xq2, dx, sq, sx
 
 
-@njit(cache=True, nogil=True, fastmath={"contract"})
+@njit(cache=True, nogil=True)
 def mv_q4(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool) -> None:
     """q4_0 (``has_min`` False), q4_1: rows r0..r1 of ``y = W @ x`` (the int8 method above)."""
     R, ns = w.shape[0], x.shape[0] // 32
@@ -283,7 +283,7 @@ def mv_q4(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool) -> None:
                 yt[i] += t
 
 
-@njit(cache=True, nogil=True, fastmath={"contract"})
+@njit(cache=True, nogil=True)
 def mv_q8_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
     """q8_0: rows r0..r1 of ``y = W @ x`` (the int8 method above)."""
     R, ns = w.shape[0], x.shape[0] // 32
