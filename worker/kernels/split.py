@@ -33,7 +33,10 @@ numba dispatcher compiled with ``nogil=True`` whose rows ``a..b`` write only row
 output, with a parallel wrapper in :data:`PARALLEL` (the matrix-vector and dequantization kernels
 of :mod:`.jit`, :mod:`.intdot` and :mod:`.intgemm` here; a new kernel adds its own with
 :func:`register`). The wrappers are compiled on first use and cached on disk like the kernels
-(``cache=True``: ~2 s each the first time, loaded in milliseconds after).
+(``cache=True``: ~2 s each the first time, loaded in milliseconds after). numba keys each cached
+function on its own file's time stamp only: a wrapper here holds the kernel it calls, so after
+editing a kernel in place (a developer's checkout; an install rewrites every file) clear the
+``__pycache__`` beside these files, or the wrappers keep running the old kernel.
 """
 
 from __future__ import annotations
