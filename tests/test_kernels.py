@@ -30,7 +30,7 @@ pytest.importorskip("numba")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 from zmq_rpc.worker import kernels  # noqa: E402
 from zmq_rpc.worker.backends import numpy_ops  # noqa: E402
-from zmq_rpc.worker.kernels import intdot, jit  # noqa: E402
+from zmq_rpc.worker.kernels import intdot, intgemm, jit  # noqa: E402
 from zmq_rpc.worker.kernels.layout import INTERLEAVED  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)  # the first call of each qtype compiles its kernels (~10 s)
@@ -195,9 +195,10 @@ assert not intdot.VNNI, "expected the portable sums"
 data = np.load(sys.argv[1])
 out = {}
 for qtype in ("q4_0", "q4_1", "q8_0"):
-    y = np.full((1, data[qtype].shape[0]), np.nan, np.float32)
-    kernels.matmul(data["x"], kernels.pack(data[qtype], qtype), qtype, y)
-    out[qtype] = y
+    for n in (1, data["x"].shape[0]):
+        y = np.full((n, data[qtype].shape[0]), np.nan, np.float32)
+        kernels.matmul(data["x"][:n], kernels.pack(data[qtype], qtype), qtype, y)
+        out[f"{qtype}_{n}"] = y
 np.savez(sys.argv[2], **out)
 """
 
@@ -205,10 +206,11 @@ np.savez(sys.argv[2], **out)
 @pytest.mark.timeout(180)
 def test_portable_integer_sums_match_the_vnni_ones(tmp_path: Path) -> None:
     """Compiled for a CPU without AVX512-VNNI (numba told to compile for an AVX2 Haswell, its own
-    cache), the integer kernels take the portable vector IR and give the same products."""
+    cache), the integer kernels (decode and prefill) take the portable vector IR and give the same
+    products."""
     rng = np.random.default_rng(21)
     weights = {q: random_weight(rng, q, 35, 96) for q in ("q4_0", "q4_1", "q8_0")}
-    x = rng.standard_normal((1, 96)).astype(np.float32)
+    x = rng.standard_normal((intgemm.TB + 3, 96)).astype(np.float32)
     np.savez(tmp_path / "in.npz", x=x, **weights)
     env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+f16c,+fma",
            "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
@@ -216,13 +218,14 @@ def test_portable_integer_sums_match_the_vnni_ones(tmp_path: Path) -> None:
                    env=env, check=True, timeout=170)
     portable = np.load(tmp_path / "out.npz")
     for qtype, data in weights.items():
-        here = np.empty((1, 35), np.float32)
-        kernels.matmul(x, kernels.pack(data, qtype), qtype, here)
-        close_int8_product(portable[qtype], x, qtype, data)
-        np.testing.assert_allclose(portable[qtype], here, rtol=1e-6, atol=1e-6 * np.abs(here).max())
+        for n in (1, x.shape[0]):
+            here = np.empty((n, 35), np.float32)
+            kernels.matmul(x[:n], kernels.pack(data, qtype), qtype, here)
+            close_int8_product(portable[f"{qtype}_{n}"], x[:n], qtype, data)
+            np.testing.assert_allclose(portable[f"{qtype}_{n}"], here, rtol=1e-6, atol=1e-6 * np.abs(here).max())
 
 
-@pytest.mark.parametrize("qtype", kernels.QTYPES)
+@pytest.mark.parametrize("qtype", sorted(set(kernels.QTYPES) - kernels.INTEGER_GEMM))
 def test_prefill_tiles_match_float_product(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(11)
     k = row_lengths(qtype)[1]
@@ -235,7 +238,52 @@ def test_prefill_tiles_match_float_product(qtype: str, monkeypatch: pytest.Monke
     close_product(out, x, oracle(qtype, data))
 
 
-@pytest.mark.parametrize("qtype", ["q4_1", "q6_k", "f16"])
+@pytest.mark.parametrize("qtype", sorted(kernels.INTEGER_GEMM))
+def test_integer_gemm_matches_the_int8_product(qtype: str) -> None:
+    """Prefill of q4_0/q4_1/q8_0 (``kernels.intgemm``): every row length class, odd weight row counts
+    (16-row blocks and a scalar tail), activation row counts from 3 (one-row passes only) to 200 (many
+    ``TB``-row passes and a ragged rest); held to the decode products' tolerance, row by row."""
+    rng = np.random.default_rng(17)
+    for k in row_lengths(qtype):
+        for rows, n in ((35, 3), (17, intgemm.TB + 1), (83, 2 * intgemm.TB + 5), (51, 200)):
+            data = random_weight(rng, qtype, rows, k)
+            x = (rng.standard_normal((n, k)) * rng.choice([1e-3, 1.0, 50.0], (n, 1))).astype(np.float32)
+            x[0, :min(k, 32)] = 0                 # an all-zero block
+            out = np.full((n, rows), np.nan, np.float32)
+            kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
+            close_int8_product(out, x, qtype, data)
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.INTEGER_GEMM))
+def test_integer_gemm_writes_only_its_row_range(qtype: str) -> None:
+    """A thread's range ``r0..r1`` (any bounds, not only multiples of 16) gets exactly its columns."""
+    rng = np.random.default_rng(19)
+    data = random_weight(rng, qtype, 70, 64)
+    w, x = kernels.pack(data, qtype), rng.standard_normal((9, 64)).astype(np.float32)
+    full = np.empty((9, 70), np.float32)
+    kernels.matmul(x, w, qtype, full)
+    gemm, flags = intgemm.GEMM[qtype]
+    part = np.full((9, 70), np.nan, np.float32)
+    gemm(w, *intgemm.quantize_rows(x), part, 5, 58, *flags)
+    assert np.isnan(part[:, :5]).all() and np.isnan(part[:, 58:]).all()
+    np.testing.assert_allclose(part[:, 5:58], full[:, 5:58], rtol=1e-6, atol=1e-6 * np.abs(full).max())
+
+
+def test_activation_rows_round_as_the_decode_vector() -> None:
+    """``intgemm.quantize_rows`` gives each row the codes, steps and code sums of ``intdot.quantize_x``
+    (the float sums to float32 rounding), NaN and infinite blocks included."""
+    rng = np.random.default_rng(23)
+    x = (rng.standard_normal((5, 160)) * 30).astype(np.float32)
+    x[1, 40], x[2, 100], x[3, :32] = np.nan, np.inf, 0
+    rows = intgemm.quantize_rows(x)
+    for t in range(5):
+        one = intdot.quantize_x(x[t])
+        for a, b in zip(rows[:4], one[:4]):
+            np.testing.assert_array_equal(a[t], b)
+        np.testing.assert_allclose(rows[4][t], one[4], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "q6_k", "f16"])
 @pytest.mark.parametrize("n_rows", [1, 5])
 def test_two_threads_give_the_same_rows(qtype: str, n_rows: int) -> None:
     rng = np.random.default_rng(3)
@@ -248,7 +296,7 @@ def test_two_threads_give_the_same_rows(qtype: str, n_rows: int) -> None:
         out = np.full((n_rows, 1000), np.nan, np.float32)
         kernels.matmul(x, packed, qtype, out)
         outs.append(out)
-    if qtype in INTERLEAVED and n_rows <= kernels.MATVEC_ROWS:
+    if qtype in INTERLEAVED:
         close_int8_product(outs[1], x, qtype, data)
     else:
         close_product(outs[1], x, oracle(qtype, data))

@@ -9,8 +9,9 @@ count), repetitions interleaved:
   (``layout.read_row_bytes``: q4_0/q4_1/q8_0 leave the room after their float16 scales unread), against a plain
   numpy copy of as many bytes (the memory bandwidth; target >= 0.5x) and against numpy float32
   ``dot`` on the dequantized matrices (the f32 mode's work);
-- prefill: 32 and 128 activation rows through 4 layers (tile dequantization + BLAS) against float32
-  ``matmul`` on the dequantized matrices (target >= 1x: "no slower than f32 mode");
+- prefill: 32 and 128 activation rows through 4 layers (q4_0/q4_1/q8_0: the integer GEMM; the others:
+  tile dequantization + BLAS) against float32 ``matmul`` on the dequantized matrices (target >= 1x: "no
+  slower than f32 mode");
 - the first compile of a type's kernels (a fresh numba cache) and the load of the same from cache.
 
 Runs in the bench's main thread; its children are waited for.
@@ -147,6 +148,11 @@ def _run(args: list[str], env: dict[str, str]) -> Any:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+def _prefill_method(qtype: str) -> str:
+    from ..worker import kernels
+    return "int8 GEMM" if qtype in kernels.INTEGER_GEMM else "tile dequantization + BLAS"
+
+
 def type_rows(qtype: str, s: dict[str, list[float]], threads: int) -> list[CaseResult]:
     tag = f"{qtype} {threads}t"
     mb = s["bytes"][0] / 1e6
@@ -159,7 +165,7 @@ def type_rows(qtype: str, s: dict[str, list[float]], threads: int) -> list[CaseR
                    note="the same products on dequantized float32 weights (f32 mode's work)"),
         *(CaseResult("kernels", f"kernels prefill {n} {tag}", "tok/s", s[f"mm{n} kernel"],
                      {"f32 matmul": s[f"mm{n} f32"]}, Target(1.0, True), True,
-                     note=f"{PREFILL_LAYERS} layers, tile dequantization + BLAS")
+                     note=f"{PREFILL_LAYERS} layers, {_prefill_method(qtype)}")
           for n in (32, 128)),
     ]
 

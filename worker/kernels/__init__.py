@@ -5,9 +5,11 @@ warmed qtypes). :func:`matmul` picks the path by the number of activation rows:
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
   (:mod:`.jit`), reading each weight byte once;
-- more rows (prefill): the packed rows are dequantized tile by tile into a float32 scratch of about
-  :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and each tile
-  goes through BLAS (``x @ tile``).
+- more rows (prefill), q4_0/q4_1/q8_0: the rows of ``x`` rounded to int8 once, then an integer GEMM
+  that unpacks each block of codes once for many rows (:mod:`.intgemm`);
+- more rows, the other types: the packed rows are dequantized tile by tile into a float32 scratch of
+  about :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and
+  each tile goes through BLAS (``x @ tile``).
 
 With :func:`set_threads` ``n > 1`` each kernel call is split into ``n`` row ranges (multiples of 16
 rows): the calling thread runs the first, ``n - 1`` helper threads (a pool this module owns, started on
@@ -32,6 +34,7 @@ import numpy as np
 from .layout import PACKED, QTYPES, gguf_row_bytes, pack, packed_row_bytes
 
 __all__ = [
+    "INTEGER_GEMM",
     "MATVEC_ROWS",
     "PACKED",
     "QTYPES",
@@ -55,6 +58,9 @@ MATVEC_ROWS: Final = 2
 """Activation rows up to which :func:`matmul` runs matrix-vector passes instead of tiles + BLAS."""
 TILE_BYTES: Final = 1 << 20
 """float32 bytes of dequantized weights per prefill tile."""
+
+INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0"})
+"""Types whose prefill products run the integer GEMM of :mod:`.intgemm` (the others: tiles + BLAS)."""
 
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
@@ -80,6 +86,12 @@ def _jit() -> ModuleType:
         raise KernelUnavailable("quantized matmul kernels need numba: pip install 'zmq-rpc[llm]'")
     from . import jit
     return jit
+
+
+def _intgemm() -> ModuleType:
+    _jit()
+    from . import intgemm
+    return intgemm
 
 
 def fused_kernels() -> ModuleType | None:
@@ -147,6 +159,7 @@ def warm(qtype: str) -> float:
     w = pack(src, qtype)
     matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
     matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
+    dequantize(w, qtype, k)          # the tile dequantizer: prefill of the other types, row gathers, unpack
     warm_fused()
     _warm[qtype] = time.perf_counter() - start
     return _warm[qtype]
@@ -175,6 +188,10 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
     if x.shape[0] <= MATVEC_ROWS:
         for t in range(x.shape[0]):
             _rows(mv, (w, x[t], out[t]), 0, rows, flags)
+        return
+    if qtype in INTEGER_GEMM:
+        gemm, gemm_flags = _intgemm().GEMM[qtype]
+        _rows(gemm, (w, *_intgemm().quantize_rows(x), out), 0, rows, gemm_flags)
         return
     step = _tile_rows(rows, k)
     tile = np.empty((k, step), np.float32)
