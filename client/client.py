@@ -24,7 +24,7 @@ from .arrays import RunResult as RunResult
 from .arrays import from_bfloat16 as from_bfloat16
 from .arrays import to_bfloat16 as to_bfloat16
 from .connection import DEFAULT_CHUNK as DEFAULT_CHUNK
-from .connection import EMPTY
+from .connection import EMPTY, no_result
 from .graph_calls import GraphCalls
 from .remote import DTypeLike as DTypeLike
 from .remote import Inputs as Inputs
@@ -95,7 +95,7 @@ class Client(TensorCalls, GraphCalls):
 
     def ping(self) -> None:
         """One tiny round trip (what the latency benchmark measures)."""
-        self._engine.request(Cmd.PING, EMPTY)
+        self._engine.request(Cmd.PING, EMPTY, (), no_result)
 
     def ping_async(self) -> Future[None]:
         return self._call(Cmd.PING, EMPTY)
