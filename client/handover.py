@@ -25,7 +25,7 @@ from zmq.backend import Socket as _CSocket
 from ..broker import protocol as p
 from ..broker.protocol import Cmd
 from .calls import Call, OnReply, Reservation
-from .inline import SYNC_SLICE_S, after_send, bare_course, pump, request
+from .inline import SYNC_SLICE_S, after_send, bare_courses, pump, request
 from .io_loop import IoLoop, io_thread
 
 if TYPE_CHECKING:
@@ -39,6 +39,11 @@ _send = _CSocket.send
 0.4 µs of the few a synchronous call spends."""
 
 _BARE_HEAD = p.BARE_REPLY_HEAD
+pack_id = p.pack_id
+monotonic = time.monotonic
+_COURSES = bare_courses()
+"""Per command: the request type without fields that takes the short course, the head of its
+header, and the Ack its success decodes to."""
 
 
 class Handover:
@@ -67,26 +72,32 @@ class Handover:
         request). Otherwise (busy, closed, a callback) it is submitted and waited for.
 
         A request without fields or payload whose success is an Ack (PING, SYNCHRONIZE) runs
-        its usual course here, with nothing built but its two headers' bytes (made before the
-        send: on a busy machine the code between a send and its receive delays the receive): a
+        its usual course here, in one function (a blocking caller runs it with cold caches:
+        every call and object on the way costs): the two headers' bytes made before the send
+        (on a busy machine the code between a send and its receive delays the receive), a
         send and a blocking receive on the DEALER alone, like a bare socket's, the reply
         recognized by its bytes, ``on_reply`` called once the connection is given back.
-        Anything else is ``inline.request``'s (or, once sent, ``inline.after_send``'s)."""
+        Anything else is :meth:`_request`'s (or, once sent, ``inline.after_send``'s)."""
+        course = _COURSES.get(cmd)
+        lock = self._socket_lock
+        io = self._io
+        if (course is None or type(msg) is not course[0] or payload or io is None
+                or io_thread.active or not lock.acquire(False)):
+            return self._request(cmd, msg, payload, on_reply, timeout, reply_bytes)
+        # (a thread that drives this connection inline holds the lock: it was refused above)
         wait = self.options.timeout if timeout is None else timeout
-        io = self._take_idle()
-        if io is None:
-            return self.submit(cmd, msg, payload, on_reply, timeout, reply_bytes).result()
+        link = io.link
+        if (self._closed or io.closing or io.in_flight or io.backlog or not self._inbox.empty()
+                or io.trace or link.lost is not None or not link.up and link.ever_up
+                or wait <= SYNC_SLICE_S):
+            lock.release()
+            return self._request(cmd, msg, payload, on_reply, timeout, reply_bytes)
+        req_id = next(self._ids)
+        packed = pack_id(req_id)
+        header, expected = course[1] + packed, _BARE_HEAD + packed
+        dealer = io.dealer
         try:
-            course = bare_course(cmd, msg) if not payload and wait > SYNC_SLICE_S else None
-            if course is None or io.trace or io.link.down:
-                return request(io, cmd, next(self._ids), msg, payload, on_reply, wait,
-                               reply_bytes)
-            head, bare = course
-            req_id = next(self._ids)
-            packed = p.pack_id(req_id)
-            header, expected = head + packed, _BARE_HEAD + packed
-            dealer = io.dealer
-            sent = io.link.last_sent = time.monotonic()
+            sent = link.last_sent = monotonic()
             _send(dealer, header)
             try:
                 frame: zmq.Frame | None = dealer.recv(copy=False)  # at most SYNC_SLICE_MS
@@ -95,8 +106,23 @@ class Handover:
             if frame is None or frame.more or frame.bytes != expected:
                 return after_send(io, cmd, req_id, frame, on_reply, sent + wait, reply_bytes)
         finally:
+            lock.release()
+            if io.in_flight or io.backlog or io.closing or not self._inbox.empty():
+                self._wake()
+        return on_reply(course[2], []) if on_reply is not None else course[2]
+
+    def _request(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any],
+                 on_reply: OnReply | None, timeout: float | None, reply_bytes: int) -> Any:
+        """:meth:`request` the general way: on this thread if the connection is idle (or
+        about to be, see :meth:`_take_idle`), else submitted and waited for."""
+        io = self._take_idle()
+        if io is None:
+            return self.submit(cmd, msg, payload, on_reply, timeout, reply_bytes).result()
+        try:
+            return request(io, cmd, next(self._ids), msg, payload, on_reply,
+                           self.options.timeout if timeout is None else timeout, reply_bytes)
+        finally:
             self._release(io)
-        return on_reply(bare, []) if on_reply is not None else bare
 
     def call(self, issue: Callable[..., Future[Any]], *args: Any, **kwargs: Any) -> Any:
         """``issue(*args, **kwargs).result()``, inline when the engine is idle (what

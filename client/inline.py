@@ -119,24 +119,17 @@ def _in_flight(io: IoLoop, call: Call, frames: list[zmq.Frame] | None) -> Any:
 
 _NOT_OURS = object()
 
-_COURSES: dict[tuple[Cmd, type[p.Message]], tuple[bytes, p.Message] | None] = {}
-
-
-def bare_course(cmd: Cmd, msg: p.Message) -> tuple[bytes, p.Message] | None:
-    """For a ``cmd`` request of ``msg``'s type without fields, whose success is a reply without
-    fields or payload (an Ack): its header's head (:func:`~zmq_rpc.broker.protocol.request_head`)
-    and that reply, the one instance a success decodes to. Else None."""
-    key = (cmd, type(msg))
-    try:
-        return _COURSES[key]
-    except KeyError:
-        pass
-    bare = _bare_reply(cmd)
-    course = None
-    if bare is not None and not dataclasses.fields(msg):
-        course = (p.request_head(cmd), bare)
-    _COURSES[key] = course
-    return course
+def bare_courses() -> dict[Cmd, tuple[type[p.Message], bytes, p.Message]]:
+    """The requests that take ``Handover.request``'s short course, by command: a request type
+    without fields, whose success is a reply without fields or payload (an Ack); for each,
+    that type, its header's head (:func:`~zmq_rpc.broker.protocol.request_head`) and the
+    reply, the one instance a success decodes to."""
+    courses = {}
+    for cmd, kind in p.REQUESTS.items():
+        bare = _bare_reply(cmd)
+        if bare is not None and not dataclasses.fields(kind):
+            courses[cmd] = (kind, p.request_head(cmd), bare)
+    return courses
 
 
 def _bare_reply(cmd: Cmd) -> p.Message | None:

@@ -104,6 +104,41 @@ def _row(ours: Sequence[float], base: Sequence[float], higher: bool,
                             higher_is_better=higher)
 
 
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+def _recording(calls: list[str]) -> dict[str, bench.Runner]:
+    def runner(name: str) -> bench.Runner:
+        def run() -> float:
+            calls.append(name)
+            return 1.0
+        return run
+    return {name: runner(name) for name in "abc"}
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_interleave_gives_each_runner_every_repetition(shuffle: bool) -> None:
+    """In turn, or (``shuffle``) in a new seeded order each repetition, so that in the end
+    every runner has run first, and after each of the others."""
+    calls: list[str] = []
+    samples = bench.interleave(_recording(calls), 60, _NoBar(), warmup=2, shuffle=shuffle)  # type: ignore[arg-type]
+    assert {name: len(got) for name, got in samples.items()} == {"a": 60, "b": 60, "c": 60}
+    assert calls[:6] == list("abcabc")                          # the warm-up, in turn
+    rounds = [calls[i:i + 3] for i in range(6, len(calls), 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    if not shuffle:
+        assert all(r == ["a", "b", "c"] for r in rounds)
+        return
+    assert {r[0] for r in rounds} == {"a", "b", "c"}
+    pairs = {(x, y) for r in rounds for x, y in zip(r, r[1:])}
+    assert pairs == {(x, y) for x in "abc" for y in "abc" if x != y}
+    again: list[str] = []
+    bench.interleave(_recording(again), 60, _NoBar(), warmup=2, shuffle=True)  # type: ignore[arg-type]
+    assert again == calls                                      # seeded: the same run twice
+
+
 def test_results_compare_with_the_best_baseline() -> None:
     row = _row([1.0, 2.0, 3.0], [2.0, 2.0, 5.0], True, bench.Target(0.9, higher_is_better=True))
     assert row.best_baseline() == "fast"

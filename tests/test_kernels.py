@@ -270,17 +270,27 @@ def test_integer_gemm_writes_only_its_row_range(qtype: str) -> None:
 
 
 def test_activation_rows_round_as_the_decode_vector() -> None:
-    """``intgemm.quantize_rows`` gives each row the codes, steps and code sums of ``intdot.quantize_x``
-    (the float sums to float32 rounding), NaN and infinite blocks included."""
+    """``intgemm.quantize_rows`` rounds each row as ``intdot.quantize_x`` rounds a vector: the same
+    first-level codes and steps, NaN and infinite blocks included; second-level codes within one
+    step (``(x - xq1 e) / dx`` may land on a tie, and LLVM may fuse the product and the difference in
+    one kernel and not in the other), the code sums those of its own codes, the float sums to float32
+    rounding; the rounded inputs within half a step (and float32 rounding) of ``x``."""
     rng = np.random.default_rng(23)
     x = (rng.standard_normal((5, 160)) * 30).astype(np.float32)
     x[1, 40], x[2, 100], x[3, :32] = np.nan, np.inf, 0
-    rows = intgemm.quantize_rows(x)
+    xq1, xq2, dx, sq, sx = intgemm.quantize_rows(x)
     for t in range(5):
         one = intdot.quantize_x(x[t])
-        for a, b in zip(rows[:4], one[:4]):
-            np.testing.assert_array_equal(a[t], b)
-        np.testing.assert_allclose(rows[4][t], one[4], rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(xq1[t], one[0])
+        np.testing.assert_array_equal(dx[t], one[2])
+        assert np.abs(xq2[t].astype(int) - one[1]).max() <= 1
+        np.testing.assert_allclose(sx[t], one[4], rtol=1e-5, atol=1e-4)
+    codes = intdot.HI * xq1.astype(np.int64) + xq2
+    np.testing.assert_array_equal(sq, codes.reshape(5, -1, 32).sum(axis=-1))
+    good = np.isfinite(np.repeat(dx, 32, axis=1))
+    steps = np.repeat(dx, 32, axis=1).astype(np.float64)
+    err = np.abs(steps * codes - x)[good]
+    assert (err <= 0.5 * steps[good] * (1 + 1e-3) + 1e-6 * np.abs(x[good])).all()
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "q6_k", "f16"])

@@ -14,7 +14,8 @@ others, here, multiply float32 by float32:
 
 - ``mv(w, x, y, r0, r1, *flags)``: rows ``r0..r1`` of ``y = W @ x`` for one float32 vector ``x`` (K,);
 - ``dq(w, k, r0, r1, out, c0, *flags)``: ``out[:, r - c0] = W[r, :]`` for rows ``r0..r1``: a transposed
-  float32 tile (K, n), written with unit stride, that a BLAS ``x @ out`` consumes directly (prefill).
+  float32 tile (K, n), written with unit stride, that a BLAS ``x @ out`` consumes directly (prefill of
+  the types without an integer GEMM, :mod:`.intgemm`; row gathers).
 
 How the loops are built (the prototype measured 2-5x between layouts): for each sub-block of 32 weights
 the innermost loop runs over a tile of :data:`TILE` rows, reading ``p[16s + j, r]`` with unit stride;

@@ -32,8 +32,8 @@ or ``K/256``) and ``ns = K/32`` sub-blocks of 32 weights::
 and those of weight ``32s + j + 16`` in its high nibble (Q4_0's own pairing; K-quants pair differently in
 GGUF and are regrouped). q8_0, q4_0 and q4_1 (:data:`INTERLEAVED`) store these bytes *by fours*: byte
 ``4g + b`` (b < 4) of a sub-block's row sits at ``[4s + g, r, b]`` (q8_0: code ``32s + 4g + b`` at
-``[8s + g, r, b]``), so the 4 bytes one int32 lane of the integer kernels (:mod:`.intdot`) takes are
-adjacent, and 16 rows of them fill one 64-byte vector. Their scales stay float16, as in GGUF (a decode
+``[8s + g, r, b]``), so the 4 bytes one int32 lane of the integer kernels (:mod:`.intdot`,
+:mod:`.intgemm`) takes are adjacent, and 16 rows of them fill one 64-byte vector. Their scales stay float16, as in GGUF (a decode
 token reads 17% fewer bytes of q4_1: the kernels are bound by memory bandwidth); the bytes after them
 (``0``: zeros, never read) keep the section offsets and the packed sizes of ``PACKED_BLOCKS`` (the
 sizes clients allocate by) as they were with float32 scales. ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``. q6_k works
@@ -63,7 +63,8 @@ __all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack", "packed_
 PACKED: Final[dict[str, tuple[int, int, int]]] = dict(PACKED_BLOCKS)
 QTYPES: Final = tuple(PACKED)
 INTERLEAVED: Final = frozenset({"q8_0", "q4_0", "q4_1"})
-"""Types whose code bytes are stored by fours (the integer kernels of :mod:`.intdot` read them)."""
+"""Types whose code bytes are stored by fours (the integer kernels of :mod:`.intdot` and
+:mod:`.intgemm` read them)."""
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
