@@ -11,12 +11,17 @@ Owned by the worker's backend thread (module state: the thread count, the set of
   about :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and
   each tile goes through BLAS (``x @ tile``).
 
-With :func:`set_threads` ``n > 1`` each kernel call over at least :data:`MIN_SPLIT_ROWS` rows per
-thread is split into ``n`` row ranges (:mod:`.split`: numba's OpenMP pool; inner bounds on
+With :func:`set_threads` ``n > 1`` each matrix-vector product and integer GEMM over at least
+:data:`MIN_SPLIT_ROWS` rows per thread is split into ``n`` row ranges (:mod:`.split`: numba's OpenMP pool; inner bounds on
 multiples of 16 rows): the backend thread runs the first range, ``n - 1`` pool threads the others,
 at once (the kernels release the GIL). The pool threads touch nothing but their rows of the output
 and no module state; the backend thread stays the only owner of everything else. Where the pool
-cannot start (no libgomp), products run on one thread and a warning says why, once.
+cannot start (no libgomp), products run on one thread and a warning says why, once. The tiles of
+the other types' prefill are dequantized on the backend thread alone, and BLAS (pinned to ``n``
+threads by the worker) multiplies them: splitting the dequantization too handed the CPUs from
+numba's pool to BLAS's and back twice per tile, and each pool's idle spin delayed the other's
+start (measured, 2 vCPUs, quiet: 32-token prefill at 2 threads 0.5-0.7x of 1 thread for
+q4_k/q5_x/q6_k; one dequantizing thread: 0.85-1.2x).
 
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.
@@ -214,9 +219,9 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
         return
     step = _tile_rows(rows, k)
     tile = np.empty((k, step), np.float32)
-    for r0 in range(0, rows, step):
+    for r0 in range(0, rows, step):     # one thread dequantizes: BLAS has the others (see _tiles)
         r1 = min(r0 + step, rows)
-        _rows(dq, (w, k), r0, r1, (tile, r0, *flags))
+        dq(w, k, r0, r1, tile, r0, *flags)
         np.matmul(x, tile[:, :r1 - r0], out=out[:, r0:r1])
 
 
