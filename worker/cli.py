@@ -42,10 +42,11 @@ BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"
 BLAS_THREAD_TIMEOUT = "16"
 """``OPENBLAS_THREAD_TIMEOUT`` of a worker with ``--threads`` > 1 (unless the environment sets it):
 OpenBLAS's idle threads spin 2^16 cycles (~25 us) before they sleep, not its default 2^28 (~0.1
-s), which kept a CPU from the quantized kernels' own threads (:mod:`.kernels.split`): measured on
-2 vCPUs, SmolLM2 Q4_1, one worker, alternated in one run (quiet): generation 84.5 [73.0-101.1]
-tokens/s against 63.0 [60.8-91.5] at one thread; OpenBLAS's default made the kernels' 120 layer
-products ~2x slower at 2 threads than at one."""
+s), which kept a CPU from the quantized kernels' own threads (:mod:`.kernels.split`; both pools
+spinning at once made SmolLM2's 120 layer products ~2x slower at 2 threads than at one). Measured
+on 2 vCPUs, SmolLM2 Q4_1, one worker per setting, 8 alternated rounds in one run (quiet):
+generation at ``--threads 2`` / ``--threads 1`` 1.28x per round [0.91-1.81], 128-token prefill
+1.39x [0.91-1.78]."""
 
 
 def blas_env(threads: int) -> dict[str, str]:
