@@ -72,7 +72,7 @@ def test_frozen_worker_fails_in_flight_then_serves_after_sigcont(
     with Client(proc.endpoint) as client:
         t = client.alloc_buffer(4 * MiB).tensor(MiB, "float32")
         client.ping()
-        os.kill(proc.proc.pid, signal.SIGSTOP)
+        proc.freeze()                           # every thread stopped, not just signalled
         try:
             frozen = time.monotonic()
             pending = [client.get_tensor_async(t), client.ping_async()]
@@ -198,7 +198,7 @@ def test_small_peer_copy_whose_destination_dies_fails_quickly(
         src, dst = a.alloc_buffer(64 << 10).tensor(16 << 10), b.alloc_buffer(64 << 10).tensor(
             16 << 10)
         a.copy_tensor(src, dst)                 # the route is known
-        os.kill(wb.proc.pid, signal.SIGSTOP)    # B takes nothing in from here on
+        wb.freeze()                             # B takes nothing in from here on
         copy = a.copy_tensor_async(src, dst)
         time.sleep(0.2)
         killed = time.monotonic()
