@@ -227,6 +227,9 @@ def test_peer_copy_whose_source_dies_before_its_receive_starts_frees_the_destina
         a.copy_tensor(src, second)               # the route is known
         tok = os.urandom(wire.TOKEN_BYTES)
         one = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=tok, dst=first.ref, timeout_ms=48_000))
+        # A dies before it sends: a small send is answered once its bytes are in zmq, and B
+        # would hold them and finish this copy after `one` (a success: no fault to report).
+        wa.freeze()
         two = a.copy_tensor_async(src, second)   # queued behind the first receive on B
         queued = b.get_tensor_async(small)
         wa.terminate(signal.SIGKILL)
