@@ -40,7 +40,9 @@ Module map (thread that runs it):
 - ``backends.base``: the ``Backend`` protocol; ``backends.numpy_backend``, ``backends.cupy_backend``
   implement it, ``backends.numpy_ops`` holds the kernels (backend).
 - ``kernels``: packed quantized matmul kernels, and ``kernels.fused`` the fused decode kernels
-  (attention, swiglu, rope, rms_norm) (numba when installed) (backend).
+  (attention, swiglu, rope, rms_norm) (numba when installed) (backend); ``kernels.intgemm`` the
+  int8 prefill GEMM of q4_0/q4_1/q8_0, ``kernels.split`` products split over numba's OpenMP pool
+  for ``--threads`` (the backend thread and the pool's threads, each writing only its rows).
 - ``devices``: ``--device`` names, parsed without importing numpy (the main thread, with the flags).
 - ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``).
 """
