@@ -181,8 +181,9 @@ def _warm_split(splitter: ModuleType, w: np.ndarray, qtype: str, k: int) -> None
     splitter.run(mv, (w, np.zeros(k, np.float32), np.empty(rows, np.float32)), 0, rows, flags, 2)
     splitter.run(dq, (w, k), 0, rows, (np.empty((k, rows), np.float32), 0, *flags), 2)
     if qtype in INTEGER_GEMM:
-        gemm, gemm_flags = _intgemm().GEMM[qtype]
-        xq = _intgemm().quantize_rows(np.zeros((MATVEC_ROWS + 1, k), np.float32))
+        integer = _intgemm()
+        gemm, gemm_flags = integer.GEMM[qtype]
+        xq = integer.quantize_rows(np.zeros((MATVEC_ROWS + 1, k), np.float32))
         splitter.run(gemm, (w, *xq, np.empty((MATVEC_ROWS + 1, rows), np.float32)), 0, rows, gemm_flags, 2)
 
 
@@ -214,12 +215,13 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
             _rows(mv, (w, x[t], out[t]), 0, rows, flags)
         return
     if qtype in INTEGER_GEMM:
-        gemm, gemm_flags = _intgemm().GEMM[qtype]
-        _rows(gemm, (w, *_intgemm().quantize_rows(x), out), 0, rows, gemm_flags)
+        integer = _intgemm()
+        gemm, gemm_flags = integer.GEMM[qtype]
+        _rows(gemm, (w, *integer.quantize_rows(x), out), 0, rows, gemm_flags)
         return
     step = _tile_rows(rows, k)
     tile = np.empty((k, step), np.float32)
-    for r0 in range(0, rows, step):     # one thread dequantizes: BLAS has the others (see _tiles)
+    for r0 in range(0, rows, step):     # one thread dequantizes, BLAS has the others (module docstring)
         r1 = min(r0 + step, rows)
         dq(w, k, r0, r1, tile, r0, *flags)
         np.matmul(x, tile[:, :r1 - r0], out=out[:, r0:r1])
