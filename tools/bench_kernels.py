@@ -9,8 +9,8 @@ count), repetitions interleaved:
   (``layout.read_row_bytes``: q4_0/q4_1/q8_0 leave the room after their float16 scales unread), against a plain
   numpy copy of as many bytes (the memory bandwidth; target >= 0.5x) and against numpy float32
   ``dot`` on the dequantized matrices (the f32 mode's work);
-- prefill: 32 and 128 activation rows through 4 layers (q4_0/q4_1/q8_0: the integer GEMM; the others:
-  tile dequantization + BLAS) against float32 ``matmul`` on the dequantized matrices (target >= 1x: "no
+- prefill: 32 and 128 activation rows through 4 layers (the block types: the integer GEMM, q5_x and
+  the K-quants unpacked per 16 rows; f16/bf16: tile dequantization + BLAS) against float32 ``matmul`` on the dequantized matrices (target >= 1x: "no
   slower than f32 mode");
 - the first compile of a type's kernels (a fresh numba cache) and the load of the same from cache.
 
@@ -150,7 +150,10 @@ def _run(args: list[str], env: dict[str, str]) -> Any:
 
 def _prefill_method(qtype: str) -> str:
     from ..worker import kernels
-    return "int8 GEMM" if qtype in kernels.INTEGER_GEMM else "tile dequantization + BLAS"
+    from ..worker.kernels.layout import INTERLEAVED
+    if qtype not in kernels.INTEGER_GEMM:
+        return "tile dequantization + BLAS"
+    return "int8 GEMM" if qtype in INTERLEAVED else "int8 GEMM, codes unpacked per 16 rows"
 
 
 def type_rows(qtype: str, s: dict[str, list[float]], threads: int) -> list[CaseResult]:

@@ -5,9 +5,10 @@ Owned by the worker's backend thread (module state: the thread count, the set of
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
   (:mod:`.jit`), reading each weight byte once;
-- more rows (prefill), q4_0/q4_1/q8_0: the rows of ``x`` rounded to int8 once, then an integer GEMM
-  that unpacks each block of codes once for many rows (:mod:`.intgemm`);
-- more rows, the other types: the packed rows are dequantized tile by tile into a float32 scratch of
+- more rows (prefill), the block types (q4_0 ... q6_k, :data:`INTEGER_GEMM`): the rows of ``x`` rounded
+  to int8 once, then an integer GEMM that unpacks each block of codes once for many rows
+  (:mod:`.intgemm`; q5_x and the K-quants through a per-block scratch, :mod:`.unpacked`);
+- more rows, the other types (f16, bf16): the packed rows are dequantized tile by tile into a float32 scratch of
   about :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and
   each tile goes through BLAS (``x @ tile``).
 
@@ -17,7 +18,7 @@ multiples of 16 rows): the backend thread runs the first range, ``n - 1`` pool t
 at once (the kernels release the GIL). The pool threads touch nothing but their rows of the output
 and no module state; the backend thread stays the only owner of everything else. Where the pool
 cannot start (no libgomp), products run on one thread and a warning says why, once. The tiles of
-the other types' prefill are dequantized on the backend thread alone, and BLAS (pinned to ``n``
+the other types' prefill (f16, bf16) are dequantized on the backend thread alone, and BLAS (pinned to ``n``
 threads by the worker) multiplies them: splitting the dequantization too handed the CPUs from
 numba's pool to BLAS's and back twice per tile, and each pool's idle spin delayed the other's
 start (measured, 2 vCPUs, quiet: 32-token prefill at 2 threads 0.5-0.7x of 1 thread for
@@ -66,8 +67,9 @@ MATVEC_ROWS: Final = 2
 TILE_BYTES: Final = 1 << 20
 """float32 bytes of dequantized weights per prefill tile."""
 
-INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0"})
-"""Types whose prefill products run the integer GEMM of :mod:`.intgemm` (the others: tiles + BLAS)."""
+INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
+"""Types whose prefill products run the integer GEMM of :mod:`.intgemm` / :mod:`.unpacked` (the
+others: tiles + BLAS)."""
 
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
