@@ -7,11 +7,14 @@ Owned by the worker's backend thread (module state: the thread count, the set of
   (:mod:`.jit`), reading each weight byte once;
 - more rows (prefill), q4_0/q4_1/q8_0: the rows of ``x`` rounded to int8 once, then an integer GEMM
   that unpacks each block of codes once for many rows (:mod:`.intgemm`);
+- more rows, f16/bf16: AMX tiles (:mod:`.amxgemm`: activations split into three exact bf16 levels,
+  float32-accurate), or where this process cannot use AMX an FMA kernel (:mod:`.halfgemm`); both read
+  the weights at 16 bits and split over threads by rows like the integer GEMM;
 - more rows, the other types: the packed rows are dequantized tile by tile into a float32 scratch of
   about :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and
   each tile goes through BLAS (``x @ tile``).
 
-With :func:`set_threads` ``n > 1`` each matrix-vector product and integer GEMM over at least
+With :func:`set_threads` ``n > 1`` each matrix-vector product, integer GEMM and f16/bf16 GEMM over at least
 :data:`MIN_SPLIT_ROWS` rows per thread is split into ``n`` row ranges (:mod:`.split`: numba's OpenMP pool; inner bounds on
 multiples of 16 rows): the backend thread runs the first range, ``n - 1`` pool threads the others,
 at once (the kernels release the GIL). The pool threads touch nothing but their rows of the output
@@ -41,6 +44,7 @@ import numpy as np
 from .layout import PACKED, QTYPES, gguf_row_bytes, pack, packed_row_bytes
 
 __all__ = [
+    "HALF_GEMM",
     "INTEGER_GEMM",
     "MATVEC_ROWS",
     "PACKED",
@@ -68,11 +72,15 @@ TILE_BYTES: Final = 1 << 20
 
 INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0"})
 """Types whose prefill products run the integer GEMM of :mod:`.intgemm` (the others: tiles + BLAS)."""
+HALF_GEMM: Final = frozenset({"f16", "bf16"})
+"""Types whose prefill products run :mod:`.amxgemm` (AMX tiles) or, on a CPU without AMX,
+:mod:`.halfgemm` (FMA)."""
 
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
 _fused: list[ModuleType] = []
 _split: list[ModuleType | None] = []
+_amx: list[ModuleType | None] = []
 MIN_SPLIT_ROWS: Final = 64
 """A product is split over ``n`` threads only from ``n * MIN_SPLIT_ROWS`` rows on (below, a split
 costs more than it saves)."""
@@ -101,6 +109,21 @@ def _intgemm() -> ModuleType:
     _jit()
     from . import intgemm
     return intgemm
+
+
+def _half_gemm(x: np.ndarray, w: np.ndarray, qtype: str,
+               out: np.ndarray) -> tuple[Callable[..., None], tuple[Any, ...], tuple[Any, ...]]:
+    """(kernel, head, tail) of an f16/bf16 prefill product: AMX where this process may use it (asked
+    once), else the FMA kernel."""
+    _jit()
+    if not _amx:
+        from . import amxgemm
+        _amx.append(amxgemm if amxgemm.available() else None)
+    bf16 = qtype == "bf16"
+    if (amx := _amx[0]) is not None:
+        return amx.gemm_amx, (w, amx.split_rows(x), out), (bf16, amx.CONFIG)
+    from . import halfgemm
+    return halfgemm.gemm_u16, (w, x, out), (bf16,)
 
 
 def fused_kernels() -> ModuleType | None:
@@ -185,6 +208,10 @@ def _warm_split(splitter: ModuleType, w: np.ndarray, qtype: str, k: int) -> None
         gemm, gemm_flags = integer.GEMM[qtype]
         xq = integer.quantize_rows(np.zeros((MATVEC_ROWS + 1, k), np.float32))
         splitter.run(gemm, (w, *xq, np.empty((MATVEC_ROWS + 1, rows), np.float32)), 0, rows, gemm_flags, 2)
+    if qtype in HALF_GEMM:
+        x, y = np.zeros((MATVEC_ROWS + 1, k), np.float32), np.empty((MATVEC_ROWS + 1, rows), np.float32)
+        kernel, head, tail = _half_gemm(x, w, qtype, y)
+        splitter.run(kernel, head, 0, rows, tail, 2)
 
 
 def warm_fused() -> float:
@@ -218,6 +245,10 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
         integer = _intgemm()
         gemm, gemm_flags = integer.GEMM[qtype]
         _rows(gemm, (w, *integer.quantize_rows(x), out), 0, rows, gemm_flags)
+        return
+    if qtype in HALF_GEMM:
+        kernel, head, tail = _half_gemm(x, w, qtype, out)
+        _rows(kernel, head, 0, rows, tail)
         return
     step = _tile_rows(rows, k)
     tile = np.empty((k, step), np.float32)
