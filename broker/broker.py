@@ -23,7 +23,14 @@ Socket options chosen here:
   requests in flight, under it). The PAIR's reply direction is unbounded, so the backend never
   blocks on a reply.
 - MAXMSGSIZE refuses oversized messages at the socket: libzmq drops that peer's connection.
-- HEARTBEAT_IVL/TIMEOUT/TTL close connections to frozen or vanished clients.
+- No ZMTP heartbeat of its own (HEARTBEAT_IVL stays 0): libzmq 4.3.5 (and its master) aborts the
+  process with ``Assertion failed: !_io_error (stream_engine_base.cpp:310)`` when the heartbeat
+  timer fires on a connection whose input is stopped by the HWM above after the peer reset it
+  (zeromq/libzmq#4364, #3937, #4767): a client that floods and then closes with replies unread
+  killed the worker (tests/test_quotas.py reproduces it every time with the backend busy).
+  Frozen or vanished clients are still dropped: zmq-rpc's client sends a ZMTP PING every 0.5 s
+  with a TTL of 5 s, on which libzmq closes the connection once the client falls silent; TCP
+  keepalive (``KEEPALIVE_*``) closes the connections of raw clients whose host vanished.
 - With a key pair the ROUTER is a CURVE server in the ZAP domain ``zmq-rpc-client``: a connection
   whose key the ZAP handler (:mod:`zmq_rpc.broker.zap`) refuses never delivers a message.
 """
@@ -52,6 +59,9 @@ zmq-rpc's client keeps at most 512 requests in flight; replies are copied into l
 reply copies per connection (docs/SECURITY.md, what the RSS is made of)."""
 BACKEND_HWM = 32
 """Requests queued on the inproc PAIR per side (the backend's PAIR sets its RCVHWM to this)."""
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 5, 3
+"""TCP keepalive on client connections: a silent peer is probed after 30 s and dropped after 3
+unanswered probes 5 s apart (a client without ZMTP heartbeats whose host vanished: ~45 s)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +72,6 @@ class BrokerConfig:
     backend_endpoint: str
     control_endpoint: str
     max_message_size: int
-    heartbeat_ivl_ms: int = 1000
-    heartbeat_timeout_ms: int = 5000
     curve: KeyPair | None = None
     """The worker's key pair: clients must speak CURVE and pass the ZAP handler."""
 
@@ -124,9 +132,10 @@ class BrokerThread(threading.Thread):
         router.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
         router.setsockopt(zmq.RCVHWM, CLIENT_RCVHWM)
         router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_size)
-        router.setsockopt(zmq.HEARTBEAT_IVL, cfg.heartbeat_ivl_ms)
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, cfg.heartbeat_timeout_ms)
-        router.setsockopt(zmq.HEARTBEAT_TTL, cfg.heartbeat_timeout_ms)
+        router.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+        router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
         if cfg.curve is not None:
             make_curve_server(router, cfg.curve, CLIENT_DOMAIN)
         try:

@@ -357,7 +357,7 @@ from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
 def signatures():
     out = {}
-    for name in ("jit", "intdot", "intgemm", "fused"):
+    for name in ("jit", "intdot", "intgemm", "unpacked", "fused"):
         module = sys.modules.get("zmq_rpc.worker.kernels." + name)
         for key, fn in (vars(module) if module else {}).items():
             if isinstance(fn, CPUDispatcher):

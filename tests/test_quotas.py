@@ -22,7 +22,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 from conftest import WorkerProcess
@@ -100,6 +102,81 @@ def test_flooding_session_does_not_starve_another(
     assert busy <= 10 * idle + 10.0
     assert rss < 120              # 169 MiB here with unbounded queues (641 MiB in the issue)
     client.alloc_buffer(1 << 20)                      # and the worker still serves
+
+
+RESETTER = r"""
+import os, sys, time, zmq
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.protocol import Cmd, DType
+ep, seconds = sys.argv[1], float(sys.argv[2])
+ctx = zmq.Context()
+d = ctx.socket(zmq.DEALER)
+d.setsockopt(zmq.ROUTING_ID, b"R" + os.urandom(15))
+d.setsockopt(zmq.RCVHWM, 1)         # replies pile up unread in the kernel: closing sends a reset
+d.connect(ep)
+major, minor = p.PROTOCOL_VERSION
+d.send(p.encode_request(Cmd.HELLO, 1, p.Hello(major=major, minor=minor, client="reset")))
+d.recv_multipart()
+d.send(p.encode_request(Cmd.ALLOC_BUFFER, 2, p.AllocBuffer(handle=1, size=4096)))
+d.recv_multipart()
+ref = p.TensorRef(buffer=1, dtype=DType.UINT8, shape=(4096,), strides=(1,), offset=0)
+header = p.encode_request(Cmd.SET_TENSOR, 3, p.SetTensor(tensor=ref))
+print("flooding", flush=True)
+end = time.monotonic() + seconds
+while time.monotonic() < end:       # never blocks: it closes on time, whatever the worker does
+    try:
+        d.send_multipart([header, bytes(4096)], flags=zmq.NOBLOCK)
+    except zmq.Again:
+        time.sleep(0.001)
+d.close(linger=0)
+ctx.term()
+"""
+
+
+def test_a_flooder_resetting_its_connection_does_not_kill_the_worker(
+        spawn_worker: Callable[..., WorkerProcess], make_client: Callable[..., Client]) -> None:
+    """A client floods, stops reading its replies and closes (a TCP reset) while its pipe is full
+    and the backend busy. With a ZMTP heartbeat on the ROUTER, libzmq 4.3.5 aborted the worker
+    (``Assertion failed: !_io_error``, broker.py) within the heartbeat interval, 1 s, every time
+    here. Now the worker serves on, and the long graph that kept it busy finishes right."""
+    worker = spawn_worker()
+    client = make_client(worker.endpoint, timeout=60.0)        # the default timeout
+    n = 1024
+    a = client.alloc_buffer(n * n * 4).tensor((n, n), "float32")
+    out = client.alloc_buffer(4).tensor((1,), "float32")
+    client.set_tensor(a, np.eye(n, dtype=np.float32))
+    steps = _steps_for(client, a, out, seconds=3.0)
+    g = Graph()
+    x = a
+    for _ in range(steps):
+        x = g.matmul(x, a)
+    g.sum(g.reshape(x, (n * n,)), axis=0, keepdims=True, out=out)
+    busy = client.register(g)
+    for _ in range(2):
+        resetter = subprocess.Popen([sys.executable, "-c", RESETTER, worker.endpoint, "1.0"],
+                                    stdout=subprocess.PIPE, text=True)
+        try:
+            assert resetter.stdout is not None and resetter.stdout.readline().startswith("flooding")
+            time.sleep(0.5)                               # its replies pile up unread
+            run = client.run_async(busy, fetch=[out])     # the backend is busy for ~3 s
+            assert resetter.wait(30) == 0                 # closed with its pipe full: a reset
+            time.sleep(1.5)                               # past the old heartbeat interval
+            assert worker.proc.poll() is None, worker.proc.stderr.read() if worker.proc.stderr else ""
+            assert run.result()[0][0] == n                # identity matrices: the sum is n
+        finally:
+            resetter.kill()
+            resetter.communicate(timeout=30)
+    client.ping()
+
+
+def _steps_for(client: Client, a: Any, out: Any, seconds: float) -> int:
+    """Matmuls of ``a`` by itself that keep the backend busy about ``seconds`` here."""
+    g = Graph()
+    g.sum(g.reshape(g.matmul(a, a), (a.shape[0] * a.shape[1],)), axis=0, keepdims=True, out=out)
+    one = client.register(g)
+    start = time.perf_counter()
+    client.run(one)
+    return max(2, min(200, round(seconds / max(time.perf_counter() - start, 1e-3))))
 
 
 # ------------------------------------------------------------------- memory and quotas

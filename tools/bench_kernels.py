@@ -9,8 +9,8 @@ count), repetitions interleaved:
   (``layout.read_row_bytes``: q4_0/q4_1/q8_0 leave the room after their float16 scales unread), against a plain
   numpy copy of as many bytes (the memory bandwidth; target >= 0.5x) and against numpy float32
   ``dot`` on the dequantized matrices (the f32 mode's work);
-- prefill: 32 and 128 activation rows through 4 layers (q4_0/q4_1/q8_0: the integer GEMM; f16/bf16:
-  AMX tiles, or an FMA GEMM without AMX; the others: tile dequantization + BLAS) against float32
+- prefill: 32 and 128 activation rows through 4 layers (the block types: the integer GEMM, q5_x and
+  the K-quants unpacked per 16 rows; f16/bf16: AMX tiles, or an FMA GEMM without AMX) against float32
   ``matmul`` on the dequantized matrices (target >= 1x: "no slower than f32 mode");
 - the first compile of a type's kernels (a fresh numba cache) and the load of the same from cache.
 
@@ -151,12 +151,13 @@ def _run(args: list[str], env: dict[str, str]) -> Any:
 def _prefill_method(qtype: str) -> str:
     """What a prefill product of ``qtype`` runs here (the row's note)."""
     from ..worker import kernels
-    if qtype in kernels.INTEGER_GEMM:
-        return "int8 GEMM"
+    from ..worker.kernels.layout import INTERLEAVED
     if qtype in kernels.HALF_GEMM:
         from ..worker.kernels import amxgemm
         return "AMX bf16 tiles, 3-level x" if amxgemm.available() else "FMA GEMM on 16-bit weights"
-    return "tile dequantization + BLAS"
+    if qtype not in kernels.INTEGER_GEMM:
+        return "tile dequantization + BLAS"
+    return "int8 GEMM" if qtype in INTERLEAVED else "int8 GEMM, codes unpacked per 16 rows"
 
 
 def type_rows(qtype: str, s: dict[str, list[float]], threads: int) -> list[CaseResult]:

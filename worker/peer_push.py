@@ -24,7 +24,9 @@ from .peer_endpoints import PeerSecurity
 MAX_LINKS = 64
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 6000
 """ZMTP heartbeats on every link: a peer host that vanishes without closing its connections
-(power, cable) is seen as disconnected after at most ~8 s."""
+(power, cable) is seen as disconnected after at most ~8 s. Safe on a PUSH: it takes in no messages,
+so its input is never stopped by an HWM, the state in which libzmq 4.3.5's heartbeat timer aborts
+the process (broker/broker.py says why the client-facing ROUTER has no heartbeat of its own)."""
 
 
 class PushLinks:

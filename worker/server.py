@@ -74,8 +74,6 @@ class WorkerConfig:
     of the memory limit (see worker/quotas.py)."""
     max_sessions: int = 64
     """Sessions open at once (see worker/quotas.py)."""
-    heartbeat_ivl_ms: int = 1000
-    heartbeat_timeout_ms: int = 5000
     peer_bind: str | None = None
     """Where peers push tensors to us; None: the client bind's host, a free port; "" disables."""
     peer_advertise: str = ""
@@ -343,8 +341,7 @@ class WorkerServer:
         self._broker_ctl.bind(broker_ctl_ep)
         self._broker_thread = BrokerThread(self.ctx, BrokerConfig(
             bind=cfg.bind, backend_endpoint=pair_ep, control_endpoint=broker_ctl_ep,
-            max_message_size=cfg.max_message_size, heartbeat_ivl_ms=cfg.heartbeat_ivl_ms,
-            heartbeat_timeout_ms=cfg.heartbeat_timeout_ms, curve=cfg.curve))
+            max_message_size=cfg.max_message_size, curve=cfg.curve))
         self._broker_thread.start()
         self._wait_ready(self._broker_thread)
         self.endpoint = self._broker_thread.endpoint

@@ -5,12 +5,14 @@ Owned by the worker's backend thread (module state: the thread count, the set of
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
   (:mod:`.jit`), reading each weight byte once;
-- more rows (prefill), q4_0/q4_1/q8_0: the rows of ``x`` rounded to int8 once, then an integer GEMM
-  that unpacks each block of codes once for many rows (:mod:`.intgemm`);
-- more rows, f16/bf16: AMX tiles (:mod:`.amxgemm`: activations split into three exact bf16 levels,
-  float32-accurate), or where this process cannot use AMX an FMA kernel (:mod:`.halfgemm`); both read
-  the weights at 16 bits and split over threads by rows like the integer GEMM;
-- more rows, the other types: the packed rows are dequantized tile by tile into a float32 scratch of
+- more rows (prefill), the block types (q4_0 ... q6_k, :data:`INTEGER_GEMM`): the rows of ``x`` rounded
+  to int8 once, then an integer GEMM that unpacks each block of codes once for many rows
+  (:mod:`.intgemm`; q5_x and the K-quants through a per-block scratch, :mod:`.unpacked`);
+- more rows, f16/bf16 (:data:`HALF_GEMM`): AMX tiles (:mod:`.amxgemm`: activations split into three
+  exact bf16 levels, float32-accurate), or where this process cannot use AMX an FMA kernel
+  (:mod:`.halfgemm`); both read the weights at 16 bits and split over threads by rows like the
+  integer GEMM;
+- otherwise (no type today): the packed rows are dequantized tile by tile into a float32 scratch of
   about :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and
   each tile goes through BLAS (``x @ tile``).
 
@@ -19,12 +21,14 @@ With :func:`set_threads` ``n > 1`` each matrix-vector product, integer GEMM and 
 multiples of 16 rows): the backend thread runs the first range, ``n - 1`` pool threads the others,
 at once (the kernels release the GIL). The pool threads touch nothing but their rows of the output
 and no module state; the backend thread stays the only owner of everything else. Where the pool
-cannot start (no libgomp), products run on one thread and a warning says why, once. The tiles of
-the other types' prefill are dequantized on the backend thread alone, and BLAS (pinned to ``n``
-threads by the worker) multiplies them: splitting the dequantization too handed the CPUs from
-numba's pool to BLAS's and back twice per tile, and each pool's idle spin delayed the other's
-start (measured, 2 vCPUs, quiet: 32-token prefill at 2 threads 0.5-0.7x of 1 thread for
-q4_k/q5_x/q6_k; one dequantizing thread: 0.85-1.2x).
+cannot start (no libgomp), products run on one thread and a warning says why, once. The tile
+path (:func:`dequantize`, row gathers, and prefill of a type without a GEMM) dequantizes on the
+backend thread alone, and BLAS (pinned to ``n`` threads by the worker) multiplies: splitting the
+dequantization too handed the CPUs from numba's pool to BLAS's and back twice per tile, and each
+pool's idle spin delayed the other's start (measured, 2 vCPUs, quiet: 32-token prefill at 2 threads
+0.5-0.7x of 1 thread for q4_k/q5_x/q6_k; one dequantizing thread: 0.85-1.2x). That hand-off is why
+f16/bf16 prefill by tiles + BLAS ran at 0.6-0.8x of float32 BLAS at 2 threads; their GEMMs split
+by rows like the integer ones.
 
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.
@@ -70,8 +74,9 @@ MATVEC_ROWS: Final = 2
 TILE_BYTES: Final = 1 << 20
 """float32 bytes of dequantized weights per prefill tile."""
 
-INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0"})
-"""Types whose prefill products run the integer GEMM of :mod:`.intgemm` (the others: tiles + BLAS)."""
+INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
+"""Types whose prefill products run the integer GEMM of :mod:`.intgemm` / :mod:`.unpacked` (the
+others: tiles + BLAS)."""
 HALF_GEMM: Final = frozenset({"f16", "bf16"})
 """Types whose prefill products run :mod:`.amxgemm` (AMX tiles) or, on a CPU without AMX,
 :mod:`.halfgemm` (FMA)."""

@@ -1,6 +1,8 @@
 """Integer matrix-matrix products for prefill: int8 activation rows times packed 4-bit and 8-bit codes.
 
-Owns the integer prefill kernels of q4_0, q4_1 and q8_0. Only the worker's backend thread calls them,
+Owns the integer prefill kernels of q4_0, q4_1 and q8_0, and :data:`GEMM`, the table of every block
+type's (q5_0, q5_1, q4_k, q5_k, q6_k: :mod:`.unpacked`, which unpacks their codes per block of 16
+rows into this module's form, then makes the same passes). Only the worker's backend thread calls them,
 or the helper threads it hands disjoint row ranges to (``kernels.set_threads``): every kernel releases
 the GIL. Compiled code is cached on disk as :mod:`.jit`'s is.
 
@@ -45,6 +47,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .intdot import HI, _at, _code, _declare, _dot4, _half, _load_halves, _prefetch, _splat
+from .unpacked import KINDS, gemm_unpacked
 
 __all__ = ["GEMM", "TB", "gemm_q4", "gemm_q8_0", "quantize_rows"]
 
@@ -286,5 +289,6 @@ def gemm_q8_0(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, r0:
             y[t, i] = total
 
 
-GEMM: Final = {"q4_0": (gemm_q4, (False,)), "q4_1": (gemm_q4, (True,)), "q8_0": (gemm_q8_0, ())}
+GEMM: Final = {"q4_0": (gemm_q4, (False,)), "q4_1": (gemm_q4, (True,)), "q8_0": (gemm_q8_0, ()),
+               **{qtype: (gemm_unpacked, (kind,)) for qtype, kind in KINDS.items()}}
 """qtype -> (kernel, flags): ``kernel(w, xq1, xq2, dx, sq, sx, y, r0, r1, *flags)``."""
