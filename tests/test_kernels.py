@@ -30,7 +30,7 @@ pytest.importorskip("numba")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
 from zmq_rpc.worker import kernels  # noqa: E402
 from zmq_rpc.worker.backends import numpy_ops  # noqa: E402
-from zmq_rpc.worker.kernels import intdot, intgemm, jit, unpacked  # noqa: E402
+from zmq_rpc.worker.kernels import amxgemm, halfgemm, intdot, intgemm, jit, unpacked  # noqa: E402
 from zmq_rpc.worker.kernels.layout import INTERLEAVED, unpack_codes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)  # the first call of each qtype compiles its kernels (~10 s)
@@ -233,11 +233,15 @@ def test_portable_integer_sums_match_the_vnni_ones(tmp_path: Path) -> None:
             np.testing.assert_allclose(portable[f"{qtype}_{n}"], here, rtol=1e-6, atol=1e-6 * np.abs(here).max())
 
 
-@pytest.mark.parametrize("qtype", sorted(set(kernels.QTYPES) - kernels.INTEGER_GEMM))
+@pytest.mark.parametrize("qtype", ["f16", "bf16", "q6_k"])
 def test_prefill_tiles_match_float_product(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tile path (dequantized tiles + BLAS: what prefill of a type without a GEMM runs; every
+    type has one today, so the GEMMs are hidden here)."""
     rng = np.random.default_rng(11)
     k = row_lengths(qtype)[1]
     rows = 83
+    monkeypatch.setattr(kernels, "INTEGER_GEMM", frozenset())
+    monkeypatch.setattr(kernels, "HALF_GEMM", frozenset())
     monkeypatch.setattr(kernels, "TILE_BYTES", 4 * k * 32)   # 32-row tiles: 3 of them and a ragged one
     data = random_weight(rng, qtype, rows, k)
     x = rng.standard_normal((9, k)).astype(np.float32)
@@ -295,6 +299,63 @@ def test_unpacked_blocks_match_the_scalar_unpack(qtype: str) -> None:
         unpacked.gemm_unpacked(w, *xq, ragged, r, min(r + 15, 48), unpacked.KINDS[qtype])
     np.testing.assert_array_equal(blocks, ragged)
     close_int8_product(blocks, x, qtype, data)
+
+
+@pytest.fixture(params=["amx", "fma"])
+def half_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The f16/bf16 prefill kernel: AMX tiles (skipped where this CPU or kernel has none), or the FMA
+    kernel that runs where AMX does not (forced here by hiding AMX)."""
+    if request.param == "amx" and not amxgemm.available():
+        pytest.skip("no AMX-BF16 here (CPU or kernel)")
+    if request.param == "fma":
+        monkeypatch.setattr(kernels, "_amx", [None])
+    return str(request.param)
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.HALF_GEMM))
+def test_half_gemm_matches_float_product(qtype: str, half_path: str) -> None:
+    """Prefill of f16/bf16 (``kernels.amxgemm`` or ``kernels.halfgemm``) against float64 ``x @ W.T`` of
+    gguf's weights within ``MV_RTOL * (|x| @ |W|.T)``: every row length class (1 and 7 inputs: not a
+    multiple of the 32-input chunks), weight row counts odd and past whole 32-row blocks, activation
+    row counts from 3 to 200 (not multiples of the 32-row blocks nor of the FMA kernel's 12-row
+    passes), activation rows of very different scales and an all-zero block."""
+    rng = np.random.default_rng(29)
+    for k in row_lengths(qtype) + [1536]:
+        for rows, n in ((35, 3), (17, halfgemm.TB + 1), (83, 2 * halfgemm.TB + 5), (64, 32), (51, 200)):
+            data = random_weight(rng, qtype, rows, k)
+            x = (rng.standard_normal((n, k)) * rng.choice([1e-3, 1.0, 50.0], (n, 1))).astype(np.float32)
+            x[0, :min(k, 32)] = 0
+            out = np.full((n, rows), np.nan, np.float32)
+            kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
+            close_product(out, x, oracle(qtype, data))
+
+
+@pytest.mark.parametrize("qtype", sorted(kernels.HALF_GEMM))
+def test_half_gemm_writes_only_its_row_range(qtype: str, half_path: str) -> None:
+    """A thread's range ``r0..r1`` (any bounds) gets exactly its columns, as the whole product's."""
+    rng = np.random.default_rng(31)
+    data = random_weight(rng, qtype, 70, 64)
+    w, x = kernels.pack(data, qtype), rng.standard_normal((9, 64)).astype(np.float32)
+    full = np.empty((9, 70), np.float32)
+    kernels.matmul(x, w, qtype, full)
+    kernel, head, tail = kernels._half_gemm(x, w, qtype, np.full((9, 70), np.nan, np.float32))
+    kernel(*head, 5, 58, *tail)
+    part = head[-1]
+    assert np.isnan(part[:, :5]).all() and np.isnan(part[:, 58:]).all()
+    np.testing.assert_allclose(part[:, 5:58], full[:, 5:58], rtol=1e-6, atol=1e-6 * np.abs(full).max())
+
+
+def test_amx_levels_sum_to_the_activations_exactly() -> None:
+    """``amxgemm.split_rows``: three bf16 levels per input whose float sum is the float32 input, bit
+    for bit (what keeps the AMX product float32-accurate), zeros past T and K."""
+    rng = np.random.default_rng(37)
+    x = (rng.standard_normal((35, 40)) * rng.choice([1e-30, 1e-3, 1.0, 1e20], (35, 40))).astype(np.float32)
+    tiles = amxgemm.split_rows(x)
+    levels = tiles.transpose(2, 0, 3, 4, 1, 5).reshape(3, 64, 64)    # (level, T padded, K padded)
+    as_float = (levels.astype(np.uint32) << 16).view(np.float32)
+    total = as_float[0].astype(np.float64) + as_float[1] + as_float[2]
+    np.testing.assert_array_equal(total[:35, :40], x.astype(np.float64))
+    assert not levels[:, 35:].any() and not levels[:, :, 40:].any()
 
 
 def test_activation_rows_round_as_the_decode_vector() -> None:

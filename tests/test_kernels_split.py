@@ -71,7 +71,7 @@ def test_split_products_match_one_thread(qtype: str, monkeypatch: pytest.MonkeyP
             got = products(qtype, packed, x, n)
             np.testing.assert_allclose(got, one, rtol=1e-6, atol=1e-6 * np.abs(one).max(),
                                        err_msg=f"{qtype} threads={n} rows of x={t}")
-        if t <= kernels.MATVEC_ROWS or qtype in kernels.INTEGER_GEMM:
+        if t <= kernels.MATVEC_ROWS or qtype in kernels.INTEGER_GEMM | kernels.HALF_GEMM:
             assert split_calls and all(n in (2, 3) for _, _, n in split_calls)
         else:           # tiles + BLAS: one thread dequantizes, BLAS runs on the others
             assert not split_calls

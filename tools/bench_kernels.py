@@ -10,8 +10,8 @@ count), repetitions interleaved:
   numpy copy of as many bytes (the memory bandwidth; target >= 0.5x) and against numpy float32
   ``dot`` on the dequantized matrices (the f32 mode's work);
 - prefill: 32 and 128 activation rows through 4 layers (the block types: the integer GEMM, q5_x and
-  the K-quants unpacked per 16 rows; f16/bf16: tile dequantization + BLAS) against float32 ``matmul`` on the dequantized matrices (target >= 1x: "no
-  slower than f32 mode");
+  the K-quants unpacked per 16 rows; f16/bf16: AMX tiles, or an FMA GEMM without AMX) against float32
+  ``matmul`` on the dequantized matrices (target >= 1x: "no slower than f32 mode");
 - the first compile of a type's kernels (a fresh numba cache) and the load of the same from cache.
 
 Runs in the bench's main thread; its children are waited for.
@@ -149,8 +149,12 @@ def _run(args: list[str], env: dict[str, str]) -> Any:
 
 
 def _prefill_method(qtype: str) -> str:
+    """What a prefill product of ``qtype`` runs here (the row's note)."""
     from ..worker import kernels
     from ..worker.kernels.layout import INTERLEAVED
+    if qtype in kernels.HALF_GEMM:
+        from ..worker.kernels import amxgemm
+        return "AMX bf16 tiles, 3-level x" if amxgemm.available() else "FMA GEMM on 16-bit weights"
     if qtype not in kernels.INTEGER_GEMM:
         return "tile dequantization + BLAS"
     return "int8 GEMM" if qtype in INTERLEAVED else "int8 GEMM, codes unpacked per 16 rows"

@@ -8,21 +8,27 @@ Owned by the worker's backend thread (module state: the thread count, the set of
 - more rows (prefill), the block types (q4_0 ... q6_k, :data:`INTEGER_GEMM`): the rows of ``x`` rounded
   to int8 once, then an integer GEMM that unpacks each block of codes once for many rows
   (:mod:`.intgemm`; q5_x and the K-quants through a per-block scratch, :mod:`.unpacked`);
-- more rows, the other types (f16, bf16): the packed rows are dequantized tile by tile into a float32 scratch of
+- more rows, f16/bf16 (:data:`HALF_GEMM`): AMX tiles (:mod:`.amxgemm`: activations split into three
+  exact bf16 levels, float32-accurate), or where this process cannot use AMX an FMA kernel
+  (:mod:`.halfgemm`); both read the weights at 16 bits and split over threads by rows like the
+  integer GEMM;
+- otherwise (no type today): the packed rows are dequantized tile by tile into a float32 scratch of
   about :data:`TILE_BYTES` (stays in L2), transposed so the dequantizer writes with unit stride, and
   each tile goes through BLAS (``x @ tile``).
 
-With :func:`set_threads` ``n > 1`` each matrix-vector product and integer GEMM over at least
+With :func:`set_threads` ``n > 1`` each matrix-vector product, integer GEMM and f16/bf16 GEMM over at least
 :data:`MIN_SPLIT_ROWS` rows per thread is split into ``n`` row ranges (:mod:`.split`: numba's OpenMP pool; inner bounds on
 multiples of 16 rows): the backend thread runs the first range, ``n - 1`` pool threads the others,
 at once (the kernels release the GIL). The pool threads touch nothing but their rows of the output
 and no module state; the backend thread stays the only owner of everything else. Where the pool
-cannot start (no libgomp), products run on one thread and a warning says why, once. The tiles of
-the other types' prefill (f16, bf16) are dequantized on the backend thread alone, and BLAS (pinned to ``n``
-threads by the worker) multiplies them: splitting the dequantization too handed the CPUs from
-numba's pool to BLAS's and back twice per tile, and each pool's idle spin delayed the other's
-start (measured, 2 vCPUs, quiet: 32-token prefill at 2 threads 0.5-0.7x of 1 thread for
-q4_k/q5_x/q6_k; one dequantizing thread: 0.85-1.2x).
+cannot start (no libgomp), products run on one thread and a warning says why, once. The tile
+path (:func:`dequantize`, row gathers, and prefill of a type without a GEMM) dequantizes on the
+backend thread alone, and BLAS (pinned to ``n`` threads by the worker) multiplies: splitting the
+dequantization too handed the CPUs from numba's pool to BLAS's and back twice per tile, and each
+pool's idle spin delayed the other's start (measured, 2 vCPUs, quiet: 32-token prefill at 2 threads
+0.5-0.7x of 1 thread for q4_k/q5_x/q6_k; one dequantizing thread: 0.85-1.2x). That hand-off is why
+f16/bf16 prefill by tiles + BLAS ran at 0.6-0.8x of float32 BLAS at 2 threads; their GEMMs split
+by rows like the integer ones.
 
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.
@@ -42,6 +48,7 @@ import numpy as np
 from .layout import PACKED, QTYPES, gguf_row_bytes, pack, packed_row_bytes
 
 __all__ = [
+    "HALF_GEMM",
     "INTEGER_GEMM",
     "MATVEC_ROWS",
     "PACKED",
@@ -70,11 +77,15 @@ TILE_BYTES: Final = 1 << 20
 INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
 """Types whose prefill products run the integer GEMM of :mod:`.intgemm` / :mod:`.unpacked` (the
 others: tiles + BLAS)."""
+HALF_GEMM: Final = frozenset({"f16", "bf16"})
+"""Types whose prefill products run :mod:`.amxgemm` (AMX tiles) or, on a CPU without AMX,
+:mod:`.halfgemm` (FMA)."""
 
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
 _fused: list[ModuleType] = []
 _split: list[ModuleType | None] = []
+_amx: list[ModuleType | None] = []
 MIN_SPLIT_ROWS: Final = 64
 """A product is split over ``n`` threads only from ``n * MIN_SPLIT_ROWS`` rows on (below, a split
 costs more than it saves)."""
@@ -103,6 +114,21 @@ def _intgemm() -> ModuleType:
     _jit()
     from . import intgemm
     return intgemm
+
+
+def _half_gemm(x: np.ndarray, w: np.ndarray, qtype: str,
+               out: np.ndarray) -> tuple[Callable[..., None], tuple[Any, ...], tuple[Any, ...]]:
+    """(kernel, head, tail) of an f16/bf16 prefill product: AMX where this process may use it (asked
+    once), else the FMA kernel."""
+    _jit()
+    if not _amx:
+        from . import amxgemm
+        _amx.append(amxgemm if amxgemm.available() else None)
+    bf16 = qtype == "bf16"
+    if (amx := _amx[0]) is not None:
+        return amx.gemm_amx, (w, amx.split_rows(x), out), (bf16, amx.CONFIG)
+    from . import halfgemm
+    return halfgemm.gemm_u16, (w, x, out), (bf16,)
 
 
 def fused_kernels() -> ModuleType | None:
@@ -187,6 +213,10 @@ def _warm_split(splitter: ModuleType, w: np.ndarray, qtype: str, k: int) -> None
         gemm, gemm_flags = integer.GEMM[qtype]
         xq = integer.quantize_rows(np.zeros((MATVEC_ROWS + 1, k), np.float32))
         splitter.run(gemm, (w, *xq, np.empty((MATVEC_ROWS + 1, rows), np.float32)), 0, rows, gemm_flags, 2)
+    if qtype in HALF_GEMM:
+        x, y = np.zeros((MATVEC_ROWS + 1, k), np.float32), np.empty((MATVEC_ROWS + 1, rows), np.float32)
+        kernel, head, tail = _half_gemm(x, w, qtype, y)
+        splitter.run(kernel, head, 0, rows, tail, 2)
 
 
 def warm_fused() -> float:
@@ -220,6 +250,10 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
         integer = _intgemm()
         gemm, gemm_flags = integer.GEMM[qtype]
         _rows(gemm, (w, *integer.quantize_rows(x), out), 0, rows, gemm_flags)
+        return
+    if qtype in HALF_GEMM:
+        kernel, head, tail = _half_gemm(x, w, qtype, out)
+        _rows(kernel, head, 0, rows, tail)
         return
     step = _tile_rows(rows, k)
     tile = np.empty((k, step), np.float32)

@@ -49,7 +49,7 @@ import numba as _numba
 import numpy as np
 from numba import njit, prange
 
-from . import intdot, intgemm, jit, unpacked
+from . import amxgemm, halfgemm, intdot, intgemm, jit, unpacked
 
 numba: Any = _numba      # numba's config and thread functions are untyped
 
@@ -177,12 +177,25 @@ def _gemm_unpacked(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any
         unpacked.gemm_unpacked(w, xq1, xq2, dx, sq, sx, y, b[i], b[i + 1], kind)
 
 
+@_parallel
+def _gemm_u16(w: Any, x: Any, y: Any, b: Any, bf16: bool) -> None:   # pragma: no cover (compiled)
+    for i in prange(b.shape[0] - 1):
+        halfgemm.gemm_u16(w, x, y, b[i], b[i + 1], bf16)
+
+
+@_parallel
+def _gemm_amx(w: Any, xl: Any, y: Any, b: Any, bf16: bool, cfg: Any) -> None:   # pragma: no cover (compiled)
+    for i in prange(b.shape[0] - 1):
+        amxgemm.gemm_amx(w, xl, y, b[i], b[i + 1], bf16, cfg)
+
+
 PARALLEL: dict[Any, Any] = {
     intdot.mv_q4: _mv_q4, intdot.mv_q8_0: _mv_q8_0, jit._mv_q5: _mv_q5, jit._mv_kquant: _mv_kquant,
     jit._mv_q6_k: _mv_q6_k, jit._mv_u16: _mv_u16,
     jit._dq_q4: _dq_q4, jit._dq_q5: _dq_q5, jit._dq_q8_0: _dq_q8_0, jit._dq_kquant: _dq_kquant,
     jit._dq_q6_k: _dq_q6_k, jit._dq_u16: _dq_u16,
     intgemm.gemm_q4: _gemm_q4, intgemm.gemm_q8_0: _gemm_q8_0, unpacked.gemm_unpacked: _gemm_unpacked,
+    halfgemm.gemm_u16: _gemm_u16, amxgemm.gemm_amx: _gemm_amx,
 }
 """kernel -> its parallel wrapper: ``wrapper(*head, bounds, *tail)`` runs ``kernel(*head, a, b, *tail)``
 over the ranges of ``bounds``. A new kernel (e.g. an integer GEMM) adds its own with :func:`register`."""
