@@ -209,9 +209,8 @@ def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
             for t in range(tb):
                 isum = builder.add(builder.mul(accs[t][0], hi_scale), accs[t][1])
                 so = builder.add(builder.mul(sstride, ir.Constant(_I64, t)), s4)
-                if offset:
-                    sqt = builder.load(_at(builder, sq, so, _I32), align=4)
-                    isum = builder.add(isum, _splat(builder, builder.mul(sqt, ir.Constant(_I32, offset)), _V16I))
+                if offset:          # ``sq`` holds ``offset * sq`` (one broadcast add)
+                    isum = builder.add(isum, _splat(builder, builder.load(_at(builder, sq, so, _I32), align=4), _V16I))
                 fx = builder.load(_at(builder, dx, so, ir.FloatType()), align=4)
                 scale = builder.fmul(scale_v, _splat(builder, fx, _V16F))
                 acc_f = _fma(builder, builder.sitofp(isum, _V16F), scale, builder.load(facc[t]))
@@ -317,9 +316,8 @@ def _unpack_block(w: Any, k: int, kind: int, r: int, codes: Any, ca: int, s: Any
         d = flat[od:od + 4 * (n // 16) * R].view(np.float32).reshape((n // 16, R))
         sc = flat[osc:osc + n * R].view(np.int8).reshape((n, R))
         for sub in range(n):
-            dr, scr, sr = d[sub // 16][r:r + 16], sc[sub][r:r + 16], s[sub]
             for i in range(16):
-                sr[i] = dr[i] * _F32(scr[i])
+                s[sub, i] = d[sub // 16, r + i] * _F32(sc[sub, r + i])
         return
     if oh >= 0:
         _unpack_q5(ca, base + op + r, base + oh + 4 * r, R, n)
@@ -329,35 +327,38 @@ def _unpack_block(w: Any, k: int, kind: int, r: int, codes: Any, ca: int, s: Any
         d = flat[od:od + 4 * n * R].view(np.float32).reshape((n, R))
         mm = flat[om if kind == 1 else od:][:4 * n * R].view(np.float32).reshape((n, R))
         for sub in range(n):
-            s[sub][:] = d[sub][r:r + 16]
-            if kind == 1:
-                m[sub][:] = mm[sub][r:r + 16]
+            for i in range(16):
+                s[sub, i] = d[sub, r + i]
+                m[sub, i] = mm[sub, r + i]       # q5_0: d again (unused)
         return
     nb = n // 8
     d = flat[od:od + 4 * nb * R].view(np.float32).reshape((nb, R))
     dmin = flat[om:om + 4 * nb * R].view(np.float32).reshape((nb, R))
     sc, mn = flat[osc:osc + n * R].reshape((n, R)), flat[omn:omn + n * R].reshape((n, R))
     for sub in range(n):
-        db, mb, scr, mnr, sr, mr = (d[sub // 8][r:r + 16], dmin[sub // 8][r:r + 16], sc[sub][r:r + 16],
-                                    mn[sub][r:r + 16], s[sub], m[sub])
         for i in range(16):
-            sr[i] = db[i] * _F32(scr[i])
-            mr[i] = -(mb[i] * _F32(mnr[i]))
+            s[sub, i] = d[sub // 8, r + i] * _F32(sc[sub, r + i])
+            m[sub, i] = -(dmin[sub // 8, r + i] * _F32(mn[sub, r + i]))
 
 
 @njit(inline="always")
-def _per16(xq1: Any, xq2: Any, dx: Any) -> tuple[Any, Any]:
-    """q6_k: the steps and code sums per 16 inputs (``dx`` repeated, ``HI sum xq1 + sum xq2``)."""
+def _offsets(xq1: Any, xq2: Any, dx: Any, sq: Any, width: int, offset: int) -> tuple[Any, Any]:
+    """The steps per ``width`` inputs (``dx`` repeated) and ``offset`` times the code sums
+    ``HI sum xq1 + sum xq2`` per ``width`` inputs (int32)."""
     n, k = xq1.shape
-    dx16, sq16 = np.empty((n, k // 16), np.float32), np.empty((n, k // 16), np.int32)
+    nsub = k // width
+    dxs, offs = np.empty((n, nsub), np.float32), np.empty((n, nsub), np.int32)
     for t in range(n):
-        for g in range(k // 16):
-            dx16[t, g] = dx[t, g // 2]
+        for g in range(nsub):
+            dxs[t, g] = dx[t, g * width // 32]
+            if width == 32:
+                offs[t, g] = np.int32(offset) * sq[t, g]
+                continue
             acc = np.int32(0)
-            for j in range(16):
-                acc += np.int32(HI) * np.int32(xq1[t, 16 * g + j]) + np.int32(xq2[t, 16 * g + j])
-            sq16[t, g] = acc
-    return dx16, sq16
+            for j in range(width):
+                acc += np.int32(HI) * np.int32(xq1[t, width * g + j]) + np.int32(xq2[t, width * g + j])
+            offs[t, g] = np.int32(offset) * acc
+    return dxs, offs
 
 
 @njit(cache=True, nogil=True)
@@ -365,33 +366,43 @@ def gemm_unpacked(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any,
                   kind: int) -> None:
     """q5_0, q5_1, q4_k, q5_k, q6_k (``kind``: :data:`KINDS`): columns r0..r1 of ``y = X @ W.T`` for
     ``X`` rounded by :func:`.intgemm.quantize_rows` (``y`` (T, R) float32, rows C-contiguous)."""
-    n, k = xq1.shape
     if kind == 4:
-        dxs, sqs = _per16(xq1, xq2, dx)
-        width = 16
+        dx16, off16 = _offsets(xq1, xq2, dx, sq, 16, -32)
+        _blocks(w, xq1, xq2, dx16, off16, sx, y, r0, r1, kind, 16)
+    elif kind == 0:
+        dx32, off32 = _offsets(xq1, xq2, dx, sq, 32, -16)
+        _blocks(w, xq1, xq2, dx32, off32, sx, y, r0, r1, kind, 32)
     else:
-        dxs, sqs = dx, sq
-        width = 32
+        _blocks(w, xq1, xq2, dx, sq, sx, y, r0, r1, kind, 32)
+
+
+@njit(nogil=True)
+def _blocks(w: Any, xq1: Any, xq2: Any, dx: Any, offs: Any, sx: Any, y: Any, r0: int, r1: int, kind: int,
+            width: int) -> None:
+    """The row blocks of :func:`gemm_unpacked` (the arrays are arguments: alive while their addresses
+    are used): ``dx``, ``offs`` (the offset times the code sums; unused with a min) per ``width``
+    inputs."""
+    n, k = xq1.shape
     nsub = k // width
     groups = width // 4
     raw = np.empty(16 * k + 64, np.uint8)
     start = (-raw.ctypes.data) % 64
     codes = raw[start:start + 16 * k].reshape((nsub, groups, 16, 4))
-    ca = codes.ctypes.data
     s, m = np.zeros((nsub, 16), np.float32), np.zeros((nsub, 16), np.float32)
     spare = np.empty((n, 16), np.float32)
-    ys, ss = y.strides[0], dxs.strides[0]
-    sa, ma = s.ctypes.data, m.ctypes.data
-    xa1, xa2, dxa, sqa, sxa = xq1.ctypes.data, xq2.ctypes.data, dxs.ctypes.data, sqs.ctypes.data, sx.ctypes.data
+    ys, ss = y.strides[0], dx.strides[0]
     ntb = n // TB * TB
     for r in range(r0, r1, 16):
         cnt = min(16, r1 - r)
+        ca = codes.ctypes.data
         if cnt == 16:
             _unpack_block(w, k, kind, r, codes, ca, s, m)
             out, os_ = y.ctypes.data + 4 * r, ys
         else:
             unpack_rows(w, k, kind, r, cnt, codes, s, m)
             out, os_ = spare.ctypes.data, spare.strides[0]
+        sa, ma = s.ctypes.data, m.ctypes.data
+        xa1, xa2, dxa, sqa, sxa = xq1.ctypes.data, xq2.ctypes.data, dx.ctypes.data, offs.ctypes.data, sx.ctypes.data
         for t in range(0, n, TB):
             one = t >= ntb
             for u in range(t, n if one else t + 1):
