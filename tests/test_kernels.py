@@ -316,12 +316,13 @@ def half_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 def test_half_gemm_matches_float_product(qtype: str, half_path: str) -> None:
     """Prefill of f16/bf16 (``kernels.amxgemm`` or ``kernels.halfgemm``) against float64 ``x @ W.T`` of
     gguf's weights within ``MV_RTOL * (|x| @ |W|.T)``: every row length class (1 and 7 inputs: not a
-    multiple of the 32-input chunks), weight row counts odd and past whole 32-row blocks, activation
+    multiple of the 32-input chunks), weight row counts odd and past whole 32-row blocks (300: two
+    groups of four blocks packed together, then one block and a ragged one), activation
     row counts from 3 to 200 (not multiples of the 32-row blocks nor of the FMA kernel's 12-row
     passes), activation rows of very different scales and an all-zero block."""
     rng = np.random.default_rng(29)
     for k in row_lengths(qtype) + [1536]:
-        for rows, n in ((35, 3), (17, halfgemm.TB + 1), (83, 2 * halfgemm.TB + 5), (64, 32), (51, 200)):
+        for rows, n in ((35, 3), (17, halfgemm.TB + 1), (83, 2 * halfgemm.TB + 5), (64, 32), (51, 200), (300, 40)):
             data = random_weight(rng, qtype, rows, k)
             x = (rng.standard_normal((n, k)) * rng.choice([1e-3, 1.0, 50.0], (n, 1))).astype(np.float32)
             x[0, :min(k, 32)] = 0
