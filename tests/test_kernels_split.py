@@ -165,3 +165,25 @@ def test_two_backend_threads_split_at_once() -> None:
     for t in threads:
         t.join(timeout=120)
     assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_a_long_prefill_rounds_its_rows_split_and_as_one_thread(split_calls: list[tuple[int, int, int]]) -> None:
+    """From ``MIN_SPLIT_ROWS`` activation rows per thread the int8 rounding of ``x`` is split by rows
+    too: the same codes, steps and sums as one thread (NaN, infinite and zero blocks included), and
+    a q4_k prefill of such rows gives the rows of one thread."""
+    rng = np.random.default_rng(31)
+    t = 2 * kernels.MIN_SPLIT_ROWS + 9
+    x = (rng.standard_normal((t, 256)) * rng.choice([1e-3, 1.0, 50.0], (t, 1))).astype(np.float32)
+    x[3, 40], x[100, 7], x[120, 64:96] = np.nan, np.inf, 0
+    one = intgemm.quantize_rows(x)
+    for n in (2, 3):
+        parts = intgemm.empty_rows(*x.shape)
+        split.run(intgemm.quantize_rows_into, (x, *parts), 0, t, (), n)
+        for a, b in zip(one, parts):
+            np.testing.assert_array_equal(a, b)
+    packed = kernels.pack(random_weight(rng, "q4_k", 70, 256), "q4_k")
+    single = products("q4_k", packed, x, 1)
+    split_calls.clear()
+    np.testing.assert_allclose(products("q4_k", packed, x, 2), single, rtol=1e-6,
+                               atol=1e-6 * np.nanmax(np.abs(single)))
+    assert (0, t, 2) in split_calls         # the rounding (the 70-row product is too small to split)

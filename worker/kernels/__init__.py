@@ -6,8 +6,9 @@ Owned by the worker's backend thread (module state: the thread count, the set of
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
   (:mod:`.jit`), reading each weight byte once;
 - more rows (prefill), the block types (q4_0 ... q6_k, :data:`INTEGER_GEMM`): the rows of ``x`` rounded
-  to int8 once, then an integer GEMM that unpacks each block of codes once for many rows
-  (:mod:`.intgemm`; q5_x and the K-quants through a per-block scratch, :mod:`.unpacked`);
+  to int8 once (split over the threads by rows, as the products), then an integer GEMM that unpacks
+  each block of codes once for many rows (:mod:`.intgemm`; q5_x and the K-quants through a
+  per-block scratch, :mod:`.unpacked`);
 - more rows, f16/bf16 (:data:`HALF_GEMM`): AMX tiles (:mod:`.amxgemm`: activations split into three
   exact bf16 levels, float32-accurate), or where this process cannot use AMX an FMA kernel
   (:mod:`.halfgemm`); both read the weights at 16 bits and split over threads by rows like the
@@ -211,7 +212,9 @@ def _warm_split(splitter: ModuleType, w: np.ndarray, qtype: str, k: int) -> None
     if qtype in INTEGER_GEMM:
         integer = _intgemm()
         gemm, gemm_flags = integer.GEMM[qtype]
-        xq = integer.quantize_rows(np.zeros((MATVEC_ROWS + 1, k), np.float32))
+        x = np.zeros((MATVEC_ROWS + 1, k), np.float32)
+        xq = integer.empty_rows(*x.shape)
+        splitter.run(integer.quantize_rows_into, (x, *xq), 0, x.shape[0], (), 2)
         splitter.run(gemm, (w, *xq, np.empty((MATVEC_ROWS + 1, rows), np.float32)), 0, rows, gemm_flags, 2)
     if qtype in HALF_GEMM:
         x, y = np.zeros((MATVEC_ROWS + 1, k), np.float32), np.empty((MATVEC_ROWS + 1, rows), np.float32)
@@ -249,7 +252,9 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
     if qtype in INTEGER_GEMM:
         integer = _intgemm()
         gemm, gemm_flags = integer.GEMM[qtype]
-        _rows(gemm, (w, *integer.quantize_rows(x), out), 0, rows, gemm_flags)
+        xq = integer.empty_rows(*x.shape)      # x rounded once; a long prefill's rows split too
+        _rows(integer.quantize_rows_into, (x, *xq), 0, x.shape[0], ())
+        _rows(gemm, (w, *xq, out), 0, rows, gemm_flags)
         return
     if qtype in HALF_GEMM:
         kernel, head, tail = _half_gemm(x, w, qtype, out)

@@ -49,7 +49,7 @@ from numba.extending import intrinsic
 from .intdot import HI, _at, _code, _declare, _dot4, _half, _load_halves, _prefetch, _splat
 from .unpacked import KINDS, gemm_unpacked
 
-__all__ = ["GEMM", "TB", "gemm_q4", "gemm_q8_0", "quantize_rows"]
+__all__ = ["GEMM", "TB", "empty_rows", "gemm_q4", "gemm_q8_0", "quantize_rows", "quantize_rows_into"]
 
 TB = 6
 """Activation rows per pass over a block of 16 weight rows: 6 float32 accumulators, 8 unpacked code
@@ -157,20 +157,37 @@ _q8_0_one: Any = intrinsic(_typing_for(2, 1))
 # ------------------------------------------------------------------------------------ the kernels
 
 
+def empty_rows(n: int, k: int) -> tuple[Any, Any, Any, Any, Any]:
+    """Room for ``n`` rows of ``k`` inputs rounded by :func:`quantize_rows_into`."""
+    ns = k // 32
+    return (np.empty((n, k), np.int8), np.empty((n, k), np.int8), np.empty((n, ns), np.float32),
+            np.empty((n, ns), np.int32), np.empty((n, ns), np.float32))
+
+
 @njit(cache=True, nogil=True)
 def quantize_rows(x: Any) -> tuple[Any, Any, Any, Any, Any]:
     """Each row of ``x`` (T, K) float32, C-contiguous, rounded as :func:`.intdot.quantize_x` rounds a
     vector: ``(xq1, xq2, dx, sq, sx)``, codes (T, K) int8, per-sub-block step, code sum and float sum
-    (T, K/32). Written to vectorize (the block's max from the float bits, the float sum in four
-    partial sums): ~1 ns per input."""
+    (T, K/32)."""
     n, k = x.shape
     ns = k // 32
-    xq1, xq2 = np.zeros((n, k), np.int8), np.zeros((n, k), np.int8)
-    dx, sq, sx = np.empty((n, ns), np.float32), np.zeros((n, ns), np.int32), np.empty((n, ns), np.float32)
+    xq1, xq2 = np.empty((n, k), np.int8), np.empty((n, k), np.int8)
+    dx, sq, sx = np.empty((n, ns), np.float32), np.empty((n, ns), np.int32), np.empty((n, ns), np.float32)
+    quantize_rows_into(x, xq1, xq2, dx, sq, sx, 0, n)
+    return xq1, xq2, dx, sq, sx
+
+
+@njit(cache=True, nogil=True)
+def quantize_rows_into(x: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, t0: int, t1: int) -> None:
+    """Rows ``t0..t1`` of :func:`quantize_rows` into the given arrays (:func:`empty_rows`; a long
+    prefill's rows are split over the threads). Written to vectorize (the block's max from the
+    float bits, the float sum in four partial sums): ~1-2 ns per input."""
+    k = x.shape[1]
+    ns = k // 32
     bits = x.view(np.int32)
     cell = np.empty(1, np.int32)
     cell_f = cell.view(np.float32)
-    for t in range(n):
+    for t in range(t0, t1):
         for s in range(ns):
             o = 32 * s
             top = np.int32(0)
@@ -183,15 +200,16 @@ def quantize_rows(x: Any) -> tuple[Any, Any, Any, Any, Any]:
                 s2 += x[t, o + j + 2]
                 s3 += x[t, o + j + 3]
             sx[t, s] = (s0 + s1) + (s2 + s3)
-            if top > np.int32(0x7F7FFFFF):          # an infinity or a NaN: codes 0, step NaN
-                dx[t, s] = np.float32(np.nan)
+            sq[t, s] = 0
+            if top > np.int32(0x7F7FFFFF) or top == 0:      # an infinity or a NaN (step NaN), or zeros
+                for j in range(32):
+                    xq1[t, o + j], xq2[t, o + j] = 0, 0
+                dx[t, s] = np.float32(np.nan) if top != 0 else _F32(0)
                 continue
             cell[0] = top
             amax = cell_f[0]
             e = amax / _F32(127)
             dx[t, s] = e / _F32(HI)
-            if top == 0:
-                continue
             inv = _F32(127) / amax
             inv2 = inv * _F32(HI)
             acc = np.int32(0)
@@ -202,7 +220,6 @@ def quantize_rows(x: Any) -> tuple[Any, Any, Any, Any, Any]:
                 xq1[t, o + j], xq2[t, o + j] = np.int8(a), np.int8(b)
                 acc += np.int32(HI) * np.int32(a) + np.int32(b)
             sq[t, s] = acc
-    return xq1, xq2, dx, sq, sx
 
 
 @njit(cache=True, nogil=True)

@@ -171,6 +171,12 @@ def _gemm_q8_0(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any,
 
 
 @_parallel
+def _quantize_rows(x: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, b: Any) -> None:   # pragma: no cover
+    for i in prange(b.shape[0] - 1):
+        intgemm.quantize_rows_into(x, xq1, xq2, dx, sq, sx, b[i], b[i + 1])
+
+
+@_parallel
 def _gemm_unpacked(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, b: Any,
                    kind: int) -> None:   # pragma: no cover (compiled)
     for i in prange(b.shape[0] - 1):
@@ -195,6 +201,7 @@ PARALLEL: dict[Any, Any] = {
     jit._dq_q4: _dq_q4, jit._dq_q5: _dq_q5, jit._dq_q8_0: _dq_q8_0, jit._dq_kquant: _dq_kquant,
     jit._dq_q6_k: _dq_q6_k, jit._dq_u16: _dq_u16,
     intgemm.gemm_q4: _gemm_q4, intgemm.gemm_q8_0: _gemm_q8_0, unpacked.gemm_unpacked: _gemm_unpacked,
+    intgemm.quantize_rows_into: _quantize_rows,
     halfgemm.gemm_u16: _gemm_u16, amxgemm.gemm_amx: _gemm_amx,
 }
 """kernel -> its parallel wrapper: ``wrapper(*head, bounds, *tail)`` runs ``kernel(*head, a, b, *tail)``
