@@ -41,7 +41,8 @@ Module map (thread that runs it):
   implement it, ``backends.numpy_ops`` holds the kernels (backend).
 - ``kernels``: packed quantized matmul kernels, and ``kernels.fused`` the fused decode kernels
   (attention, swiglu, rope, rms_norm) (numba when installed) (backend); ``kernels.intgemm`` the
-  int8 prefill GEMM of q4_0/q4_1/q8_0, ``kernels.amxgemm`` (AMX tiles) and ``kernels.halfgemm``
+  int8 prefill GEMM of q4_0/q4_1/q8_0, ``kernels.unpacked`` the same for q5_0/q5_1/q4_k/q5_k/q6_k
+  (each 16-row block unpacked once into an L1 scratch), ``kernels.amxgemm`` (AMX tiles) and ``kernels.halfgemm``
   (FMA, without AMX) the prefill GEMMs of f16/bf16, ``kernels.split`` products split over numba's OpenMP pool
   for ``--threads`` (the backend thread and the pool's threads, each writing only its rows).
 - ``devices``: ``--device`` names, parsed without importing numpy (the main thread, with the flags).
