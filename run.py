@@ -90,7 +90,7 @@ def ensure_environment() -> None:
 def compile_kernels() -> None:
     """Compile the workers' quantized kernels into numba's on-disk cache now, once, rather than
     inside a user's first model load (where the worker would compile the model's types)."""
-    step("compiling the quantized matmul kernels (numba, once: ~30-40 s of CPU)")
+    step("compiling the quantized matmul kernels (numba, once: ~45 s of CPU)")
     done = subprocess.run([str(bin_path("python")), "-m", "zmq_rpc.worker.kernels"], cwd=ROOT,
                           capture_output=True, text=True, check=False)
     if done.returncode:
