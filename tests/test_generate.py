@@ -180,3 +180,24 @@ def test_sigterm_stops_the_same_way(run: Callable[..., Run]) -> None:
     assert err.rstrip().endswith("stopped by SIGTERM") and "Traceback" not in err, err
     assert "worker exit codes" not in err and out.endswith("\n"), err
 
+
+
+@pytest.mark.parametrize(("written", "tail", "shown"), [
+    (["1. 1", "\n"], "", "1. 1\n"),          # cut off right after the answer's own newline
+    (["1. 1\n", "2"], "", "1. 1\n2\n"),      # cut off mid-line
+    (["Hello"], " world", "Hello world\n"),  # the decoder's last bytes, then the line's end
+    ([], "", ""),                            # nothing answered yet: nothing printed
+])
+def test_the_answer_ends_with_exactly_one_newline(written: list[str], tail: str, shown: str) -> None:
+    """``_Answer.end`` ends the last line once: Ctrl-C just after a newline token printed a blank
+    line (CI: '1. 1\\n\\n')."""
+    import io
+
+    from zmq_rpc.tools.generate import _Answer
+    out = io.StringIO()
+    answer = _Answer(out)
+    for text in written:
+        answer.write(text)
+    answer.end(tail)
+    answer.end("ignored")
+    assert out.getvalue() == shown

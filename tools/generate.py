@@ -170,19 +170,23 @@ class _Answer:
     def __init__(self, out: TextIO) -> None:
         self.out = out
         self.started = False
+        self.at_line_start = True
         self.ended = False
 
     def write(self, text: str) -> None:
         if text:
             self.started = True
+            self.at_line_start = text.endswith("\n")
             self.out.write(text)
             self.out.flush()
 
     def end(self, tail: str = "") -> None:
+        """Write ``tail`` and end the answer's last line (an answer cut off right after a newline
+        of its own gets no second one)."""
         if self.ended:
             return
         self.write(tail)
-        if self.started:
+        if self.started and not self.at_line_start:
             self.out.write("\n")
             self.out.flush()
         self.ended = True
