@@ -15,11 +15,14 @@ import pytest
 import zmq
 from conftest import WorkerProcess
 from prometheus_client.parser import text_string_to_metric_families
+from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client, Graph, InvalidHandle, OutOfMemory
+from zmq_rpc.worker.exporter import WorkerCollector, default_names, default_outcomes
 from zmq_rpc.worker.metrics import (
     LATENCY_BUCKETS_S,
     NullRecorder,
     Recorder,
+    WorkerSnapshot,
     cumulative_buckets,
 )
 from zmq_rpc.worker.server import WorkerServer
@@ -83,6 +86,44 @@ def test_counters_are_copies() -> None:
     assert copy.requests == {(2, 0): 1} and rec.counters().requests == {(2, 0): 2}
     assert copy.bytes["client_in"] == 8 and copy.bytes["client_out"] == 4 + 16
     assert copy.transfers == {("in", False): 1}
+
+
+def snapshot_of(sessions: int) -> WorkerSnapshot:
+    return WorkerSnapshot(taken=time.monotonic(), sessions=sessions, queue_depth=0, memory_used=0,
+                          memory_limit=1 << 20, device="cpu", device_kind="cpu", graphs=0,
+                          buffers=sessions, transfers_in_progress=0, held_replies=0)
+
+
+def test_a_scrape_sees_counters_and_gauges_from_one_publish() -> None:
+    """A scrape that runs across a publish (the exporter's thread is preempted while it builds
+    the families) pairs the gauges with the counters they were published with: CI once saw
+    ``sessions`` 0 with the GOODBYE that closed the session not yet counted."""
+    rec = Recorder()
+    rec.request(Cmd.HELLO, 0, 1, 1)
+    rec.publish(snapshot_of(sessions=1))
+    families = WorkerCollector(rec, {}, default_names, default_outcomes).collect()
+    seen = [next(families)]                                  # the scrape has begun ...
+    rec.request(Cmd.GOODBYE, 0, 1, 1)                        # ... GOODBYE closes the session
+    rec.publish(snapshot_of(sessions=0))
+    seen += list(families)
+    names = {(s.name, s.labels.get("command")): s.value for m in seen for s in m.samples}
+    assert names[("zmq_rpc_sessions", None)] == 1 and names[("zmq_rpc_requests_total", "HELLO")] == 1
+    assert ("zmq_rpc_requests_total", "GOODBYE") not in names
+    fresh = {(s.name, s.labels.get("command")): s.value
+             for m in WorkerCollector(rec, {}, default_names, default_outcomes).collect()
+             for s in m.samples}
+    assert fresh[("zmq_rpc_sessions", None)] == 0
+    assert fresh[("zmq_rpc_requests_total", "GOODBYE")] == 1
+
+
+def test_fold_alone_keeps_the_last_snapshot() -> None:
+    rec = Recorder()
+    assert rec.counters().snapshot is None
+    snap = snapshot_of(sessions=2)
+    rec.publish(snap)
+    rec.request(2, 0, 1, 1)
+    rec.fold()
+    assert rec.counters().snapshot is snap and rec.counters().requests == {(2, 0): 1}
 
 
 def test_folding_in_batches_counts_as_one_by_one() -> None:

@@ -66,7 +66,7 @@ class WorkerCollector(Collector):
         compute = CounterMetricFamily("zmq_rpc_graph_compute_seconds", "Time spent inside graphs")
         compute.add_metric([], counters.compute_ns / 1e9)
         yield compute
-        yield from self._gauges(rec.snapshot)
+        yield from self._gauges(counters.snapshot)
         uptime = GaugeMetricFamily("zmq_rpc_uptime_seconds", "Seconds since the worker started")
         uptime.add_metric([], time.time() - rec.started)
         yield uptime

@@ -4,8 +4,8 @@ Owned by the backend thread. :class:`Recorder` holds plain ints, dicts and lists
 thread is the only writer and never takes a lock, and its per-request work is one list append
 (folded into the histograms in batches, see :class:`Recorder`). Other threads (the metrics HTTP
 server's, see :mod:`.exporter`) read only what the backend thread publishes a few times a second:
-an immutable :class:`Counters` copy and a :class:`WorkerSnapshot` of the state that needs a walk
-over the sessions (queue depth, memory, graphs) (:meth:`Recorder.publish`).
+an immutable :class:`Counters` copy holding a :class:`WorkerSnapshot` of the state that needs a
+walk over the sessions (queue depth, memory, graphs) (:meth:`Recorder.publish`).
 
 A worker started without ``--metrics-port`` gets a :class:`NullRecorder`, whose methods do nothing:
 the backend thread then pays one no-op call per event.
@@ -57,7 +57,9 @@ class WorkerSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class Counters:
-    """A consistent-enough copy of a recorder's counters (taken on any thread)."""
+    """A copy of a recorder's counters and the gauges' snapshot from one :meth:`Recorder.publish`
+    (any thread may read it: one reference store publishes both, so a scrape never pairs new
+    gauges with old counters)."""
 
     requests: dict[tuple[int, int], int]
     """(command, outcome code; 0 is ok) -> requests answered."""
@@ -70,6 +72,8 @@ class Counters:
     """(``in``/``out``, succeeded) -> peer transfers finished."""
     graph_runs: int
     compute_ns: int
+    snapshot: WorkerSnapshot | None
+    """The gauges, or None before the first publish."""
 
 
 def _nbytes(frame: Any) -> int:
@@ -112,8 +116,7 @@ class Recorder:
         self.transfers: dict[tuple[str, bool], int] = {}
         self.graph_runs = 0
         self.compute_ns = 0
-        self.snapshot: WorkerSnapshot | None = None
-        self._published = self._copy()
+        self._published = self._copy(None)
 
     # ---------------------------------------------------------------- backend thread only
 
@@ -151,19 +154,19 @@ class Recorder:
         self.transfers[key] = self.transfers.get(key, 0) + 1
 
     def publish(self, snapshot: WorkerSnapshot) -> None:
-        """Fold the pending requests, then replace the gauges' snapshot and the counters' copy
-        (reference stores: readers see the old or the new, never a mix)."""
-        self.fold()
-        self.snapshot = snapshot
+        """Fold the pending requests, then publish their copy together with the gauges'
+        snapshot (one reference store: readers see the old pair or the new, never a mix)."""
+        self.fold(snapshot)
 
-    def fold(self) -> None:
-        """Add the pending requests to the counters and histograms; publish their copy."""
+    def fold(self, snapshot: WorkerSnapshot | None = None) -> None:
+        """Add the pending requests to the counters and histograms; publish their copy (with
+        ``snapshot``, else the last one published)."""
         pending, self._pending = self._pending, []
         if pending:
             _fold(pending, self.requests, self.queue_wait, self.execution)
-        self._published = self._copy()
+        self._published = self._copy(self._published.snapshot if snapshot is None else snapshot)
 
-    def _copy(self) -> Counters:
+    def _copy(self, snapshot: WorkerSnapshot | None) -> Counters:
         return Counters(
             requests=dict(self.requests),
             queue_wait={k: list(v) for k, v in self.queue_wait.items()},
@@ -171,7 +174,7 @@ class Recorder:
             bytes={"client_in": self._client_in, "client_out": self._client_out,
                    "peer_in": self._peer_in, "peer_out": self._peer_out},
             transfers=dict(self.transfers), graph_runs=self.graph_runs,
-            compute_ns=self.compute_ns)
+            compute_ns=self.compute_ns, snapshot=snapshot)
 
     # ------------------------------------------------------------------------ any thread
 
@@ -236,7 +239,7 @@ class NullRecorder(Recorder):
     def publish(self, snapshot: WorkerSnapshot) -> None:
         pass
 
-    def fold(self) -> None:
+    def fold(self, snapshot: WorkerSnapshot | None = None) -> None:
         pass
 
 
