@@ -27,6 +27,21 @@ BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
+@pytest.mark.timeout(30)
+def test_raw_protocol_dealer_pings_in_a_session(worker: Any) -> None:
+    """The rtt and pipelined baselines' raw client opens a real session: its routing id set
+    before connecting, its HELLO and every PING answered OK (it once set the id too late, so
+    every PING it timed was a NO_SESSION error, a different path through the worker)."""
+    with zmq.Context() as ctx:
+        raw = bl.ProtocolDealer(ctx, worker.endpoint)
+        try:
+            raw.ping()
+            raw.pipelined(300, 64)
+            assert raw.sock.getsockopt(zmq.ROUTING_ID)[:1] == b"z"
+        finally:
+            raw.close()
+
+
 @pytest.mark.timeout(180)
 def test_quick_run_reports_every_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"

@@ -285,11 +285,15 @@ def echo_pipelined(sock: ZmqSocket, count: int, window: int, message: bytes) -> 
 
 
 def dealer(ctx: ZmqContext, endpoint: str,
-           curve: tuple[KeyPair, bytes] | None = None) -> ZmqSocket:
+           curve: tuple[KeyPair, bytes] | None = None,
+           routing_id: bytes | None = None) -> ZmqSocket:
     """A connected DEALER with no high-water marks and linger 0 (close it yourself); with
-    ``curve`` = (client key pair, server public key) it speaks CURVE."""
+    ``curve`` = (client key pair, server public key) it speaks CURVE; with ``routing_id`` it
+    introduces itself by that id (set before connecting: libzmq ignores it afterwards)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     if curve is not None:
@@ -300,21 +304,29 @@ def dealer(ctx: ZmqContext, endpoint: str,
     return sock
 
 
+def _check_ok(reply: bytes) -> None:
+    """Raise unless ``reply``'s header says OK (msgpack ``[status, req_id, ...]``, status 0)."""
+    if reply[1] != 0:
+        raise RuntimeError(f"the worker answered a raw protocol PING with an error: {reply!r:.200}")
+
+
 class ProtocolDealer:
-    """A bare DEALER speaking zmq-rpc's protocol to a worker: HELLO once, then PINGs with their
-    own request ids, replies read and matched by nothing but their count (what our client does,
-    minus everything that makes it a client)."""
+    """A bare DEALER speaking zmq-rpc's protocol to a worker: HELLO once (its session is open,
+    checked), then PINGs with their own request ids, each reply checked for an OK status and
+    otherwise matched by nothing but its count (what our client does, minus everything that
+    makes it a client)."""
 
     def __init__(self, ctx: ZmqContext, endpoint: str) -> None:
         from ..broker import protocol as p
 
-        self.sock = dealer(ctx, endpoint)
-        self.sock.setsockopt(zmq.ROUTING_ID, b"z" + os.urandom(15))
+        self.sock = dealer(ctx, endpoint, routing_id=b"z" + os.urandom(15))
         self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
         major, minor = p.PROTOCOL_VERSION
         self.sock.send(p.encode_request(p.Cmd.HELLO, 1, p.Hello(major=major, minor=minor,
                                                                 client="raw-protocol")))
-        self.sock.recv()
+        reply = p.decode_reply(p.Cmd.HELLO, p.unpack_header(self.sock.recv()))
+        if isinstance(reply, Exception):
+            raise RuntimeError(f"the raw protocol client's HELLO was refused: {reply}")
         self._encode, self._ping, self._empty = p.encode_request, p.Cmd.PING, p.Empty()
         self._next = 2
 
@@ -322,7 +334,7 @@ class ProtocolDealer:
         """One synchronous PING."""
         self.sock.send(self._encode(self._ping, self._next, self._empty))
         self._next += 1
-        self.sock.recv()
+        _check_ok(self.sock.recv())
 
     def pipelined(self, count: int, window: int) -> None:
         """``count`` PINGs with up to ``window`` in flight, all from this thread."""
@@ -332,11 +344,11 @@ class ProtocolDealer:
             while sent < count and sent - received < window:
                 sock.send(encode(ping, self._next + sent, empty))
                 sent += 1
-            sock.recv()
+            _check_ok(sock.recv())
             received += 1
             while received < sent:
                 try:
-                    sock.recv(zmq.NOBLOCK)
+                    _check_ok(sock.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
                 received += 1
