@@ -34,7 +34,7 @@ from .backends.base import Backend
 from .devices import parse_device
 from .executor import DRAIN_BATCH, Executor
 from .heap import IdleTrim
-from .inbox import Inbox
+from .inbox import READ_AHEAD_EVERY_NS, Inbox
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
 from .model_files import ModelFiles
 from .peer_endpoints import PeerSecurity
@@ -259,18 +259,32 @@ class BackendThread(threading.Thread):
         return max(0, min(250, math.ceil((deadline - time.monotonic()) * 1000)))
 
     def _drain(self, pair: zmq.Socket[bytes]) -> None:
-        """Handle up to DRAIN_BATCH requests, one per client in turn, reading the PAIR empty
-        before each (worker/inbox.py: why)."""
+        """Handle up to DRAIN_BATCH requests, one per client in turn (worker/inbox.py: why).
+
+        After a request is handled, the PAIR is read empty into the inbox (once per
+        READ_AHEAD_EVERY_NS); an empty inbox takes the PAIR's next message alone, the oldest of
+        all. Reading the PAIR to its end (``zmq.Again``) before a request rather than after it
+        cost every ping ~40 us (quiet A/B, 6 rounds: 160-211 us against 132-147 us)."""
         assert self.executor is not None
+        inbox = self.inbox
+        next_read = 0
         for _ in range(DRAIN_BATCH):
-            self._read_ahead(pair)
-            taken = self.inbox.take()
+            if not inbox:
+                try:
+                    inbox.put(pair.recv_multipart(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    return
+            taken = inbox.take()
             if taken is None:
                 return
             try:
                 self.executor.handle_frames(*taken)
             except Exception:   # whatever a message does, this thread keeps serving the others
                 log.exception("unexpected error handling a message; the worker goes on")
+            now = time.perf_counter_ns()
+            if now >= next_read:
+                self._read_ahead(pair)
+                next_read = now + READ_AHEAD_EVERY_NS
 
     def _read_ahead(self, pair: zmq.Socket[bytes]) -> None:
         """Move what the PAIR holds into the inbox, until it is empty or the inbox full."""
