@@ -103,13 +103,14 @@ class Handover:
                 frame: zmq.Frame | None = dealer.recv(copy=False)  # at most SYNC_SLICE_MS
             except zmq.Again:
                 frame = None
+            reply = course[2]
             if frame is None or frame.more or frame.bytes != expected:
-                return after_send(io, cmd, req_id, frame, on_reply, sent + wait, reply_bytes)
+                reply = after_send(io, cmd, req_id, frame, None, sent + wait, reply_bytes)
         finally:
             lock.release()
             if io.in_flight or io.backlog or io.closing or not self._inbox.empty():
                 self._wake()
-        return on_reply(course[2], []) if on_reply is not None else course[2]
+        return on_reply(reply, []) if on_reply is not None else reply
 
     def _request(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any],
                  on_reply: OnReply | None, timeout: float | None, reply_bytes: int) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -143,3 +144,24 @@ def test_on_reply_runs_with_the_connection_given_back(
                             on_reply=lambda r, f: engine.request(Cmd.SYNCHRONIZE, p.Empty()))
     served.join(5)
     assert isinstance(nested, p.Ack)
+
+
+@pytest.mark.timeout(30)
+def test_on_reply_runs_with_the_connection_given_back_off_the_course(
+        silent_router: zmq.Socket[bytes], engine: Engine, off_course: OffCourse) -> None:
+    """The same when the Ack comes after the course gave up waiting for it (a slow worker, a
+    loaded machine): the nested call used to wait forever for the connection its caller
+    held, since the call in flight ran ``on_reply`` as it read the reply."""
+    def run() -> None:
+        who, header = silent_router.recv_multipart()
+        time.sleep(0.05)                                    # past the 2 ms slice
+        silent_router.send_multipart([who, *_ack(header, p.unpack_header(header)[1])[0]])
+        who, header = silent_router.recv_multipart()        # the nested call
+        silent_router.send_multipart([who, *_ack(header, p.unpack_header(header)[1])[0]])
+    served = threading.Thread(target=run)
+    served.start()
+    nested = engine.request(Cmd.PING, p.Empty(),
+                            on_reply=lambda r, f: engine.request(Cmd.SYNCHRONIZE, p.Empty()))
+    served.join(5)
+    assert isinstance(nested, p.Ack)
+    assert off_course.timed_out[:1] == [1]

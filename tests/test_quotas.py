@@ -386,3 +386,42 @@ def test_peer_send_to_a_dead_port_is_counted_and_dropped_at_goodbye(
     while other.device_memory().free < 64 * MiB and time.monotonic() < deadline:
         time.sleep(0.1)
     assert other.device_memory().free == 64 * MiB             # dropped with its session
+
+
+
+def test_a_greedy_clients_queue_does_not_hold_another_clients_reply(
+        spawn_worker: Callable[..., WorkerProcess], make_client: Callable[..., Client]) -> None:
+    """A greedy client pipelines 150 graph runs of a few ms each, each followed by a small alloc;
+    another client's STATUS, ping, STATUS are answered after a few of them, not after the worker
+    has gone through a PAIR's worth or the lot.
+
+    Counted, not timed: STATUS tells the greedy session's buffers, so the two STATUS replies
+    say how many of its allocs ran while the ping went there and back. Before the backend read
+    its PAIR ahead and served clients in turn (worker/inbox.py), the ping waited behind the 64
+    requests the PAIR held, and each reply waited in the PAIR until libzmq's proxy had pushed
+    every request still queued at the ROUTER (the fuzzer's probe, behind four hostile sessions,
+    once waited more than 5 s in CI)."""
+    worker = spawn_worker("--mem", "256MiB")
+    greedy = make_client(worker.endpoint, timeout=60.0)         # the default timeout
+    polite = make_client(worker.endpoint, timeout=60.0)
+    x = greedy.alloc_buffer(4 << 20).tensor((1 << 20,), "float32")
+    g = Graph()
+    y = x
+    for _ in range(16):
+        y = g.add(y, x)
+    g.scale(y, 0.5, out=x)
+    handle = greedy.register(g)
+    greedy.run(handle)
+    polite.ping()
+    futures: list[Any] = []
+    for _ in range(150):
+        futures += [greedy.run_async(handle), greedy.alloc_buffer_async(4096)]
+    time.sleep(0.1)                                 # the worker is into them now
+    before = polite.status().buffers
+    polite.ping()
+    during = polite.status().buffers - before
+    for f in futures:
+        f.result()
+    print(f"greedy allocs: {before - 1} done before the first STATUS, {during} between the two")
+    assert before < 100, "the greedy runs were too quick to queue up: make them longer"
+    assert during <= 16

@@ -4,6 +4,8 @@ Module map (thread that runs it):
 
 - ``server``: :class:`WorkerServer` (the creating thread: start, stop, join) and
   :class:`BackendThread` (the backend thread's poll loop: PAIR, peer PULL, control, timers).
+- ``inbox``: requests read ahead from the PAIR, handed to the executor one client at a time in
+  turn (backend; no socket).
 - ``executor``: the scheduler: requests in, each session's queue and its ordering rules, the
   ``Cmd -> Route`` dispatch table, transfer completions (backend thread).
 - ``session_table``: the open sessions: HELLO (version, routing id, ``--max-sessions``), and

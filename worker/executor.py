@@ -52,7 +52,8 @@ __all__ = ["DRAIN_BATCH", "Executor", "WorkerLimits"]
 log = logging.getLogger("zmq_rpc.worker")
 
 DRAIN_BATCH = 512
-"""Most requests taken from the PAIR per poll wake-up before replies are flushed."""
+"""Most requests handled per poll wake-up before the peer port, waiting sessions and timers get
+their turn (server.py)."""
 
 class Executor:
     """Runs validated requests against a backend, in order per session."""
@@ -112,12 +113,13 @@ class Executor:
 
     # ------------------------------------------------------------------ entry from the loop
 
-    def handle_frames(self, frames: list[zmq.Frame]) -> None:
-        """One message from the broker: ``[client_id, header, *payload]``."""
+    def handle_frames(self, frames: list[zmq.Frame], arrived: int = 0) -> None:
+        """One message from the broker: ``[client_id, header, *payload]``, taken from the PAIR at
+        ``arrived`` (``perf_counter_ns``; 0: now)."""
         if len(frames) < 2:
             log.warning("dropping a message of %d frame(s) from the broker", len(frames))
             return
-        arrived = time.perf_counter_ns()
+        arrived = arrived or time.perf_counter_ns()
         client_id = frames[0].bytes
         self.metrics.client_in(frames)
         try:

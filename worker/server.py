@@ -34,6 +34,7 @@ from .backends.base import Backend
 from .devices import parse_device
 from .executor import DRAIN_BATCH, Executor
 from .heap import IdleTrim
+from .inbox import READ_AHEAD_EVERY_NS, Inbox
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
 from .model_files import ModelFiles
 from .peer_endpoints import PeerSecurity
@@ -176,6 +177,7 @@ class BackendThread(threading.Thread):
         self.executor: Executor | None = None
         self.disk: tuple[ModelFiles | None, TensorCache | None] = (None, None)
         """The model files and tensor cache the executor serves (handed over before start)."""
+        self.inbox = Inbox()
 
     def run(self) -> None:
         pair = self.ctx.socket(zmq.PAIR)
@@ -223,15 +225,16 @@ class BackendThread(threading.Thread):
         idle_trim = IdleTrim()
         while True:
             events = dict(poller.poll(self._timeout_ms(waiting)))
-            idle_trim.poll_result(bool(events) or waiting)
-            if pair in events:
+            busy = bool(events) or bool(self.inbox)
+            idle_trim.poll_result(busy or waiting)
+            if pair in events or self.inbox:
                 self._drain(pair)
             if peers.pull is not None and peers.pull in events:
                 peers.drain()
             if control in events:
                 self._shutdown(pair, control.recv())
                 return
-            waiting = self.executor.pump_all() if (waiting or events) else False
+            waiting = self.executor.pump_all() if (waiting or busy) else False
             self.executor.reap()
             now = time.monotonic()
             self.executor.release_held(now)
@@ -244,6 +247,8 @@ class BackendThread(threading.Thread):
                 next_publish = now + PUBLISH_INTERVAL
 
     def _timeout_ms(self, waiting: bool) -> int:
+        if self.inbox:
+            return 0      # requests read ahead wait: look at the other sockets, then go on
         if waiting or (self.peers is not None and self.peers.incoming):
             return 1      # a transfer is due: short naps keep this core quick to wake
         deadlines = [self.peers.next_deadline() if self.peers is not None else None,
@@ -254,24 +259,49 @@ class BackendThread(threading.Thread):
         return max(0, min(250, math.ceil((deadline - time.monotonic()) * 1000)))
 
     def _drain(self, pair: zmq.Socket[bytes]) -> None:
+        """Handle up to DRAIN_BATCH requests, one per client in turn (worker/inbox.py: why).
+
+        After a request is handled, the PAIR is read empty into the inbox (once per
+        READ_AHEAD_EVERY_NS); an empty inbox takes the PAIR's next message alone, the oldest of
+        all. Reading the PAIR to its end (``zmq.Again``) before a request rather than after it
+        cost every ping ~40 us (quiet A/B, 6 rounds: 160-211 us against 132-147 us)."""
         assert self.executor is not None
+        inbox = self.inbox
+        next_read = 0
         for _ in range(DRAIN_BATCH):
-            try:
-                frames = pair.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not inbox:
+                try:
+                    inbox.put(pair.recv_multipart(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    return
+            taken = inbox.take()
+            if taken is None:
                 return
             try:
-                self.executor.handle_frames(frames)
+                self.executor.handle_frames(*taken)
             except Exception:   # whatever a message does, this thread keeps serving the others
                 log.exception("unexpected error handling a message; the worker goes on")
+            now = time.perf_counter_ns()
+            if now >= next_read:
+                self._read_ahead(pair)
+                next_read = now + READ_AHEAD_EVERY_NS
+
+    def _read_ahead(self, pair: zmq.Socket[bytes]) -> None:
+        """Move what the PAIR holds into the inbox, until it is empty or the inbox full."""
+        inbox = self.inbox
+        while not inbox.full():
+            try:
+                inbox.put(pair.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                return
 
     def _shutdown(self, pair: zmq.Socket[bytes], command: bytes) -> None:
         """Answer what is already queued, fail what still waits (the server then joins us)."""
         assert self.executor is not None
         executor = self.executor
         deadline = time.monotonic() + SHUTDOWN_DRAIN_S
-        while time.monotonic() < deadline and pair.poll(20):   # the PAIR is bounded: what
-            self._drain(pair)                # clients sent before the signal is still coming in
+        while time.monotonic() < deadline and (self.inbox or pair.poll(20)):   # the PAIR is
+            self._drain(pair)     # bounded: what clients sent before the signal is still coming
         executor.pump_all()
         executor.release_held()
         executor.fail_queued(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
