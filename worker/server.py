@@ -269,14 +269,12 @@ class BackendThread(threading.Thread):
         inbox = self.inbox
         next_read = 0
         for _ in range(DRAIN_BATCH):
-            if not inbox:
+            taken = inbox.take()
+            if taken is None:       # nothing read ahead: the PAIR's next message, handled as is
                 try:
-                    inbox.put(pair.recv_multipart(zmq.NOBLOCK, copy=False))
+                    taken = pair.recv_multipart(zmq.NOBLOCK, copy=False), 0
                 except zmq.Again:
                     return
-            taken = inbox.take()
-            if taken is None:
-                return
             try:
                 self.executor.handle_frames(*taken)
             except Exception:   # whatever a message does, this thread keeps serving the others
