@@ -1,12 +1,13 @@
-"""The backend's read-ahead: each client's requests in order, clients served in turn, bounded
-(worker/inbox.py; the sockets' side is tests/test_quotas.py)."""
+"""The backend's read-ahead: each client's requests in order, clients served by backend time used
+(in turns when they cost the same), bounded (worker/inbox.py; the sockets' side is
+tests/test_quotas.py)."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
-from zmq_rpc.worker.inbox import Inbox
+from zmq_rpc.worker.inbox import FORGET_ABOVE, Inbox
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -56,6 +57,75 @@ def test_a_client_arriving_later_is_served_within_one_turn() -> None:
     inbox.put(msg(b"polite", b"ping"))
     taken = inbox.take()
     assert taken is not None and taken[0] == msg(b"polite", b"ping")
+
+
+def test_a_cheap_client_goes_before_clients_whose_requests_took_long() -> None:
+    """Four clients whose last requests took 300 ms each and a polite one with three 0.1 ms
+    requests: the polite ones go first, not one per turn behind each of the four (the fuzz
+    probe waited for four graph decodes that way)."""
+    inbox = Inbox()
+    hostile = [b"fuzz%d" % i for i in range(4)]
+    for client in hostile:
+        for i in range(3):
+            inbox.put(msg(client, b"%d" % i))
+    for _ in hostile:                       # each has run one long request
+        taken = inbox.take()
+        assert taken is not None
+        inbox.charge(taken[0][0].bytes, 300_000_000)
+    for body in (b"status", b"ping", b"status"):
+        inbox.put(msg(b"polite", body))
+    order = []
+    while (taken := inbox.take()) is not None:
+        client = taken[0][0].bytes
+        order.append(client)
+        inbox.charge(client, 100_000 if client == b"polite" else 300_000_000)
+    assert order[:3] == [b"polite"] * 3
+    assert sorted(order[3:]) == sorted(hostile * 2)
+
+
+def test_idle_time_banks_no_credit() -> None:
+    """A client back after a pause starts from the others' virtual time: it does not get the
+    backend to itself for all the time it was away."""
+    inbox = Inbox()
+    for i in range(10):
+        inbox.put(msg(b"busy", b"%d" % i))
+        taken = inbox.take()
+        assert taken is not None
+        inbox.charge(b"busy", 10_000_000)
+    for i in range(3):
+        inbox.put(msg(b"busy", b"%d" % i))
+        inbox.put(msg(b"back", b"%d" % i))
+    order = []
+    while (taken := inbox.take()) is not None:
+        client = taken[0][0].bytes
+        order.append(client)
+        inbox.charge(client, 10_000_000)
+    assert order == [b"busy", b"back"] * 3 or order == [b"back", b"busy"] * 3
+
+
+def test_a_long_request_is_charged_even_when_taken_straight_from_the_pair() -> None:
+    """The backend handles the PAIR's next message without the inbox when the inbox is empty;
+    its time still counts for its client."""
+    inbox = Inbox()
+    inbox.charge(b"long", 500_000_000)           # ran straight from the PAIR
+    inbox.put(msg(b"long", b"again"))
+    inbox.put(msg(b"short", b"ping"))
+    taken = inbox.take()
+    assert taken is not None and taken[0][0].bytes == b"short"
+
+
+def test_clients_with_nothing_here_are_forgotten_once_caught_up() -> None:
+    inbox = Inbox()
+    for i in range(FORGET_ABOVE + 10):
+        inbox.charge(b"c%d" % i, 0)
+    assert len(inbox._clients) <= FORGET_ABOVE + 1
+    inbox.charge(b"ahead", 10**9)                # still ahead of the others: remembered
+    for i in range(2 * FORGET_ABOVE):
+        inbox.charge(b"d%d" % i, 0)
+    inbox.put(msg(b"ahead", b"x"))
+    inbox.put(msg(b"new", b"y"))
+    taken = inbox.take()
+    assert taken is not None and taken[0][0].bytes == b"new"
 
 
 def test_full_by_messages_or_by_bytes() -> None:

@@ -425,3 +425,44 @@ def test_a_greedy_clients_queue_does_not_hold_another_clients_reply(
     print(f"greedy allocs: {before - 1} done before the first STATUS, {during} between the two")
     assert before < 100, "the greedy runs were too quick to queue up: make them longer"
     assert during <= 16
+
+
+def test_a_polite_client_waits_for_no_turn_of_the_greedy_ones(
+        spawn_worker: Callable[..., WorkerProcess], make_client: Callable[..., Client]) -> None:
+    """Four greedy clients pipeline 30 graph runs of a few ms each, each followed by a small alloc;
+    another client pipelines STATUS, ten pings, STATUS. Its requests go before the greedy ones
+    (it used almost no backend time), not one per turn behind one request of each greedy client.
+
+    Counted, not timed: STATUS tells the buffers, so the two STATUS replies say how many greedy
+    allocs ran in between. Served in plain turns (the inbox's first version) that was ~20 (each
+    of the twelve polite requests waited for one request of each of the four: the fuzzer's probe
+    behind four hostile sessions' graph decodes); by backend time used, at most a few."""
+    worker = spawn_worker("--mem", "256MiB")
+    greedy = [make_client(worker.endpoint) for _ in range(4)]
+    polite = make_client(worker.endpoint)
+    runs = []
+    for client in greedy:
+        x = client.alloc_buffer(4 << 20).tensor((1 << 20,), "float32")
+        g = Graph()
+        y = x
+        for _ in range(8):
+            y = g.add(y, x)
+        g.scale(y, 0.5, out=x)
+        handle = client.register(g)
+        client.run(handle)
+        runs.append(handle)
+    polite.ping()
+    futures: list[Any] = []
+    for _ in range(30):
+        for client, handle in zip(greedy, runs):
+            futures += [client.run_async(handle), client.alloc_buffer_async(4096)]
+    time.sleep(0.1)                                 # the worker is into them now
+    first = polite.status_async()
+    pings = [polite.ping_async() for _ in range(10)]
+    second = polite.status_async()
+    before, after = first.result().buffers, second.result().buffers
+    for f in pings + futures:
+        f.result()
+    print(f"greedy allocs: {before - 4} before the first STATUS, {after - before} between")
+    assert before - 4 < 100, "the greedy runs were too quick to queue up: make them longer"
+    assert after - before <= 4

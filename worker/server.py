@@ -259,7 +259,8 @@ class BackendThread(threading.Thread):
         return max(0, min(250, math.ceil((deadline - time.monotonic()) * 1000)))
 
     def _drain(self, pair: zmq.Socket[bytes]) -> None:
-        """Handle up to DRAIN_BATCH requests, one per client in turn (worker/inbox.py: why).
+        """Handle up to DRAIN_BATCH requests, the client with the least backend time used
+        first (worker/inbox.py: why); each request's time is charged to its client.
 
         After a request is handled, the PAIR is read empty into the inbox (once per
         READ_AHEAD_EVERY_NS); an empty inbox takes the PAIR's next message alone, the oldest of
@@ -275,11 +276,14 @@ class BackendThread(threading.Thread):
                     taken = pair.recv_multipart(zmq.NOBLOCK, copy=False), 0
                 except zmq.Again:
                     return
+            started = time.perf_counter_ns()
             try:
                 self.executor.handle_frames(*taken)
             except Exception:   # whatever a message does, this thread keeps serving the others
                 log.exception("unexpected error handling a message; the worker goes on")
             now = time.perf_counter_ns()
+            frames = taken[0]
+            inbox.charge(frames[0].bytes if frames else b"", now - started)
             if now >= next_read:
                 self._read_ahead(pair)
                 next_read = now + READ_AHEAD_EVERY_NS
