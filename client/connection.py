@@ -29,12 +29,12 @@ from ..broker.errors import (
     RpcError,
     VersionMismatch,
 )
+from ..broker.identity import prove
 from ..broker.keys import KeyPair
 from ..broker.protocol import Cmd, TensorRef
 from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions, RequestTiming
 from .peer import Routes
 from .remote import RemoteBuffer, RemoteTensor
-from ..broker.identity import prove
 from .security import resolve_curve
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ class Connection:
 
     def _hello(self, timeout: float) -> p.HelloReply:
         major, minor = p.PROTOCOL_VERSION
-        hello = p.Hello(major=major, minor=minor, client=self.name, **self._key_proof())
+        key, proof = self._key_proof()
+        hello = p.Hello(major=major, minor=minor, client=self.name, key=key, proof=proof)
         try:
             info = self._say_hello(hello, timeout)
             if hello.proof and isinstance(info, BadRequest) and "proof" not in info.message:
@@ -103,14 +104,13 @@ class Connection:
             self._ask_for_timing(info, timeout)
         return info
 
-    def _key_proof(self) -> dict[str, bytes]:
+    def _key_proof(self) -> tuple[bytes, bytes]:
         """Under CURVE, HELLO's proof of this client's key (protocol 1.8): the worker counts
         quotas per key and binds the session to it (broker/identity.py)."""
         curve = self._engine.options.curve
         if curve is None:
-            return {}
-        key, proof = prove(curve.keys.secret, curve.server_key, self._engine.options.identity)
-        return {"key": key, "proof": proof}
+            return b"", b""
+        return prove(curve.keys.secret, curve.server_key, self._engine.options.identity)
 
     def _say_hello(self, hello: p.Hello, timeout: float) -> p.HelloReply | BadRequest:
         """HELLO's reply, or the BadRequest of a worker that does not know a field of it."""
@@ -130,8 +130,9 @@ class Connection:
                         "1.5)", self.endpoint, info.major, info.minor)
             return
         major, minor = p.PROTOCOL_VERSION
-        hello = p.Hello(major=major, minor=minor, client=self.name, timing=True,
-                        **(self._key_proof() if "key-proof" in info.capabilities else {}))
+        key, proof = self._key_proof() if "key-proof" in info.capabilities else (b"", b"")
+        hello = p.Hello(major=major, minor=minor, client=self.name, timing=True, key=key,
+                        proof=proof)
         self._engine.submit(Cmd.HELLO, hello, timeout=timeout).result()
 
     def timings(self) -> list[RequestTiming]:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import zmq
-
 from conftest import WorkerProcess
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.identity import prove
@@ -132,7 +131,7 @@ def test_a_session_answers_hello_only_from_the_key_that_opened_it(
         assert _hello(back, keys, "good", rid) == p.STATUS_OK   # its own key resumes it
         back.close(linger=0)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def test_a_proof_made_for_another_routing_id_is_refused(
@@ -151,4 +150,4 @@ def test_a_proof_made_for_another_routing_id_is_refused(
         assert header[0] == ErrorCode.BAD_REQUEST and "proof" in header[2]
         sock.close(linger=0)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)

@@ -21,7 +21,7 @@ from typing import Protocol
 from ..broker import protocol as p
 from ..broker.protocol import ErrorCode, WireError
 from ..broker.wire import printable
-from .identities import Identities
+from .identities import Identities, IdentityQuotas
 from .memory import SessionMemory
 from .metrics import Recorder
 from .outbox import Outbox
@@ -71,9 +71,10 @@ class SessionTable:
 
     def __init__(self, sessions: dict[bytes, Session], limits: WorkerLimits,
                  accounts: SessionMemory, outbox: Outbox, metrics: Recorder, peers: PeerCleanup,
-                 greeter: Greeter, identities: Identities) -> None:
+                 greeter: Greeter, identities: Identities | None = None) -> None:
         self.sessions = sessions
-        self.identities = identities
+        self.identities = identities or Identities(     # without CURVE: a session each
+            IdentityQuotas(limits.memory_limit, limits.max_sessions), None)
         self.limits = limits
         self.accounts = accounts
         self.outbox = outbox
