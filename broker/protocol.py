@@ -110,7 +110,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 7)
+PROTOCOL_VERSION = (1, 8)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -121,7 +121,9 @@ FILE_QUERY, READ_FILE, SET_FROM_CACHE and SET_TENSOR's ``cache_key`` (``model-fi
 and the worker's share of each request's time in its reply, for sessions that ask (``timing``);
 1.6 HELLO's and STATUS's ``device_details`` (device index, physical memory, compute capability),
 sent to sessions whose HELLO said 1.6 or later; 1.7 the graph ops ``attention`` (fused GQA
-attention over a KV cache) and ``swiglu`` (``fused-ops``)."""
+attention over a KV cache) and ``swiglu`` (``fused-ops``); 1.8 HELLO's ``key`` and ``proof``
+(``key-proof``: a CURVE client proves which authorized key opened the session, which the worker
+counts quotas by and binds the session to; see :mod:`.identity`)."""
 
 
 class Cmd(enum.IntEnum):
@@ -196,6 +198,14 @@ class Ack(Message):
     timing: tuple[int, ...] = timing_field()
 
 
+def _check_bytes(limit: int) -> Callable[[Any, str], bytes]:
+    def check(value: Any, field: str) -> bytes:
+        if type(value) is not bytes or len(value) > limit:
+            raise _bad(field, f"expected at most {limit} bytes, got {describe(value)}")
+        return value
+    return check
+
+
 @wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hello(Message):
@@ -207,6 +217,11 @@ class Hello(Message):
     timing: bool = _f(check_bool, since=(1, 5), default=False)
     """1.5: put the worker's share of each request's time in its reply (``timing``). A client
     asks in a second HELLO once the first has shown a worker of 1.5 or later."""
+    key: bytes = _f(_check_bytes(32), since=(1, 8), default=b"")
+    """1.8, CURVE only: the client's public key (32 raw bytes)."""
+    proof: bytes = _f(_check_bytes(128), since=(1, 8), default=b"")
+    """1.8, CURVE only: a crypto box from ``key`` to the worker's key over the routing id
+    (:func:`~zmq_rpc.broker.identity.prove`): the session is that key's."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

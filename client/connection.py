@@ -29,6 +29,7 @@ from ..broker.errors import (
     RpcError,
     VersionMismatch,
 )
+from ..broker.identity import prove
 from ..broker.keys import KeyPair
 from ..broker.protocol import Cmd, TensorRef
 from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions, RequestTiming
@@ -82,11 +83,15 @@ class Connection:
 
     def _hello(self, timeout: float) -> p.HelloReply:
         major, minor = p.PROTOCOL_VERSION
-        hello = p.Hello(major=major, minor=minor, client=self.name)
+        key, proof = self._key_proof()
+        hello = p.Hello(major=major, minor=minor, client=self.name, key=key, proof=proof)
         try:
-            with self._engine.inline():
-                future = self._engine.submit(Cmd.HELLO, hello, timeout=timeout)
-            info: p.HelloReply = future.result()
+            info = self._say_hello(hello, timeout)
+            if hello.proof and isinstance(info, BadRequest) and "proof" not in info.message:
+                hello = p.Hello(major=major, minor=minor, client=self.name)
+                info = self._say_hello(hello, timeout)   # a worker older than 1.8
+            if isinstance(info, RpcError):
+                raise info
         except RpcError as exc:
             if isinstance(exc, (VersionMismatch, AuthenticationFailed, OutOfMemory)):
                 raise          # the worker answered: it refused us (a full worker: OutOfMemory)
@@ -99,6 +104,24 @@ class Connection:
             self._ask_for_timing(info, timeout)
         return info
 
+    def _key_proof(self) -> tuple[bytes, bytes]:
+        """Under CURVE, HELLO's proof of this client's key (protocol 1.8): the worker counts
+        quotas per key and binds the session to it (broker/identity.py)."""
+        curve = self._engine.options.curve
+        if curve is None:
+            return b"", b""
+        return prove(curve.keys.secret, curve.server_key, self._engine.options.identity)
+
+    def _say_hello(self, hello: p.Hello, timeout: float) -> p.HelloReply | BadRequest:
+        """HELLO's reply, or the BadRequest of a worker that does not know a field of it."""
+        try:
+            with self._engine.inline():
+                future = self._engine.submit(Cmd.HELLO, hello, timeout=timeout)
+            info: p.HelloReply = future.result()
+        except BadRequest as exc:
+            return exc
+        return info
+
     def _ask_for_timing(self, info: p.HelloReply, timeout: float) -> None:
         """A second HELLO asking for the worker's timing in replies (a worker older than 1.5
         would refuse the field, so it is sent only once the first HELLO showed the capability)."""
@@ -107,7 +130,9 @@ class Connection:
                         "1.5)", self.endpoint, info.major, info.minor)
             return
         major, minor = p.PROTOCOL_VERSION
-        hello = p.Hello(major=major, minor=minor, client=self.name, timing=True)
+        key, proof = self._key_proof() if "key-proof" in info.capabilities else (b"", b"")
+        hello = p.Hello(major=major, minor=minor, client=self.name, timing=True, key=key,
+                        proof=proof)
         self._engine.submit(Cmd.HELLO, hello, timeout=timeout).result()
 
     def timings(self) -> list[RequestTiming]:

@@ -152,7 +152,7 @@ def test_error_message_is_capped() -> None:
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 7)
+    assert p.PROTOCOL_VERSION == (1, 8)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -252,7 +252,7 @@ def test_unknown_command(cmd: int) -> None:
 
 
 @pytest.mark.parametrize("header", [
-    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", True, "x"),
+    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", True, b"k", b"p", "x"),
     pack(Cmd.ALLOC_BUFFER, 1, 3), pack(Cmd.GET_TENSOR, 1), pack(Cmd.COPY_TENSOR, 1, wire(ref())),
 ])
 def test_wrong_field_count(header: bytes) -> None:

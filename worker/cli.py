@@ -172,6 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-sessions", type=_positive(int), default=DEFAULT_MAX_SESSIONS,
                     help="client sessions served at once; the HELLO of one more is refused "
                          "with OUT_OF_MEMORY (default %(default)s)")
+    ap.add_argument("--identity-mem", type=_positive_size(1), default=0,
+                    help="memory all sessions of one client identity may hold together (under "
+                         "CURVE an identity is an authorized key, proven at HELLO; clients "
+                         "older than protocol 1.8 share one; without CURVE each session is its "
+                         "own): default 3/4 of --mem, so that one client, however many "
+                         "sessions it opens, always leaves a quarter to the others")
+    ap.add_argument("--identity-sessions", type=_positive(int), default=0,
+                    help="sessions one client identity may hold at once; the HELLO of one "
+                         "more is refused with OUT_OF_MEMORY (default: 3/4 of --max-sessions, "
+                         "so one client cannot lock the others out)")
     ap.add_argument("--max-buffer", type=_positive_size(1), default=0,
                     help="largest single buffer (default: --mem)")
     ap.add_argument("--max-message", type=_positive_size(64 << 10), default=64 << 20,
@@ -273,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_graph_work=args.max_graph_work,
                           session_memory=args.session_mem,
                           max_sessions=int(args.max_sessions),
+                          identity_memory=args.identity_mem,
+                          identity_sessions=int(args.identity_sessions),
                           peer_bind="" if args.peer_bind == "none" else args.peer_bind,
                           peer_advertise=args.peer_advertise or "", curve=curve,
                           authorized_keys=args.authorized_keys, worker_keys=args.worker_keys,

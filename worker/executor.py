@@ -32,6 +32,7 @@ from ..broker.protocol import Cmd, ErrorCode, WireError
 from .backends.base import Backend
 from .buffers import BufferCommands
 from .graphs import GraphCommands
+from .identities import Identities, IdentityQuotas, KeyCheck, default_share
 from .linked import LinkedRuns
 from .loading import Loading
 from .memory import MemoryBudget, SessionMemory
@@ -59,7 +60,8 @@ class Executor:
     """Runs validated requests against a backend, in order per session."""
 
     def __init__(self, backend: Backend, limits: WorkerLimits, send: Send, server_name: str,
-                 peers: PeerLinks, metrics: Recorder | None = None) -> None:
+                 peers: PeerLinks, metrics: Recorder | None = None,
+                 keys: KeyCheck | None = None) -> None:
         self.metrics = metrics or NullRecorder()
         self.backend = backend
         self.limits = limits
@@ -67,16 +69,19 @@ class Executor:
         self.peers = peers
         self.sessions: dict[bytes, Session] = {}
         self.budget = MemoryBudget(limits.memory_limit)
+        self.identities = Identities(IdentityQuotas(
+            memory=limits.identity_memory or default_share(limits.memory_limit),
+            sessions=limits.identity_sessions or default_share(limits.max_sessions)), keys)
         self.accounts = SessionMemory(
             self.budget, Quotas(memory=limits.session_memory or limits.memory_limit),
-            lambda keep: self.table.close_silent(keep))
+            lambda keep: self.table.close_silent(keep), self.identities.check_memory)
         self.outbox = Outbox(send, self.accounts.inflight,
                              self.metrics.client_out if self.metrics.enabled else None)
         self.report = SelfReport(backend, limits, self.budget, peers, self.sessions,
                                  self.outbox, server_name)
         self.table = SessionTable(self.sessions, limits, self.accounts, self.outbox,
                                   self.metrics, PeerCleanup(peers.drop_link, peers.forget),
-                                  self.report)
+                                  self.report, self.identities)
         self.routes = self._routes(Views(backend, limits.max_buffer_size, self.accounts))
 
     @property

@@ -71,9 +71,12 @@ class SessionMemory:
     until libzmq has sent them (:class:`~zmq_rpc.worker.quotas.InFlight`)."""
 
     def __init__(self, budget: MemoryBudget, quotas: Quotas,
-                 reclaim: Callable[[Session], None]) -> None:
+                 reclaim: Callable[[Session], None],
+                 identity_check: Callable[[Session, int, str], None] | None = None) -> None:
         self.budget = budget
         self.quotas = quotas
+        self.identity_check = identity_check
+        """Over all sessions of the session's client identity (worker/identities.py)."""
         self.inflight = InFlight()
         self._reclaim = reclaim
 
@@ -89,6 +92,12 @@ class SessionMemory:
         if self.quotas.memory < self.budget.limit:
             try:
                 check(f"memory ({what})", session.usage.memory, size, self.quotas.memory)
+            except WireError:
+                self.budget.release(size)
+                raise
+        if self.identity_check is not None:
+            try:
+                self.identity_check(session, size, what)
             except WireError:
                 self.budget.release(size)
                 raise

@@ -34,6 +34,7 @@ from .backends.base import Backend
 from .devices import parse_device
 from .executor import DRAIN_BATCH, Executor
 from .heap import IdleTrim
+from .identities import KeyCheck
 from .inbox import READ_AHEAD_EVERY_NS, Inbox
 from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
 from .model_files import ModelFiles
@@ -75,6 +76,11 @@ class WorkerConfig:
     of the memory limit (see worker/quotas.py)."""
     max_sessions: int = 64
     """Sessions open at once (see worker/quotas.py)."""
+    identity_memory: int = 0
+    """Bytes all sessions of one client identity may hold; 0: 3/4 of the memory limit
+    (worker/identities.py)."""
+    identity_sessions: int = 0
+    """Sessions one client identity may hold; 0: 3/4 of ``max_sessions``."""
     peer_bind: str | None = None
     """Where peers push tensors to us; None: the client bind's host, a free port; "" disables."""
     peer_advertise: str = ""
@@ -159,8 +165,12 @@ class BackendThread(threading.Thread):
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, limits: WorkerLimits,
                  endpoints: tuple[str, str], name: str, peer: tuple[str, str],
                  curve: KeyPair | None = None, worker_keys: str | None = None,
-                 metrics: Recorder | None = None) -> None:
+                 metrics: Recorder | None = None, authorized_keys: str | None = None) -> None:
         super().__init__(name="zmq-rpc-backend", daemon=False)
+        self.client_keys = None if curve is None else KeyCheck(
+            curve.secret, KeySet(directory=authorized_keys).keys)
+        """Whose HELLO key proofs this worker checks (its own KeySet: the ZAP thread's is the
+        ZAP thread's), see worker/identities.py."""
         self.metrics = metrics or NullRecorder()
         self.peer_security = PeerSecurity(curve, KeySet(
             fixed=frozenset([curve.public]) if curve else frozenset(), directory=worker_keys))
@@ -194,7 +204,8 @@ class BackendThread(threading.Thread):
                                    stash_limit=max(self.limits.memory_limit // 4, 64 << 20),
                                    security=self.peer_security)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
-                                     self.server_name, self.peers, metrics=self.metrics)
+                                     self.server_name, self.peers, metrics=self.metrics,
+                                     keys=self.client_keys)
             self.executor.serve_files(*self.disk)
             self.peers.metrics = self.metrics
             self.pair = pair
@@ -341,7 +352,9 @@ class WorkerServer:
                             max_graph_work=cfg.max_graph_work,
                             session_memory=min(cfg.session_memory or default_session_share(memory),
                                                memory),
-                            max_sessions=cfg.max_sessions)
+                            max_sessions=cfg.max_sessions,
+                            identity_memory=min(cfg.identity_memory, memory),
+                            identity_sessions=cfg.identity_sessions)
 
     def start(self) -> str:
         """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""
@@ -364,7 +377,8 @@ class WorkerServer:
         self._backend_thread = BackendThread(self.ctx, backend, limits,
                                              (pair_ep, backend_ctl_ep), cfg.name,
                                              (peer_bind, cfg.peer_advertise), cfg.curve,
-                                             cfg.worker_keys, self.metrics)
+                                             cfg.worker_keys, self.metrics,
+                                             cfg.authorized_keys)
         self._backend_thread.disk = self._disk()
         self._backend_thread.start()
         self._wait_ready(self._backend_thread)

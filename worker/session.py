@@ -49,6 +49,11 @@ class WorkerLimits:
     """Bytes one session may hold (0: the memory limit); see :mod:`~zmq_rpc.worker.quotas`."""
     max_sessions: int = 64
     """Sessions open at once; the HELLO of one more is refused (see :mod:`~zmq_rpc.worker.quotas`)."""
+    identity_memory: int = 0
+    """Bytes all sessions of one client identity may hold (0: 3/4 of the memory limit)."""
+    identity_sessions: int = 0
+    """Sessions one client identity may hold (0: 3/4 of ``max_sessions``); see
+    :mod:`~zmq_rpc.worker.identities`."""
 
 
 @dataclass
@@ -97,6 +102,9 @@ class Session:
     """The client asked for the worker's share of each request's time in its replies (1.4)."""
     minor: int = 0
     """The protocol minor the client said in HELLO: replies carry fields up to it."""
+    identity: str = ""
+    """Whose session this is (:mod:`~zmq_rpc.worker.identities`): quotas over all of an
+    identity's sessions, and a later HELLO must come from it."""
 
     @property
     def label(self) -> str:

@@ -21,6 +21,7 @@ from typing import Protocol
 from ..broker import protocol as p
 from ..broker.protocol import ErrorCode, WireError
 from ..broker.wire import printable
+from .identities import Identities, IdentityQuotas
 from .memory import SessionMemory
 from .metrics import Recorder
 from .outbox import Outbox
@@ -70,8 +71,10 @@ class SessionTable:
 
     def __init__(self, sessions: dict[bytes, Session], limits: WorkerLimits,
                  accounts: SessionMemory, outbox: Outbox, metrics: Recorder, peers: PeerCleanup,
-                 greeter: Greeter) -> None:
+                 greeter: Greeter, identities: Identities | None = None) -> None:
         self.sessions = sessions
+        self.identities = identities or Identities(     # without CURVE: a session each
+            IdentityQuotas(limits.memory_limit, limits.max_sessions), None)
         self.limits = limits
         self.accounts = accounts
         self.outbox = outbox
@@ -88,8 +91,11 @@ class SessionTable:
                             f"{p.PROTOCOL_VERSION[0]}.{p.PROTOCOL_VERSION[1]}")
         if not strong_client_id(session.client_id):
             raise WireError(ErrorCode.BAD_REQUEST, WEAK_ID)
+        identity = self.identities.of_hello(session, msg)
         if self.sessions.get(session.client_id) is not session:
-            self._open(session, msg.client)
+            self._open(session, msg.client, identity)
+        else:
+            self.identities.check_bound(session, identity)
         session.timing = session.timing or msg.timing
         session.minor = msg.minor
         reply = self.greeter.hello_reply()
@@ -97,8 +103,10 @@ class SessionTable:
             reply = dataclasses.replace(reply, device_details=())
         return reply, []
 
-    def _open(self, session: Session, client_name: str) -> None:
+    def _open(self, session: Session, client_name: str, identity: str) -> None:
         self._make_room()
+        self._make_identity_room(identity)
+        self.identities.admit(session, identity)
         session.name = printable(client_name, 64) or "client"
         self._ids += 1
         session.sid = self._ids
@@ -124,6 +132,18 @@ class SessionTable:
                             f"serves {len(self.sessions)} sessions, its limit (--max-sessions "
                             f"{limit}); try again when one closes")
 
+    def _make_identity_room(self, identity: str) -> None:
+        """Close the identity's sessions silent for PRESSURE_SILENCE when it holds its most
+        (their client is gone), so that a client that restarts is not locked out by itself."""
+        if self.identities.room(identity) < self.identities.quotas.sessions:
+            return
+        now = time.monotonic()
+        for other in list(self.sessions.values()):
+            if other.identity == identity and now - other.last_seen > PRESSURE_SILENCE:
+                self.close(other, f"its client identity held its most sessions "
+                                  f"(--identity-sessions) and it was silent for "
+                                  f"{now - other.last_seen:.0f} s")
+
     def close(self, session: Session, why: str) -> None:
         """Free everything the session owns; fail what it still has queued and what waits for
         a transfer (a client that said GOODBYE still gets a reply to each)."""
@@ -136,6 +156,7 @@ class SessionTable:
         session.views.clear()
         session.graphs.clear()
         self.sessions.pop(session.client_id, None)
+        self.identities.leave(session)
         self.peers.forget(session)
         unfinished = f"session closed ({why}) before this transfer finished"
         for req in session.answered_later:
