@@ -44,6 +44,7 @@ from ..broker.protocol import ErrorCode, TensorRef, WireError
 from ..broker.wire import printable
 from ..broker.zap import PEER_DOMAIN
 from .backends.base import Backend, View
+from .memory import MemoryBudget
 from .metrics import NullRecorder, Recorder
 from .peer_acks import AwaitedAcks, Done, LinkHooks, Outgoing
 from .peer_endpoints import PeerSecurity, resolve_endpoint
@@ -102,6 +103,11 @@ class PeerLinks:
         if keys is not None and split_endpoint(endpoint)[1] is None:
             endpoint = join_endpoint(endpoint, keys.public)
         return endpoint
+
+    def use_budget(self, budget: MemoryBudget) -> None:
+        """Count what this side holds for peers against ``budget`` (the worker's ``--mem``):
+        the early-chunk stash."""
+        self.stash.use_budget(budget)
 
     @property
     def metrics(self) -> Recorder:
