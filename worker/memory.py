@@ -46,6 +46,12 @@ class MemoryBudget:
         """Give back bytes reserved earlier (their memory was freed)."""
         self.used -= size
 
+    def hold(self, size: int) -> None:
+        """Count ``size`` bytes the worker holds without a choice (libzmq's receive queue of a
+        peer connection that opened), even over the limit: nothing else is allocated until
+        they are released."""
+        self.used += size
+
     def allocate(self, size: int, what: str, alloc: Callable[[], T]) -> T:
         """Reserve ``size`` bytes, then ``alloc()``; the reservation is given back if it fails."""
         self.reserve(size, what)
