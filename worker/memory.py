@@ -3,6 +3,17 @@
 Owned by the backend thread (one :class:`MemoryBudget` and one :class:`SessionMemory` per
 executor). Every byte handed out is counted here and nowhere else: a reservation either turns into memory the caller keeps (released
 when it frees it) or is given back when the allocation behind it fails.
+
+What counts against ``--mem`` (the :class:`MemoryBudget`), and what bounds each part:
+
+- a session's buffers, graph arenas and temporaries, one-off graphs while they run, and the
+  replies and peer pushes it had materialized until libzmq has sent them (:class:`SessionMemory`;
+  each session at most its ``--session-mem``, worker/quotas.py). Replies and pushes that alias a
+  buffer's memory add nothing: the buffer stays counted until they are sent (its trackers);
+- the early-chunk stash (:class:`~zmq_rpc.worker.stash.Stash`): unannounced chunks at most its
+  limit, and shed first when a session is short; announced ones by ``--mem`` alone;
+- the peer port's receive queues (:class:`~zmq_rpc.worker.peer_queue.PeerQueue`): a fixed bound
+  per open connection, held (:meth:`MemoryBudget.hold`) even over the limit.
 """
 
 from __future__ import annotations
