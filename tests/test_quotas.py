@@ -374,9 +374,12 @@ def test_peer_send_to_a_dead_port_is_counted_and_dropped_at_goodbye(
     raw.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=64))
     assert raw.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=dead, timeout_ms=5000))[0] == 0
     peer.stop()                                               # verified, then dead
+    other = make_client(worker.endpoint)
+    deadline = time.monotonic() + 5       # its ack connection's receive queue is given back
+    while other.device_memory().free < 64 * MiB - 64 and time.monotonic() < deadline:
+        time.sleep(0.05)                  # (counted in --mem while open: worker/peer_queue.py)
     raw.send(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=zero_stride(1, 40 * MiB),
                                           endpoint=dead, timeout_ms=60_000))
-    other = make_client(worker.endpoint)
     deadline = time.monotonic() + 5
     while other.device_memory().free > 24 * MiB and time.monotonic() < deadline:
         time.sleep(0.05)

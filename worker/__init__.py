@@ -35,7 +35,10 @@ Module map (thread that runs it):
 - ``peer_acks``: sends and probes waiting for an acknowledgement: acks, deadlines, dropped peers
   (backend; no socket).
 - ``peer_endpoints``: which peer endpoints may be connected to, and as whom (backend; no socket).
-- ``stash``: chunks that arrive before their receive starts, bounded per sender (backend).
+- ``stash``: chunks that arrive before their receive starts: a byte share per sender, announced
+  transfers first, counted in ``--mem`` (backend).
+- ``peer_queue``: the peer PULL's receive queues: bounded per connection, counted in ``--mem``
+  while each connection is open (backend).
 - ``graph_exec``: graph compile (validation, arena plan) and execution (backend).
 - ``graph_bind``: a compiled graph bound to its arrays once, run as a tight loop of prepared
   kernel calls (backend).

@@ -74,7 +74,8 @@ class Executor:
             sessions=limits.identity_sessions or default_share(limits.max_sessions)), keys)
         self.accounts = SessionMemory(
             self.budget, Quotas(memory=limits.session_memory or limits.memory_limit),
-            lambda keep: self.table.close_silent(keep), self.identities.check_memory)
+            self._reclaim, self.identities.check_memory)
+        peers.use_budget(self.budget)
         self.outbox = Outbox(send, self.accounts.inflight,
                              self.metrics.client_out if self.metrics.enabled else None)
         self.report = SelfReport(backend, limits, self.budget, peers, self.sessions,
@@ -316,6 +317,12 @@ class Executor:
     def fail_queued(self, code: ErrorCode, message: str) -> None:
         """Answer every request still waiting in any session's queue with an error."""
         self.table.fail_queued(code, message)
+
+    def _reclaim(self, keep: Session) -> None:
+        """Memory is short for ``keep``: early chunks nobody announced go first, then the
+        sessions silent long enough to be gone."""
+        self.peers.stash.shed()
+        self.table.close_silent(keep)
 
     def reap(self) -> None:
         """Give back the bytes of materialized replies and pushes that libzmq has sent."""

@@ -19,7 +19,7 @@ import numpy as np
 from ..broker import files as f
 from ..broker import protocol as p
 from ..broker.protocol import Cmd, ErrorCode, WireError
-from .model_files import PLAIN_DTYPES, FileIdentity, FileRefused, ModelFiles, read_into
+from .model_files import PLAIN_DTYPES, FileIdentity, FileRefused, ModelFiles, quoted, read_into
 from .requests import Route
 from .tensor_cache import TensorCache
 
@@ -82,7 +82,7 @@ class Loading:
             raise WireError(ErrorCode.FILE_REFUSED, _why(exc)) from None
         try:
             if (st.st_size, st.st_mtime_ns) != (ident.size, ident.mtime_ns):
-                raise WireError(ErrorCode.FILE_REFUSED, f"{msg.path!r} changed while it was read")
+                raise WireError(ErrorCode.FILE_REFUSED, f"{quoted(msg.path)} changed while it was read")
             for offset, view in zip(spans, views):
                 self._read(fd, offset, view)
         except (FileRefused, OSError) as exc:

@@ -3,6 +3,17 @@
 Owned by the backend thread (one :class:`MemoryBudget` and one :class:`SessionMemory` per
 executor). Every byte handed out is counted here and nowhere else: a reservation either turns into memory the caller keeps (released
 when it frees it) or is given back when the allocation behind it fails.
+
+What counts against ``--mem`` (the :class:`MemoryBudget`), and what bounds each part:
+
+- a session's buffers, graph arenas and temporaries, one-off graphs while they run, and the
+  replies and peer pushes it had materialized until libzmq has sent them (:class:`SessionMemory`;
+  each session at most its ``--session-mem``, worker/quotas.py). Replies and pushes that alias a
+  buffer's memory add nothing: the buffer stays counted until they are sent (its trackers);
+- the early-chunk stash (:class:`~zmq_rpc.worker.stash.Stash`): unannounced chunks at most its
+  limit, and shed first when a session is short; announced ones by ``--mem`` alone;
+- the peer port's receive queues (:class:`~zmq_rpc.worker.peer_queue.PeerQueue`): a fixed bound
+  per open connection, held (:meth:`MemoryBudget.hold`) even over the limit.
 """
 
 from __future__ import annotations
@@ -45,6 +56,12 @@ class MemoryBudget:
     def release(self, size: int) -> None:
         """Give back bytes reserved earlier (their memory was freed)."""
         self.used -= size
+
+    def hold(self, size: int) -> None:
+        """Count ``size`` bytes the worker holds without a choice (libzmq's receive queue of a
+        peer connection that opened), even over the limit: nothing else is allocated until
+        they are released."""
+        self.used += size
 
     def allocate(self, size: int, what: str, alloc: Callable[[], T]) -> T:
         """Reserve ``size`` bytes, then ``alloc()``; the reservation is given back if it fails."""

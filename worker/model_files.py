@@ -57,6 +57,19 @@ PLAIN_DTYPES: dict[str, str] = {
 """File element types a destination must match exactly (others are raw blocks: uint8/int8)."""
 
 
+QUOTED_PATH_CHARS = 256
+"""A path quoted in a refusal is cut to this many characters (a 4,096-character path made a
+4,140-character reason, over the protocol's MAX_STRING)."""
+
+
+def quoted(path: object) -> str:
+    """``path`` quoted for a message, cut to QUOTED_PATH_CHARS (its repr, with an ellipsis)."""
+    text = str(path)
+    if len(text) <= QUOTED_PATH_CHARS:
+        return repr(text)
+    return f"{text[:QUOTED_PATH_CHARS]!r}... ({len(text)} characters)"
+
+
 class FileRefused(Exception):
     """A path, file or read the worker will not serve; the message says why."""
 
@@ -231,7 +244,7 @@ def file_format(path: str) -> str:
         return "gguf"
     if lower.endswith(".safetensors"):
         return "safetensors"
-    raise FileRefused(f"{path!r} is neither .gguf nor .safetensors")
+    raise FileRefused(f"{quoted(path)} is neither .gguf nor .safetensors")
 
 
 # ------------------------------------------------------------------------------ the files
@@ -254,18 +267,18 @@ class ModelFiles:
         if not name or "\0" in name or len(name) > MAX_NAME:
             raise FileRefused("a model file name must be a non-empty relative path")
         if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-            raise FileRefused(f"{name!r}: absolute paths and '..' are refused; name a file "
+            raise FileRefused(f"{quoted(name)}: absolute paths and '..' are refused; name a file "
                               "relative to a --model-dir")
         for root in self.roots:
             real = os.path.realpath(os.path.join(root, name))
             if not real.startswith(root + os.sep):
-                raise FileRefused(f"{name!r} leads out of the model directory (a symlink?)")
+                raise FileRefused(f"{quoted(name)} leads out of the model directory (a symlink?)")
             if os.path.lexists(real):
                 mode = os.lstat(real).st_mode
                 if not stat.S_ISREG(mode):
-                    raise FileRefused(f"{name!r} is not a regular file")
+                    raise FileRefused(f"{quoted(name)} is not a regular file")
                 return real
-        raise FileRefused(f"{name!r} is not in this worker's model directories")
+        raise FileRefused(f"{quoted(name)} is not in this worker's model directories")
 
     def open(self, name: str) -> tuple[int, os.stat_result]:
         """An open descriptor of the resolved file, checked to be that regular file."""
@@ -274,7 +287,7 @@ class ModelFiles:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or os.stat(real).st_ino != st.st_ino:
             os.close(fd)
-            raise FileRefused(f"{name!r} changed while it was opened")
+            raise FileRefused(f"{quoted(name)} changed while it was opened")
         return fd, st
 
     def identify(self, name: str) -> FileIdentity:
@@ -305,7 +318,7 @@ class ModelFiles:
         """``identify(name)``, refused unless its hash is ``digest``."""
         ident = self.identify(name)
         if ident.digest != digest:
-            raise FileMismatch(f"{name!r} on this worker is a different file (blake3 "
+            raise FileMismatch(f"{quoted(name)} on this worker is a different file (blake3 "
                                f"{ident.digest.hex()[:16]}..., the client has "
                                f"{digest.hex()[:16]}...)")
         return ident

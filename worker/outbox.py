@@ -3,6 +3,11 @@
 Owned by the backend thread; ``send`` is its end of the inproc PAIR. Every reply leaves through
 :class:`Outbox`: a reply that may be held (:class:`~zmq_rpc.worker.linked.HeldReplies`) waits
 there, and any other reply first sends the held ones, so replies leave in the order they were made.
+
+Every successful reply is checked here against the protocol, as a client decodes it (header
+size, field count, types and ranges, payload frame count), before it leaves: one that would not
+decode is logged and replaced by an INTERNAL error reply, never sent (a client would otherwise
+raise BadRequest for the worker's mistake, e.g. a 4,140-character ``reason``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 import zmq
 
 from ..broker import protocol as p
+from ..broker.errors import BadRequest
 from ..broker.protocol import ErrorCode
 from .linked import HeldReplies
 from .quotas import Charged, InFlight
@@ -69,6 +75,14 @@ class Outbox:
         """Big payloads that alias buffer memory go zero-copy, and their buffers track them; so
         do big copies (their bytes stay counted in memory until sent)."""
         header = p.encode_reply(req_id, msg)
+        broken = _breaks_protocol(header, msg, payload)
+        if broken is not None:
+            log.error("not sending a %s reply that breaks the protocol (%s)",
+                      type(msg).__name__, broken)
+            self.error(client_id, req_id, ErrorCode.INTERNAL,
+                       f"the worker made a {type(msg).__name__} reply that breaks the protocol "
+                       f"({broken}); it was not sent")
+            return
         tracked = [b for b in payload if isinstance(b, (TrackedPayload, Charged))]
         if not tracked:
             self._count(header, payload)
@@ -85,6 +99,19 @@ class Outbox:
                 self.inflight.add(tracker, item)
             else:
                 item.buffer.sending.append(tracker)
+
+
+def _breaks_protocol(header: bytes, msg: p.Message, payload: list[Any]) -> str | None:
+    """Why a client could not decode this reply (as ``client.io_loop`` does), or None."""
+    if header[:1] == b"\x92" and not payload and msg.payload_count() == 0:
+        return None       # [STATUS_OK, req_id], no fields: what from_fields([]) takes (hot path)
+    try:
+        type(msg).from_fields(p.unpack_header(header)[2:])
+    except BadRequest as exc:
+        return exc.message
+    if len(payload) != msg.payload_count():
+        return f"{len(payload)} payload frame(s), the reply says {msg.payload_count()}"
+    return None
 
 
 def _uncounted(header: bytes, payload: list[Any]) -> None:

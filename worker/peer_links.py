@@ -44,20 +44,18 @@ from ..broker.protocol import ErrorCode, TensorRef, WireError
 from ..broker.wire import printable
 from ..broker.zap import PEER_DOMAIN
 from .backends.base import Backend, View
+from .memory import MemoryBudget
 from .metrics import NullRecorder, Recorder
 from .peer_acks import AwaitedAcks, Done, LinkHooks, Outgoing
 from .peer_endpoints import PeerSecurity, resolve_endpoint
 from .peer_push import PushLinks
+from .peer_queue import PeerQueue
 from .peer_receive import Incoming, Receives
 from .peer_send import ZERO_COPY_BYTES, Push, Pusher, Source
 from .stash import Stash
 
 log = logging.getLogger("zmq_rpc.worker.peer")
 
-PEER_RCVHWM = 256
-"""Peer messages queued per sending connection before libzmq stops reading it (it was
-unbounded: a flood of the peer port while the backend was busy grew the worker without limit).
-A sender's chunks are 4 MiB: 1 GiB in flight per sender is far more than a transfer needs."""
 DRAIN_BATCH = 256
 """Peer messages handled per :meth:`PeerLinks.drain` (then the backend loop polls again)."""
 
@@ -66,14 +64,16 @@ class PeerLinks:
     """The backend thread's peer sockets and the transfers in progress."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, *, bind: str = "",
-                 advertise: str = "", max_message_size: int = 64 << 20,
+                 advertise: str = "",
                  stash_limit: int = 64 << 20, security: PeerSecurity | None = None,
                  links: PushLinks | None = None) -> None:
         self.security = security or PeerSecurity()
         self.pull: zmq.Socket[bytes] | None = None
+        self.queue: PeerQueue | None = None
+        """The PULL's receive queues, bounded and counted in --mem (None without a PULL)."""
         self.endpoint = ""
         if bind:      # without one, transfers still arrive relayed by clients (PEER_FILL)
-            self.pull = self._bind(ctx, bind, max_message_size)
+            self.pull = self._bind(ctx, bind)
             self.endpoint = self._advertised(self.pull, advertise)
         self.links = links if links is not None else PushLinks(ctx, self.security)
         """The PUSH sockets to peers (a test may hand in fakes)."""
@@ -84,14 +84,17 @@ class PeerLinks:
         self.pusher = Pusher(backend, self.links)
         self._metrics: Recorder = NullRecorder()
 
-    def _bind(self, ctx: zmq.Context[zmq.Socket[bytes]], bind: str,
-              max_message_size: int) -> zmq.Socket[bytes]:
+    def _bind(self, ctx: zmq.Context[zmq.Socket[bytes]], bind: str) -> zmq.Socket[bytes]:
         pull = ctx.socket(zmq.PULL)
-        pull.setsockopt(zmq.RCVHWM, PEER_RCVHWM)
-        pull.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        self.queue = PeerQueue(pull)          # RCVHWM, MAXMSGSIZE, connections watched
         if self.security.keys is not None:
             make_curve_server(pull, self.security.keys, PEER_DOMAIN)
-        pull.bind(bind)
+        try:
+            pull.bind(bind)
+        except zmq.ZMQError:
+            self.queue.close()
+            pull.close(linger=0)
+            raise
         return pull
 
     def _advertised(self, pull: zmq.Socket[bytes], advertise: str) -> str:
@@ -102,6 +105,13 @@ class PeerLinks:
         if keys is not None and split_endpoint(endpoint)[1] is None:
             endpoint = join_endpoint(endpoint, keys.public)
         return endpoint
+
+    def use_budget(self, budget: MemoryBudget) -> None:
+        """Count what this side holds for peers against ``budget`` (the worker's ``--mem``):
+        the early-chunk stash and the PULL's receive queues."""
+        self.stash.use_budget(budget)
+        if self.queue is not None:
+            self.queue.use_budget(budget)
 
     @property
     def metrics(self) -> Recorder:
@@ -124,6 +134,8 @@ class PeerLinks:
         return self.acks.pending
 
     def close(self) -> None:
+        if self.queue is not None:
+            self.queue.close()
         if self.pull is not None:
             self.pull.close(linger=0)
         self.links.close()
@@ -254,6 +266,8 @@ class PeerLinks:
         self.receives.expire(now)
         self.acks.expire(now)
         self.stash.expire(now)
+        if self.queue is not None:
+            self.queue.update()
 
     def forget(self, owner: object) -> None:
         """Drop everything of a closing session: its announced tokens' stashed chunks and its

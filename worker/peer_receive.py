@@ -108,9 +108,10 @@ class Receives:
         self.pending[token] = Incoming(
             owner, done, dst, view, time.monotonic() + timeout_ms / 1000, staging,
             None if in_place is None else memoryview(in_place))
-        stashed, why = self.stash.claim(owner, token)
-        if why is not None:                   # called off before it started: fail it now
-            self.finish(token, why)
+        stashed, aborted = self.stash.claim(owner, token)
+        if aborted is not None:               # called off before it started: fail it now
+            self.pending[token].reply_to = aborted.reply_to   # its sender hears it at once
+            self.finish(token, aborted.why)
             return
         if stashed is not None:
             for chunk, frame in stashed.messages:

@@ -200,7 +200,6 @@ class BackendThread(threading.Thread):
             control.bind(self.control_endpoint)
             self.peers = PeerLinks(self.ctx, self.backend, bind=self.peer_bind,
                                    advertise=self.peer_advertise,
-                                   max_message_size=self.limits.max_message_size,
                                    stash_limit=max(self.limits.memory_limit // 4, 64 << 20),
                                    security=self.peer_security)
             self.executor = Executor(self.backend, self.limits, pair.send_multipart,
