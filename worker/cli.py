@@ -22,6 +22,7 @@ from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
 from ..broker.ops import DEFAULT_MAX_WORK
 from .devices import parse_device
 from .logs import configure_logging
@@ -85,25 +86,22 @@ SCHEMES = ("tcp", "ipc")
 
 
 def endpoint(text: str, *, wildcard_port: bool = True) -> str:
-    """``text`` if a worker can bind it (``tcp://HOST:PORT``, ``tcp://HOST:*``, ``ipc://PATH``).
+    """``text`` if a worker can bind it (``tcp://HOST:PORT``, ``tcp://HOST:*``, ``ipc://PATH``),
+    read the way libzmq reads it (:mod:`zmq_rpc.broker.endpoints`: a ``SRC;`` source address,
+    IPv4 written otherwise than a.b.c.d and unbracketed IPv6 are refused).
 
     Raises :class:`argparse.ArgumentTypeError` saying what is wrong and what to write instead.
     """
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r} has no scheme: write tcp://{text}")
-    if scheme not in SCHEMES:
+    scheme, sep, _ = text.partition("://")
+    if sep and scheme not in SCHEMES:
         raise argparse.ArgumentTypeError(
             f"{text!r}: scheme {scheme}:// is not one of {', '.join(s + '://' for s in SCHEMES)}")
-    if scheme == "ipc":
-        if not rest:
-            raise argparse.ArgumentTypeError(f"{text!r} names no path: write ipc:///tmp/NAME")
-        return text
-    host, colon, port = rest.rpartition(":")
-    ports = "a port 1-65535" + (" or *" if wildcard_port else "")
-    if not colon or not host or not (port == "*" and wildcard_port
-                                     or port.isdigit() and 0 < int(port) < 65536):
-        raise argparse.ArgumentTypeError(f"{text!r} needs tcp://HOST:PORT with {ports}")
+    try:
+        parsed = bind_endpoint(text) if wildcard_port else parse_endpoint(text, wildcard_port=False)
+    except EndpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("endpoint ")) from None
+    if parsed.scheme == "tcp" and parsed.port == "0":
+        raise argparse.ArgumentTypeError(f"{text!r}: port 0: write * for a free port")
     return text
 
 
