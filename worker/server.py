@@ -458,7 +458,7 @@ class WorkerServer:
                             PEER_DOMAIN: KeySet(fixed=frozenset([keys.public]),
                                                 directory=cfg.worker_keys)})
         for keyset in policy.domains.values():
-            keyset.keys()                 # a bad directory fails the start, not a handshake
+            keyset.check()                # a bad directory or file fails the start
         self._zap = ZapThread(self.ctx, policy)
         self._zap.start()
         self._wait_ready(self._zap)
