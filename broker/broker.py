@@ -40,14 +40,13 @@ Socket options chosen here:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import zmq
 
+from .endpoints import needs_ipv6
 from .keys import KeyPair
 from .zap import CLIENT_DOMAIN
 
@@ -77,19 +76,6 @@ class BrokerConfig:
     max_message_size: int
     curve: KeyPair | None = None
     """The worker's key pair: clients must speak CURVE and pass the ZAP handler."""
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """Whether a tcp:// endpoint only listens on loopback (ipc:// and inproc:// count as local)."""
-    if not endpoint.startswith("tcp://"):
-        return True
-    host = urlsplit(endpoint).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def make_curve_server(sock: zmq.Socket[bytes], keys: KeyPair, domain: str) -> None:
@@ -141,6 +127,7 @@ class BrokerThread(threading.Thread):
         router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
         if cfg.curve is not None:
             make_curve_server(router, cfg.curve, CLIENT_DOMAIN)
+        router.setsockopt(zmq.IPV6, needs_ipv6(cfg.bind))
         try:
             router.bind(cfg.bind)
         except zmq.ZMQError as exc:

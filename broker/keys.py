@@ -20,6 +20,7 @@ import binascii
 import datetime
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,8 @@ import zmq
 from zmq.utils import z85
 
 __all__ = ["KeyPair", "KeyFileError", "CURVE_MARK", "generate_keypair", "load_keypair",
-           "load_public_key", "load_key_dir", "parse_key", "split_endpoint", "join_endpoint"]
+           "load_public_key", "load_key_dir", "read_key_dir", "key_dir_signature", "KeyDir",
+           "parse_key", "split_endpoint", "join_endpoint"]
 
 CURVE_MARK = "#curve="
 Z85_KEY_LEN = 40
@@ -126,10 +128,74 @@ def load_keypair(path: str | os.PathLike[str]) -> KeyPair:
 def load_key_dir(directory: str | os.PathLike[str]) -> frozenset[bytes]:
     """Every public key in ``directory``'s ``*.key`` files (a malformed one is an error: a typo
     must not silently lock someone out, or worse, be ignored in an allow list)."""
-    folder = Path(directory)
-    if not folder.is_dir():
-        raise KeyFileError(f"{folder} is not a directory of .key files")
-    return frozenset(load_public_key(p) for p in sorted(folder.glob("*.key")))
+    scan = read_key_dir(directory)
+    if scan.errors:
+        raise KeyFileError(scan.errors[0])
+    return scan.keys
+
+
+Signature = tuple[tuple[str, int, int, int, int], ...]
+"""Per ``*.key`` file, sorted by name: (name, size, mtime_ns, ctime_ns, inode)."""
+RACY_NS = 1_000_000_000
+"""A file whose mtime or ctime is this close to a read may change again without its signature
+changing (the kernel stamps times from a coarse clock: two same-size writes a few ms apart can
+carry one stamp, like ``cp carol.key bob.key`` right after bob.key was written): while any file
+is that fresh, its contents are read again at every look (git's "racy clean" problem)."""
+
+
+@dataclass(frozen=True)
+class KeyDir:
+    """What one read of a key directory found: the keys of its good files, one error per file
+    refused (malformed, unreadable), and the signature the read matched."""
+
+    signature: Signature
+    keys: frozenset[bytes]
+    errors: tuple[str, ...] = ()
+    racy: bool = False
+    """Some file changed within :data:`RACY_NS` of the read: read it again next time."""
+
+    def stale(self, signature: Signature) -> bool:
+        """Whether a look that found ``signature`` must read the files again."""
+        return self.racy or signature != self.signature
+
+
+def key_dir_signature(directory: str | os.PathLike[str]) -> Signature:
+    """One ``scandir`` and one ``stat`` per ``*.key`` file (following symlinks): any write,
+    replacement, rename, addition or removal of a file changes it. KeyFileError when the
+    directory cannot be listed."""
+    entries = []
+    try:
+        with os.scandir(directory) as listing:
+            for entry in listing:
+                if entry.name.endswith(".key"):
+                    entries.append(_file_signature(entry))
+    except OSError as exc:
+        raise KeyFileError(f"{directory} is not a readable directory of .key files "
+                           f"({exc.strerror})") from None
+    return tuple(sorted(entries))
+
+
+def _file_signature(entry: os.DirEntry[str]) -> tuple[str, int, int, int, int]:
+    try:
+        st = os.stat(entry.path)
+    except OSError:          # a dangling link, or gone since the listing: read() says why
+        return (entry.name, -1, -1, -1, -1)
+    return (entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def read_key_dir(directory: str | os.PathLike[str]) -> KeyDir:
+    """Each ``*.key`` file read on its own: a malformed one is refused (named in ``errors``)
+    and the others still count, so a removal elsewhere in the directory always applies."""
+    signature = key_dir_signature(directory)
+    keys, errors = set(), []
+    for name, *_ in signature:
+        try:
+            keys.add(load_public_key(Path(directory) / name))
+        except KeyFileError as exc:
+            errors.append(str(exc))
+    now = time.time_ns()
+    racy = any(now - max(sig[2], sig[3]) < RACY_NS for sig in signature)
+    return KeyDir(signature, frozenset(keys), tuple(errors), racy)
 
 
 _BANNER = ("#   ****  Generated on {now} by zmq-rpc-keygen  ****\n"

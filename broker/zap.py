@@ -9,16 +9,17 @@ the broker or the peer port. Two domains:
 - ``zmq-rpc-peer`` (the PULL port other workers push to): this worker's own key and the keys in
   ``--worker-keys DIR``.
 
-A directory is read again when its modification time changes (adding or removing a ``.key`` file
-does that), so keys can be granted and revoked without a restart; a revocation stops new
-connections, not the ones already open (restart the worker, or wait for the client to reconnect).
-A directory that fails to reload keeps its last good keys and the failure is logged.
+A directory is read again whenever any of its ``*.key`` files changes (added, removed, renamed,
+rewritten in place: the name, size, mtime, ctime and inode of every file are compared with the
+last read's, at a handshake, at most every :data:`RESCAN_S` = 0.1 s), so keys are granted and
+revoked for every handshake that starts 0.1 s after the change, without a restart; a revocation stops new connections, not the ones already open (restart the worker, or
+wait for the client to reconnect). A malformed file is refused, logged by name, while the other
+files still apply; a directory that cannot be listed grants nothing until it can.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils import z85
 
-from .keys import KeyFileError, load_key_dir
+from .keys import KeyDir, KeyFileError, key_dir_signature, read_key_dir
 from .wire import printable
 
 log = logging.getLogger("zmq_rpc.zap")
@@ -38,36 +39,61 @@ REFUSAL_LOG_EVERY = 10.0
 """Seconds between refusal log lines for one address (a flood of handshakes is one line each)."""
 
 
+RESCAN_S = 0.1
+"""How often, at most, a key directory's signature is taken (at a handshake, not on a timer): a
+change applies to every handshake that starts this long after it. Taking it costs one scandir
+and one stat per ``*.key`` file (measured on this 2-vCPU machine, busy: 44 us median for 1 key,
+0.1 ms for 10, 0.7 ms for 100, 19 ms for 1,000), GIL held in between: per handshake, a flood of
+handshakes with made-up keys would take that from every thread of the worker."""
+
+
 @dataclass
 class KeySet:
-    """Fixed keys plus the keys of a directory, reread when it changes."""
+    """Fixed keys plus the keys of a directory, reread when any of its ``*.key`` files changes:
+    its signature (name, size, mtime, ctime, inode of every file) is compared with the last
+    read's at most every :data:`RESCAN_S`."""
 
     fixed: frozenset[bytes] = frozenset()
     directory: str | None = None
     loaded: frozenset[bytes] = frozenset()
-    mtime: float = -1.0
+    scan: KeyDir | None = None
+    """The last read of the directory (None: never read, or unreadable at the last look)."""
+    next_look: float = 0.0
 
     def keys(self) -> frozenset[bytes]:
         if self.directory is not None:
             self._refresh(self.directory)
         return self.fixed | self.loaded
 
+    def check(self) -> None:
+        """KeyFileError unless the directory reads cleanly (at start: a bad file or directory
+        stops the worker from starting, rather than locking someone out later)."""
+        if self.directory is not None:
+            scan = read_key_dir(self.directory)
+            if scan.errors:
+                raise KeyFileError("; ".join(scan.errors))
+
     def _refresh(self, directory: str) -> None:
-        try:
-            mtime = os.stat(directory).st_mtime
-        except OSError as exc:
-            log.error("authorized keys %s unreadable (%s): keeping %d key(s)", directory,
-                      exc.strerror, len(self.loaded))
+        now = time.monotonic()
+        if now < self.next_look:
             return
-        if mtime == self.mtime:
-            return
+        self.next_look = now + RESCAN_S
         try:
-            self.loaded = load_key_dir(directory)
-        except KeyFileError as exc:
-            log.error("cannot reload keys: %s; keeping %d key(s)", exc, len(self.loaded))
-        else:
-            log.info("%d key(s) authorized from %s", len(self.loaded), directory)
-        self.mtime = mtime
+            signature = key_dir_signature(directory)
+            if self.scan is not None and not self.scan.stale(signature):
+                return
+            scan = read_key_dir(directory)
+        except KeyFileError as exc:      # gone or unreadable: accept none of its keys
+            if self.scan is not None or self.loaded:
+                log.error("%s: accepting none of its keys until it can be read", exc)
+            self.loaded, self.scan = frozenset(), None
+            return
+        if self.scan is None or scan.signature != self.scan.signature:
+            for error in scan.errors:        # once per change, not per handshake
+                log.error("refusing key file %s (the other keys of %s apply)", error,
+                          directory)
+            log.info("%d key(s) authorized from %s", len(scan.keys), directory)
+        self.loaded, self.scan = scan.keys, scan
 
 
 @dataclass

@@ -48,11 +48,11 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import zmq
 
 from ..broker import protocol as p
+from ..broker.endpoints import EndpointError, parse_endpoint
 from ..broker.errors import BadEndpoint, ClientClosed, ConnectionLost
 from ..broker.protocol import Cmd
 from .calls import Call, OnReply, Reservation, drain_inbox, fail_call, fail_item
@@ -72,32 +72,18 @@ on loopback as fast within this machine's noise; each byte in flight is a messag
 until its backend thread copies it out, so a client that shares a worker with many others can pass
 a smaller ``window_bytes``."""
 
-SCHEMES = ("tcp", "ipc", "inproc")
 
 MAX_TIMINGS = 100_000
 """Timings kept until read (:meth:`Engine.drain_timings`); older ones are dropped."""
 
 
 def check_endpoint(endpoint: str) -> str:
-    """``endpoint`` if zmq-rpc can connect to it, else :class:`BadEndpoint` saying why."""
-    if not isinstance(endpoint, str):
-        raise BadEndpoint(f"an endpoint is a string like 'tcp://host:port', not {endpoint!r}")
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep:
-        raise BadEndpoint(f"endpoint {endpoint!r} has no scheme: write 'tcp://{endpoint}'")
-    if scheme not in SCHEMES:
-        raise BadEndpoint(f"endpoint {endpoint!r}: scheme {scheme!r} is not one of "
-                          f"{', '.join(s + '://' for s in SCHEMES)}")
-    if not rest:
-        raise BadEndpoint(f"endpoint {endpoint!r} names no address")
-    if scheme == "tcp":
-        try:
-            port = urlsplit(endpoint).port
-        except ValueError:
-            port = None
-        if port is None or not urlsplit(endpoint).hostname:
-            raise BadEndpoint(f"endpoint {endpoint!r} needs a host and a port "
-                              "('tcp://host:port')")
+    """``endpoint`` if zmq-rpc can connect to it, else :class:`BadEndpoint` saying why (read
+    the way libzmq reads it: :mod:`zmq_rpc.broker.endpoints`)."""
+    try:
+        parse_endpoint(endpoint, wildcard_port=False)
+    except EndpointError as exc:
+        raise BadEndpoint(str(exc)) from None
     return endpoint
 
 

@@ -19,6 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..broker import protocol as p
+from ..broker.endpoints import needs_ipv6
 from ..broker.errors import AuthenticationFailed, ConnectionLost, RpcError, SessionLost
 from ..broker.protocol import Cmd, ErrorCode
 
@@ -73,6 +74,7 @@ class Link:
         dealer.setsockopt(zmq.SNDHWM, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.setsockopt(zmq.RCVTIMEO, SYNC_SLICE_MS)
+        dealer.setsockopt(zmq.IPV6, needs_ipv6(self.endpoint))   # tcp://[::1]:P: ENODEV without
         dealer.setsockopt(zmq.HEARTBEAT_IVL, opts.zmq_heartbeat_ms)
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmq_heartbeat_timeout_ms)
         dealer.setsockopt(zmq.HEARTBEAT_TTL, opts.zmq_heartbeat_timeout_ms)

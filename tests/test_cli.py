@@ -47,8 +47,12 @@ def test_a_taken_port_ends_the_worker_at_once_with_a_clear_message(
 @pytest.mark.parametrize(("bind", "message"), [
     ("127.0.0.1:50073", " has no scheme: write tcp://127.0.0.1:50073"),
     ("http://127.0.0.1:50073", ": scheme http:// is not one of tcp://, ipc://"),
-    ("tcp://127.0.0.1", " needs tcp://HOST:PORT with a port 1-65535 or *"),
-    ("tcp://127.0.0.1:70000", " needs tcp://HOST:PORT with a port 1-65535 or *"),
+    ("tcp://127.0.0.1", " needs tcp://HOST:PORT (port 0-65535 or *)"),
+    ("tcp://127.0.0.1:70000", ": port '70000' is not 0-65535 or *"),
+    ("tcp://127.0.0.1:0", ": port 0: write * for a free port"),
+    ("tcp://127.0.0.1:1;0.0.0.0:50073", ": a source address (before ';') means nothing"),
+    ("tcp://0x7f000001:50073", ": write the IPv4 address '0x7f000001' as four decimal"),
+    ("tcp://::1:50073", ": write an IPv6 address in brackets, tcp://[::1]:50073"),
 ])
 def test_a_bad_endpoint_is_refused_before_anything_starts(bind: str, message: str) -> None:
     out = run_worker("--bind", bind)

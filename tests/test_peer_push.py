@@ -1,4 +1,4 @@
-"""The PUSH links to other workers (worker/peer_push.py), on inproc sockets closed with linger 0."""
+"""The PUSH links to other workers (worker/peer_push.py), on sockets that connect to nothing (abstract ipc names), closed with linger 0."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from zmq_rpc.broker.keys import KeyPair
 from zmq_rpc.broker.protocol import WireError
+from zmq_rpc.broker.zap import KeySet
 from zmq_rpc.worker.peer_endpoints import PeerSecurity
 from zmq_rpc.worker.peer_push import MAX_LINKS, PushLinks
 
@@ -27,21 +29,21 @@ def links() -> Iterator[PushLinks]:
 
 def test_a_link_is_reused_and_the_least_recently_used_closes_beyond_the_limit(
         links: PushLinks) -> None:
-    first = links.get("inproc://peer-0")
-    opened = [links.get(f"inproc://peer-{i}") for i in range(1, MAX_LINKS)]
-    assert links.get("inproc://peer-0") is first          # reused, and now the most recent
-    links.get("inproc://one-too-many")
+    first = links.get("ipc://@zmq-rpc-test-peer-0")
+    opened = [links.get(f"ipc://@zmq-rpc-test-peer-{i}") for i in range(1, MAX_LINKS)]
+    assert links.get("ipc://@zmq-rpc-test-peer-0") is first          # reused, and now the most recent
+    links.get("ipc://@zmq-rpc-test-one-too-many")
     assert len(links) == MAX_LINKS and len(links.monitors) == MAX_LINKS
-    assert "inproc://peer-1" not in links and opened[0].closed
-    assert "inproc://peer-0" in links and not first.closed
+    assert "ipc://@zmq-rpc-test-peer-1" not in links and opened[0].closed
+    assert "ipc://@zmq-rpc-test-peer-0" in links and not first.closed
 
 
 def test_a_dropped_link_is_closed_and_the_next_use_reconnects(links: PushLinks) -> None:
-    sock = links.get("inproc://peer")
-    links.drop("inproc://peer")
-    links.drop("inproc://peer")                           # twice: nothing left to close
-    assert sock.closed and "inproc://peer" not in links and not links.monitors
-    again = links.get("inproc://peer")
+    sock = links.get("ipc://@zmq-rpc-test-peer")
+    links.drop("ipc://@zmq-rpc-test-peer")
+    links.drop("ipc://@zmq-rpc-test-peer")                           # twice: nothing left to close
+    assert sock.closed and "ipc://@zmq-rpc-test-peer" not in links and not links.monitors
+    again = links.get("ipc://@zmq-rpc-test-peer")
     assert again is not sock and not again.closed
 
 
@@ -61,6 +63,31 @@ def test_a_disconnection_is_seen_once(links: PushLinks) -> None:
         time.sleep(0.01)
     assert not links.disconnected(endpoint)               # said once
     assert not links.disconnected("tcp://127.0.0.1:9")    # never opened: nothing to say
+
+
+def test_only_probed_endpoints_may_be_pushed_to_with_or_without_curve() -> None:
+    """Under CURVE too (issue 24): the probe's answer is the peer handshake."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    keys = KeyPair(*zmq.curve_keypair())
+    links = PushLinks(ctx, PeerSecurity(keys, KeySet(fixed=frozenset([keys.public]))))
+    endpoint = f"tcp://10.0.0.1:5#curve={keys.public.decode()}"
+    try:
+        with pytest.raises(WireError, match="has not answered a peer probe"):
+            links.check_verified(endpoint)
+        links.verify(endpoint)
+        links.check_verified(endpoint)
+    finally:
+        ctx.term()
+
+
+def test_inproc_and_source_addresses_are_refused_and_open_no_socket(links: PushLinks) -> None:
+    for endpoint in ("inproc://zeromq.zap.01", "tcp://127.0.0.1:1;10.0.0.1:5", "tcp://127.1:5"):
+        links.verify(endpoint)
+        with pytest.raises(WireError, match="names an IP address"):
+            links.check_verified(endpoint)
+        with pytest.raises(WireError, match="names an IP address"):
+            links.get(endpoint)
+    assert len(links) == 0
 
 
 def test_without_curve_only_probed_endpoints_may_be_pushed_to(links: PushLinks) -> None:

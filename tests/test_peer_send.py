@@ -24,7 +24,7 @@ from zmq_rpc.worker.quotas import Charged, Usage
 
 pytestmark = pytest.mark.timeout(10)
 
-EP = "inproc://peer-b"
+EP = "tcp://10.0.0.2:7"
 
 
 @dataclass

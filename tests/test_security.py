@@ -31,6 +31,7 @@ from zmq_rpc.broker.keys import (
 )
 from zmq_rpc.broker.protocol import Cmd, ErrorCode, WireError
 from zmq_rpc.broker.wire import printable
+from zmq_rpc.broker.zap import RESCAN_S
 from zmq_rpc.client import AuthenticationFailed, Client, TransferError
 from zmq_rpc.client.security import resolve_curve
 from zmq_rpc.worker.peer_endpoints import check_numeric, resolve_endpoint
@@ -195,10 +196,67 @@ def test_authorized_keys_reread_when_the_directory_changes(
     _, endpoint = curve_worker()
     with pytest.raises(AuthenticationFailed):
         Client(endpoint, curve_key=keys.secret("mallory"))
-    time.sleep(0.01)                               # a new mtime for the directory
     (Path(keys.dir("clients")) / "mallory.key").write_bytes(
         (Path(keys.dir("strangers")) / "mallory.key").read_bytes())
+    time.sleep(RESCAN_S)            # the stated bound: handshakes from then on see the change
     make_client(endpoint, curve_key=keys.secret("mallory")).alloc_buffer(16)
+
+
+def _accepted(endpoint: str, secret: str) -> bool:
+    """Whether a real CURVE client with this key pair gets through (default settings)."""
+    try:
+        with Client(endpoint, curve_key=secret) as client:
+            client.ping()
+        return True
+    except AuthenticationFailed:
+        return False
+
+
+def test_a_key_file_rewritten_in_place_takes_effect_at_the_next_handshake(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys) -> None:
+    """``cp carol.key clients/bob.key`` onto the existing file (same name, size and inode; the
+    directory's mtime does not change) left bob accepted and carol refused (issue 24, 3)."""
+    clients = Path(keys.dir("clients"))
+    _, bob = generate_keypair(clients, "bob")
+    carol_public, carol = generate_keypair(keys.root / "others", "carol")
+    _, endpoint = curve_worker()
+    assert _accepted(endpoint, str(bob)) and not _accepted(endpoint, str(carol))
+    with open(clients / "bob.key", "r+b") as f:       # what cp onto an existing file does
+        f.write(carol_public.read_bytes())
+        f.truncate()
+    time.sleep(RESCAN_S)            # the stated bound: handshakes from then on see the change
+    assert not _accepted(endpoint, str(bob)), "a rewritten key file still grants the old key"
+    assert _accepted(endpoint, str(carol))
+    assert _accepted(endpoint, keys.secret("alice"))
+
+
+def test_a_malformed_key_file_is_refused_by_name_and_removals_still_apply(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A malformed ``*.key`` kept the last good key set, so a key removed meanwhile stayed
+    accepted (issue 24, 3)."""
+    clients = Path(keys.dir("clients"))
+    _, bob = generate_keypair(clients, "bob")
+    _, endpoint = curve_worker()
+    assert _accepted(endpoint, str(bob))
+    with caplog.at_level(logging.ERROR, logger="zmq_rpc.zap"):
+        (clients / "typo.key").write_text("public-key = not a key\n")
+        (clients / "bob.key").unlink()
+        time.sleep(RESCAN_S)
+        assert not _accepted(endpoint, str(bob)), "a removed key stayed accepted"
+        assert _accepted(endpoint, keys.secret("alice"))
+    assert any("typo.key" in r.getMessage() and "refusing key file" in r.getMessage()
+               for r in caplog.records)
+    (clients / "typo.key").unlink()
+    time.sleep(RESCAN_S)
+    assert _accepted(endpoint, keys.secret("alice"))
+
+
+def test_a_malformed_key_file_stops_the_start(keys: Keys) -> None:
+    (Path(keys.dir("clients")) / "typo.key").write_text("public-key = nope\n")
+    with pytest.raises(KeyFileError, match="typo.key"):
+        WorkerServer(WorkerConfig(bind="tcp://127.0.0.1:*", curve=keys.pairs["w1"],
+                                  authorized_keys=keys.dir("clients"))).start()
 
 
 def test_curve_bytes_on_the_wire_are_encrypted(
@@ -323,6 +381,51 @@ def test_curve_worker_pushes_only_to_known_worker_keys(
         with pytest.raises(TransferError, match=why):
             fut.result(timeout=5)
     assert not trap.poll(200)
+
+
+def test_a_curve_worker_never_pushes_to_inproc(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys,
+        make_client: Callable[..., Client]) -> None:
+    """The attack of issue 24 (4): a PEER_SEND to ``inproc://zeromq.zap.01#curve=<the worker's
+    own key>`` with ``acked`` false succeeded, and its chunks landed in the ZAP handler's socket
+    (inproc has no handshake). Refused now, as is a probe there; the ZAP handler still serves."""
+    _, ep1 = curve_worker("w1")
+    a = make_client(ep1, curve_key=keys.secret("alice"))
+    src = a.alloc_buffer(64).tensor((64,), "uint8")
+    own = keys.pairs["w1"].public.decode()
+    for target in ("inproc://zeromq.zap.01", "inproc://zmq-rpc-anything"):
+        endpoint = f"{target}#curve={own}"
+        send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+                                                    endpoint=endpoint, timeout_ms=2000,
+                                                    acked=False))
+        with pytest.raises(TransferError, match="inproc:// would reach sockets inside"):
+            send.result(timeout=5)
+        probe = a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=endpoint, timeout_ms=1000))
+        with pytest.raises(TransferError, match="inproc:// would reach sockets inside"):
+            probe.result(timeout=5)
+    assert _accepted(ep1, keys.secret("alice"))
+    assert not _accepted(ep1, keys.secret("mallory"))
+
+
+def test_a_curve_worker_pushes_tensors_only_after_the_peer_handshake(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], keys: Keys,
+        make_client: Callable[..., Client]) -> None:
+    """A PEER_SEND to a known worker key that this worker never probed is refused: the probe's
+    answer is the peer handshake, under CURVE as without."""
+    _, ep1 = curve_worker("w1")
+    _, ep2 = curve_worker("w2")
+    a = make_client(ep1, curve_key=keys.secret("alice"))
+    b = make_client(ep2, curve_key=keys.secret("alice"))
+    src = a.alloc_buffer(64).tensor((64,), "uint8")
+    send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+                                                endpoint=b.info.peer_endpoint, timeout_ms=2000,
+                                                acked=False))
+    with pytest.raises(TransferError, match="has not answered a peer probe"):
+        send.result(timeout=5)
+    a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=b.info.peer_endpoint,
+                                           timeout_ms=3000)).result(timeout=5)
+    dst = b.alloc_buffer(64).tensor((64,), "uint8")
+    a.copy_tensor(src, dst)
 
 
 def test_peer_port_refuses_unauthenticated_pushers(

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..broker import protocol as p
 from ..broker.errors import RpcError
+from ..broker.keys import KeyFileError
 from ..client import Client
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -41,16 +42,19 @@ class Row:
 class Poller:
     """Clients of the workers, opened on first use and reopened after a failure."""
 
-    def __init__(self, endpoints: Sequence[str], timeout: float) -> None:
+    def __init__(self, endpoints: Sequence[str], timeout: float,
+                 curve_key: str | None = None) -> None:
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.curve_key = curve_key
+        """The key pair (a .key_secret file) for CURVE workers; None: $ZMQ_RPC_CURVE_SECRET_KEY."""
         self.clients: dict[str, Client] = {}
 
     def _client(self, endpoint: str) -> Client:
         client = self.clients.get(endpoint)
         if client is None:
             client = Client(endpoint, timeout=self.timeout, connect_timeout=self.timeout,
-                            name="zmq-rpc-status")
+                            name="zmq-rpc-status", curve_key=self.curve_key)
             self.clients[endpoint] = client
         return client
 
@@ -63,6 +67,8 @@ class Poller:
                 asked.append((endpoint, client, client.status_async()))
             except RpcError as exc:
                 asked.append((endpoint, None, f"{type(exc).__name__}: {exc}"))
+            except KeyFileError as exc:     # a CURVE worker, and no usable key pair here
+                asked.append((endpoint, None, f"no key: {exc} (--curve-key FILE)"))
         return [self._row(*item) for item in asked]
 
     def _row(self, endpoint: str, client: Client | None,
@@ -168,6 +174,9 @@ def build_parser(prog: str = "zmq-rpc-worker status") -> argparse.ArgumentParser
                     help="refresh every SECONDS (default 2) until Ctrl-C")
     ap.add_argument("--timeout", type=float, default=5.0,
                     help="seconds to wait for each worker (default %(default)s)")
+    ap.add_argument("--curve-key", metavar="FILE", default=None,
+                    help="this client's CURVE key pair (a .key_secret file) for workers whose "
+                         "endpoint carries #curve=KEY (default: $ZMQ_RPC_CURVE_SECRET_KEY)")
     return ap
 
 
@@ -175,7 +184,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "zmq-rpc-worker status")
     """Entry point; exit code 1 if some worker did not answer (in the last refresh)."""
     args = build_parser(prog).parse_args(argv)
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
-    poller = Poller(endpoints, args.timeout)
+    poller = Poller(endpoints, args.timeout, args.curve_key)
     stop: list[bool] = []
     if args.watch is not None:
         signal.signal(signal.SIGINT, lambda *_: stop.append(True))

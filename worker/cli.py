@@ -22,6 +22,7 @@ from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
 from ..broker.ops import DEFAULT_MAX_WORK
 from .devices import parse_device
 from .logs import configure_logging
@@ -85,30 +86,34 @@ SCHEMES = ("tcp", "ipc")
 
 
 def endpoint(text: str, *, wildcard_port: bool = True) -> str:
-    """``text`` if a worker can bind it (``tcp://HOST:PORT``, ``tcp://HOST:*``, ``ipc://PATH``).
+    """``text`` if a worker can bind it (``tcp://HOST:PORT``, ``tcp://HOST:*``, ``ipc://PATH``),
+    read the way libzmq reads it (:mod:`zmq_rpc.broker.endpoints`: a ``SRC;`` source address,
+    IPv4 written otherwise than a.b.c.d and unbracketed IPv6 are refused).
 
     Raises :class:`argparse.ArgumentTypeError` saying what is wrong and what to write instead.
     """
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{text!r} has no scheme: write tcp://{text}")
-    if scheme not in SCHEMES:
+    scheme, sep, _ = text.partition("://")
+    if sep and scheme not in SCHEMES:
         raise argparse.ArgumentTypeError(
             f"{text!r}: scheme {scheme}:// is not one of {', '.join(s + '://' for s in SCHEMES)}")
-    if scheme == "ipc":
-        if not rest:
-            raise argparse.ArgumentTypeError(f"{text!r} names no path: write ipc:///tmp/NAME")
-        return text
-    host, colon, port = rest.rpartition(":")
-    ports = "a port 1-65535" + (" or *" if wildcard_port else "")
-    if not colon or not host or not (port == "*" and wildcard_port
-                                     or port.isdigit() and 0 < int(port) < 65536):
-        raise argparse.ArgumentTypeError(f"{text!r} needs tcp://HOST:PORT with {ports}")
+    try:
+        parsed = bind_endpoint(text) if wildcard_port else parse_endpoint(text, wildcard_port=False)
+    except EndpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("endpoint ")) from None
+    if parsed.scheme == "tcp" and parsed.port == "0":
+        raise argparse.ArgumentTypeError(f"{text!r}: port 0: write * for a free port")
     return text
 
 
 def _peer_bind(text: str) -> str:
     return text if text == "none" else endpoint(text)
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 for a free one."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: a port is 0-65535 (0: a free one)")
+    return int(text)
 
 
 def _device(text: str) -> str:
@@ -147,7 +152,8 @@ EPILOG = (f"SIGINT/SIGTERM: requests already received are answered or failed, th
           f"exits 0 (a later signal does not change that); if that takes more than "
           f"{SHUTDOWN_BOUND_S:g} s (one long graph run), it exits 1 without waiting. Exit 1 also "
           f"when it cannot start (address in use, bad --mem, no such device), 2 for bad flags. "
-          f"'zmq-rpc-worker status tcp://HOST:PORT[,...] [--json] [--sessions] [--watch [S]]' "
+          f"'zmq-rpc-worker status tcp://HOST:PORT[,...] [--json] [--sessions] [--watch [S]] "
+          f"[--curve-key FILE]' "
           f"asks running workers what they are doing.")
 
 
@@ -155,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The worker's command line."""
     ap = argparse.ArgumentParser(prog="zmq-rpc-worker", description=DESCRIPTION, epilog=EPILOG)
     ap.add_argument("--bind", type=endpoint, default="tcp://127.0.0.1:50052",
-                    help="endpoint to listen on for clients: tcp://HOST:PORT (port * picks a "
-                         "free one) or ipc://PATH (default %(default)s)")
+                    help="endpoint to listen on for clients: tcp://HOST:PORT (HOST a.b.c.d, "
+                         "[IPv6], * or a name; port * picks a free one) or ipc://PATH "
+                         "(default %(default)s)")
     ap.add_argument("--device", type=_device, default="cpu",
                     help="cpu (numpy), or cuda / cuda:N for GPU N (cupy: pip install "
                          "'zmq-rpc[cuda]'); several GPUs: one worker each, on its own port "
@@ -216,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "encrypted")
     sec.add_argument("--authorized-keys", metavar="DIR", default=None,
                      help="directory of client public keys (*.key) allowed to connect; reread "
-                          "when it changes")
+                          "when any file in it changes (added, removed, rewritten in place): "
+                          "handshakes that start 0.1 s after a change see it. A malformed "
+                          "file is refused (logged by name) and the others apply")
     sec.add_argument("--worker-keys", metavar="DIR", default=None,
                      help="directory of worker public keys this worker accepts pushes from and "
                           "pushes to (its own key always counts)")
@@ -232,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text lines, or one JSON object per line for log collectors "
                          "(default %(default)s; at INFO: start, stop, one line per session "
                          "event)")
-    ap.add_argument("--metrics-port", type=int, default=None,
-                    help="serve Prometheus metrics over HTTP on this port (0: a free one; "
-                         "default: no metrics)")
+    ap.add_argument("--metrics-port", type=_port, default=None,
+                    help="serve Prometheus metrics over HTTP on this port (0: a free one, "
+                         "printed on stdout; default: no metrics)")
     ap.add_argument("--metrics-host", default="127.0.0.1",
                     help="address the metrics endpoint listens on (default %(default)s)")
     ap.add_argument("--version", action="version", version=f"zmq-rpc {package_version()}")

@@ -8,10 +8,10 @@ endpoint (:func:`resolve_endpoint`, the only name resolution: the worker's owner
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from dataclasses import dataclass, field
 
+from ..broker.endpoints import EndpointError, parse_endpoint
 from ..broker.keys import KeyFileError, KeyPair, join_endpoint, split_endpoint
 from ..broker.protocol import ErrorCode, WireError
 from ..broker.wire import printable
@@ -19,47 +19,45 @@ from ..broker.zap import KeySet
 
 NAMES_REFUSED = ("names an IP address (tcp://IP:PORT, tcp://[IPv6]:PORT) or ipc://PATH: libzmq "
                  "resolves a host name on the worker's I/O thread, synchronously, so a name that "
-                 "does not resolve would stall every connection of this worker for seconds")
+                 "does not resolve would stall every connection of this worker for seconds, and "
+                 "inproc:// would reach sockets inside the worker itself, with no handshake")
 
 
 def check_numeric(address: str) -> None:
-    """TRANSFER_FAILED unless ``address`` needs no name resolution to connect to.
+    """TRANSFER_FAILED unless ``address`` is ``tcp://IP:PORT`` (an address literal, no source
+    address) or ``ipc://PATH``: what a worker may connect a peer link to.
 
-    Peer endpoints come from the network (a client's PEER_SEND, a probe's reply address). libzmq
-    calls getaddrinfo for a ``tcp://NAME:PORT`` on its I/O thread and again at every reconnect;
-    an unresolvable name blocks that thread ~1.5 s each time, and with it every client's
-    requests, replies and heartbeats (the long fuzz's lost probes). So links take IP addresses
-    only; a worker's own advertised endpoint is resolved once at start (:func:`resolve_endpoint`).
+    Peer endpoints come from the network (a client's PEER_SEND, a probe's reply address).
+    libzmq calls getaddrinfo for a ``tcp://NAME:PORT`` on its I/O thread and again at every
+    reconnect; an unresolvable name blocks that thread ~1.5 s each time, and with it every
+    client's requests, replies and heartbeats (the long fuzz's lost probes). So links take IP
+    addresses only; a worker's own advertised endpoint is resolved once at start
+    (:func:`resolve_endpoint`). ``inproc://`` is refused: it reaches sockets inside this
+    worker's own process with no handshake at all (the ZAP handler's
+    ``inproc://zeromq.zap.01`` took tensor chunks that way, issue 24), and a ``SRC;`` source
+    address is refused: which local address a link leaves from is not a client's to choose.
     """
-    scheme, _, rest = address.partition("://")
-    if scheme in ("ipc", "inproc") and rest:
-        return
-    host, colon, port = rest.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
     try:
-        ok = scheme == "tcp" and bool(colon) and port.isdigit() and bool(ipaddress.ip_address(host))
-    except ValueError:
-        ok = False
-    if not ok:
-        raise WireError(ErrorCode.TRANSFER_FAILED, f"peer endpoint "
-                        f"{printable(address, 100)} refused: a peer endpoint {NAMES_REFUSED}")
+        endpoint = parse_endpoint(address, wildcard_port=False)
+    except EndpointError as exc:
+        raise WireError(ErrorCode.TRANSFER_FAILED, f"peer endpoint {printable(address, 100)} "
+                        f"refused: {printable(str(exc), 200)}; a peer endpoint "
+                        f"{NAMES_REFUSED}") from None
+    if endpoint.scheme == "ipc" or (endpoint.ip is not None and endpoint.source is None):
+        return
+    raise WireError(ErrorCode.TRANSFER_FAILED, f"peer endpoint {printable(address, 100)} "
+                    f"refused: a peer endpoint {NAMES_REFUSED}")
 
 
 def resolve_endpoint(endpoint: str) -> str:
     """``tcp://NAME:PORT[#curve=KEY]`` with NAME resolved to an IP address, once (a worker's
     ``--peer-advertise``, given by whoever starts it); other endpoints as they are."""
     address, key = split_endpoint(endpoint)
-    scheme, _, rest = address.partition("://")
-    host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or host.startswith("["):
+    parsed = parse_endpoint(address, wildcard_port=False)
+    if parsed.host is None or parsed.ip is not None:
         return endpoint
-    try:
-        ipaddress.ip_address(host)
-        return endpoint
-    except ValueError:
-        pass
-    family, *_, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    port = int(parsed.port)
+    family, *_, sockaddr = socket.getaddrinfo(parsed.host.text, port, type=socket.SOCK_STREAM)[0]
     ip = str(sockaddr[0])
     resolved = f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
     return join_endpoint(resolved, key)

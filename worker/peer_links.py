@@ -38,6 +38,7 @@ import zmq
 
 from ..broker import peer as wire
 from ..broker.broker import make_curve_server
+from ..broker.endpoints import needs_ipv6
 from ..broker.errors import BadRequest
 from ..broker.keys import join_endpoint, split_endpoint
 from ..broker.protocol import ErrorCode, TensorRef, WireError
@@ -72,9 +73,15 @@ class PeerLinks:
         self.queue: PeerQueue | None = None
         """The PULL's receive queues, bounded and counted in --mem (None without a PULL)."""
         self.endpoint = ""
+        self.bound = ""
+        """What the PULL socket listens on (libzmq's ``LAST_ENDPOINT``; "" without one)."""
         if bind:      # without one, transfers still arrive relayed by clients (PEER_FILL)
             self.pull = self._bind(ctx, bind)
-            self.endpoint = self._advertised(self.pull, advertise)
+            try:
+                self.endpoint = self._advertised(self.pull, advertise)
+            except BaseException:
+                self._close_pull()
+                raise
         self.links = links if links is not None else PushLinks(ctx, self.security)
         """The PUSH sockets to peers (a test may hand in fakes)."""
         self.stash = Stash(stash_limit)
@@ -85,22 +92,38 @@ class PeerLinks:
         self._metrics: Recorder = NullRecorder()
 
     def _bind(self, ctx: zmq.Context[zmq.Socket[bytes]], bind: str) -> zmq.Socket[bytes]:
+        """The peer PULL socket, bound; a bind that fails closes it and raises OSError saying
+        why (a socket left open would keep the context's term(), and the worker's exit, waiting
+        for good: a taken --peer-bind port kept the worker from exiting for 8-19 s or more)."""
         pull = ctx.socket(zmq.PULL)
         self.queue = PeerQueue(pull)          # RCVHWM, MAXMSGSIZE, connections watched
-        if self.security.keys is not None:
-            make_curve_server(pull, self.security.keys, PEER_DOMAIN)
         try:
+            pull.setsockopt(zmq.IPV6, needs_ipv6(bind))
+            if self.security.keys is not None:
+                make_curve_server(pull, self.security.keys, PEER_DOMAIN)
             pull.bind(bind)
-        except zmq.ZMQError:
-            self.queue.close()
-            pull.close(linger=0)
-            raise
+            self.bound = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self.pull = pull
+            self._close_pull()
+            hint = (" (another process listens there: choose another port, or port * for a "
+                    "free one)" if exc.errno == zmq.EADDRINUSE else "")
+            raise OSError(f"cannot bind the peer port {printable(bind, 200)}: "
+                          f"{zmq.strerror(exc.errno or 0)}{hint}") from None
         return pull
+
+    def _close_pull(self) -> None:
+        """Close the PULL and its queue's monitor (a bind or advertisement that failed)."""
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
+        if self.pull is not None:
+            self.pull.close(linger=0)
+            self.pull = None
 
     def _advertised(self, pull: zmq.Socket[bytes], advertise: str) -> str:
         """The endpoint peers reach this worker at (with this worker's key under CURVE)."""
-        endpoint = (resolve_endpoint(advertise) if advertise
-                    else pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        endpoint = resolve_endpoint(advertise) if advertise else self.bound
         keys = self.security.keys
         if keys is not None and split_endpoint(endpoint)[1] is None:
             endpoint = join_endpoint(endpoint, keys.public)

@@ -7,8 +7,8 @@ take fails its transfer and drops the link, the next use reconnects) and carries
 so that a peer whose connection dropped is noticed while a transfer waits on it.
 
 Whom a link may reach is decided before it opens: :class:`~zmq_rpc.worker.peer_endpoints.PeerSecurity`
-(numeric addresses only; with CURVE, known worker keys only) and, without CURVE, only endpoints
-that answered this worker's probe (:meth:`PushLinks.check_verified`).
+(tcp with an IP address, or ipc; with CURVE, known worker keys only), and tensors go only to
+endpoints that answered this worker's probe (:meth:`PushLinks.check_verified`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from ..broker.endpoints import needs_ipv6
 from ..broker.protocol import ErrorCode, WireError
 from ..broker.wire import printable
 from .peer_endpoints import PeerSecurity
@@ -53,11 +54,15 @@ class PushLinks:
             self.drop(endpoint)
 
     def check_verified(self, endpoint: str) -> None:
-        """Without CURVE, push only to an endpoint that answered this worker's probe (the peer
-        handshake: the answer carries a random token only that endpoint received), so a client
-        cannot make a worker send tensors to a port that is not a zmq-rpc worker. With CURVE
-        the handshake with a known worker key is the check (:class:`PeerSecurity`)."""
-        if self.security.keys is None and endpoint not in self.verified:
+        """Push tensors only to an endpoint that answered this worker's probe: the peer
+        handshake. Its answer carries a random token only that endpoint received, so a client
+        cannot make a worker send tensors to a port that is not a zmq-rpc worker; under CURVE
+        the answer also proves the CURVE handshake with the endpoint's key (among
+        ``--worker-keys``, :class:`PeerSecurity`) completed on this link, since the probe
+        cannot leave before it. Before issue 24 a CURVE worker relied on the handshake alone,
+        and an ``inproc://`` endpoint (no handshake at all) took a push."""
+        self.security.address(endpoint)     # a refused endpoint says why first
+        if endpoint not in self.verified:
             raise WireError(ErrorCode.TRANSFER_FAILED,
                             f"{printable(endpoint, 100)} has not answered a peer probe from this "
                             "worker (PEER_PROBE it first; is it a zmq-rpc worker?): this "
@@ -92,6 +97,7 @@ class PushLinks:
         sock.setsockopt(zmq.SNDTIMEO, 0)     # never block the backend thread (see send)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.IPV6, needs_ipv6(address))
         keys = self.security.keys
         if keys is not None and server_key is not None:
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import zmq
 
 from ..broker import hashing
-from ..broker.broker import BACKEND_HWM, BrokerConfig, BrokerThread, is_loopback_endpoint
+from ..broker.broker import BACKEND_HWM, BrokerConfig, BrokerThread
+from ..broker.endpoints import EndpointError, bind_endpoint, is_loopback_endpoint
 from ..broker.keys import KeyPair
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
@@ -112,8 +113,14 @@ class InsecureBind(RuntimeError):
 
 
 def check_security(cfg: WorkerConfig, peer_bind: str) -> None:
-    """Refuse a configuration that exposes an unauthenticated worker (or a half-secured one)."""
-    exposed = [ep for ep in (cfg.bind, peer_bind) if ep and not is_loopback_endpoint(ep)]
+    """Refuse a configuration that exposes an unauthenticated worker (or a half-secured one).
+
+    The endpoints are read the way libzmq reads them (:mod:`zmq_rpc.broker.endpoints`): what
+    it would bind is what is checked, and what is not understood is refused."""
+    try:
+        exposed = [ep for ep in (cfg.bind, peer_bind) if ep and not is_loopback_endpoint(ep)]
+    except EndpointError as exc:
+        raise InsecureBind(f"cannot listen there: {exc}") from None
     if cfg.curve is not None:
         if not cfg.authorized_keys:
             raise InsecureBind("--curve-secret-key needs --authorized-keys DIR (the client "
@@ -132,6 +139,24 @@ def check_security(cfg: WorkerConfig, peer_bind: str) -> None:
                     "(--insecure): anyone who can reach this port can read and write every "
                     "tensor, use all of --mem and make this worker send data to other "
                     "workers", ep)
+
+
+def check_bound(cfg: WorkerConfig, bound: str) -> None:
+    """After a bind, what libzmq reports it listens on (``LAST_ENDPOINT``) must pass the same
+    rule: a name that resolved beyond loopback (``localhost`` in a strange hosts file) is
+    caught here, the worker stops before serving anyone."""
+    if cfg.curve is None and not cfg.insecure and bound and not is_loopback_endpoint(bound):
+        raise InsecureBind(f"{bound} is beyond loopback, and this worker has no CURVE key "
+                           "pair and no --insecure: refusing to serve")
+
+
+def _loopback_host(host: str) -> bool:
+    """Whether an HTTP listener on ``host`` (``--metrics-host``) is for this machine only."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return is_loopback_endpoint(f"tcp://[{bare}]:0" if ":" in bare else f"tcp://{bare}:0")
+    except EndpointError:
+        return False
 
 
 def make_backend(device: str) -> Backend:
@@ -181,6 +206,8 @@ class BackendThread(threading.Thread):
         self.server_name = name
         self.peer_bind, self.peer_advertise = peer
         self.peers: PeerLinks | None = None
+        self.peer_bound = ""
+        """What the peer port listens on (``LAST_ENDPOINT``), once ready."""
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.pair: zmq.Socket[bytes] | None = None
@@ -207,12 +234,14 @@ class BackendThread(threading.Thread):
                                      keys=self.client_keys)
             self.executor.serve_files(*self.disk)
             self.peers.metrics = self.metrics
+            self.peer_bound = self.peers.bound
             self.pair = pair
             self.ready.set()
             self._loop(pair, control)
         except BaseException as exc:
             self.error = exc
-            log.exception("backend thread failed")
+            if self.ready.is_set():     # a failure to start is the starter's to report
+                log.exception("backend thread failed")
         finally:
             self.ready.set()
             if self.peers is not None:
@@ -390,6 +419,12 @@ class WorkerServer:
         self._broker_thread.start()
         self._wait_ready(self._broker_thread)
         self.endpoint = self._broker_thread.endpoint
+        try:
+            for bound in (self.endpoint, self._backend_thread.peer_bound):
+                check_bound(cfg, bound)
+        except InsecureBind:
+            self.stop()
+            raise
         if cfg.metrics_port is not None:
             try:
                 self._start_metrics(backend)
@@ -409,10 +444,6 @@ class WorkerServer:
         except ImportError as exc:
             raise RuntimeError(f"metrics need prometheus_client ({exc}): "
                                "pip install 'zmq-rpc[metrics]'") from None
-        host = cfg.metrics_host
-        if not is_loopback_endpoint(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"):
-            log.warning("serving metrics on %s beyond loopback: anyone who can reach port %s "
-                        "can read them", cfg.metrics_host, cfg.metrics_port)
         info = {"name": cfg.name, "version": package_version(), "device": cfg.device,
                 "kind": backend.kind, "endpoint": self.endpoint,
                 "protocol": "{}.{}".format(*PROTOCOL_VERSION)}
@@ -423,6 +454,9 @@ class WorkerServer:
         except OSError as exc:
             raise RuntimeError(f"cannot serve metrics on {cfg.metrics_host}:"
                                f"{cfg.metrics_port}: {exc}") from None
+        if not _loopback_host(cfg.metrics_host):     # named with the port it took (0: a free one)
+            log.warning("serving metrics on %s, beyond loopback: anyone who can reach it can "
+                        "read them", self.metrics_address)
         log.info("metrics on %s/metrics", self.metrics_address)
 
     def _disk(self) -> tuple[ModelFiles | None, TensorCache | None]:
@@ -441,7 +475,7 @@ class WorkerServer:
                             PEER_DOMAIN: KeySet(fixed=frozenset([keys.public]),
                                                 directory=cfg.worker_keys)})
         for keyset in policy.domains.values():
-            keyset.keys()                 # a bad directory fails the start, not a handshake
+            keyset.check()                # a bad directory or file fails the start
         self._zap = ZapThread(self.ctx, policy)
         self._zap.start()
         self._wait_ready(self._zap)
@@ -452,10 +486,14 @@ class WorkerServer:
         cfg = self.config
         if cfg.peer_bind is not None:
             return cfg.peer_bind
-        if cfg.bind.startswith("tcp://"):
-            host = cfg.bind[len("tcp://"):].rsplit(":", 1)[0]
+        try:
+            bind = bind_endpoint(cfg.bind)
+        except EndpointError:
+            return ""        # check_security says why
+        if bind.host is not None:
+            host = f"[{bind.host.text}]" if bind.ipv6 else bind.host.text
             return f"tcp://{host}:*"
-        return f"inproc://zmq-rpc-peer-{self._uid}" if cfg.bind.startswith("inproc") else ""
+        return f"inproc://zmq-rpc-peer-{self._uid}" if bind.scheme == "inproc" else ""
 
     def _control(self, endpoint: str) -> zmq.Socket[bytes]:
         sock = self.ctx.socket(zmq.PAIR)
