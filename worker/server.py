@@ -207,6 +207,8 @@ class BackendThread(threading.Thread):
             self.ready.set()
             if self.peers is not None:
                 self.peers.close()
+            if self.executor is not None:
+                self.executor.loading.close()
             pair.close(linger=1000)
             control.close(linger=0)
 
@@ -219,6 +221,9 @@ class BackendThread(threading.Thread):
         assert peers is not None
         if peers.pull is not None:
             poller.register(peers.pull, zmq.POLLIN)
+        hasher = self.executor.loading.hasher
+        if hasher is not None:
+            poller.register(hasher.wake_fd, zmq.POLLIN)
         waiting = False
         next_expiry = time.monotonic() + 1.0
         next_publish = 0.0
@@ -231,6 +236,8 @@ class BackendThread(threading.Thread):
                 self._drain(pair)
             if peers.pull is not None and peers.pull in events:
                 peers.drain()
+            if hasher is not None and hasher.wake_fd in events:
+                hasher.collect()         # a file's hash is in: its request runs (and replies)
             if control in events:
                 self._shutdown(pair, control.recv())
                 return
