@@ -33,9 +33,10 @@ from zmq_rpc.client.files import query_file
 pytestmark = pytest.mark.timeout(120)
 
 PING_BOUND_S = 0.25
-"""A ping is a few hundred microseconds of service; while another client's request is hashed,
-refused or (within the limits) run, it may wait a scheduler slice or two on this 2-vCPU VM,
-never the other request's seconds."""
+"""What another client's request may add to a ping's worst latency. A ping is a few hundred
+microseconds of service; this 2-vCPU VM is shared (load 6-11), and its own worst over 12 s
+quiet windows is ~0.2 s: where a window is long, the bound is over the worst of an equally long
+quiet window measured right after it (the ping's normal service), not over zero."""
 REFUSAL_CPU_S = 0.1
 """CPU time (the worker process's, all threads) an oversize request may cost: it is refused from
 its length prefixes and counts, not decoded. CPU, not wall time: this VM's 2 vCPUs are shared
@@ -44,8 +45,10 @@ LIMIT_GRAPH_CPU_S = 0.25
 """CPU time decoding and refusing a graph of MAX_NODES nodes may cost (~8 us a node, ~0.07 s
 measured when quiet): what a graph within the decode limits costs before the work bound
 applies."""
-HASH_FILE = 2 << 30
-"""The issue's file: its hash took 4.6 s of every client's time on the backend thread."""
+HASH_FILE = 1 << 30
+"""Half the issue's file (whose hash took 4.6 s of every client's time on the backend thread):
+~2 s before the fix, 5-12 s now on the loaded VM (the hashing thread yields the CPU)."""
+QUIET_MAX_S = 15.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -114,15 +117,19 @@ def test_hashing_a_big_model_file_does_not_hold_other_clients(
     worker = spawn_worker("--model-dir", str(models))
     with Client(worker.endpoint) as asker, Pinger(worker.endpoint).running() as pinger:
         started = time.monotonic()
-        reply = query_file(asker, big.name).result(60)
+        reply = query_file(asker, big.name).result(90)
         hashed = time.monotonic()
-        worst, overlapping = pinger.worst_between(started, hashed)
         repeat = query_file(asker, big.name).result(60)
         repeated = time.monotonic() - hashed
+        time.sleep(min(hashed - started, QUIET_MAX_S))     # a measurement window: normal service
+        quiet_end = time.monotonic()
+    worst, overlapping = pinger.worst_between(started, hashed)
+    normal, _ = pinger.worst_between(hashed + repeated, quiet_end)
     assert reply.found and reply.size == HASH_FILE, reply     # its digest: the next test
     assert overlapping >= 3, f"only {overlapping} pings while the {hashed - started:.2f} s hash ran"
-    assert worst < PING_BOUND_S, (f"a ping waited {worst:.3f} s while another client's file was "
-                                  f"hashed ({hashed - started:.2f} s)")
+    assert worst < normal + PING_BOUND_S, (
+        f"a ping waited {worst:.3f} s while another client's file was hashed "
+        f"({hashed - started:.2f} s); {normal:.3f} s at worst without the hash")
     assert repeat.digest == reply.digest and repeated < PING_BOUND_S, \
         f"asking again took {repeated:.3f} s: the digest is not cached"
 
@@ -223,6 +230,7 @@ def test_an_oversize_request_is_refused_at_decode_without_holding_others(
     assert cpu < REFUSAL_CPU_S, f"{name} took {cpu:.3f} s of the worker's CPU: {reply[:3]}"
     assert worst < PING_BOUND_S, f"a ping waited {worst:.3f} s behind {name}"
     assert reply[0] in (ErrorCode.BAD_REQUEST, ErrorCode.GRAPH_INVALID), reply
+    assert reply[1] == 7, reply          # refused whole, still answered to its request id
     assert any(w in reply[2] for w in why.split("|")), reply
 
 
@@ -255,6 +263,24 @@ def test_graph_nodes_count_toward_the_work_limit_before_they_are_checked(
         attacker.close()
     assert reply[0] == ErrorCode.GRAPH_INVALID and "--max-graph-work" in reply[2], reply
     assert cpu < LIMIT_GRAPH_CPU_S, f"refusing it took {cpu:.3f} s of the worker's CPU"
+
+
+LARGEST_GRAPH_CPU_S = 1.0
+"""CPU time a graph at the node limit may cost in all (decode, check, plan, run), its nodes tiny:
+the fixed cost stated in docs/SECURITY.md (0.27-0.44 s measured on the loaded VM)."""
+
+
+def test_the_largest_graph_of_tiny_nodes_runs_within_its_stated_cost(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    worker = spawn_worker()
+    attacker = Attacker(worker.endpoint)
+    try:
+        with Pinger(worker.endpoint).running() as pinger:
+            reply, cpu, _ = _attack(worker, attacker, _graph_header(MAX_NODES), pinger)
+    finally:
+        attacker.close()
+    assert reply[0] == 0, reply                   # within the limits: it runs
+    assert cpu < LARGEST_GRAPH_CPU_S, f"a {MAX_NODES}-node graph took {cpu:.3f} s of CPU"
 
 
 def test_the_largest_reads_list_still_decodes() -> None:

@@ -51,11 +51,6 @@ class FileHasher:
         """Readable when a completion waits: poll it beside the sockets, then :meth:`collect`."""
         return self._wake_r
 
-    @property
-    def pending(self) -> int:
-        """Files handed over and not yet completed."""
-        return len(self._waiters)
-
     def submit(self, file: OpenFile, waiter: Waiter) -> None:
         """Hash ``file`` (its descriptor is ours now) and call ``waiter`` with the outcome from
         :meth:`collect`; a file already being hashed is not hashed twice."""
