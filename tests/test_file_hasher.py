@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from test_stalls import write_big_safetensors
 from zmq_rpc.broker.hashing import digest
-from zmq_rpc.worker.file_hasher import FileHasher, Outcome
+from zmq_rpc.worker.file_hasher import FileHasher, HashOutcome
 from zmq_rpc.worker.model_files import FileIdentity, ModelFiles, OpenFile
 
 pytest.importorskip("blake3")
 pytestmark = pytest.mark.timeout(60)
 
 
-def _collect(hasher: FileHasher, outcomes: list[Outcome], n: int) -> None:
+def _collect(hasher: FileHasher, outcomes: list[HashOutcome], n: int) -> None:
     deadline = time.monotonic() + 30
     while len(outcomes) < n:
         assert time.monotonic() < deadline, "no completion"
@@ -31,7 +31,7 @@ def test_one_hash_per_file_version_and_every_waiter_is_told(tmp_path: Path) -> N
     write_big_safetensors(path, 1 << 20)
     files = ModelFiles([str(tmp_path)])
     hasher = FileHasher()
-    outcomes: list[Outcome] = []
+    outcomes: list[HashOutcome] = []
     try:
         first, second = files.identify(path.name), files.identify(path.name)
         assert isinstance(first, OpenFile) and isinstance(second, OpenFile)
@@ -51,7 +51,7 @@ def test_a_bad_file_comes_back_as_a_reason(tmp_path: Path) -> None:
     found = ModelFiles([str(tmp_path)]).identify(path.name)
     assert isinstance(found, OpenFile)
     hasher = FileHasher()
-    outcomes: list[Outcome] = []
+    outcomes: list[HashOutcome] = []
     try:
         hasher.submit(found, outcomes.append)
         _collect(hasher, outcomes, 1)

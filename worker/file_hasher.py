@@ -29,9 +29,9 @@ from .model_files import FileIdentity, FileKey, FileRefused, OpenFile, identify_
 
 log = logging.getLogger("zmq_rpc.worker.files")
 
-Outcome = FileIdentity | str
+HashOutcome = FileIdentity | str
 """A hash job's result: the file's identity, or why it could not be had."""
-Waiter = Callable[[Outcome], None]
+Waiter = Callable[[HashOutcome], None]
 
 
 class FileHasher:
@@ -39,7 +39,7 @@ class FileHasher:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[OpenFile | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[tuple[FileKey, Outcome]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[FileKey, HashOutcome]] = queue.SimpleQueue()
         self._waiters: dict[FileKey, list[Waiter]] = {}
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -109,7 +109,7 @@ class FileHasher:
             except BlockingIOError:        # the pipe is full: the backend has wake-ups enough
                 pass
 
-    def _hash(self, job: OpenFile) -> Outcome:
+    def _hash(self, job: OpenFile) -> HashOutcome:
         try:
             return identify_open(job, self._stop.is_set)
         except FileRefused as exc:

@@ -25,7 +25,7 @@ import numpy as np
 from ..broker import files as f
 from ..broker import protocol as p
 from ..broker.protocol import Cmd, ErrorCode, WireError
-from .file_hasher import FileHasher, Outcome
+from .file_hasher import FileHasher, HashOutcome
 from .model_files import (
     PLAIN_DTYPES,
     FileIdentity,
@@ -38,8 +38,7 @@ from .requests import Later, Request, Route
 from .tensor_cache import TensorCache
 
 if TYPE_CHECKING:
-    from .requests import Handler
-    from .requests import Outcome as Outcome_
+    from .requests import Handler, Outcome
     from .session import Reply, Session, Views
 
 log = logging.getLogger("zmq_rpc.worker.loading")
@@ -50,7 +49,7 @@ class FileRequest(Request):
     """A FILE_QUERY or READ_FILE: waits at the head of its session's queue (``in_flight``)
     while its file is hashed off this thread; ``hashed`` is what the hash came to."""
 
-    hashed: Outcome | None = None
+    hashed: HashOutcome | None = None
 
 
 class Loading:
@@ -96,7 +95,7 @@ class Loading:
 
     # ------------------------------------------------------------------------ files
 
-    def file_query(self, session: Session, msg: f.FileQuery, req: Request) -> Outcome_:
+    def file_query(self, session: Session, msg: f.FileQuery, req: Request) -> Outcome:
         try:
             ident = self._identity(session, msg.path, req)
         except (FileRefused, OSError) as exc:
@@ -107,7 +106,7 @@ class Loading:
         return f.FileQueryReply(found=True, reason="", size=ident.size, format=ident.format,
                                 digest=ident.digest), []
 
-    def read_file(self, session: Session, msg: f.ReadFile, req: Request) -> Outcome_:
+    def read_file(self, session: Session, msg: f.ReadFile, req: Request) -> Outcome:
         try:
             ident = self._identity(session, msg.path, req)
             if ident is None:
@@ -119,7 +118,8 @@ class Loading:
         except (FileRefused, OSError) as exc:
             raise WireError(ErrorCode.FILE_REFUSED, _why(exc)) from None
         try:
-            if (st.st_size, st.st_mtime_ns) != (ident.size, ident.mtime_ns):
+            key = ident.key
+            if (st.st_ino, st.st_size, st.st_mtime_ns) != (key.inode, key.size, key.mtime_ns):
                 raise WireError(ErrorCode.FILE_REFUSED, f"{msg.path!r} changed while it was read")
             for offset, view in zip(spans, views):
                 self._read(fd, offset, view)
@@ -146,7 +146,7 @@ class Loading:
         self.hasher.submit(found, lambda outcome: self._hashed(session, req, outcome))
         return None
 
-    def _hashed(self, session: Session, req: FileRequest, outcome: Outcome) -> None:
+    def _hashed(self, session: Session, req: FileRequest, outcome: HashOutcome) -> None:
         """The hash ``req`` waited for is in (backend thread, from the hasher's completions)."""
         if isinstance(outcome, FileIdentity) and self.files is not None:
             self.files.remember(outcome)
@@ -209,7 +209,7 @@ class Loading:
 
     def _caching(self, set_tensor: Handler) -> Handler:
         """SET_TENSOR that also files its payload under ``cache_key`` (when it hashes to it)."""
-        def handle(session: Session, msg: p.SetTensor, req: Request) -> Outcome_:
+        def handle(session: Session, msg: p.SetTensor, req: Request) -> Outcome:
             reply = set_tensor(session, msg, req)
             if msg.cache_key and self.cache is not None:
                 data = getattr(req.payload[0], "buffer", req.payload[0])
