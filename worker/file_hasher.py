@@ -12,8 +12,8 @@ cache (:meth:`~.model_files.ModelFiles.remember`) and the sessions.
 Jobs for the same version of a file (:class:`~.model_files.FileKey`) share one hash. One thread
 hashes one file at a time, in order: a second file waits for the first (BLAKE3 and ``preadv``
 release the GIL, so the backend thread keeps its core; a pool would only take the other core
-from the broker). The thread runs at a lower priority (:data:`HASH_NICE`): on a loaded machine
-a hash waits for the CPU, every client's requests do not.
+from the broker). It runs at the worker's priority: a nicer thread, preempted on a loaded machine
+in the moment it holds the GIL between two blocks, held the backend thread up to 0.4 s.
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ class FileHasher:
     # ------------------------------------------------------------------ the hashing thread
 
     def _run(self) -> None:
-        _lower_priority()
         while (job := self._jobs.get()) is not None:
             if self._stop.is_set():
                 os.close(job.fd)
@@ -124,17 +123,3 @@ class FileHasher:
         finally:
             os.close(job.fd)
 
-
-HASH_NICE = 10
-"""How much nicer than the worker the hashing thread runs: on a busy machine the scheduler then
-gives the backend and broker threads (every client's requests) the CPU before a hash."""
-
-
-def _lower_priority() -> None:
-    """Make the calling thread nicer by HASH_NICE (Linux: a thread's own nice value)."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) +
-                                                 HASH_NICE))
-    except (OSError, AttributeError):   # not Linux, or not allowed: hashing still works
-        pass
