@@ -537,8 +537,10 @@ def unpack_header(frame: bytes | memoryview | zmq.Frame) -> list[Any]:
         raise _with_id(BadRequest(f"header has over {MAX_HEADER_CONTAINERS} arrays and maps",
                                   code=ErrorCode.BAD_REQUEST), _peek_req_id(frame)) from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise _with_id(BadRequest(f"header is not valid msgpack: {exc}",
-                                  code=ErrorCode.BAD_REQUEST), _peek_req_id(frame)) from None
+        message = (f"header: an array or map is over {MAX_HEADER_ARRAY} items ({exc})"
+                   if "exceeds max_" in str(exc) else f"header is not valid msgpack: {exc}")
+        raise _with_id(BadRequest(message, code=ErrorCode.BAD_REQUEST),
+                       _peek_req_id(frame)) from None
     if type(header) is not list or len(header) < 2 or type(header[0]) is not int \
             or type(header[1]) is not int:
         raise BadRequest("header must be an array [cmd, req_id, ...]", code=ErrorCode.BAD_REQUEST)

@@ -22,6 +22,7 @@ import pytest
 import zmq
 from conftest import WorkerProcess
 from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.errors import BadRequest
 from zmq_rpc.broker.files import MAX_READS
 from zmq_rpc.broker.graph import GRAPH_VERSION, MAX_NODES
 from zmq_rpc.broker.hashing import file_digest
@@ -221,8 +222,8 @@ def _containers_header() -> bytes:
 
 
 OVERSIZE = {
-    "graph-65536-nodes": (lambda: _graph_header(1 << 16), "nodes|max_array_len"),
-    "read-file-65536-reads": (lambda: _read_file_header(1 << 16), "reads|max_array_len"),
+    "graph-65536-nodes": (lambda: _graph_header(1 << 16), "over 16384 items"),
+    "read-file-65536-reads": (lambda: _read_file_header(1 << 16), "over 16384 items"),
     "a-million-empty-lists": (_containers_header, "arrays and maps"),
 }
 
@@ -303,3 +304,12 @@ def test_the_largest_reads_list_still_decodes() -> None:
     header = _read_file_header(MAX_READS)
     assert p.decode_request([header])[0] is Cmd.READ_FILE
     assert p.decode_request([_graph_header(MAX_NODES)])[0] is Cmd.GRAPH_COMPUTE
+
+
+@pytest.mark.parametrize("name", OVERSIZE)
+def test_an_oversize_header_is_refused_with_its_request_id(name: str) -> None:
+    make, why = OVERSIZE[name]
+    with pytest.raises(BadRequest) as info:
+        p.decode_request([make()])
+    assert info.value.req_id == 7  # type: ignore[attr-defined]
+    assert any(w in info.value.message for w in why.split("|"))
