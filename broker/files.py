@@ -45,7 +45,12 @@ from .wire import (
 )
 
 DIGEST_BYTES = 32
-MAX_READS = 65536
+MAX_READS = 1024
+"""Reads of one READ_FILE: each costs ~10 us to decode and a header check and a ``preadv`` to
+run; a client sends them in batches of at most this many (a llama has ~9 tensors a layer)."""
+MAX_READ_EXTRA = 256 << 20
+"""Bytes one READ_FILE may read besides its largest read (a single tensor may be as big as a
+buffer; ``reads`` naming the same 1 GiB view 1,024 times could not read in any bound)."""
 MAX_KIND = 32
 
 
@@ -107,7 +112,13 @@ def _check_read(value: Any, field: str) -> FileRead:
 def _check_reads(value: Any, field: str) -> tuple[FileRead, ...]:
     if type(value) is not list or not 1 <= len(value) <= MAX_READS:
         raise BadRequest(f"field {field!r}: 1 to {MAX_READS} reads", code=ErrorCode.BAD_REQUEST)
-    return tuple(_check_read(v, f"{field}[{i}]") for i, v in enumerate(value))
+    reads = tuple(_check_read(v, f"{field}[{i}]") for i, v in enumerate(value))
+    sizes = [r.nbytes for r in reads]
+    if sum(sizes) - max(sizes) > MAX_READ_EXTRA:
+        raise BadRequest(f"field {field!r}: {sum(sizes):,} bytes; one READ_FILE reads at most "
+                         f"its largest read and {MAX_READ_EXTRA:,} bytes more",
+                         code=ErrorCode.BAD_REQUEST)
+    return reads
 
 
 @wire_message

@@ -13,6 +13,7 @@ non-cryptographic hash one client could upload crafted bytes under the key of an
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 DIGEST_BYTES = 32
@@ -42,13 +43,20 @@ def digest(data: Any) -> bytes:
     return bytes(_blake3()(memoryview(data).cast("B")).digest())
 
 
-def file_digest(fd: int, size: int) -> bytes:
-    """BLAKE3-256 of the first ``size`` bytes of an open file (read in blocks, not mapped)."""
+class HashCancelled(Exception):
+    """:func:`file_digest` was told to stop before the end of the file."""
+
+
+def file_digest(fd: int, size: int, stop: Callable[[], bool] | None = None) -> bytes:
+    """BLAKE3-256 of the first ``size`` bytes of an open file (read in blocks, not mapped);
+    ``stop`` is asked between blocks (a worker shutting down does not finish a 4 GiB hash)."""
     hasher = _blake3()()
     block = bytearray(min(FILE_BLOCK, max(size, 1)))
     view = memoryview(block)
     done = 0
     while done < size:
+        if stop is not None and stop():
+            raise HashCancelled(f"stopped at byte {done} of {size}")
         n = os.preadv(fd, [view[:min(len(block), size - done)]], done)
         if n <= 0:
             raise OSError(f"file ended at byte {done} of {size}")

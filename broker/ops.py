@@ -34,6 +34,7 @@ __all__ = [
     "MAX_DIM",
     "MAX_ELEMENTS",
     "MAX_RANK",
+    "NODE_WORK",
     "OPS",
     "PACKED_BLOCKS",
     "QUANT_BLOCKS",
@@ -747,18 +748,30 @@ DEFAULT_MAX_WORK: Final = 1 << 35
 ~3.4e10, i.e. 10-40 s of numpy on one core in the worst case (elementwise work over repeated
 views); SmolLM2's 128-token prefill on one worker asks ~1e9. ``--max-graph-work`` sets it."""
 
+NODE_WORK: Final = 1 << 17
+"""Element-ops one node counts for being a node, whatever its size: checking, planning and
+dispatching a tiny node takes 50-150 us on this kind of CPU (loaded), what numpy does ~1e5
+element-ops in. A graph of many tiny nodes is then bounded by ``--max-graph-work`` like one of
+few big ones (and by :data:`~zmq_rpc.broker.graph.MAX_NODES` before it is even decoded)."""
+
 MAC_WEIGHT: Final = 32
 """Multiply-adds of a product that cost as much as one element-op of an elementwise kernel (BLAS
 runs ~25-50 of them in the time numpy's loops read and write one element, on this kind of CPU)."""
 
 
 def node_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
-    """Element-ops one node asks for: every element it reads or writes (a view's logical elements,
-    however few bytes back them), plus its multiply-adds / :data:`MAC_WEIGHT`. Views move no data.
+    """Element-ops one node asks for: :data:`NODE_WORK` for being a node, every element it reads
+    or writes (a view's logical elements, however few bytes back them), plus its multiply-adds /
+    :data:`MAC_WEIGHT`. Views move no data (they count only as nodes).
 
     A worker bounds the sum over a graph before running it, so a tiny request (a zero-stride view
     naming 2**39 elements, a 65,536-node chain of big adds) cannot hold its backend thread for
     minutes."""
+    return NODE_WORK + _data_work(op, inputs, out)
+
+
+def _data_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
+    """The elements a node reads and writes, and its multiply-adds / MAC_WEIGHT."""
     spec = OPS[op]
     if spec.kind is OpKind.VIEW:
         return 0

@@ -67,7 +67,9 @@ from .wire import (
     DTYPE_NAMES,
     MAX_DIM,
     MAX_HANDLE,
+    MAX_HEADER_ARRAY,
     MAX_HEADER_BYTES,
+    MAX_HEADER_CONTAINERS,
     MAX_RANK,
     MAX_STRING,
     STATUS_OK,
@@ -542,16 +544,73 @@ def unpack_header(frame: bytes | memoryview | zmq.Frame) -> list[Any]:
     """Parse a header frame into its msgpack array, with size and shape checks (a ``zmq.Frame``
     is read in place: cheaper than its ``.buffer``, a new memoryview each time)."""
     if len(frame) > MAX_HEADER_BYTES:
-        raise BadRequest(f"header of {len(frame)} bytes is over {MAX_HEADER_BYTES}",
-                         code=ErrorCode.BAD_REQUEST)
+        raise _with_id(BadRequest(f"header of {len(frame)} bytes is over {MAX_HEADER_BYTES}",
+                                  code=ErrorCode.BAD_REQUEST), _peek_req_id(frame))
     try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+        header = _unpack(frame)
+    except _TooManyContainers:
+        raise _with_id(BadRequest(f"header has over {MAX_HEADER_CONTAINERS} arrays and maps",
+                                  code=ErrorCode.BAD_REQUEST), _peek_req_id(frame)) from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise BadRequest(f"header is not valid msgpack: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        message = (f"header: an array or map is over {MAX_HEADER_ARRAY} items ({exc})"
+                   if "exceeds max_" in str(exc) else f"header is not valid msgpack: {exc}")
+        raise _with_id(BadRequest(message, code=ErrorCode.BAD_REQUEST),
+                       _peek_req_id(frame)) from None
     if type(header) is not list or len(header) < 2 or type(header[0]) is not int \
             or type(header[1]) is not int:
         raise BadRequest("header must be an array [cmd, req_id, ...]", code=ErrorCode.BAD_REQUEST)
     return header
+
+
+class _TooManyContainers(Exception):
+    pass
+
+
+_SMALL_HEADER = 4096
+"""Below this many bytes a header cannot hold MAX_HEADER_CONTAINERS (each takes a byte): no
+counting, no per-container call on the hot path."""
+
+
+def _unpack(frame: bytes | memoryview | zmq.Frame) -> Any:
+    """msgpack's unpack, with every array at most MAX_HEADER_ARRAY long (refused from its length
+    prefix, before its items) and at most MAX_HEADER_CONTAINERS arrays and maps in all."""
+    if len(frame) <= _SMALL_HEADER:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                               max_array_len=MAX_HEADER_ARRAY, max_map_len=MAX_HEADER_ARRAY)
+    left = MAX_HEADER_CONTAINERS
+
+    def count(container: Any) -> Any:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise _TooManyContainers
+        return container
+
+    return msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                           max_array_len=MAX_HEADER_ARRAY, max_map_len=MAX_HEADER_ARRAY,
+                           list_hook=count, object_hook=count)
+
+
+_ID_PREFIX = 32
+"""Bytes that hold a header's array prefix, command and request id (ints: 9 bytes at most)."""
+
+
+def _peek_req_id(frame: bytes | memoryview | zmq.Frame) -> int:
+    """The request id of a header refused whole (an array over the limit deep inside), read
+    from its first two items alone, so that the error reaches the request's future; 0 when
+    even those are not there."""
+    unpacker = msgpack.Unpacker(max_array_len=MAX_HEADER_ARRAY, max_map_len=MAX_HEADER_ARRAY)
+    data: Any = getattr(frame, "buffer", frame)        # a zmq.Frame's bytes, in place
+    unpacker.feed(memoryview(data)[:_ID_PREFIX])
+    try:
+        if unpacker.read_array_header() >= 2:
+            unpacker.skip()
+            req_id = unpacker.unpack()
+            if type(req_id) is int and 0 <= req_id < 1 << 64:
+                return req_id
+    except Exception:  # garbage: no id to answer to
+        pass
+    return 0
 
 
 def decode_request(frames: Sequence[Any]) -> tuple[Cmd, int, Message]:

@@ -58,13 +58,15 @@ def query_file(client: Client, path: str) -> Future[wire.FileQueryReply]:
 
 def read_file(client: Client, path: str, file_digest: bytes,
               reads: Sequence[wire.FileRead]) -> Future[None]:
-    """READ_FILE in batches of about :data:`READ_BATCH` bytes; one future for all of them."""
+    """READ_FILE in batches of about :data:`READ_BATCH` bytes and at most
+    :data:`~zmq_rpc.broker.files.MAX_READS` reads; one future for all of them."""
     from .futures import first_error
 
     batches: list[list[wire.FileRead]] = [[]]
     size = 0
     for read in reads:
-        if batches[-1] and size + read.nbytes > READ_BATCH:
+        if batches[-1] and (size + read.nbytes > READ_BATCH or
+                            len(batches[-1]) == wire.MAX_READS):
             batches.append([])
             size = 0
         batches[-1].append(read)

@@ -9,15 +9,22 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from zmq_rpc.broker import hashing
 from zmq_rpc.broker.hashing import digest
 from zmq_rpc.worker.model_files import (
+    HASH_TRIES,
+    FileIdentity,
     FileMismatch,
     FileRefused,
     ModelFiles,
+    OpenFile,
+    check_digest,
+    identify_open,
     parse_gguf,
     parse_safetensors,
     read_into,
@@ -70,15 +77,60 @@ def test_paths_are_confined_to_the_model_dirs(models: Path, tmp_path: Path) -> N
         ModelFiles([]).resolve("a.safetensors")
 
 
+def _hashed(files: ModelFiles, name: str) -> FileIdentity:
+    """``identify``, doing the hashing thread's part inline when the cache misses."""
+    found = files.identify(name)
+    if isinstance(found, FileIdentity):
+        return found
+    try:
+        ident = identify_open(found)
+    finally:
+        os.close(found.fd)
+    files.remember(ident)
+    return ident
+
+
 def test_identity_is_the_files_hash_and_a_different_file_is_detected(models: Path) -> None:
     files = ModelFiles([str(models)])
     path = models / "a.safetensors"
-    ident = files.identify("a.safetensors")
+    assert isinstance(files.identify("a.safetensors"), OpenFile)     # not hashed yet
+    ident = _hashed(files, "a.safetensors")
     assert ident.digest == digest(path.read_bytes())
-    assert files.check("a.safetensors", ident.digest) is ident        # cached per inode+mtime
+    assert files.identify("a.safetensors") is ident    # cached per path, inode, size, mtime
+    assert check_digest(ident, ident.digest) is ident
     write_safetensors(path, {"w": np.zeros((3, 4), np.float32)})      # same name, new bytes
+    assert isinstance(files.identify("a.safetensors"), OpenFile)     # hashed again
     with pytest.raises(FileMismatch, match="a different file"):
-        files.check("a.safetensors", ident.digest)
+        check_digest(_hashed(files, "a.safetensors"), ident.digest)
+
+
+def test_a_file_that_changes_while_hashed_is_hashed_again_or_refused(
+        models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A digest taken while the file was written matches no version of it: hash again, and
+    refuse a file that keeps changing rather than name a digest nobody has."""
+    files = ModelFiles([str(models)])
+    path = models / "a.safetensors"
+    real_digest = hashing.file_digest
+    writes = {"left": 1}
+
+    def digest_while_written(fd: int, size: int, stop: object = None) -> bytes:
+        result = real_digest(fd, size)
+        if writes["left"]:
+            writes["left"] -= 1
+            with open(path, "r+b") as fh:            # same size, new bytes, during the hash
+                fh.seek(size - 1)
+                fh.write(b"\x7f")
+            os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+        return result
+
+    monkeypatch.setattr(hashing, "file_digest", digest_while_written)
+    ident = _hashed(files, "a.safetensors")
+    assert ident.digest == digest(path.read_bytes())          # the version that stayed
+    assert ident.mtime_ns == path.stat().st_mtime_ns
+    writes["left"] = HASH_TRIES
+    path.write_bytes(path.read_bytes())
+    with pytest.raises(FileRefused, match="kept changing while it was hashed"):
+        _hashed(files, "a.safetensors")
 
 
 def test_safetensors_table_has_absolute_offsets_and_sizes(models: Path) -> None:

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import BadRequest
+from zmq_rpc.broker.files import MAX_READS
 from zmq_rpc.broker.protocol import Cmd, DType, ErrorCode, TensorRef
 
 pytestmark = pytest.mark.timeout(30)
@@ -792,7 +793,7 @@ def test_golden_set_tensor_cache_key_is_off_the_wire_when_empty() -> None:
 @pytest.mark.parametrize("header, match", [
     (pack(Cmd.SET_TENSOR, 1, wire(U8), b"short"), "cache_key"),
     (pack(Cmd.SET_FROM_CACHE, 1, wire(U8), b"k" * 31), "32 bytes"),
-    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, []), "1 to 65536 reads"),
+    (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, []), f"1 to {MAX_READS} reads"),
     (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F32", [2], 0, 8]]), "a read is"),
     (pack(Cmd.READ_FILE, 1, "m", b"d" * 32, [["w", "F32", [2], 0, 7, wire(U8)]]),
      "exactly 7 bytes"),

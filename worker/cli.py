@@ -23,7 +23,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
-from ..broker.ops import DEFAULT_MAX_WORK
+from ..broker.graph import MAX_NODES
+from ..broker.ops import DEFAULT_MAX_WORK, NODE_WORK
 from .devices import parse_device
 from .logs import configure_logging
 from .quotas import DEFAULT_MAX_SESSIONS
@@ -214,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "freed (default %(default)s)")
     ap.add_argument("--max-graph-work", type=_positive(int), default=DEFAULT_MAX_WORK,
                     help="element-ops one graph run may ask for: every element read or written, "
-                         "repeated views counted in full, multiply-adds / 32 "
-                         f"(default {DEFAULT_MAX_WORK:,})")
+                         f"repeated views counted in full, multiply-adds / 32, {NODE_WORK:,} "
+                         "per node (its fixed cost; a graph has at most "
+                         f"{MAX_NODES:,} nodes) (default {DEFAULT_MAX_WORK:,})")
     sec = ap.add_argument_group("security (docs/SECURITY.md)")
     sec.add_argument("--curve-secret-key", metavar="FILE", default=None,
                      help="this worker's CURVE key pair (a .key_secret file from zmq-rpc-keygen, "

@@ -105,7 +105,7 @@ class Executor:
             **transfers.routes(),
             **LinkedRuns(self.backend, views, graphs, transfers).routes(),
         }
-        self.loading = Loading(self.backend, views)
+        self.loading = Loading(self.backend, views, self.resume)
         routes.update(self.loading.routes(routes[Cmd.SET_TENSOR]))
         missing = set(Cmd) - set(routes)
         if missing:
@@ -114,8 +114,13 @@ class Executor:
 
     def serve_files(self, files: ModelFiles | None, cache: TensorCache | None) -> None:
         """Serve ``--model-dir`` files and a ``--cache-dir`` cache (and say so at HELLO)."""
-        self.loading.files, self.loading.cache = files, cache
+        self.loading.serve(files, cache)
         self.report.capabilities += self.loading.capabilities()
+
+    def resume(self, session: Session) -> None:
+        """Run ``session``'s queue again: what its head waited for (a file's hash) is in."""
+        if self.sessions.get(session.client_id) is session and not session.pumping:
+            self.pump(session)
 
     # ------------------------------------------------------------------ entry from the loop
 

@@ -21,7 +21,15 @@ from typing import Any
 import numpy as np
 
 from ..broker.graph import GraphSpec, infer_graph, tensor_meta
-from ..broker.ops import DEFAULT_MAX_WORK, DTYPE_SIZES, OPS, OpKind, TensorMeta, node_work
+from ..broker.ops import (
+    DEFAULT_MAX_WORK,
+    DTYPE_SIZES,
+    NODE_WORK,
+    OPS,
+    OpKind,
+    TensorMeta,
+    node_work,
+)
 from ..broker.protocol import ErrorCode, WireError
 from .backends import numpy_ops as K
 from .backends.base import Backend, Memory
@@ -196,6 +204,7 @@ def _failed(index: int, step: Step, exc: Exception, written: list[int]) -> WireE
 
 def compile_graph(spec: GraphSpec, max_work: int = DEFAULT_MAX_WORK) -> CompiledGraph:
     """Infer shapes (GRAPH_INVALID on any rule broken), bound the work, plan the scratch arena."""
+    _check_node_count(len(spec.nodes), max_work)
     try:
         metas, params = infer_graph(spec)
     except Exception as exc:
@@ -211,6 +220,16 @@ def compile_graph(spec: GraphSpec, max_work: int = DEFAULT_MAX_WORK) -> Compiled
                           _written_buffers(spec, steps, roots), temp_size=_temp_size(steps))
     graph.index_checks = _index_checks(steps)
     return graph
+
+
+def _check_node_count(nodes: int, max_work: int) -> None:
+    """Refuse, before checking any node, a graph whose nodes alone are over ``max_work``:
+    checking them is most of what they cost."""
+    if nodes * NODE_WORK > max_work:
+        raise WireError(ErrorCode.GRAPH_INVALID,
+                        f"graph: {nodes:,} nodes count {nodes * NODE_WORK:,} element-ops "
+                        f"({NODE_WORK:,} each) before any data, over this worker's limit of "
+                        f"{max_work:,} per run (zmq-rpc-worker --max-graph-work)")
 
 
 def _check_work(steps: list[Step], max_work: int) -> None:

@@ -5,6 +5,10 @@ it owns the worker's :class:`~.model_files.ModelFiles` (``--model-dir``) and
 :class:`~.tensor_cache.TensorCache` (``--cache-dir``). See :mod:`zmq_rpc.broker.files` for the
 commands. A read or a cache fill runs in order in the session's queue, after any zero-copy send
 of its destination buffer has finished (the executor's ``writes`` table), like SET_TENSOR.
+
+A file not hashed yet in its current version is hashed by :mod:`~.file_hasher`'s thread, never
+here: its FILE_QUERY or READ_FILE waits at the head of its session's queue (other sessions go on)
+and runs again when the hash is in; the reply leaves then.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,34 +25,65 @@ import numpy as np
 from ..broker import files as f
 from ..broker import protocol as p
 from ..broker.protocol import Cmd, ErrorCode, WireError
-from .model_files import PLAIN_DTYPES, FileIdentity, FileRefused, ModelFiles, quoted, read_into
-from .requests import Route
+from .file_hasher import FileHasher, HashOutcome
+from .model_files import (
+    PLAIN_DTYPES,
+    FileIdentity,
+    FileRefused,
+    ModelFiles,
+    check_digest,
+    quoted,
+    read_into,
+)
+from .requests import Later, Request, Route
 from .tensor_cache import TensorCache
 
 if TYPE_CHECKING:
-    from .requests import Handler, Outcome, Request
+    from .requests import Handler, Outcome
     from .session import Reply, Session, Views
 
 log = logging.getLogger("zmq_rpc.worker.loading")
+
+
+@dataclass(eq=False)
+class FileRequest(Request):
+    """A FILE_QUERY or READ_FILE: waits at the head of its session's queue (``in_flight``)
+    while its file is hashed off this thread; ``hashed`` is what the hash came to."""
+
+    hashed: HashOutcome | None = None
 
 
 class Loading:
     """The file and cache commands of one worker (either part may be absent: then they refuse
     or miss, saying why)."""
 
-    def __init__(self, backend: Any, views: Views, files: ModelFiles | None = None,
-                 cache: TensorCache | None = None) -> None:
+    def __init__(self, backend: Any, views: Views, resume: Callable[[Session], None]) -> None:
         self.backend = backend
         self.views = views
-        self.files = files
-        self.cache = cache
+        self.resume = resume
+        """Runs a session's queue again once the hash its head waited for is in."""
+        self.files: ModelFiles | None = None
+        self.cache: TensorCache | None = None
+        self.hasher: FileHasher | None = None
+
+    def serve(self, files: ModelFiles | None, cache: TensorCache | None) -> None:
+        """Serve ``files`` (starting the hashing thread) and ``cache``."""
+        self.files, self.cache = files, cache
+        if files is not None and self.hasher is None:
+            self.hasher = FileHasher()
+
+    def close(self) -> None:
+        """Stop the hashing thread (backend thread, at its end)."""
+        if self.hasher is not None:
+            self.hasher.close()
 
     def routes(self, set_tensor: Route) -> dict[Cmd, Route]:
         """This module's part of the executor's dispatch table (SET_TENSOR wrapped to cache)."""
         return {
-            Cmd.FILE_QUERY: Route(self.file_query),
+            Cmd.FILE_QUERY: Route(self.file_query, entry=FileRequest),
             Cmd.READ_FILE: Route(self.read_file, writes=lambda s, m: [r.dst.buffer
-                                                                      for r in m.reads]),
+                                                                      for r in m.reads],
+                                 entry=FileRequest),
             Cmd.SET_FROM_CACHE: Route(self.set_from_cache, writes=lambda s, m: [m.tensor.buffer]),
             Cmd.SET_TENSOR: dataclasses.replace(set_tensor,
                                                 handler=self._caching(set_tensor.handler)),
@@ -59,29 +96,31 @@ class Loading:
 
     # ------------------------------------------------------------------------ files
 
-    def file_query(self, session: Session, msg: f.FileQuery, req: Request) -> Reply:
+    def file_query(self, session: Session, msg: f.FileQuery, req: Request) -> Outcome:
         try:
-            if self.files is None:
-                raise FileRefused("this worker serves no model files (start it with "
-                                  "--model-dir)")
-            ident = self.files.identify(msg.path)
+            ident = self._identity(session, msg.path, req)
         except (FileRefused, OSError) as exc:
             return f.FileQueryReply(found=False, reason=_why(exc), size=0, format="",
                                     digest=b""), []
+        if ident is None:
+            return Later.HOLD
         return f.FileQueryReply(found=True, reason="", size=ident.size, format=ident.format,
                                 digest=ident.digest), []
 
-    def read_file(self, session: Session, msg: f.ReadFile, req: Request) -> Reply:
-        files = self._files()
+    def read_file(self, session: Session, msg: f.ReadFile, req: Request) -> Outcome:
         try:
-            ident = files.check(msg.path, msg.digest)
+            ident = self._identity(session, msg.path, req)
+            if ident is None:
+                return Later.HOLD
+            check_digest(ident, msg.digest)
             spans = [self._span(ident, read) for read in msg.reads]
             views = [self.views.view(session, read.dst) for read in msg.reads]
-            fd, st = files.open(msg.path)
+            fd, st = self._files().open(msg.path)
         except (FileRefused, OSError) as exc:
             raise WireError(ErrorCode.FILE_REFUSED, _why(exc)) from None
         try:
-            if (st.st_size, st.st_mtime_ns) != (ident.size, ident.mtime_ns):
+            key = ident.key
+            if (st.st_ino, st.st_size, st.st_mtime_ns) != (key.inode, key.size, key.mtime_ns):
                 raise WireError(ErrorCode.FILE_REFUSED, f"{quoted(msg.path)} changed while it was read")
             for offset, view in zip(spans, views):
                 self._read(fd, offset, view)
@@ -91,10 +130,34 @@ class Loading:
             os.close(fd)
         return p.Empty(), []
 
-    def _files(self) -> ModelFiles:
+    def _identity(self, session: Session, path: str, req: Request) -> FileIdentity | None:
+        """``path``'s identity: from the cache, from the hash this request waited for, or None
+        when the hash has just been handed to the hashing thread (the request then waits)."""
+        assert isinstance(req, FileRequest)
+        if req.hashed is not None:
+            hashed, req.hashed = req.hashed, None
+            if isinstance(hashed, str):
+                raise FileRefused(hashed)
+            return hashed
+        found = self._files(FileRefused).identify(path)
+        if isinstance(found, FileIdentity):
+            return found
+        assert self.hasher is not None
+        req.in_flight = True
+        self.hasher.submit(found, lambda outcome: self._hashed(session, req, outcome))
+        return None
+
+    def _hashed(self, session: Session, req: FileRequest, outcome: HashOutcome) -> None:
+        """The hash ``req`` waited for is in (backend thread, from the hasher's completions)."""
+        if isinstance(outcome, FileIdentity) and self.files is not None:
+            self.files.remember(outcome)
+        req.hashed, req.in_flight = outcome, False
+        self.resume(session)
+
+    def _files(self, error: Callable[[str], Exception] | None = None) -> ModelFiles:
         if self.files is None:
-            raise WireError(ErrorCode.FILE_REFUSED,
-                            "this worker serves no model files (start it with --model-dir)")
+            why = "this worker serves no model files (start it with --model-dir)"
+            raise (error or _refused)(why)
         return self.files
 
     @staticmethod
@@ -156,6 +219,10 @@ class Loading:
                     log.warning("upload for cache key %s %s", msg.cache_key.hex()[:16], outcome)
             return reply
         return handle
+
+
+def _refused(why: str) -> WireError:
+    return WireError(ErrorCode.FILE_REFUSED, why)
 
 
 def _why(exc: BaseException) -> str:

@@ -8,9 +8,12 @@ its buffers when a client asks (READ_FILE), so that weights never cross the netw
   directory; ``..`` components, absolute paths, NUL bytes, symlinks leading out of the directory
   and anything but a regular file are refused. The file is opened with ``O_NOFOLLOW`` and checked
   again on the open descriptor (same inode as resolved, regular file).
-- **Identity**: the BLAKE3 hash of the whole file, computed once per (device, inode, size, mtime)
-  and kept in memory; a client names the hash it expects and a different file with the same name
-  is refused (:class:`FileMismatch`).
+- **Identity**: the BLAKE3 hash of the whole file, computed once per (path, device, inode, size,
+  mtime_ns) and kept in memory (one entry per path: a changed file replaces its old entry); a
+  client names the hash it expects and a different file with the same name is refused
+  (:class:`FileMismatch`). Hashing reads the whole file (seconds for GiBs), so it does not run
+  here: :meth:`ModelFiles.identify` answers from the cache or hands back the open file, which
+  :mod:`~.file_hasher`'s thread hashes with :func:`identify_open`.
 - **Metadata**: the tensor table of the file's own header (GGUF v2/v3 or safetensors), parsed
   with bounds on every count and length, so a read of a named tensor is checked against the
   file's type, shape and byte size, and a byte range against the file's end.
@@ -24,7 +27,7 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -90,15 +93,47 @@ class TensorInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class FileIdentity:
-    """What :meth:`ModelFiles.identify` learned about one file (cached per inode and mtime)."""
+class FileKey:
+    """Which version of a file a digest is of: a change of any field means hash again."""
 
-    path: str
+    real: str
+    device: int
+    inode: int
     size: int
     mtime_ns: int
+
+    @classmethod
+    def of(cls, real: str, st: os.stat_result) -> FileKey:
+        return cls(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class FileIdentity:
+    """What :func:`identify_open` learned about one version of a file."""
+
+    path: str
+    key: FileKey
     digest: bytes
     format: str
     tensors: dict[str, TensorInfo]
+
+    @property
+    def size(self) -> int:
+        return self.key.size
+
+    @property
+    def mtime_ns(self) -> int:
+        return self.key.mtime_ns
+
+
+@dataclass(frozen=True, slots=True)
+class OpenFile:
+    """A confined model file, opened, whose identity is not known yet: whoever takes it hashes
+    it (:func:`identify_open`) and closes ``fd``."""
+
+    name: str
+    key: FileKey
+    fd: int
 
 
 # ------------------------------------------------------------------------------ parsing
@@ -258,7 +293,8 @@ class ModelFiles:
         for root in self.roots:
             if not os.path.isdir(root):
                 raise ValueError(f"--model-dir {root!r} is not a directory")
-        self._known: dict[tuple[int, int, int, int], FileIdentity] = {}
+        self._known: dict[str, FileIdentity] = {}
+        """Real path -> the identity of the version of it last hashed."""
 
     def resolve(self, name: str) -> str:
         """The real path of ``name`` (relative to a model directory, first match wins)."""
@@ -282,7 +318,10 @@ class ModelFiles:
 
     def open(self, name: str) -> tuple[int, os.stat_result]:
         """An open descriptor of the resolved file, checked to be that regular file."""
-        real = self.resolve(name)
+        return self._open(self.resolve(name), name)
+
+    @staticmethod
+    def _open(real: str, name: str) -> tuple[int, os.stat_result]:
         fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or os.stat(real).st_ino != st.st_ino:
@@ -290,38 +329,68 @@ class ModelFiles:
             raise FileRefused(f"{quoted(name)} changed while it was opened")
         return fd, st
 
-    def identify(self, name: str) -> FileIdentity:
-        """Hash and tensor table of ``name`` (computed once per inode, size and mtime)."""
-        fd, st = self.open(name)
-        try:
-            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            known = self._known.get(key)
-            if known is None:
-                known = self._known[key] = self._identify(fd, name, st)
-            return known
-        finally:
+    def identify(self, name: str) -> FileIdentity | OpenFile:
+        """``name``'s identity when this version of the file was hashed already (the cache),
+        else the open file for the hashing thread (:mod:`~.file_hasher`) to identify."""
+        real = self.resolve(name)
+        fd, st = self._open(real, name)
+        key = FileKey.of(real, st)
+        known = self._known.get(real)
+        if known is not None and known.key == key:
             os.close(fd)
+            return known
+        return OpenFile(name, key, fd)
 
-    @staticmethod
-    def _identify(fd: int, name: str, st: os.stat_result) -> FileIdentity:
-        from ..broker.hashing import file_digest
+    def remember(self, ident: FileIdentity) -> None:
+        """Keep ``ident`` (from the hashing thread) as what its path currently is."""
+        self._known[ident.key.real] = ident
 
-        fmt = file_format(name)
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            tensors = (parse_gguf if fmt == "gguf" else parse_safetensors)(fh, st.st_size)
-        digest = file_digest(fd, st.st_size)
-        log.info("model file %s: %d tensors, %d bytes, blake3 %s", name, len(tensors),
-                 st.st_size, digest.hex()[:16])
-        return FileIdentity(name, st.st_size, st.st_mtime_ns, digest, fmt, tensors)
 
-    def check(self, name: str, digest: bytes) -> FileIdentity:
-        """``identify(name)``, refused unless its hash is ``digest``."""
-        ident = self.identify(name)
-        if ident.digest != digest:
-            raise FileMismatch(f"{quoted(name)} on this worker is a different file (blake3 "
-                               f"{ident.digest.hex()[:16]}..., the client has "
-                               f"{digest.hex()[:16]}...)")
-        return ident
+HASH_TRIES = 3
+"""A file whose size, mtime or ctime moved while it was hashed is hashed again, up to this many
+times in all; then the query is refused (the file is being written: ask when it is done)."""
+
+
+def identify_open(file: OpenFile, stop: Callable[[], bool] | None = None) -> FileIdentity:
+    """Tensor table and BLAKE3 of an open model file (a whole read: run it off the backend
+    thread). Does not close ``file.fd``. Raises FileRefused (a bad header, a file that kept
+    changing), OSError, or :class:`~zmq_rpc.broker.hashing.HashCancelled` when ``stop`` says so."""
+    for _ in range(HASH_TRIES):
+        before = os.fstat(file.fd)
+        ident = _identify_once(file, before, stop)
+        after = os.fstat(file.fd)
+        if _version(after) == _version(before):
+            return ident
+        log.info("model file %s changed while it was hashed; hashing it again", file.name)
+    raise FileRefused(f"{quoted(file.name)} kept changing while it was hashed ({HASH_TRIES} tries): "
+                      "ask again once it is written")
+
+
+def _version(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _identify_once(file: OpenFile, st: os.stat_result,
+                   stop: Callable[[], bool] | None) -> FileIdentity:
+    from ..broker.hashing import file_digest
+
+    fmt = file_format(file.name)
+    with os.fdopen(os.dup(file.fd), "rb") as fh:   # shares the offset: an earlier try moved it
+        fh.seek(0)
+        tensors = (parse_gguf if fmt == "gguf" else parse_safetensors)(fh, st.st_size)
+    digest = file_digest(file.fd, st.st_size, stop)
+    log.info("model file %s: %d tensors, %d bytes, blake3 %s", file.name, len(tensors),
+             st.st_size, digest.hex()[:16])
+    return FileIdentity(file.name, FileKey.of(file.key.real, st), digest, fmt, tensors)
+
+
+def check_digest(ident: FileIdentity, digest: bytes) -> FileIdentity:
+    """``ident``, refused unless its hash is ``digest``."""
+    if ident.digest != digest:
+        raise FileMismatch(f"{quoted(ident.path)} on this worker is a different file (blake3 "
+                           f"{ident.digest.hex()[:16]}..., the client has "
+                           f"{digest.hex()[:16]}...)")
+    return ident
 
 
 def read_into(fd: int, offset: int, target: memoryview) -> None:

@@ -246,6 +246,8 @@ class BackendThread(threading.Thread):
             self.ready.set()
             if self.peers is not None:
                 self.peers.close()
+            if self.executor is not None:
+                self.executor.loading.close()
             pair.close(linger=1000)
             control.close(linger=0)
 
@@ -258,6 +260,9 @@ class BackendThread(threading.Thread):
         assert peers is not None
         if peers.pull is not None:
             poller.register(peers.pull, zmq.POLLIN)
+        hasher = self.executor.loading.hasher
+        if hasher is not None:
+            poller.register(hasher.wake_fd, zmq.POLLIN)
         waiting = False
         next_expiry = time.monotonic() + 1.0
         next_publish = 0.0
@@ -270,6 +275,8 @@ class BackendThread(threading.Thread):
                 self._drain(pair)
             if peers.pull is not None and peers.pull in events:
                 peers.drain()
+            if hasher is not None and hasher.wake_fd in events:
+                hasher.collect()         # a file's hash is in: its request runs (and replies)
             if control in events:
                 self._shutdown(pair, control.recv())
                 return
