@@ -48,6 +48,7 @@ from .errors import (
     ModelFileError,
     OutOfBounds,
     OutOfMemory,
+    PeerUnreachable,
     RemoteError,
     RpcError,
     SessionLost,
@@ -110,7 +111,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 7)
+PROTOCOL_VERSION = (1, 8)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -121,7 +122,9 @@ FILE_QUERY, READ_FILE, SET_FROM_CACHE and SET_TENSOR's ``cache_key`` (``model-fi
 and the worker's share of each request's time in its reply, for sessions that ask (``timing``);
 1.6 HELLO's and STATUS's ``device_details`` (device index, physical memory, compute capability),
 sent to sessions whose HELLO said 1.6 or later; 1.7 the graph ops ``attention`` (fused GQA
-attention over a KV cache) and ``swiglu`` (``fused-ops``)."""
+attention over a KV cache) and ``swiglu`` (``fused-ops``); 1.8 PEER_RECV's ``source`` and
+GRAPH_RUN_LINKED's ``receive_from`` (the sending worker's peer endpoint: the receiver watches its
+own link to it) and the error code PEER_UNREACHABLE (``peer-link-watch``)."""
 
 
 class Cmd(enum.IntEnum):
@@ -169,6 +172,7 @@ _ERROR_CLASSES: dict[int, type[RpcError]] = {
     ErrorCode.GRAPH_INVALID: GraphError,
     ErrorCode.GRAPH_FAILED: GraphError,
     ErrorCode.TRANSFER_FAILED: TransferError,
+    ErrorCode.PEER_UNREACHABLE: PeerUnreachable,
     ErrorCode.SHUTTING_DOWN: ConnectionLost,
     ErrorCode.INTERNAL: RemoteError,
     ErrorCode.FILE_REFUSED: ModelFileError,

@@ -195,11 +195,22 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
 
     with _ISSUE_LOCK:   # every worker queues the halves of all copies in one global order
         route = _direct(a, b)
+        source = _source(a, b) if route is True else ""
         landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
-                                                      timeout_ms=transfer_ms), timeout=wait)
+                                                      timeout_ms=transfer_ms, source=source),
+                         timeout=wait)
         sent = _on_route(a, route, send_half)
     sent.add_done_callback(lambda f: _abort_if_failed(f, landed, b, token))
     return settled_by(landed, [landed, sent])
+
+
+def _source(a: Client, b: Client) -> str:
+    """A's peer endpoint, for B to watch its own link to A while it waits for A's bytes (1.8,
+    ``peer-link-watch``): a partition between the two then fails the receive with
+    :class:`PeerUnreachable` within the heartbeat bound. "" for workers that do not watch.
+    Only for a route known to be direct: a relayed transfer does not need the link (the
+    first copy between two workers, decided by its probe, is not watched)."""
+    return a.info.peer_endpoint if "peer-link-watch" in b.info.capabilities else ""
 
 
 def _abort_if_failed(sent: Future[Any], landed: Future[Any], b: Client, token: bytes) -> None:
@@ -343,6 +354,10 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
             client, graph, refs, frames, fetch, receive, [h.decided() for h in send],
             hold_reply))
     receives = tuple(wire.Receive(h.token, h.dst.ref) for h in receive if h.route != "local")
+    sources = tuple(_source(h.src.client, client) if h.planned == "direct" else ""
+                    for h in receive if h.route != "local")
+    if not any(sources):
+        sources = ()
     sends = tuple(wire.Send(h.token, h.src.ref, h.dst.client.info.peer_endpoint)
                   for h in send if h.route == "direct")
     fetch_refs = [t.ref for t in fetch]
@@ -354,7 +369,7 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
         hold_us = round(hold_reply * 1e6) if "held-replies" in client.info.capabilities else 0
         msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
                                              receive=receives, send=sends, timeout_ms=timeout_ms,
-                                             hold_reply_us=hold_us)
+                                             hold_reply_us=hold_us, receive_from=sources)
         run = client._call(Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch))
     else:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
