@@ -29,6 +29,15 @@ receive as it starts) fail it with :class:`TransferError` at the transfer deadli
 timeout (48 s of the default 60 s), before the request's own timeout. A's chunks still queued
 for a dead B by then are dropped with the link, so its source buffer is writable again.
 
+A partition between A and B (both alive, both reached by the client, the link between them
+down) fails a direct copy, and a linked run waiting for a hand-off, with
+:class:`~zmq_rpc.broker.errors.PeerUnreachable` ("worker A (endpoint) cannot reach worker B
+(endpoint): peer link lost after X s") within 6 s of the link going down: the peer links'
+heartbeat (a ping every 1 s, 3 s for an answer) + 1 s of grace, on A's push link and on B's own
+link to A, which B opens and watches because the request names A (``source`` /
+``receive_from``, 1.8 workers: ``peer-link-watch``). It comes in a worker's reply, so that
+worker is alive: "A cannot reach B", where "A is gone" is A's :class:`ConnectionLost`.
+
 A pipeline does better with hand-offs (:func:`hand_off`) folded into its graph runs
 (``client.run_async(graph, ..., receive=[h], send=[h])``, one GRAPH_RUN_LINKED each): the stage
 that produces ``src`` pushes it straight after its run, the stage that consumes ``dst`` waits for

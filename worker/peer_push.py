@@ -102,14 +102,23 @@ class PushLinks:
         while len(self.sockets) >= MAX_LINKS:
             self.drop(next(iter(self.sockets)))
         sock = self._open(address, server_key)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        try:              # monitored before it connects: the connection is never missed
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"cannot connect to peer {printable(address, 100)}: {exc}") from None
         self.sockets[endpoint] = sock
-        self.monitors[endpoint] = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.monitors[endpoint] = monitor
         now = time.monotonic()
         self.states[endpoint] = LinkState(opened=now, down_since=now)
         return sock
 
     def _open(self, address: str, server_key: bytes | None) -> zmq.Socket[bytes]:
+        """A PUSH socket with the link's options, not connected yet."""
         try:
             sock = self.ctx.socket(zmq.PUSH)
         except zmq.ZMQError as exc:
@@ -124,12 +133,6 @@ class PushLinks:
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
-        try:
-            sock.connect(address)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise WireError(ErrorCode.TRANSFER_FAILED,
-                            f"cannot connect to peer {printable(address, 100)}: {exc}") from None
         return sock
 
     def drop(self, endpoint: str) -> None:
