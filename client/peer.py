@@ -33,7 +33,7 @@ A partition between A and B (both alive, both reached by the client, the link be
 down) fails a direct copy, and a linked run waiting for a hand-off, with
 :class:`~zmq_rpc.broker.errors.PeerUnreachable` ("worker A (endpoint) cannot reach worker B
 (endpoint): peer link lost after X s") within 6 s of the link going down: the peer links'
-heartbeat (a ping every 1 s, 3 s for an answer) + 1 s of grace, on A's push link and on B's own
+heartbeat (a ping every 1 s, 3 s for an answer) + a grace (1 s on A, 0.5 s on B), on A's push link and on B's own
 link to A, which B opens and watches because the request names A (``source`` /
 ``receive_from``, 1.8 workers: ``peer-link-watch``). It comes in a worker's reply, so that
 worker is alive: "A cannot reach B", where "A is gone" is A's :class:`ConnectionLost`.

@@ -12,8 +12,8 @@ import zmq
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import DType, TensorRef
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
-from zmq_rpc.worker.peer_acks import PEER_GONE_GRACE_S, LinkLost
-from zmq_rpc.worker.peer_links import PeerLinks
+from zmq_rpc.worker.peer_acks import LinkLost
+from zmq_rpc.worker.peer_links import RECEIVE_GRACE_S, PeerLinks
 from zmq_rpc.worker.peer_push import LINK_LOSS_S
 
 pytestmark = pytest.mark.timeout(20)
@@ -55,7 +55,7 @@ def test_a_receive_fails_naming_the_link_once_the_senders_link_is_lost() -> None
         assert not outcomes                                 # the link is up: it waits
         sender.close(linger=0)                              # the sender is gone
         took = _expire_until(links, outcomes, 5)
-        assert PEER_GONE_GRACE_S * 0.9 <= took < PEER_GONE_GRACE_S + 1
+        assert RECEIVE_GRACE_S * 0.9 <= took < RECEIVE_GRACE_S + 1
         [why] = outcomes
         assert isinstance(why, LinkLost)
         assert f"worker {links.endpoint} cannot reach worker {source}: peer link lost" in why

@@ -46,7 +46,6 @@ from ..broker.zap import PEER_DOMAIN
 from .backends.base import Backend, View
 from .metrics import NullRecorder, Recorder
 from .peer_acks import (
-    PEER_GONE_GRACE_S,
     WATCH_INTERVAL_S,
     AwaitedAcks,
     Done,
@@ -66,6 +65,9 @@ PEER_RCVHWM = 256
 """Peer messages queued per sending connection before libzmq stops reading it (it was
 unbounded: a flood of the peer port while the backend was busy grew the worker without limit).
 A sender's chunks are 4 MiB: 1 GiB in flight per sender is far more than a transfer needs."""
+RECEIVE_GRACE_S = 0.5
+"""Once the link to a receive's sender is lost, how long its chunks may still land (what was on
+the wire before a heartbeat timeout, or before the sender's process ended, is in by then)."""
 DRAIN_BATCH = 256
 """Peer messages handled per :meth:`PeerLinks.drain` (then the backend loop polls again)."""
 
@@ -289,16 +291,16 @@ class PeerLinks:
         return any(into.source for into in self.receives.pending.values())
 
     def _watch_receives(self, now: float) -> None:
-        """Fail each receive whose sender's link has been lost for PEER_GONE_GRACE_S (chunks
-        the sender pushed before the loss have landed by then) with PEER_UNREACHABLE: with the
-        ZMTP heartbeat that is at most LINK_LOSS_S + 1 s after the link went down, whatever
-        the sender did (an unacknowledged hand-off tells the sender nothing)."""
+        """Fail each receive whose sender's link has been lost for RECEIVE_GRACE_S with
+        PEER_UNREACHABLE: with the ZMTP heartbeat that is at most LINK_LOSS_S + 0.5 s after
+        the link went down, whatever the sender did (an unacknowledged hand-off tells the
+        sender nothing)."""
         self._next_watch = now + WATCH_INTERVAL_S
         for token, into in list(self.receives.pending.items()):
             if not into.source or token not in self.receives.pending:
                 continue
             lost = self.links.lost_for(into.source, into.started)
-            if lost is not None and lost >= PEER_GONE_GRACE_S:
+            if lost is not None and lost >= RECEIVE_GRACE_S:
                 self.receives.finish(token, link_lost(
                     self.endpoint, into.source, now - into.started,
                     f"receiving {into.progress()} into {list(into.ref.shape)}"))
