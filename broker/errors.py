@@ -12,6 +12,7 @@
     │   ├── OutOfMemory               allocation over the worker's memory or size limit
     │   ├── GraphError                invalid graph, or a graph that failed while running
     │   ├── TransferError             a worker-to-worker transfer failed or timed out
+    │   │   └── PeerUnreachable       ...because one worker lost its link to the other
     │   └── ModelFileError            a worker-side file read refused (path, identity, header)
     ├── TransportError                the connection failed us
     │   ├── Timeout                   no reply within the request's timeout
@@ -40,6 +41,7 @@ __all__ = [
     "OutOfMemory",
     "GraphError",
     "TransferError",
+    "PeerUnreachable",
     "ModelFileError",
     "TransportError",
     "Timeout",
@@ -101,6 +103,14 @@ class GraphError(RemoteError):
 
 class TransferError(RemoteError):
     """A worker-to-worker transfer failed, was refused, or timed out."""
+
+
+class PeerUnreachable(TransferError):
+    """A worker-to-worker transfer failed because the worker that answered lost its peer link
+    to the other worker (no ZMTP heartbeat answer, or a connection that would not come up,
+    while the transfer needed it): "A cannot reach B". The worker that raised it is alive (it
+    answered); whether the other one is too, its own requests say (they fail with
+    :class:`ConnectionLost` when it is gone). The message names both workers and the link."""
 
 
 class ModelFileError(RemoteError):

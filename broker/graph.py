@@ -235,6 +235,10 @@ class GraphRunLinked(Message):
     """The worker may hold the reply this long after pushing the sends (sooner when another
     reply goes out): a pipelining client that does not wait on it keeps the reply's wake-ups
     off the hand-off's path. 0: reply at once."""
+    receive_from: tuple[str, ...] = _f(peer.check_sources, since=(1, 9), default=())
+    """1.9 (``peer-link-watch``): per ``receive`` entry, the sending worker's peer endpoint
+    ("" for none): the worker watches its own link to each and fails the run with
+    PEER_UNREACHABLE once the link a pending receive needs is lost. Empty: none watched."""
 
     def payload_sizes(self) -> list[int]:
         return [t.nbytes for t in self.inputs]

@@ -92,6 +92,10 @@ class PeerRecv(Message):
     token: bytes = _f(check_token)
     dst: TensorRef = _f(check_tensor)
     timeout_ms: int = _f(check_timeout)
+    source: str = _f(check_str, since=(1, 9), default="")
+    """1.9 (``peer-link-watch``): the sending worker's peer endpoint, when it pushes straight
+    here: this worker watches its own link to it and fails the receive with PEER_UNREACHABLE
+    once that link is lost. Empty: not watched (relayed copies, older clients)."""
 
 
 @wire_message
@@ -180,6 +184,14 @@ check_receives = _check_hand_offs(
     lambda v, f: Receive(check_token(v[0], f), check_tensor(v[1], f)), 2)
 check_sends = _check_hand_offs(
     lambda v, f: Send(check_token(v[0], f), check_tensor(v[1], f), check_str(v[2], f)), 3)
+
+
+def check_sources(value: Any, field: str) -> tuple[str, ...]:
+    """GRAPH_RUN_LINKED's ``receive_from``: at most MAX_HAND_OFFS peer endpoints (or "")."""
+    if type(value) is not list or len(value) > MAX_HAND_OFFS:
+        raise BadRequest(f"field {field!r}: an array of at most {MAX_HAND_OFFS} entries",
+                         code=ErrorCode.BAD_REQUEST)
+    return tuple(check_str(v, f"{field}[{i}]") for i, v in enumerate(value))
 
 
 _pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack

@@ -48,6 +48,7 @@ from .errors import (
     ModelFileError,
     OutOfBounds,
     OutOfMemory,
+    PeerUnreachable,
     RemoteError,
     RpcError,
     SessionLost,
@@ -112,7 +113,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 8)
+PROTOCOL_VERSION = (1, 9)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -125,7 +126,9 @@ and the worker's share of each request's time in its reply, for sessions that as
 sent to sessions whose HELLO said 1.6 or later; 1.7 the graph ops ``attention`` (fused GQA
 attention over a KV cache) and ``swiglu`` (``fused-ops``); 1.8 HELLO's ``key`` and ``proof``
 (``key-proof``: a CURVE client proves which authorized key opened the session, which the worker
-counts quotas by and binds the session to; see :mod:`.identity`)."""
+counts quotas by and binds the session to; see :mod:`.identity`); 1.9 PEER_RECV's
+``source`` and GRAPH_RUN_LINKED's ``receive_from`` (the sending worker's peer endpoint: the receiver watches its
+own link to it) and the error code PEER_UNREACHABLE (``peer-link-watch``)."""
 
 
 class Cmd(enum.IntEnum):
@@ -173,6 +176,7 @@ _ERROR_CLASSES: dict[int, type[RpcError]] = {
     ErrorCode.GRAPH_INVALID: GraphError,
     ErrorCode.GRAPH_FAILED: GraphError,
     ErrorCode.TRANSFER_FAILED: TransferError,
+    ErrorCode.PEER_UNREACHABLE: PeerUnreachable,
     ErrorCode.SHUTTING_DOWN: ConnectionLost,
     ErrorCode.INTERNAL: RemoteError,
     ErrorCode.FILE_REFUSED: ModelFileError,

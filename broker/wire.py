@@ -61,6 +61,10 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 12
     INTERNAL = 13
     FILE_REFUSED = 14
+    PEER_UNREACHABLE = 15
+    """1.9: a transfer failed because the worker answering lost its link to the other worker
+    (both workers may be alive: a partition between them). Sent to sessions of 1.9 or later;
+    older ones get TRANSFER_FAILED with the same message."""
 
 
 

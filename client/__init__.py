@@ -36,6 +36,7 @@ from ..broker.errors import (
     ModelFileError,
     OutOfBounds,
     OutOfMemory,
+    PeerUnreachable,
     ProtocolError,
     RemoteError,
     RpcError,
@@ -65,7 +66,8 @@ __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
     "RegisteredGraph", "RequestTiming", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
     "to_bfloat16", "AuthenticationFailed", "BadEndpoint", "BadRequest", "ClientClosed",
-    "ConnectionLost", "GraphError", "InvalidHandle", "ModelFileError", "OutOfBounds", "OutOfMemory", "ProtocolError",
+    "ConnectionLost", "GraphError", "InvalidHandle", "ModelFileError", "OutOfBounds", "OutOfMemory", "PeerUnreachable",
+    "ProtocolError",
     "RemoteError", "RpcError", "SessionLost", "Timeout", "TransferError", "TransportError",
     "VersionMismatch",
 ]

@@ -29,6 +29,15 @@ receive as it starts) fail it with :class:`TransferError` at the transfer deadli
 timeout (48 s of the default 60 s), before the request's own timeout. A's chunks still queued
 for a dead B by then are dropped with the link, so its source buffer is writable again.
 
+A partition between A and B (both alive, both reached by the client, the link between them
+down) fails a direct copy, and a linked run waiting for a hand-off, with
+:class:`~zmq_rpc.broker.errors.PeerUnreachable` ("worker A (endpoint) cannot reach worker B
+(endpoint): peer link lost after X s") within 6 s of the link going down: the peer links'
+heartbeat (a ping every 1 s, 3 s for an answer) + a grace (1 s on A, 0.5 s on B), on A's push link and on B's own
+link to A, which B opens and watches because the request names A (``source`` /
+``receive_from``, 1.9 workers: ``peer-link-watch``). It comes in a worker's reply, so that
+worker is alive: "A cannot reach B", where "A is gone" is A's :class:`ConnectionLost`.
+
 A pipeline does better with hand-offs (:func:`hand_off`) folded into its graph runs
 (``client.run_async(graph, ..., receive=[h], send=[h])``, one GRAPH_RUN_LINKED each): the stage
 that produces ``src`` pushes it straight after its run, the stage that consumes ``dst`` waits for
@@ -195,11 +204,22 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
 
     with _ISSUE_LOCK:   # every worker queues the halves of all copies in one global order
         route = _direct(a, b)
+        source = _source(a, b) if route is True else ""
         landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
-                                                      timeout_ms=transfer_ms), timeout=wait)
+                                                      timeout_ms=transfer_ms, source=source),
+                         timeout=wait)
         sent = _on_route(a, route, send_half)
     sent.add_done_callback(lambda f: _abort_if_failed(f, landed, b, token))
     return settled_by(landed, [landed, sent])
+
+
+def _source(a: Client, b: Client) -> str:
+    """A's peer endpoint, for B to watch its own link to A while it waits for A's bytes (1.9,
+    ``peer-link-watch``): a partition between the two then fails the receive with
+    :class:`PeerUnreachable` within the heartbeat bound. "" for workers that do not watch.
+    Only for a route known to be direct: a relayed transfer does not need the link (the
+    first copy between two workers, decided by its probe, is not watched)."""
+    return a.info.peer_endpoint if "peer-link-watch" in b.info.capabilities else ""
 
 
 def _abort_if_failed(sent: Future[Any], landed: Future[Any], b: Client, token: bytes) -> None:
@@ -343,6 +363,10 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
             client, graph, refs, frames, fetch, receive, [h.decided() for h in send],
             hold_reply))
     receives = tuple(wire.Receive(h.token, h.dst.ref) for h in receive if h.route != "local")
+    sources = tuple(_source(h.src.client, client) if h.planned == "direct" else ""
+                    for h in receive if h.route != "local")
+    if not any(sources):
+        sources = ()
     sends = tuple(wire.Send(h.token, h.src.ref, h.dst.client.info.peer_endpoint)
                   for h in send if h.route == "direct")
     fetch_refs = [t.ref for t in fetch]
@@ -354,7 +378,7 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
         hold_us = round(hold_reply * 1e6) if "held-replies" in client.info.capabilities else 0
         msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
                                              receive=receives, send=sends, timeout_ms=timeout_ms,
-                                             hold_reply_us=hold_us)
+                                             hold_reply_us=hold_us, receive_from=sources)
         run = client._call(Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch))
     else:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)

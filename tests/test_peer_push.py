@@ -10,6 +10,7 @@ import zmq
 from zmq_rpc.broker.keys import KeyPair
 from zmq_rpc.broker.protocol import WireError
 from zmq_rpc.broker.zap import KeySet
+from zmq_rpc.worker import peer_push
 from zmq_rpc.worker.peer_endpoints import PeerSecurity
 from zmq_rpc.worker.peer_push import MAX_LINKS, PushLinks
 
@@ -101,3 +102,39 @@ def test_an_endpoint_refused_by_security_opens_no_socket(links: PushLinks) -> No
     with pytest.raises(WireError, match="names an IP address"):
         links.get("tcp://localhost:5")
     assert len(links) == 0
+
+
+def _until(check: object, what: str, limit: float = 5.0) -> None:
+    deadline = time.monotonic() + limit
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_link_is_lost_once_its_connection_drops_and_counted_from_the_later_moment(
+        links: PushLinks) -> None:
+    pull = links.ctx.socket(zmq.PULL)
+    try:
+        pull.bind("tcp://127.0.0.1:*")
+        endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        links.get(endpoint)
+        _until(lambda: links.lost_for(endpoint, 0.0) is None and links.states[endpoint].up,
+               "the link never connected")                      # up: not lost
+    finally:
+        pull.close(linger=0)
+    _until(lambda: links.lost_for(endpoint, 0.0) is not None, "the drop was never seen")
+    lost = links.lost_for(endpoint, 0.0)
+    assert lost is not None and 0 <= lost < 1                        # since the drop
+    assert links.lost_for(endpoint, time.monotonic() + 10) == 0     # needed from later: 0
+    assert links.disconnected(endpoint)                             # the acks' view: once
+    assert links.lost_for("tcp://127.0.0.1:9", 0.0) is None         # never opened here
+
+
+def test_a_link_that_never_connects_is_lost_after_the_heartbeat_bound(
+        links: PushLinks, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_push, "LINK_LOSS_S", 0.3)
+    dead_end = "tcp://127.0.0.1:9"                                   # nothing listens there
+    links.get(dead_end)
+    assert links.lost_for(dead_end, 0.0) is None                    # still connecting
+    _until(lambda: links.lost_for(dead_end, 0.0) is not None, "never declared lost")
+    assert not links.states[dead_end].was_up

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from zmq_rpc.broker import graph as g
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import BadRequest
 from zmq_rpc.broker.files import MAX_READS
@@ -150,10 +151,13 @@ def test_error_message_is_capped() -> None:
 # 1.5: STATUS (25); HELLO's timing and every reply's timing (the Ack reply class).
 # 1.6: HELLO's and STATUS's device_details, last, sent only to sessions whose HELLO said 1.6+.
 # 1.7: the graph ops attention and swiglu (capability fused-ops; the encoding is unchanged).
+# 1.8: HELLO's key and proof (key-proof: the CURVE key that opens a session, proven).
+# 1.9: PEER_RECV's source, GRAPH_RUN_LINKED's receive_from (last, off the wire when empty) and
+#      the error code PEER_UNREACHABLE (only to sessions whose HELLO said 1.9+).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 8)
+    assert p.PROTOCOL_VERSION == (1, 9)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -173,7 +177,7 @@ def test_enum_values_are_pinned() -> None:
         "BAD_REQUEST": 1, "UNKNOWN_COMMAND": 2, "VERSION_MISMATCH": 3, "NO_SESSION": 4,
         "INVALID_HANDLE": 5, "OUT_OF_BOUNDS": 6, "OUT_OF_MEMORY": 7, "SIZE_MISMATCH": 8,
         "GRAPH_INVALID": 9, "GRAPH_FAILED": 10, "TRANSFER_FAILED": 11, "SHUTTING_DOWN": 12,
-        "INTERNAL": 13})
+        "INTERNAL": 13, "FILE_REFUSED": 14, "PEER_UNREACHABLE": 15})
     pinned(DType, {
         "FLOAT32": (0, 4), "FLOAT16": (1, 2), "BFLOAT16": (2, 2), "FLOAT64": (3, 8),
         "INT8": (4, 1), "UINT8": (5, 1), "INT16": (6, 2), "UINT16": (7, 2), "INT32": (8, 4),
@@ -605,7 +609,20 @@ def test_golden_graph_run_linked_hold_reply() -> None:
 @pytest.mark.parametrize("value", [-1, 1_000_001, 1.5, "1"])
 def test_graph_run_linked_hold_reply_is_checked(value: Any) -> None:
     bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, value)], match="hold_reply_us")
-    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, 0, 0)], match="6 to 7 fields")
+    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, 0, [], 0)],
+        match="6 to 8 fields")
+
+
+def test_graph_run_linked_receive_from_is_checked_and_off_the_wire_when_empty() -> None:
+    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, 0, [7])], match="receive_from")
+    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, 0, "tcp://x")],
+        match="receive_from")
+    msg = g.GraphRunLinked(handle=3, inputs=[], fetch=[], receive=(), send=(), timeout_ms=1000)
+    assert len(p.unpack_header(p.encode_request(Cmd.GRAPH_RUN_LINKED, 4, msg))) == 8
+    watched = dataclasses.replace(msg, receive_from=("tcp://10.0.0.1:5",))
+    decoded = p.decode_request([p.encode_request(Cmd.GRAPH_RUN_LINKED, 4, watched)])[2]
+    assert isinstance(decoded, g.GraphRunLinked)
+    assert decoded.receive_from == ("tcp://10.0.0.1:5",)
 
 
 def test_fields_added_by_a_later_minor_come_last_with_a_default() -> None:

@@ -16,6 +16,11 @@ ends of each veth pair (egress of the host's ``eth0`` shapes its uploads, egress
 port shapes its downloads). Latency is not emulated: ``netem`` is not available on the kernels we
 run on, so links are bandwidth-limited with sub-millisecond delay.
 
+A direct link between two hosts (:meth:`NetLab.link`: a second veth pair, its own /24 in
+10.213.1.0 and up) carries what one host says to the other without the bridge, e.g. two workers'
+peer ports (``--peer-bind`` on it), and :meth:`NetLab.set_link` takes it down and up again
+(``ip link set ... down``): a partition between two hosts that both still reach the others.
+
 Lifecycle: ``with NetLab({...}) as lab:`` sets everything up (a failure half way tears down what
 was made) and on exit stops the processes it started and deletes its namespaces, whatever happened
 inside. Namespaces are named ``zrl<pid>x<n>-<host>``: a lab left behind by a process that was
@@ -151,6 +156,8 @@ class NetLab:
         self.switch = f"{self.tag}-{SWITCH}"
         self.hosts = {name: Host(name, f"{self.tag}-{name}", f"{SUBNET}.{i + 2}", f"p{i}", r)
                       for i, (name, r) in enumerate(rates.items())}
+        self.links: dict[frozenset[str], tuple[int, str | None]] = {}
+        """Direct links made by :meth:`link`: (their subnet's third octet, their rate)."""
         self.processes: list[subprocess.Popen[str]] = []
         self.servers: list[ServerProcess] = []
         self._made: list[str] = []
@@ -227,6 +234,39 @@ class NetLab:
                 continue
             _run(["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root",
                   *tbf_args(rate)])
+
+    def link(self, a: str, b: str, rate: str | None = None) -> None:
+        """A direct veth link between hosts ``a`` and ``b`` (device ``l-<other host>`` on each
+        side, addresses :meth:`link_address`), shaped to ``rate`` both ways (None: not)."""
+        key = frozenset((a, b))
+        if a == b or key in self.links or a not in self.hosts or b not in self.hosts:
+            raise ValueError(f"cannot link {a!r} and {b!r}")
+        if rate is not None:
+            rate_bits(rate)
+        self.links[key] = (len(self.links) + 1, rate)
+        ha, hb = self.hosts[a], self.hosts[b]
+        _run(["ip", "link", "add", "name", f"l-{b}", "netns", ha.netns, "type", "veth",
+              "peer", "name", f"l-{a}", "netns", hb.netns])
+        for host, other in ((a, b), (b, a)):
+            netns = self.hosts[host].netns
+            self._ip(netns, "addr", "add", f"{self.link_address(host, other)}/24", "dev",
+                     f"l-{other}")
+            self._ip(netns, "link", "set", f"l-{other}", "up")
+            if rate is not None:
+                _run(["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev",
+                      f"l-{other}", "root", *tbf_args(rate)])
+
+    def link_address(self, host: str, other: str) -> str:
+        """``host``'s address on its direct link to ``other``."""
+        octet, _ = self.links[frozenset((host, other))]
+        return f"{SUBNET.rsplit('.', 1)[0]}.{octet}.{1 if host < other else 2}"
+
+    def set_link(self, a: str, b: str, up: bool) -> None:
+        """Take the direct link between ``a`` and ``b`` down (``ip link set ... down`` on
+        ``a``'s side: ``b``'s side loses its carrier) or bring it up again."""
+        if frozenset((a, b)) not in self.links:
+            raise ValueError(f"no direct link between {a!r} and {b!r}")
+        self._ip(self.hosts[a].netns, "link", "set", f"l-{b}", "up" if up else "down")
 
     def qdisc(self, host: str) -> str:
         """``tc -s qdisc show`` of the host's eth0 (for reports and tests)."""

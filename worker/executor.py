@@ -39,6 +39,7 @@ from .memory import MemoryBudget, SessionMemory
 from .metrics import INVALID_COMMAND, NullRecorder, Recorder
 from .model_files import ModelFiles
 from .outbox import Outbox, Send
+from .peer_acks import LinkLost
 from .peer_links import PeerLinks
 from .quotas import Quotas, check
 from .requests import Admission, Later, Outcome, Request, Route
@@ -280,22 +281,23 @@ class Executor:
         """A transfer ended: answer a send or probe; move on (or fail) what waited for a receive."""
         if self.sessions.get(session.client_id) is not session:
             return  # the session closed meanwhile
+        code = _transfer_code(session, error)
         if not req.in_flight:              # a send or a probe: its queue went on without it
             session.answered_later.discard(req)
-            self.metrics.request(req.cmd, 0 if error is None else ErrorCode.TRANSFER_FAILED, 0,
+            self.metrics.request(req.cmd, 0 if error is None else code, 0,
                                  time.perf_counter_ns() - req.arrived)
             if error is None:
                 done = timed(p.Empty(), req.arrived, req.arrived) if session.timing else None
                 self.outbox.reply(session.client_id, req.req_id,
                                   NO_REPLY if done is None else (done, []))
             else:
-                self.outbox.error(session.client_id, req.req_id, ErrorCode.TRANSFER_FAILED, error)
+                self.outbox.error(session.client_id, req.req_id, code, error)
             return
         req.in_flight = False
         if error is not None:
             self.table.fail_queue(session, ErrorCode.TRANSFER_FAILED, "an earlier transfer this "
                              f"request was queued behind failed: {error}",
-                             req, req.transfer_failed(error))
+                             req, req.transfer_failed(error), code)
             return
         finished = req.landed()
         if finished:
@@ -360,3 +362,15 @@ def _nothing(session: Session, msg: Any, req: Request) -> Outcome:
     """PING and SYNCHRONIZE: the reply is the point (SYNCHRONIZE's comes after every earlier
     request of the session has run)."""
     return NO_REPLY
+
+
+PEER_UNREACHABLE_SINCE = 9
+"""The protocol minor from which a session is answered PEER_UNREACHABLE."""
+
+
+def _transfer_code(session: Session, error: str | None) -> ErrorCode:
+    """A failed transfer's code: PEER_UNREACHABLE when its peer link was lost, for sessions
+    that know it (1.9); TRANSFER_FAILED otherwise (the message says the same)."""
+    if isinstance(error, LinkLost) and session.minor >= PEER_UNREACHABLE_SINCE:
+        return ErrorCode.PEER_UNREACHABLE
+    return ErrorCode.TRANSFER_FAILED

@@ -125,8 +125,11 @@ class LinkedRuns:
 
     def _receive(self, session: Session, run: LinkedRun) -> None:
         hand_off = run.link.receive[run.received]
+        sources = run.link.receive_from
+        source = sources[run.received] if run.received < len(sources) else ""
         try:
-            self.transfers.receive(session, run, hand_off.token, hand_off.dst, run.link.timeout_ms)
+            self.transfers.receive(session, run, hand_off.token, hand_off.dst, run.link.timeout_ms,
+                                   source)
         except WireError as exc:
             raise WireError(exc.code, f"receiving the run's input failed: {exc.message}") from None
         if run.in_flight and run.received == len(run.link.receive) - 1:

@@ -10,8 +10,9 @@ silently (:meth:`AwaitedAcks.forget`: the executor answers their requests itself
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..broker import peer as wire
 from .metrics import NullRecorder, Recorder
@@ -23,7 +24,22 @@ WATCH_INTERVAL_S = 0.05
 """How often the links with transfers waiting for an acknowledgement are checked for drops."""
 
 Done = Callable[[str | None], None]
-"""Told once how a transfer ended: None when it succeeded, else what went wrong."""
+"""Told once how a transfer ended: None when it succeeded, else what went wrong (a
+:class:`LinkLost` when the peer link it needed was lost)."""
+
+
+class LinkLost(str):
+    """Why a transfer failed, when it is the loss of the peer link it needed: the executor
+    answers it with PEER_UNREACHABLE (the client's ``PeerUnreachable``), not TRANSFER_FAILED."""
+
+
+def link_lost(me: str, peer: str, after: float, what: str) -> LinkLost:
+    """The failure of a transfer whose link from worker ``me`` to worker ``peer`` was lost,
+    ``after`` seconds into it: names both ends of the link (README, failure detection)."""
+    return LinkLost(f"worker {me or '(no peer endpoint)'} cannot reach worker {peer}: peer "
+                    f"link lost after {after:.1f} s ({what}; the link went down: no heartbeat "
+                    "answer, or no connection: the network between the two workers failed, or "
+                    "that worker stopped)")
 
 
 @dataclass
@@ -38,6 +54,7 @@ class Outgoing:
     probe: bool = False
     gone: bool = False
     """The peer's connection dropped while this waited: the deadline was cut to the grace."""
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -50,13 +67,18 @@ class LinkHooks:
     """Close the link to an endpoint (its peer failed us)."""
     verify: Callable[[str], None]
     """An endpoint answered a probe: it may be pushed to."""
+    lost_for: Callable[[str, float], float | None] = lambda endpoint, since: None
+    """How long the link to an endpoint has been lost (counted from a moment), None if not:
+    catches a link that never connected, which drops nothing."""
 
 
 class AwaitedAcks:
     """The backend thread's sends and probes in flight, by transfer token."""
 
-    def __init__(self, links: LinkHooks) -> None:
+    def __init__(self, links: LinkHooks, me: str = "") -> None:
         self.links = links
+        self.me = me
+        """This worker's peer endpoint (named in link-loss errors)."""
         self.pending: dict[bytes, Outgoing] = {}
         self.metrics: Recorder = NullRecorder()
         self._next_watch = 0.0
@@ -95,7 +117,7 @@ class AwaitedAcks:
         for token, out in list(self.pending.items()):
             if now >= out.deadline:
                 del self.pending[token]
-                self._fail(out)
+                self._fail(out, now)
 
     def forget(self, owner: object) -> None:
         """Drop a closing session's waits without calling their ``done``."""
@@ -109,16 +131,22 @@ class AwaitedAcks:
         gone = {ep for ep in {out.endpoint for out in self.pending.values()}
                 if self.links.disconnected(ep)}
         for out in self.pending.values():
-            if out.endpoint in gone and not out.gone:
+            if out.gone:
+                continue
+            if out.endpoint in gone:
                 out.gone = True
                 out.deadline = min(out.deadline, now + PEER_GONE_GRACE_S)
+            elif not out.probe and self.links.lost_for(out.endpoint, out.started) is not None:
+                out.gone = True          # never connected: nothing more to wait for
+                out.deadline = now
 
-    def _fail(self, out: Outgoing) -> None:
+    def _fail(self, out: Outgoing, now: float) -> None:
         if not out.probe:
             self.metrics.transfer("out", False)
         self.links.drop(out.endpoint)
-        out.done(f"{out.what}: the peer's connection dropped and no acknowledgement "
-                 f"came within {PEER_GONE_GRACE_S:g} s (its worker stopped or died)"
-                 if out.gone else
-                 f"{out.what}: no acknowledgement within the timeout (peer unreachable, "
+        if out.gone:
+            out.done(link_lost(self.me, out.endpoint, now - out.started,
+                               f"{out.what}: no acknowledgement came"))
+            return
+        out.done(f"{out.what}: no acknowledgement within the timeout (peer unreachable, "
                  "dead or too slow)")

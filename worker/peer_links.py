@@ -47,7 +47,14 @@ from ..broker.zap import PEER_DOMAIN
 from .backends.base import Backend, View
 from .memory import MemoryBudget
 from .metrics import NullRecorder, Recorder
-from .peer_acks import AwaitedAcks, Done, LinkHooks, Outgoing
+from .peer_acks import (
+    WATCH_INTERVAL_S,
+    AwaitedAcks,
+    Done,
+    LinkHooks,
+    Outgoing,
+    link_lost,
+)
 from .peer_endpoints import PeerSecurity, resolve_endpoint
 from .peer_push import PushLinks
 from .peer_queue import PeerQueue
@@ -57,6 +64,9 @@ from .stash import Stash
 
 log = logging.getLogger("zmq_rpc.worker.peer")
 
+RECEIVE_GRACE_S = 0.5
+"""Once the link to a receive's sender is lost, how long its chunks may still land (what was on
+the wire before a heartbeat timeout, or before the sender's process ended, is in by then)."""
 DRAIN_BATCH = 256
 """Peer messages handled per :meth:`PeerLinks.drain` (then the backend loop polls again)."""
 
@@ -87,7 +97,9 @@ class PeerLinks:
         self.stash = Stash(stash_limit)
         self.receives = Receives(backend, self.stash, self._send_ack)
         self.acks = AwaitedAcks(LinkHooks(self.links.disconnected, self.links.drop,
-                                          self.links.verify))
+                                          self.links.verify, self.links.lost_for),
+                                self.endpoint)
+        self._next_watch = 0.0
         self.pusher = Pusher(backend, self.links)
         self._metrics: Recorder = NullRecorder()
 
@@ -166,7 +178,7 @@ class PeerLinks:
     def next_deadline(self) -> float | None:
         """The earliest moment something here may time out."""
         times = [self.receives.next_deadline(), self.acks.next_deadline(),
-                 self.stash.next_expiry()]
+                 self.stash.next_expiry(), self._next_watch if self._watched() else None]
         return min((t for t in times if t is not None), default=None)
 
     # ------------------------------------------------------------- requests (from executor)
@@ -177,10 +189,27 @@ class PeerLinks:
         self.receives.announce(owner, tokens)
 
     def start_recv(self, token: bytes, dst: TensorRef, view: View, timeout_ms: int,
-                   owner: object, done: Done) -> None:
+                   owner: object, done: Done, source: str = "") -> None:
         """Begin receiving transfer ``token`` into ``view`` (the checked view of ``dst``);
-        chunks stashed earlier may finish it, and call ``done``, before this returns."""
-        self.receives.start(token, dst, view, timeout_ms, owner, done)
+        chunks stashed earlier may finish it, and call ``done``, before this returns. With a
+        ``source`` (the sender's peer endpoint) this worker opens its own link to the sender
+        and fails the receive once that link is lost (:meth:`expire`)."""
+        watched = self._watch_link(source)
+        self.receives.start(token, dst, view, timeout_ms, owner, done, watched)
+
+    def _watch_link(self, source: str) -> str:
+        """Open (or reuse) the link to ``source`` so that its heartbeat tells whether the
+        sender is still reachable; "" when it cannot be watched (not a peer endpoint this
+        worker may connect to: the receive then ends at its deadline, as before 1.9)."""
+        if not source or source == self.endpoint:
+            return ""
+        try:
+            self.links.get(source)
+        except WireError as exc:
+            log.info("not watching the link to %s: %s", printable(source, 100),
+                     printable(exc.message))
+            return ""
+        return source
 
     def start_send(self, send: wire.Send, source: Source, timeout_ms: int, owner: object,
                    done: Done) -> None:
@@ -285,12 +314,33 @@ class PeerLinks:
     # ----------------------------------------------------------------------- deadlines
 
     def expire(self, now: float) -> None:
-        """Fail transfers past their deadline; forget stale stashed chunks."""
+        """Fail transfers past their deadline, and receives whose sender's link is lost;
+        forget stale stashed chunks."""
+        if self._watched() and now >= self._next_watch:
+            self._watch_receives(now)
         self.receives.expire(now)
         self.acks.expire(now)
         self.stash.expire(now)
         if self.queue is not None:
             self.queue.update()
+
+    def _watched(self) -> bool:
+        return any(into.source for into in self.receives.pending.values())
+
+    def _watch_receives(self, now: float) -> None:
+        """Fail each receive whose sender's link has been lost for RECEIVE_GRACE_S with
+        PEER_UNREACHABLE: with the ZMTP heartbeat that is at most LINK_LOSS_S + 0.5 s after
+        the link went down, whatever the sender did (an unacknowledged hand-off tells the
+        sender nothing)."""
+        self._next_watch = now + WATCH_INTERVAL_S
+        for token, into in list(self.receives.pending.items()):
+            if not into.source or token not in self.receives.pending:
+                continue
+            lost = self.links.lost_for(into.source, into.started)
+            if lost is not None and lost >= RECEIVE_GRACE_S:
+                self.receives.finish(token, link_lost(
+                    self.endpoint, into.source, now - into.started,
+                    f"receiving {into.progress()} into {list(into.ref.shape)}"))
 
     def forget(self, owner: object) -> None:
         """Drop everything of a closing session: its announced tokens' stashed chunks and its

@@ -13,9 +13,12 @@ endpoints that answered this worker's probe (:meth:`PushLinks.check_verified`).
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from ..broker.endpoints import needs_ipv6
 from ..broker.protocol import ErrorCode, WireError
@@ -23,11 +26,31 @@ from ..broker.wire import printable
 from .peer_endpoints import PeerSecurity
 
 MAX_LINKS = 64
-HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 6000
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 3000
 """ZMTP heartbeats on every link: a peer host that vanishes without closing its connections
-(power, cable) is seen as disconnected after at most ~8 s. Safe on a PUSH: it takes in no messages,
-so its input is never stopped by an HWM, the state in which libzmq 4.3.5's heartbeat timer aborts
-the process (broker/broker.py says why the client-facing ROUTER has no heartbeat of its own)."""
+(power, cable, a partition between the two workers) is seen as disconnected at most
+:data:`LINK_LOSS_S` after its last sign of life (a ping every second, 3 s for any answer), so
+that a transfer needing the link fails within the failure contract's 6 s (README). Safe on a
+PUSH: it takes in no messages, so its input is never stopped by an HWM, the state in which libzmq
+4.3.5's heartbeat timer aborts the process (broker/broker.py says why the client-facing ROUTER has
+no heartbeat of its own). The peer's PULL answers the pings while it reads: only a peer with 256
+unread 4 MiB chunks queued (1 GiB) could miss one."""
+LINK_LOSS_S = (HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS) / 1000
+"""The longest a lost link goes unnoticed: one heartbeat interval, then its timeout. A link that
+has not connected within this long after it opened is lost too."""
+
+
+@dataclass
+class LinkState:
+    """What a link's monitor said: whether its connection is up, since when it is down."""
+
+    opened: float
+    up: bool = False
+    was_up: bool = False
+    """It connected at least once (a drop then is a loss, not a connection that never came)."""
+    down_since: float = 0.0
+    dropped: bool = False
+    """A drop not yet seen by :meth:`PushLinks.disconnected`."""
 
 
 class PushLinks:
@@ -38,7 +61,8 @@ class PushLinks:
         self.security = security
         self.sockets: dict[str, zmq.Socket[bytes]] = {}
         self.monitors: dict[str, zmq.Socket[bytes]] = {}
-        """Each link's socket monitor (disconnections), read while a transfer waits on it."""
+        """Each link's socket monitor (connections, drops), read while a transfer needs it."""
+        self.states: dict[str, LinkState] = {}
         self.verified: set[str] = set()
         """Peer endpoints that answered our probe: the only ones pushed to without CURVE."""
 
@@ -83,11 +107,23 @@ class PushLinks:
         while len(self.sockets) >= MAX_LINKS:
             self.drop(next(iter(self.sockets)))
         sock = self._open(address, server_key)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        try:              # monitored before it connects: the connection is never missed
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            raise WireError(ErrorCode.TRANSFER_FAILED,
+                            f"cannot connect to peer {printable(address, 100)}: {exc}") from None
         self.sockets[endpoint] = sock
-        self.monitors[endpoint] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitors[endpoint] = monitor
+        now = time.monotonic()
+        self.states[endpoint] = LinkState(opened=now, down_since=now)
         return sock
 
     def _open(self, address: str, server_key: bytes | None) -> zmq.Socket[bytes]:
+        """A PUSH socket with the link's options, not connected yet."""
         try:
             sock = self.ctx.socket(zmq.PUSH)
         except zmq.ZMQError as exc:
@@ -103,12 +139,6 @@ class PushLinks:
             sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
-        try:
-            sock.connect(address)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise WireError(ErrorCode.TRANSFER_FAILED,
-                            f"cannot connect to peer {printable(address, 100)}: {exc}") from None
         return sock
 
     def drop(self, endpoint: str) -> None:
@@ -116,6 +146,7 @@ class PushLinks:
         dropped, the next use reconnects."""
         sock = self.sockets.pop(endpoint, None)
         monitor = self.monitors.pop(endpoint, None)
+        self.states.pop(endpoint, None)
         if sock is not None and monitor is not None:
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -124,12 +155,37 @@ class PushLinks:
 
     def disconnected(self, endpoint: str) -> bool:
         """Whether the link to ``endpoint`` dropped its connection since the last look."""
-        monitor = self.monitors.get(endpoint)
-        dropped = False
-        while monitor is not None and monitor.poll(0):
-            monitor.recv_multipart()
-            dropped = True          # the monitor reports nothing but disconnections
-        return dropped
+        state = self._read(endpoint)
+        if state is None or not state.dropped:
+            return False
+        state.dropped = False
+        return True
+
+    def lost_for(self, endpoint: str, since: float) -> float | None:
+        """How long the link to ``endpoint`` has been lost, counted from ``since`` at the
+        earliest (when a transfer began to need it); None while it is not (up, or within
+        :data:`LINK_LOSS_S` of opening without having connected yet, or not open here)."""
+        state = self._read(endpoint)
+        if state is None or state.up:
+            return None
+        now = time.monotonic()
+        if not state.was_up and now - state.opened < LINK_LOSS_S:
+            return None                  # still connecting
+        return max(0.0, now - max(state.down_since, since))
+
+    def _read(self, endpoint: str) -> LinkState | None:
+        """The link's state, after the monitor's news (never blocks)."""
+        monitor, state = self.monitors.get(endpoint), self.states.get(endpoint)
+        while monitor is not None and state is not None and monitor.poll(0):
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                state.up = state.was_up = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                if state.up:
+                    state.down_since = time.monotonic()
+                state.up = False
+                state.dropped = True
+        return state
 
     def send(self, link: zmq.Socket[bytes], endpoint: str, frames: list[Any],
              track: bool = False, copy: bool = False) -> zmq.MessageTracker | None:

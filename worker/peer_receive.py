@@ -47,6 +47,10 @@ class Incoming:
     nchunks: int = -1
     nbytes: int = 0
     reply_to: str = ""
+    source: str = ""
+    """The sending worker's peer endpoint when the client named it (1.9): the link to it is
+    watched (:meth:`~zmq_rpc.worker.peer_links.PeerLinks.expire`)."""
+    started: float = field(default_factory=time.monotonic)
 
     def admit(self, chunk: wire.Chunk, size: int) -> None:
         """Count a chunk of ``size`` bytes in, or TRANSFER_FAILED when it does not belong:
@@ -97,7 +101,7 @@ class Receives:
                 self.stash.announce(owner, token)
 
     def start(self, token: bytes, dst: TensorRef, view: View, timeout_ms: int,
-              owner: object, done: Done) -> None:
+              owner: object, done: Done, source: str = "") -> None:
         """Begin receiving transfer ``token`` into ``view`` (the checked view of ``dst``);
         chunks stashed earlier may finish it, and call ``done``, before this returns."""
         if token in self.pending:
@@ -107,7 +111,7 @@ class Receives:
         in_place = self.backend.alias(view) if contiguous else None
         self.pending[token] = Incoming(
             owner, done, dst, view, time.monotonic() + timeout_ms / 1000, staging,
-            None if in_place is None else memoryview(in_place))
+            None if in_place is None else memoryview(in_place), source=source)
         stashed, aborted = self.stash.claim(owner, token)
         if aborted is not None:               # called off before it started: fail it now
             self.pending[token].reply_to = aborted.reply_to   # its sender hears it at once

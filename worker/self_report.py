@@ -32,7 +32,7 @@ def capabilities(backend: Backend, peers: PeerLinks) -> list[str]:
         if backend.packed_kernels and kernels.available():
             offered.append("packed-kernels")
     if peers.endpoint:
-        offered += ["peer-copy", "unacked-sends"]
+        offered += ["peer-copy", "unacked-sends", "peer-link-watch"]
     return offered
 
 

@@ -177,16 +177,18 @@ class SessionTable:
             self.fail_queue(session, code, message)
 
     def fail_queue(self, session: Session, code: ErrorCode, message: str,
-                   own: Request | None = None, own_message: str = "") -> None:
-        """Answer every queued request with an error (``own_message`` for ``own``, the request
-        whose own transfer failed)."""
+                   own: Request | None = None, own_message: str = "",
+                   own_code: ErrorCode | None = None) -> None:
+        """Answer every queued request with an error (``own_message``, and ``own_code`` when
+        given, for ``own``, the request whose own transfer failed)."""
         queue = list(session.queue)
         session.queue.clear()
         session.usage.queued_bytes = 0
         for req in queue:
-            self.metrics.request(req.cmd, code, 0, 0)
+            mine = code if req is not own or own_code is None else own_code
+            self.metrics.request(req.cmd, mine, 0, 0)
             text = own_message if req is own else message
-            self.outbox.error(session.client_id, req.req_id, code, text)
+            self.outbox.error(session.client_id, req.req_id, mine, text)
 
     def close_silent(self, keep: Session) -> None:
         """Memory is short: close sessions silent for PRESSURE_SILENCE (their client is gone:

@@ -45,7 +45,7 @@ class PeerCommands:
 
     def recv(self, session: Session, msg: wire.PeerRecv, req: Request) -> Outcome:
         """Holds the session's queue until the bytes have landed in ``msg.dst``."""
-        self.receive(session, req, msg.token, msg.dst, msg.timeout_ms)
+        self.receive(session, req, msg.token, msg.dst, msg.timeout_ms, msg.source)
         return Later.HOLD
 
     def send(self, session: Session, msg: wire.PeerSend, req: Request) -> Outcome:
@@ -75,13 +75,15 @@ class PeerCommands:
         self.peers.announce(session, tokens)
 
     def receive(self, session: Session, req: Request, token: bytes, dst: TensorRef,
-                timeout_ms: int) -> None:
+                timeout_ms: int, source: str = "") -> None:
         """Start receiving ``token`` into ``dst`` for ``req``, which is in flight until its
-        transfer ends (chunks stashed earlier may end it before this returns)."""
+        transfer ends (chunks stashed earlier may end it before this returns); ``source``: the
+        sender's peer endpoint, whose link is then watched."""
         view = self.views.view(session, dst)
         req.in_flight = True
         try:
-            self.peers.start_recv(token, dst, view, timeout_ms, session, self._done(session, req))
+            self.peers.start_recv(token, dst, view, timeout_ms, session, self._done(session, req),
+                                  source)
         except BaseException:
             req.in_flight = False
             raise
