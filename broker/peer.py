@@ -254,10 +254,20 @@ def encode_peer(msg: Chunk | Ack | Probe) -> bytes:
     return _pack([PEER_VERSION, int(_KINDS[type(msg)]), *msg.to_fields()])
 
 
+MAX_PEER_HEADER = 32 << 10
+"""A peer header's bytes: at most 8 fields, one string of at most MAX_STRING characters (4 bytes
+each in UTF-8) among them. Refused before decoding: the peer port takes frames of 4 MiB, and
+4 MiB of nested empty arrays cost the backend thread seconds to decode."""
+MAX_PEER_FIELDS = 16
+
+
 def decode_peer(frames: Sequence[Any]) -> Chunk | Ack | Probe:
     """Validate a message from a peer (anyone can reach a PULL socket: trust nothing)."""
+    if len(frames[0]) > MAX_PEER_HEADER:
+        raise BadRequest(f"peer header of {len(frames[0])} bytes is over {MAX_PEER_HEADER}")
     try:
-        head = msgpack.unpackb(frames[0], raw=False, use_list=True)
+        head = msgpack.unpackb(frames[0], raw=False, use_list=True,
+                               max_array_len=MAX_PEER_FIELDS, max_map_len=0)
     except Exception as exc:
         raise BadRequest(f"peer message is not msgpack: {exc}") from None
     if type(head) is not list or len(head) < 2 or type(head[0]) is not int \

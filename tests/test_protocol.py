@@ -698,6 +698,18 @@ def test_peer_messages_are_validated(head: list[Any], match: str) -> None:
         peer.decode_peer([msgpack.packb(head)])
 
 
+def test_an_oversize_peer_header_is_refused_before_it_is_decoded() -> None:
+    """The peer port takes 4 MiB frames: a header of nested empty arrays that size took the
+    backend thread seconds to decode before its fields were refused."""
+    from zmq_rpc.broker import peer
+    bomb = b"\x91" * (4 << 20) + b"\x90"
+    with pytest.raises(BadRequest, match="peer header of 4194305 bytes is over"):
+        peer.decode_peer([bomb])
+    wide = msgpack.packb([1, 1, *([0] * (peer.MAX_PEER_FIELDS + 1))])
+    with pytest.raises(BadRequest, match="not msgpack"):
+        peer.decode_peer([wide])
+
+
 def test_the_broker_modules_import_without_cycles() -> None:
     """wire is the leaf; ops, graph and peer build on it; protocol imports them, never back."""
     import ast
