@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..broker.ops import DEFAULT_MAX_WORK
 from .devices import parse_device
+from .gc_pacing import freeze_start_up
 from .logs import configure_logging
 from .quotas import DEFAULT_MAX_SESSIONS
 
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
     code = 1
+    freeze_start_up()       # full collections walk only what clients make (worker/gc_pacing.py)
     try:
         lines = [f"zmq-rpc-worker listening on {endpoint}"]
         if server.metrics_address:
