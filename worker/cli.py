@@ -1,9 +1,10 @@
 """``zmq-rpc-worker``: run one worker process until SIGINT/SIGTERM.
 
 The main thread parses and checks flags (endpoints, sizes), pins BLAS threads (before numpy is
-imported), starts a :class:`~zmq_rpc.worker.server.WorkerServer`, prints the endpoint it listens
-on, and waits for a signal (or for one of the worker's threads to end on its own); then it stops
-the server (in-flight requests answered or failed) within :data:`SHUTDOWN_BOUND_S` and exits 0.
+imported), starts a :class:`~zmq_rpc.worker.server.WorkerServer`, freezes what start-up made
+(:mod:`.gc_pacing`), prints the endpoint it listens on, and waits for a signal (or for one of
+the worker's threads to end on its own); then it stops the server (in-flight requests answered
+or failed) within :data:`SHUTDOWN_BOUND_S` and exits 0.
 A worker that cannot start (address in use, bad ``--mem``) says why and exits 1 at once.
 """
 
@@ -26,6 +27,7 @@ from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
 from ..broker.graph import MAX_NODES
 from ..broker.ops import DEFAULT_MAX_WORK, NODE_WORK
 from .devices import parse_device
+from .gc_pacing import freeze_start_up
 from .logs import configure_logging
 from .quotas import DEFAULT_MAX_SESSIONS
 
@@ -312,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
     code = 1
+    freeze_start_up()       # full collections walk only what clients make (worker/gc_pacing.py)
     try:
         lines = [f"zmq-rpc-worker listening on {endpoint}"]
         if server.metrics_address:

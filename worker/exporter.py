@@ -5,7 +5,7 @@ Runs in prometheus_client's HTTP server thread (started and stopped by
 copy of the :class:`~zmq_rpc.worker.metrics.Recorder`'s counters and the latest
 :class:`~zmq_rpc.worker.metrics.WorkerSnapshot` the backend thread published. Every worker has
 its own registry (several workers may share a process, as in the tests), holding this collector
-and the process collector (CPU seconds, resident memory, open fds).
+the process collector (CPU seconds, resident memory, open fds) and the GC collector.
 
 Metric names (all prefixed ``zmq_rpc_``): ``requests_total{command,outcome}``,
 ``request_queue_seconds{command}`` and ``request_execution_seconds{command}`` (histograms),
@@ -13,17 +13,26 @@ Metric names (all prefixed ``zmq_rpc_``): ``requests_total{command,outcome}``,
 ``queue_depth``, ``sessions``, ``memory_used_bytes{device}``, ``memory_limit_bytes{device}``,
 ``graphs_registered``, ``graph_runs_total``, ``graph_compute_seconds_total``,
 ``peer_transfers_total{direction,outcome}``, ``buffers``, ``transfers_in_progress``,
-``held_replies``, ``uptime_seconds`` and ``worker_info{name,version,protocol,device,kind}``.
+``held_replies``, ``uptime_seconds``, ``worker_info{name,version,protocol,device,kind}``,
+``gc_full_collections_total{backend}`` (``idle`` or ``busy``), ``gc_frozen_objects`` and
+``gc_old_objects`` (:mod:`.gc_pacing`); and prometheus_client's ``python_gc_*`` (collections by
+generation).
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -32,6 +41,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .gc_pacing import FullCollections
 from .metrics import INVALID_COMMAND, Recorder, WorkerSnapshot, cumulative_buckets
 
 Names = Callable[[int], str]
@@ -67,6 +77,7 @@ class WorkerCollector(Collector):
         compute.add_metric([], counters.compute_ns / 1e9)
         yield compute
         yield from self._gauges(counters.snapshot)
+        yield from self._gc()
         uptime = GaugeMetricFamily("zmq_rpc_uptime_seconds", "Seconds since the worker started")
         uptime.add_metric([], time.time() - rec.started)
         yield uptime
@@ -136,6 +147,25 @@ class WorkerCollector(Collector):
             family.add_metric([snap.device, snap.device_kind], value)
             yield family
 
+    @staticmethod
+    def _gc() -> Iterator[Metric]:
+        """The process's garbage collector as worker/gc_pacing.py runs it."""
+        stats = FullCollections.published
+        full = CounterMetricFamily("zmq_rpc_gc_full_collections", "Full collections the backend "
+                                   "ran between requests, by whether it was idle or busy",
+                                   labels=["backend"])
+        full.add_metric(["idle"], stats.idle)
+        full.add_metric(["busy"], stats.busy)
+        yield full
+        for name, doc, value in (
+                ("frozen", "Objects frozen after start-up, never walked again",
+                 gc.get_freeze_count()),
+                ("old", "Objects in the old generation after the last full collection",
+                 stats.old_objects)):
+            family = GaugeMetricFamily(f"zmq_rpc_gc_{name}_objects", doc)
+            family.add_metric([], value)
+            yield family
+
 
 def default_names(cmd: int) -> str:
     """A command's label (``INVALID`` for requests that did not decode)."""
@@ -166,6 +196,7 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(WorkerCollector(recorder, info, default_names, default_outcomes))
         ProcessCollector(namespace="zmq_rpc", registry=self.registry)
+        GCCollector(registry=self.registry)     # python_gc_collections_total{generation}
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.address = ""

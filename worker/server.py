@@ -34,6 +34,7 @@ from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThrea
 from .backends.base import Backend
 from .devices import parse_device
 from .executor import DRAIN_BATCH, Executor
+from .gc_pacing import FullCollections
 from .heap import IdleTrim
 from .identities import KeyCheck
 from .inbox import READ_AHEAD_EVERY_NS, Inbox
@@ -266,11 +267,12 @@ class BackendThread(threading.Thread):
         waiting = False
         next_expiry = time.monotonic() + 1.0
         next_publish = 0.0
-        idle_trim = IdleTrim()
+        idle_trim, full_gc = IdleTrim(), FullCollections()
         while True:
             events = dict(poller.poll(self._timeout_ms(waiting)))
             busy = bool(events) or bool(self.inbox)
             idle_trim.poll_result(busy or waiting)
+            full_gc.poll_result(busy or waiting)        # between requests (worker/gc_pacing.py)
             if pair in events or self.inbox:
                 self._drain(pair)
             if peers.pull is not None and peers.pull in events:
