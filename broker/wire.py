@@ -51,6 +51,8 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 12
     INTERNAL = 13
     FILE_REFUSED = 14
+    NOT_AUTHENTIC = 16
+    """1.9: a request of a signed session without its right signature (``request-mac``)."""
 
 
 

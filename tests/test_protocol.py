@@ -149,10 +149,12 @@ def test_error_message_is_capped() -> None:
 # 1.5: STATUS (25); HELLO's timing and every reply's timing (the Ack reply class).
 # 1.6: HELLO's and STATUS's device_details, last, sent only to sessions whose HELLO said 1.6+.
 # 1.7: the graph ops attention and swiglu (capability fused-ops; the encoding is unchanged).
+# 1.8: HELLO's key and proof. 1.9: HELLO's and its reply's exchange, NOT_AUTHENTIC (16), the
+# signed trailer after a signed session's headers (tests/test_request_mac.py pins it).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 8)
+    assert p.PROTOCOL_VERSION == (1, 9)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -252,7 +254,7 @@ def test_unknown_command(cmd: int) -> None:
 
 
 @pytest.mark.parametrize("header", [
-    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", True, b"k", b"p", "x"),
+    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", True, b"k", b"p", b"e", "x"),
     pack(Cmd.ALLOC_BUFFER, 1, 3), pack(Cmd.GET_TENSOR, 1), pack(Cmd.COPY_TENSOR, 1, wire(ref())),
 ])
 def test_wrong_field_count(header: bytes) -> None:
