@@ -17,12 +17,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import zmq
 from conftest import WorkerProcess
+from test_identity import Keys, _curve_dealer
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import ConnectionLost, NotAuthentic
 from zmq_rpc.broker.protocol import Cmd, ErrorCode
@@ -37,7 +39,8 @@ VICTIM = """
 import sys
 import numpy as np
 from zmq_rpc.client import Client
-client = Client(sys.argv[1])                       # default settings
+keys = {"curve_key": sys.argv[2], "server_key": sys.argv[3]} if len(sys.argv) > 2 else {}
+client = Client(sys.argv[1], **keys)               # default settings
 buf = client.alloc_buffer(4096)
 client.set_tensor(buf.tensor(1024), np.arange(1024, dtype=np.float32) * 3.5)
 print(client._engine.options.identity.hex(), buf.handle, flush=True)
@@ -103,16 +106,15 @@ def _session(status: p.StatusReply, routing_id: bytes) -> p.SessionInfo:
     return found[0]
 
 
-def test_a_vanished_clients_session_cannot_be_read_freed_or_reopened(
-        spawn_worker: Callable[..., WorkerProcess], make_client: Callable[..., Client],
-        ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
-    proc = spawn_worker("--session-timeout", "60")
-    victim = subprocess.Popen([sys.executable, "-c", VICTIM, proc.endpoint],
+def _vanish(*args: str) -> tuple[bytes, int]:
+    """Run a victim client (``args``: endpoint, then its key files) until it has filled a
+    buffer, then SIGKILL it: gone without GOODBYE. Its routing id and buffer handle."""
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM, *args],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert victim.stdout is not None
         rid_hex, handle = victim.stdout.readline().split()
-        victim.send_signal(signal.SIGKILL)      # gone without GOODBYE
+        victim.send_signal(signal.SIGKILL)
         victim.wait(10)
     finally:
         if victim.poll() is None:
@@ -120,8 +122,15 @@ def test_a_vanished_clients_session_cannot_be_read_freed_or_reopened(
         for stream in (victim.stdin, victim.stdout):
             if stream is not None:
                 stream.close()
-    rid = bytes.fromhex(rid_hex)
-    attacks = _attacks(int(handle))
+    return bytes.fromhex(rid_hex), int(handle)
+
+
+def test_a_vanished_clients_session_cannot_be_read_freed_or_reopened(
+        spawn_worker: Callable[..., WorkerProcess], make_client: Callable[..., Client],
+        ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    proc = spawn_worker("--session-timeout", "60")
+    rid, handle = _vanish(proc.endpoint)
+    attacks = _attacks(handle)
     sock, header = _take_over(ctx, proc.endpoint, rid, attacks[0][1])
     assert header[0] == ErrorCode.NOT_AUTHENTIC, f"read: {header}"
     assert header[1] == 7 and "signature" in header[2]
@@ -131,6 +140,29 @@ def test_a_vanished_clients_session_cannot_be_read_freed_or_reopened(
     sock.close(linger=0)
     session = _session(make_client(proc.endpoint).status(), rid)
     assert (session.buffers, session.memory) == (1, 4096)       # untouched
+
+
+def test_under_curve_another_authorized_key_cannot_use_a_vanished_clients_session(
+        spawn_worker: Callable[..., WorkerProcess], tmp_path: Path,
+        ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    keys = Keys(tmp_path)
+    proc = spawn_worker(*keys.worker_args(), "--session-timeout", "60")
+    rid, handle = _vanish(proc.endpoint, keys.secret("good"), keys.worker.public.decode())
+    attacks = _attacks(handle)
+    frames = attacks[0][1]
+    deadline = time.monotonic() + 20
+    while True:                  # the other key, the routing id it learnt, until it is let in
+        sock = _curve_dealer(ctx, keys, "greedy", rid, proc.endpoint)
+        sock.send_multipart(frames)
+        if sock.poll(300):
+            break
+        sock.close(linger=0)
+        assert time.monotonic() < deadline, "the worker never took the routing id"
+    header = p.unpack_header(sock.recv_multipart()[0])
+    assert header[0] == ErrorCode.NOT_AUTHENTIC, f"read: {header}"
+    for what, frames in attacks[1:]:
+        assert _ask(sock, frames)[0] == ErrorCode.NOT_AUTHENTIC, what
+    sock.close(linger=0)
 
 
 class Proxy:

@@ -130,7 +130,7 @@ class Executor:
         arrived = arrived or time.perf_counter_ns()
         client_id = frames[0].bytes
         self.metrics.client_in(frames)
-        buffers = [f.buffer for f in frames[1:]]
+        buffers: list[memoryview | bytes] = [f.buffer for f in frames[1:]]
         session = self.sessions.get(client_id)
         if session is not None and session.verifier is not None:
             opened = session.verifier.open(buffers[0])
