@@ -34,6 +34,7 @@ from ..broker.errors import (
     GraphError,
     InvalidHandle,
     ModelFileError,
+    NotAuthentic,
     OutOfBounds,
     OutOfMemory,
     ProtocolError,
@@ -65,7 +66,7 @@ __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",
     "RegisteredGraph", "RequestTiming", "RunResult", "RemoteBuffer", "RemoteTensor", "from_bfloat16", "hand_off",
     "to_bfloat16", "AuthenticationFailed", "BadEndpoint", "BadRequest", "ClientClosed",
-    "ConnectionLost", "GraphError", "InvalidHandle", "ModelFileError", "OutOfBounds", "OutOfMemory", "ProtocolError",
+    "ConnectionLost", "GraphError", "InvalidHandle", "ModelFileError", "NotAuthentic", "OutOfBounds", "OutOfMemory", "ProtocolError",
     "RemoteError", "RpcError", "SessionLost", "Timeout", "TransferError", "TransportError",
     "VersionMismatch",
 ]
