@@ -5,7 +5,8 @@
     RpcError
     ├── ProtocolError                 the other side broke the protocol
     │   ├── VersionMismatch           HELLO refused: protocol majors differ
-    │   └── BadRequest                malformed request (frames, header, dtype, sizes, limits)
+    │   ├── BadRequest                malformed request (frames, header, dtype, sizes, limits)
+    │   └── NotAuthentic              a signed session's request without its right signature
     ├── RemoteError                   the worker understood the request and refused or failed it
     │   ├── InvalidHandle             unknown, freed, duplicate or another session's handle
     │   ├── OutOfBounds               a view reaches outside its buffer
@@ -35,6 +36,7 @@ __all__ = [
     "ProtocolError",
     "VersionMismatch",
     "BadRequest",
+    "NotAuthentic",
     "RemoteError",
     "InvalidHandle",
     "OutOfBounds",
@@ -79,6 +81,12 @@ class BadRequest(ProtocolError, ValueError):
 
     Also a ``ValueError``: the client raises it before sending for arguments it can check itself.
     """
+
+
+class NotAuthentic(ProtocolError):
+    """The worker refused a request of a session that signs its requests (protocol 1.10,
+    ``request-mac``) because its signature was missing, wrong or replayed: it did not come from
+    the client that opened the session. The session was left as it was."""
 
 
 class RemoteError(RpcError):

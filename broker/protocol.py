@@ -46,6 +46,7 @@ from .errors import (
     GraphError,
     InvalidHandle,
     ModelFileError,
+    NotAuthentic,
     OutOfBounds,
     OutOfMemory,
     PeerUnreachable,
@@ -113,7 +114,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 9)
+PROTOCOL_VERSION = (1, 10)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -128,7 +129,9 @@ attention over a KV cache) and ``swiglu`` (``fused-ops``); 1.8 HELLO's ``key`` a
 (``key-proof``: a CURVE client proves which authorized key opened the session, which the worker
 counts quotas by and binds the session to; see :mod:`.identity`); 1.9 PEER_RECV's
 ``source`` and GRAPH_RUN_LINKED's ``receive_from`` (the sending worker's peer endpoint: the receiver watches its
-own link to it) and the error code PEER_UNREACHABLE (``peer-link-watch``)."""
+own link to it) and the error code PEER_UNREACHABLE (``peer-link-watch``); 1.10 HELLO's and its reply's
+``exchange`` and a signature after every later request's header (``request-mac``: the session
+is the client's that opened it; see :mod:`.request_mac`)."""
 
 
 class Cmd(enum.IntEnum):
@@ -180,6 +183,7 @@ _ERROR_CLASSES: dict[int, type[RpcError]] = {
     ErrorCode.SHUTTING_DOWN: ConnectionLost,
     ErrorCode.INTERNAL: RemoteError,
     ErrorCode.FILE_REFUSED: ModelFileError,
+    ErrorCode.NOT_AUTHENTIC: NotAuthentic,
 }
 
 
@@ -228,6 +232,9 @@ class Hello(Message):
     proof: bytes = _f(_check_bytes(128), since=(1, 8), default=b"")
     """1.8, CURVE only: a crypto box from ``key`` to the worker's key over the routing id
     (:func:`~zmq_rpc.broker.identity.prove`): the session is that key's."""
+    exchange: bytes = _f(_check_bytes(32), since=(1, 10), default=b"")
+    """1.10: an ephemeral X25519 public key; the session then signs its requests
+    (:mod:`~zmq_rpc.broker.request_mac`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -305,6 +312,8 @@ class HelloReply(Message):
     peer_endpoint: str = _f(check_str)
     timing: tuple[int, ...] = timing_field()
     device_details: tuple[DeviceDetail, ...] = device_details_field()
+    exchange: bytes = _f(_check_bytes(32), since=(1, 10), default=b"")
+    """1.10: the worker's ephemeral public key, in reply to a HELLO's ``exchange`` only."""
 
 
 @wire_message

@@ -65,6 +65,8 @@ class ErrorCode(enum.IntEnum):
     """1.9: a transfer failed because the worker answering lost its link to the other worker
     (both workers may be alive: a partition between them). Sent to sessions of 1.9 or later;
     older ones get TRANSFER_FAILED with the same message."""
+    NOT_AUTHENTIC = 16
+    """1.10: a request of a signed session without its right signature (``request-mac``)."""
 
 
 

@@ -26,12 +26,14 @@ from ..broker.errors import (
     BadRequest,
     ConnectionLost,
     OutOfMemory,
+    ProtocolError,
     RpcError,
     VersionMismatch,
 )
 from ..broker.identity import prove
 from ..broker.keys import KeyPair
 from ..broker.protocol import Cmd, TensorRef
+from ..broker.request_mac import derive, new_exchange
 from .engine import DEFAULT_WINDOW_BYTES, Engine, EngineOptions, RequestTiming
 from .peer import Routes
 from .remote import RemoteBuffer, RemoteTensor
@@ -74,6 +76,8 @@ class Connection:
             curve=curve, trace=trace), ctx)
         self._handles = itertools.count(1)
         self._handle_lock = threading.Lock()
+        self._exchange = (b"", b"")
+        """Our ephemeral key pair (public, secret) while HELLO is under way."""
         try:
             self.info: p.HelloReply = self._hello(connect_timeout)
         except BaseException:
@@ -83,13 +87,13 @@ class Connection:
 
     def _hello(self, timeout: float) -> p.HelloReply:
         major, minor = p.PROTOCOL_VERSION
-        key, proof = self._key_proof()
-        hello = p.Hello(major=major, minor=minor, client=self.name, key=key, proof=proof)
         try:
-            info = self._say_hello(hello, timeout)
-            if hello.proof and isinstance(info, BadRequest) and "proof" not in info.message:
-                hello = p.Hello(major=major, minor=minor, client=self.name)
-                info = self._say_hello(hello, timeout)   # a worker older than 1.8
+            hellos = self._hellos()
+            info = self._say_hello(hellos[0], timeout)
+            for hello in hellos[1:]:     # a worker older than a field we sent: fewer fields
+                if not isinstance(info, BadRequest) or "Hello takes" not in info.message:
+                    break
+                info = self._say_hello(hello, timeout)
             if isinstance(info, RpcError):
                 raise info
         except RpcError as exc:
@@ -104,6 +108,21 @@ class Connection:
             self._ask_for_timing(info, timeout)
         return info
 
+    def _hellos(self) -> list[p.Hello]:
+        """The HELLOs to try, newest first (a worker refuses fields it does not know): with a
+        key exchange, so that the session signs its requests (1.10, broker/request_mac.py),
+        and under CURVE the proof of our key (1.8); then without the exchange; then bare."""
+        major, minor = p.PROTOCOL_VERSION
+        key, proof = self._key_proof()
+        self._exchange = new_exchange()
+        hellos = [p.Hello(major=major, minor=minor, client=self.name, key=key, proof=proof,
+                          exchange=self._exchange[0])]
+        if proof:
+            hellos.append(p.Hello(major=major, minor=minor, client=self.name, key=key,
+                                  proof=proof))
+        hellos.append(p.Hello(major=major, minor=minor, client=self.name))
+        return hellos
+
     def _key_proof(self) -> tuple[bytes, bytes]:
         """Under CURVE, HELLO's proof of this client's key (protocol 1.8): the worker counts
         quotas per key and binds the session to it (broker/identity.py)."""
@@ -116,11 +135,26 @@ class Connection:
         """HELLO's reply, or the BadRequest of a worker that does not know a field of it."""
         try:
             with self._engine.inline():
-                future = self._engine.submit(Cmd.HELLO, hello, timeout=timeout)
+                future = self._engine.submit(Cmd.HELLO, hello, on_reply=self._keyed,
+                                             timeout=timeout)
             info: p.HelloReply = future.result()
         except BadRequest as exc:
             return exc
         return info
+
+    def _keyed(self, reply: p.Message, frames: list[zmq.Frame]) -> p.Message:
+        """HELLO's reply, on the thread that drives the connection: when the worker answered
+        our key exchange, every request from now on is signed (broker/request_mac.py)."""
+        exchange = getattr(reply, "exchange", b"")
+        if exchange:
+            public, secret = self._exchange
+            key = derive(secret, exchange, self._engine.options.identity, public, exchange)
+            if key is None:
+                raise ProtocolError(f"the worker at {self.endpoint} answered the key exchange "
+                                    "with an unusable key")
+            self._engine.sign_from_now(key)
+            self._exchange = (b"", b"")     # the secret is not needed again
+        return reply
 
     def _ask_for_timing(self, info: p.HelloReply, timeout: float) -> None:
         """A second HELLO asking for the worker's timing in replies (a worker older than 1.5

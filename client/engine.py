@@ -55,6 +55,7 @@ from ..broker import protocol as p
 from ..broker.endpoints import EndpointError, parse_endpoint
 from ..broker.errors import BadEndpoint, ClientClosed, ConnectionLost
 from ..broker.protocol import Cmd
+from ..broker.request_mac import Signer
 from .calls import Call, OnReply, Reservation, drain_inbox, fail_call, fail_item
 from .calls import RequestTiming as RequestTiming
 from .futures import RunningFuture
@@ -218,6 +219,13 @@ class Engine(Handover):
         self._wake()
         if not on_io_thread():        # a callback on a thread that drives the connection
             self._thread.join(timeout)
+
+    def sign_from_now(self, key: bytes) -> None:
+        """Sign every request sent from now on with ``key`` (protocol 1.10,
+        ``broker/request_mac.py``). Only for the thread that drives the connection, i.e. from a
+        reply's ``on_reply`` (HELLO's): nothing can be sent between that reply and this."""
+        if self._io is not None:             # always, once a reply came in
+            self._io.link.signer = Signer(key)
 
     def drain_timings(self) -> list[RequestTiming]:
         """The timings recorded since the last call, oldest first (any thread)."""

@@ -73,7 +73,8 @@ class Handover:
 
         A request without fields or payload whose success is an Ack (PING, SYNCHRONIZE) runs
         its usual course here, in one function (a blocking caller runs it with cold caches:
-        every call and object on the way costs): the two headers' bytes made before the send
+        every call and object on the way costs): the two headers' bytes (the request's signed
+        when the session signs, ``broker/request_mac.py``) made before the send
         (on a busy machine the code between a send and its receive delays the receive), a
         send and a blocking receive on the DEALER alone, like a bare socket's, the reply
         recognized by its bytes, ``on_reply`` called once the connection is given back.
@@ -95,6 +96,9 @@ class Handover:
         req_id = next(self._ids)
         packed = pack_id(req_id)
         header, expected = course[1] + packed, _BARE_HEAD + packed
+        signer = link.signer
+        if signer is not None:
+            header = signer.sign(header)
         dealer = io.dealer
         try:
             sent = link.last_sent = monotonic()

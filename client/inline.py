@@ -52,7 +52,7 @@ def request(io: IoLoop, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence
     link = io.link
     if io.trace or link.down:
         return _exchanged(io, cmd, req_id, msg, payload, on_reply, wait, reply_bytes)
-    header = p.encode_request(cmd, req_id, msg)
+    header = link.signed(p.encode_request(cmd, req_id, msg))
     now = time.monotonic()
     dealer = io.dealer
     link.last_sent = now

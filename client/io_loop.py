@@ -213,9 +213,12 @@ class IoLoop:
         if trace:
             call.sent_ns = time.perf_counter_ns()
         frames = call.frames
+        signer = self.link.signer
         if isinstance(frames, bytes):
-            self.dealer.send(frames)
+            self.dealer.send(frames if signer is None else signer.sign(frames))
         else:
+            if signer is not None:
+                frames = [signer.sign(frames[0]), *frames[1:]]
             self.dealer.send_multipart(frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
         call.frames = SENT
         call.sent = True

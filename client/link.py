@@ -22,6 +22,7 @@ from ..broker import protocol as p
 from ..broker.endpoints import needs_ipv6
 from ..broker.errors import AuthenticationFailed, ConnectionLost, RpcError, SessionLost
 from ..broker.protocol import Cmd, ErrorCode
+from ..broker.request_mac import Signer
 
 if TYPE_CHECKING:
     from .engine import EngineOptions
@@ -58,6 +59,9 @@ class Link:
         self.lost: RpcError | None = None
         """Set for good when the worker no longer knows our session."""
         self.last_sent = time.monotonic()
+        self.signer: Signer | None = None
+        """Signs every request header from the HELLO reply on, when the worker exchanged keys
+        (protocol 1.10, ``request-mac``): every path that sends one asks it."""
         try:
             self._configure(options)
             self.monitor = self.dealer.get_monitor_socket(
@@ -154,13 +158,18 @@ class Link:
             self.ping()
 
     def ping(self) -> None:
-        self.dealer.send(PING_HEADER)
+        self.dealer.send(self.signed(PING_HEADER))
         self.last_sent = time.monotonic()
 
     def goodbye(self) -> None:
         """Tell the worker to free our session now (best effort, not waited for)."""
         if self.up and self.lost is None:
-            self.dealer.send(p.encode_request(Cmd.GOODBYE, 0, p.Empty()))
+            self.dealer.send(self.signed(p.encode_request(Cmd.GOODBYE, 0, p.Empty())))
+
+    def signed(self, header: bytes) -> bytes:
+        """``header`` as it goes on the wire: with the session's signature when it has one."""
+        signer = self.signer
+        return header if signer is None else signer.sign(header)
 
     def close(self) -> None:
         if self.monitor is not None:

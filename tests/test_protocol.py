@@ -154,10 +154,12 @@ def test_error_message_is_capped() -> None:
 # 1.8: HELLO's key and proof (key-proof: the CURVE key that opens a session, proven).
 # 1.9: PEER_RECV's source, GRAPH_RUN_LINKED's receive_from (last, off the wire when empty) and
 #      the error code PEER_UNREACHABLE (only to sessions whose HELLO said 1.9+).
+# 1.10: HELLO's and its reply's exchange, NOT_AUTHENTIC (16), the signed trailer after a signed
+#       session's headers (tests/test_request_mac.py pins it).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 9)
+    assert p.PROTOCOL_VERSION == (1, 10)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -257,7 +259,7 @@ def test_unknown_command(cmd: int) -> None:
 
 
 @pytest.mark.parametrize("header", [
-    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", True, b"k", b"p", "x"),
+    pack(Cmd.PING, 1, 0), pack(Cmd.HELLO, 1, 1, 0), pack(Cmd.HELLO, 1, 1, 0, "c", True, b"k", b"p", b"e", "x"),
     pack(Cmd.ALLOC_BUFFER, 1, 3), pack(Cmd.GET_TENSOR, 1), pack(Cmd.COPY_TENSOR, 1, wire(ref())),
 ])
 def test_wrong_field_count(header: bytes) -> None:

@@ -29,6 +29,7 @@ import zmq
 from ..broker import protocol as p
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, ErrorCode, WireError
+from ..broker.request_mac import strip_trailer
 from .backends.base import Backend
 from .buffers import BufferCommands
 from .graphs import GraphCommands
@@ -52,6 +53,8 @@ from .transfers import PeerCommands
 __all__ = ["DRAIN_BATCH", "Executor", "WorkerLimits"]
 
 log = logging.getLogger("zmq_rpc.worker")
+
+NO_SESSION = "no session: send HELLO first (or the session expired)"
 
 DRAIN_BATCH = 512
 """Most requests handled per poll wake-up before the peer port, waiting sessions and timers get
@@ -134,11 +137,18 @@ class Executor:
         arrived = arrived or time.perf_counter_ns()
         client_id = frames[0].bytes
         self.metrics.client_in(frames)
+        buffers: list[memoryview | bytes] = [f.buffer for f in frames[1:]]
+        session = self.sessions.get(client_id)
+        if session is not None and session.verifier is not None:
+            opened = session.verifier.open(buffers[0])
+            if isinstance(opened, str):
+                self._refuse_unsigned(session, buffers[0], opened)
+                return
+            buffers[0] = opened
         try:
-            cmd, req_id, msg = p.decode_request([f.buffer for f in frames[1:]])
+            cmd, req_id, msg = p.decode_request(buffers)
         except BadRequest as exc:
-            self._refuse(client_id, getattr(exc, "req_id", 0), ErrorCode(exc.code or 1),
-                         exc.message)
+            self._refuse_bad(client_id, session, buffers[0], exc)
             return
         except Exception as exc:  # a decoder bug: still a bad request, never a dead thread
             log.exception("decoding a request from %s failed", client_id.hex()[:8])
@@ -147,7 +157,30 @@ class Executor:
             return
         req = self.routes[cmd].request(cmd, req_id, msg, frames[2:])
         req.arrived = arrived
-        self._accept(client_id, req)
+        self._accept(client_id, session, req)
+
+    def _refuse_unsigned(self, session: Session, header: Any, why: str) -> None:
+        """Refuse a request of a signed session that does not carry its signature: someone
+        else presents the session's routing id. The session is left as it was (not even its
+        last-seen time moves); the refusal goes to whoever holds the routing id now."""
+        session.refused += 1
+        if session.refused == 1:
+            log.warning("%s: refused a request without the session's signature (%s); "
+                        "another connection uses its routing id", session.label, why,
+                        extra=session.log_fields())
+        self._refuse(session.client_id, _request_id(header), ErrorCode.NOT_AUTHENTIC,
+                     f"request refused: {why}")
+
+    def _refuse_bad(self, client_id: bytes, session: Session | None, header: Any,
+                    exc: BadRequest) -> None:
+        """Answer a request that did not decode. A signed request whose session is gone
+        (it expired, the worker restarted) does not decode with its signature on: it gets
+        NO_SESSION under its own request id, so that its client learns the session is lost."""
+        if session is None and strip_trailer(header) is not None:
+            self._refuse(client_id, _request_id(header), ErrorCode.NO_SESSION, NO_SESSION)
+            return
+        req_id, code, message = getattr(exc, "req_id", 0), ErrorCode(exc.code or 1), exc.message
+        self._refuse(client_id, req_id, code, message)
 
     def _refuse(self, client_id: bytes, req_id: int, code: ErrorCode, message: str,
                 cmd: int = INVALID_COMMAND) -> None:
@@ -155,13 +188,11 @@ class Executor:
         self.metrics.request(cmd, code, 0, 0)
         self.outbox.error(client_id, req_id, code, message)
 
-    def _accept(self, client_id: bytes, req: Request) -> None:
+    def _accept(self, client_id: bytes, session: Session | None, req: Request) -> None:
         admission = req.route.admission
-        session = self.sessions.get(client_id)
         if session is None:
             if admission is not Admission.OPENS:
-                self._refuse(client_id, req.req_id, ErrorCode.NO_SESSION,
-                             "no session: send HELLO first (or the session expired)", req.cmd)
+                self._refuse(client_id, req.req_id, ErrorCode.NO_SESSION, NO_SESSION, req.cmd)
                 return
             session = Session(client_id, "")         # opened by HELLO, if it is accepted
         session.last_seen = time.monotonic()
@@ -356,6 +387,16 @@ def timed(reply: p.Message, arrived: int, started: int) -> p.Message:
     if type(reply) is p.Empty:
         return p.Ack(timing=timing)
     return dataclasses.replace(reply, timing=timing)  # type: ignore[call-arg]
+
+
+def _request_id(header: Any) -> int:
+    """The request id of a header (a signed one's trailer is skipped), for an error reply
+    to a request refused before decoding; 0 when it has none."""
+    try:
+        fields = p.unpack_header(strip_trailer(header) or header)
+    except BadRequest:
+        return 0
+    return fields[1] if 0 <= fields[1] < 1 << 64 else 0
 
 
 def _nothing(session: Session, msg: Any, req: Request) -> Outcome:

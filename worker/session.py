@@ -18,6 +18,7 @@ import zmq
 from ..broker import protocol as p
 from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode, TensorRef, WireError
+from ..broker.request_mac import Verifier
 from .backends.base import Backend, Memory, View
 from .quotas import Charged, Usage
 
@@ -105,6 +106,11 @@ class Session:
     identity: str = ""
     """Whose session this is (:mod:`~zmq_rpc.worker.identities`): quotas over all of an
     identity's sessions, and a later HELLO must come from it."""
+    verifier: Verifier | None = None
+    """Set when the opening HELLO exchanged keys (1.10, :mod:`~zmq_rpc.broker.request_mac`):
+    every later request must carry the session's signature, else it is refused untouched."""
+    refused: int = 0
+    """Requests refused for a missing or wrong signature (the first is logged)."""
 
     @property
     def label(self) -> str:

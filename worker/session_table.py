@@ -20,6 +20,7 @@ from typing import Protocol
 
 from ..broker import protocol as p
 from ..broker.protocol import ErrorCode, WireError
+from ..broker.request_mac import Verifier, derive, new_exchange
 from ..broker.wire import printable
 from .identities import Identities, IdentityQuotas
 from .memory import SessionMemory
@@ -92,16 +93,38 @@ class SessionTable:
         if not strong_client_id(session.client_id):
             raise WireError(ErrorCode.BAD_REQUEST, WEAK_ID)
         identity = self.identities.of_hello(session, msg)
+        exchange: tuple[bytes, Verifier] | None = None
         if self.sessions.get(session.client_id) is not session:
+            exchange = self._exchange(session, msg.exchange)
             self._open(session, msg.client, identity)
         else:
             self.identities.check_bound(session, identity)
+            if msg.exchange:
+                raise WireError(ErrorCode.BAD_REQUEST, "HELLO refused: a session exchanges "
+                                "keys at its first HELLO only")
         session.timing = session.timing or msg.timing
         session.minor = msg.minor
         reply = self.greeter.hello_reply()
         if msg.minor < 6:          # an older client decodes no field it does not know
             reply = dataclasses.replace(reply, device_details=())
+        if exchange is not None:
+            public, session.verifier = exchange
+            reply = dataclasses.replace(reply, exchange=public)
         return reply, []
+
+    @staticmethod
+    def _exchange(session: Session, client_public: bytes) -> tuple[bytes, Verifier] | None:
+        """For a HELLO that opens a session with an ``exchange`` (1.10): this worker's
+        ephemeral public key for the reply, and the session's verifier (see
+        :mod:`~zmq_rpc.broker.request_mac`); None without one (the session is not signed)."""
+        if not client_public:
+            return None
+        public, secret = new_exchange()
+        key = derive(secret, client_public, session.client_id, client_public, public)
+        if key is None:
+            raise WireError(ErrorCode.BAD_REQUEST, "HELLO refused: exchange is not a usable "
+                            "X25519 public key")
+        return public, Verifier(key)
 
     def _open(self, session: Session, client_name: str, identity: str) -> None:
         self._make_room()
