@@ -210,3 +210,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def fuzz_seconds(request: pytest.FixtureRequest) -> float:
     return float(request.config.getoption("--fuzz-seconds"))
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+"""A /metrics page's samples, keyed by (name, sorted labels)."""
+
+
+def scrape(address: str) -> Samples:
+    """Every sample of a worker's /metrics page at ``address``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value (0 when the page does not have it)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -10,21 +10,18 @@ worker's ``zmq_rpc_gc_full_collections_total{backend}`` those the backend ran be
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgpack
 import pytest
 import zmq
-from conftest import WorkerProcess
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import Samples, WorkerProcess, sample, scrape
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.tools.fuzz import rss_of
 
 pytestmark = pytest.mark.timeout(120)
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 FLOOD_ROUNDS = 150
 """Rounds of :data:`WINDOW` requests the flood sends (~4,800 requests: 1-2 s quiet)."""
@@ -33,24 +30,17 @@ NODES = 1000
 """Lists in each flooding request's header: each decode makes ~1,000 objects (then refused)."""
 
 
-def scrape(address: str) -> Samples:
-    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def full_collections(samples: Samples) -> float:
     """Every full collection the worker process ran (CPython's own or the backend's)."""
-    return value(samples, "python_gc_collections_total", generation="2")
+    return sample(samples, "python_gc_collections_total", generation="2")
 
 
 def paced_collections(samples: Samples, backend: str) -> float:
-    return value(samples, "zmq_rpc_gc_full_collections_total", backend=backend)
+    return sample(samples, "zmq_rpc_gc_full_collections_total", backend=backend)
 
 
 def start(spawn_worker: Callable[..., WorkerProcess]) -> tuple[WorkerProcess, str]:
@@ -149,10 +139,10 @@ def test_start_up_objects_are_frozen_and_not_walked_again(
     thousand objects, not the start-up's."""
     worker, metrics = start(spawn_worker)
     samples = scrape(metrics)
-    frozen = value(samples, "zmq_rpc_gc_frozen_objects")
+    frozen = sample(samples, "zmq_rpc_gc_frozen_objects")
     assert frozen >= 10_000, f"{frozen:.0f} objects frozen after start-up"
     flood(worker.endpoint, worker.proc.pid)
     samples = scrape(metrics)
     assert paced_collections(samples, "idle") + paced_collections(samples, "busy") >= 1
-    old = value(samples, "zmq_rpc_gc_old_objects")
+    old = sample(samples, "zmq_rpc_gc_old_objects")
     assert 0 < old < frozen / 3, f"{old:.0f} objects in the old generation, {frozen:.0f} frozen"

@@ -13,8 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import zmq
-from conftest import WorkerProcess
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import Samples, WorkerProcess, sample, scrape
 from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client, Graph, InvalidHandle, OutOfMemory
 from zmq_rpc.worker.exporter import WorkerCollector, default_names, default_outcomes
@@ -29,19 +28,10 @@ from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(60)
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape(address: str) -> Samples:
-    """Every sample of a /metrics page, keyed by (name, sorted labels)."""
-    with urllib.request.urlopen(f"{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def sample(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def settled(address: str, check: Callable[[Samples], bool]) -> Samples:
