@@ -128,7 +128,19 @@ def test_relayed_hop_still_correct(make_worker: Callable[..., WorkerServer],
         check(pipe.run(inputs), inputs, model, 2)
 
 
+def open_peer_links(clients: list[Client]) -> None:
+    """Open the links a pipeline's hand-offs take (each worker to the next): an open peer
+    connection is counted in its receiver's --mem while it stays open (worker/peer_queue.py),
+    whoever's transfers use it."""
+    for a, b in zip(clients, clients[1:]):
+        src, dst = a.alloc_buffer(64), b.alloc_buffer(64)
+        a.copy_tensor(src.tensor((16,), "float32"), dst.tensor((16,), "float32"))
+        src.free()
+        dst.free()
+
+
 def test_close_frees_worker_memory_and_rejects_work(clients: list[Client]) -> None:
+    open_peer_links(clients)
     free = [c.device_memory().free for c in clients]
     model = Model(SHAPES)
     pipe = Pipeline(clients, model.build, model.shapes)
