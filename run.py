@@ -89,10 +89,13 @@ def ensure_environment() -> None:
 
 def compile_kernels() -> None:
     """Compile the workers' quantized kernels into numba's on-disk cache now, once, rather than
-    inside a user's first model load (where the worker would compile the model's types)."""
-    step("compiling the quantized matmul kernels (numba, once: ~45 s of CPU)")
-    done = subprocess.run([str(bin_path("python")), "-m", "zmq_rpc.worker.kernels"], cwd=ROOT,
-                          capture_output=True, text=True, check=False)
+    inside a user's first model load (where the worker would compile the model's types), with
+    their row-splitting versions (``--threads 2``): a worker run with ``--threads N`` and the
+    tests' two-thread cases find them cached (compiled on first use, q6_k's took 85 s on an
+    AVX2 CPU, over the tests' timeout with the CPUs loaded)."""
+    step("compiling the quantized matmul kernels (numba, once: a few minutes of CPU)")
+    done = subprocess.run([str(bin_path("python")), "-m", "zmq_rpc.worker.kernels", "--threads", "2"],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode:
         step("could not compile the kernels ahead; the first model load will: "
              + (done.stderr.strip().splitlines() or ["?"])[-1])

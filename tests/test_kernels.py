@@ -212,6 +212,8 @@ np.savez(sys.argv[2], **out)
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.skipif(not intdot.VNNI, reason="this CPU has no AVX512-VNNI: its kernels are the "
+                    "portable ones, which every other test here checks")
 def test_portable_integer_sums_match_the_vnni_ones(tmp_path: Path) -> None:
     """Compiled for a CPU without AVX512-VNNI (numba told to compile for an AVX2 Haswell, its own
     cache), the integer kernels (decode and prefill; q5_1 and q6_k: the unpacked prefill, its

@@ -29,16 +29,18 @@ from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 N_NEW = 16
 TOLERANCE = 1e-3
-DECODE_TOLERANCE = 1e-2
+DECODE_TOLERANCE = 1.5e-2
 """Logits of a one-row pass over quantized weights: the decode kernels of q4_0/q4_1/q8_0 round their
 inputs to two int8 levels (``worker/kernels/intdot.py``, at most ``max|x| / 64516`` per input of a
-block of 32); SmolLM2 Q4_1's logits (magnitude ~10-20) come out within ~7e-3 of the float32 reference,
-and its greedy tokens are the reference's (the tests below)."""
-FULL_TOLERANCE = 3e-2
+block of 32); SmolLM2 Q4_1's logits (magnitude ~10-20) come out within ~7e-3 of the float32 reference
+on an AVX-512 VNNI CPU (Sapphire Rapids) and within 0.0114 on an AVX2 one (AMD Zen 3: the integer
+sums are the same, tests/test_kernels.py; the float parts, ours and the reference's BLAS, round in
+another order), and its greedy tokens are the reference's (the tests below)."""
+FULL_TOLERANCE = 4e-2
 """Logits of every row of a prefill over quantized weights: the prefill products of q4_0/q4_1/q8_0
 round their inputs as the decode kernels do (``worker/kernels/intgemm.py``); SmolLM2 Q4_1's 37 rows of
-the test prompt come out within 0.020 of the float32 reference (median row 0.010), every row's argmax
-the reference's."""
+the test prompt come out within 0.020 of the float32 reference (median row 0.010) on Sapphire Rapids
+and within 0.0305 on AMD Zen 3 (AVX2), every row's argmax the reference's."""
 
 
 @pytest.fixture(scope="module")
