@@ -1276,5 +1276,7 @@ def test_arena_planning_is_linear_in_nodes() -> None:
         compile_graph(spec)
         return time.perf_counter() - start
 
-    ratio = seconds(big) / min(seconds(small) for _ in range(5))
+    # the best of several runs on both sides: one run of the big chain under load took 36x
+    # (a preemption or a collection inside it), its best of three stays near 8x
+    ratio = min(seconds(big) for _ in range(3)) / min(seconds(small) for _ in range(5))
     assert ratio < 30, f"8x the nodes took {ratio:.0f}x the time"   # linear ~8x, quadratic ~64x
