@@ -67,6 +67,9 @@ log = logging.getLogger("zmq_rpc.worker.peer")
 RECEIVE_GRACE_S = 0.5
 """Once the link to a receive's sender is lost, how long its chunks may still land (what was on
 the wire before a heartbeat timeout, or before the sender's process ended, is in by then)."""
+LINK_READ_S = 0.1
+"""How often every push link's monitor is read (PushLinks.read_all): a link reconnecting at
+libzmq's 100 ms interval makes at most ~2 events in that time, its pipe holds 1,000."""
 DRAIN_BATCH = 256
 """Peer messages handled per :meth:`PeerLinks.drain` (then the backend loop polls again)."""
 
@@ -100,6 +103,7 @@ class PeerLinks:
                                           self.links.verify, self.links.lost_for),
                                 self.endpoint)
         self._next_watch = 0.0
+        self._next_link_read = 0.0
         self.pusher = Pusher(backend, self.links)
         self._metrics: Recorder = NullRecorder()
 
@@ -318,6 +322,9 @@ class PeerLinks:
         forget stale stashed chunks."""
         if self._watched() and now >= self._next_watch:
             self._watch_receives(now)
+        if now >= self._next_link_read:           # no link monitor's pipe ever fills
+            self.links.read_all()
+            self._next_link_read = now + LINK_READ_S
         self.receives.expire(now)
         self.acks.expire(now)
         self.stash.expire(now)

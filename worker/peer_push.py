@@ -144,6 +144,7 @@ class PushLinks:
     def drop(self, endpoint: str) -> None:
         """Close a link whose peer failed us (or whose session closed): what is queued on it is
         dropped, the next use reconnects."""
+        self._read(endpoint)        # an unread monitor pipe that is full blocks disable_monitor
         sock = self.sockets.pop(endpoint, None)
         monitor = self.monitors.pop(endpoint, None)
         self.states.pop(endpoint, None)
@@ -172,6 +173,16 @@ class PushLinks:
         if not state.was_up and now - state.opened < LINK_LOSS_S:
             return None                  # still connecting
         return max(0.0, now - max(state.down_since, since))
+
+    def read_all(self) -> None:
+        """Take every link's monitor news now (never blocks). Run it often enough that no
+        monitor's pipe fills: libzmq's I/O thread sends monitor events with a blocking send, so
+        a full pipe (1,000 events: a link to a port that accepts and drops reconnects ten times
+        a second) stops that thread, and with it every client connection of the worker (the
+        long fuzz: no client served after ~3 min, and the worker's exit hung in
+        disable_monitor)."""
+        for endpoint in list(self.monitors):
+            self._read(endpoint)
 
     def _read(self, endpoint: str) -> LinkState | None:
         """The link's state, after the monitor's news (never blocks)."""
