@@ -393,6 +393,20 @@ def test_peer_send_to_a_dead_port_fails_at_once_and_holds_nothing(
     assert other.device_memory().free == 64 * MiB
 
 
+def few_ms_graph(client: Client, adds: int) -> Any:
+    """A registered graph of ``adds`` 4 MiB adds over a buffer of its own (a few ms a run), run
+    once so that its arena and kernels are ready."""
+    x = client.alloc_buffer(4 << 20).tensor((1 << 20,), "float32")
+    g = Graph()
+    y = x
+    for _ in range(adds):
+        y = g.add(y, x)
+    g.scale(y, 0.5, out=x)
+    handle = client.register(g)
+    client.run(handle)
+    return handle
+
+
 def test_a_greedy_clients_queue_does_not_hold_another_clients_reply(
         spawn_worker: Callable[..., WorkerProcess], make_client: Callable[..., Client]) -> None:
     """A greedy client pipelines 150 graph runs of a few ms each, each followed by a small alloc;
@@ -408,14 +422,7 @@ def test_a_greedy_clients_queue_does_not_hold_another_clients_reply(
     worker = spawn_worker("--mem", "256MiB")
     greedy = make_client(worker.endpoint, timeout=60.0)         # the default timeout
     polite = make_client(worker.endpoint, timeout=60.0)
-    x = greedy.alloc_buffer(4 << 20).tensor((1 << 20,), "float32")
-    g = Graph()
-    y = x
-    for _ in range(16):
-        y = g.add(y, x)
-    g.scale(y, 0.5, out=x)
-    handle = greedy.register(g)
-    greedy.run(handle)
+    handle = few_ms_graph(greedy, 16)
     polite.ping()
     futures: list[Any] = []
     for _ in range(150):
@@ -446,14 +453,7 @@ def test_a_polite_client_waits_for_no_turn_of_the_greedy_ones(
     polite = make_client(worker.endpoint)
     runs = []
     for client in greedy:
-        x = client.alloc_buffer(4 << 20).tensor((1 << 20,), "float32")
-        g = Graph()
-        y = x
-        for _ in range(8):
-            y = g.add(y, x)
-        g.scale(y, 0.5, out=x)
-        handle = client.register(g)
-        client.run(handle)
+        handle = few_ms_graph(client, 8)
         runs.append(handle)
     polite.ping()
     futures: list[Any] = []
