@@ -4,7 +4,10 @@ zmq sockets on loopback, a bare PULL standing in for the sending worker's peer p
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -13,18 +16,19 @@ from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import DType, TensorRef
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
 from zmq_rpc.worker.peer_acks import LinkLost
+from zmq_rpc.worker.peer_endpoints import PeerSecurity
 from zmq_rpc.worker.peer_links import RECEIVE_GRACE_S, PeerLinks
-from zmq_rpc.worker.peer_push import LINK_LOSS_S
+from zmq_rpc.worker.peer_push import LINK_LOSS_S, PushLinks
 
 pytestmark = pytest.mark.timeout(20)
 
 
-def _receive(links: PeerLinks, source: str) -> list[str | None]:
+def _receive(links: PeerLinks, source: str, timeout_ms: int = 60_000) -> list[str | None]:
     backend = NumpyBackend()
     dst = TensorRef(buffer=1, dtype=DType.FLOAT32, shape=(4,), strides=(4,), offset=0)
     outcomes: list[str | None] = []
     links.start_recv(os.urandom(wire.TOKEN_BYTES), dst, backend.view(np.zeros(16, np.uint8), dst),
-                     60_000, object(), outcomes.append, source=source)
+                     timeout_ms, object(), outcomes.append, source=source)
     return outcomes
 
 
@@ -90,3 +94,99 @@ def test_a_receive_without_a_watchable_source_is_not_watched() -> None:
     finally:
         links.close()
         ctx.term()
+
+
+class DroppingPort:
+    """A TCP port that accepts every connection and closes it at once (what the long fuzz's
+    links met), on its own thread; ``accepted`` counts the connections it dropped."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.listener.settimeout(0.05)
+        self.endpoint = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            self.accepted += 1
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+        self.listener.close()
+
+
+@pytest.fixture
+def dropping_port() -> Iterator[DroppingPort]:
+    port = DroppingPort()
+    try:
+        yield port
+    finally:
+        port.close()
+
+
+MONITOR_PIPE_EVENTS = 2000
+"""What a link's monitor pipe holds before libzmq's I/O thread blocks on it: the monitor's
+SNDHWM plus our end's RCVHWM (1,000 each, libzmq's inproc pipe); each connection the port
+accepts and drops is two events (connected, disconnected)."""
+
+
+@pytest.mark.timeout(60)
+def test_a_link_to_a_port_that_accepts_and_drops_never_stalls_the_workers_sockets(
+        dropping_port: DroppingPort) -> None:
+    """The long fuzz (issue 24): a watch link to a port that accepts and drops connections
+    reconnected every 100 ms, and its monitor, read only while a transfer needed it (here a
+    receive that timed out), filled
+    after ~3 min; libzmq's I/O thread blocked on it, and with it every client connection on
+    the worker's context, and closing the link hung in disable_monitor. Here the link
+    reconnects every 1 ms, so the port drops 1.5x the pipe's worth within seconds, while the
+    test thread does the backend loop's chores (expire) and answers a client on a socket of
+    the same context, as the worker's front end is."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    client_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    push = PushLinks(ctx, PeerSecurity(), reconnect_ivl_ms=1)
+    links = PeerLinks(ctx, NumpyBackend(), bind="tcp://127.0.0.1:*", links=push)
+    front, client = ctx.socket(zmq.REP), client_ctx.socket(zmq.REQ)
+    try:
+        front.bind("tcp://127.0.0.1:*")
+        client.connect(front.getsockopt_string(zmq.LAST_ENDPOINT))
+        outcomes = _receive(links, dropping_port.endpoint, timeout_ms=100)  # a watch link
+        _expire_until(links, outcomes, 5)                  # ends; its link stays open
+        assert dropping_port.endpoint in links.links
+        _serve_while_dropped(links, front, client, dropping_port)
+        closing = threading.Thread(target=links.close, daemon=True)
+        started = time.monotonic()
+        closing.start()
+        closing.join(2.0)
+        assert not closing.is_alive(), "closing the link hung (in disable_monitor?)"
+        assert time.monotonic() - started < 2.0
+    finally:
+        front.close(linger=0)
+        client.close(linger=0)
+        client_ctx.term()
+        if not links.links.monitors:    # a link that never closed keeps term() waiting
+            ctx.term()
+
+
+def _serve_while_dropped(links: PeerLinks, front: zmq.Socket[bytes],
+                         client: zmq.Socket[bytes], port: DroppingPort) -> None:
+    """Ping the front end until the port has dropped 1.5x a monitor pipe's worth of
+    connections; each ping must be answered within 2 s (a healthy one takes well under a
+    millisecond; the stall lasted for good)."""
+    deadline = time.monotonic() + 40
+    while port.accepted < MONITOR_PIPE_EVENTS * 3 // 4:
+        assert time.monotonic() < deadline, f"the port dropped only {port.accepted} connections"
+        client.send(b"ping")
+        assert front.poll(2000), f"front end not served after {port.accepted} drops"
+        front.send(front.recv())
+        assert client.poll(2000), f"client not answered after {port.accepted} drops"
+        client.recv()
+        links.expire(time.monotonic())

@@ -201,7 +201,10 @@ class Raw:
         return req_id
 
     def call(self, cmd: Cmd, msg: p.Message, *payload: bytes) -> list[object]:
-        req_id = self.send(cmd, msg, *payload)
+        return self.reply(self.send(cmd, msg, *payload))
+
+    def reply(self, req_id: int) -> list[object]:
+        """The reply header to request ``req_id`` (others are skipped)."""
         while True:
             header = p.unpack_header(self.sock.recv_multipart()[0])
             if header[1] == req_id:
@@ -391,6 +394,105 @@ def test_peer_send_to_a_dead_port_fails_at_once_and_holds_nothing(
     while other.device_memory().free < 64 * MiB and time.monotonic() < deadline:
         time.sleep(0.1)
     assert other.device_memory().free == 64 * MiB
+
+
+class StalledPeer:
+    """A peer port that answers one probe (the peer handshake) like a worker, then never reads
+    again and keeps its connection open: libzmq stops reading a connection once its queue
+    (RCVHWM 1) is full, so what the sender pushes next waits on the sender's side."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.ctx = ctx
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.setsockopt(zmq.RCVHWM, 1)
+        self.pull.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def answer_probe(self) -> zmq.Socket[bytes]:
+        """Answer the probe that comes; returns the socket the answer went on (the caller
+        closes it once the prober heard it)."""
+        assert self.pull.poll(10_000), "no probe came"
+        probe = wire.decode_peer(self.pull.recv_multipart())
+        assert isinstance(probe, wire.Probe)
+        ack = self.ctx.socket(zmq.PUSH)
+        ack.setsockopt(zmq.LINGER, 0)
+        ack.connect(probe.reply_to)
+        ack.send(wire.encode_peer(wire.Ack(probe.token, True, "probe")))
+        return ack
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+
+
+def free_becomes(client: Client, check: Callable[[int], bool], limit: float = 5.0) -> int:
+    """The worker's free memory, once ``check`` holds for it (or ``limit`` s have passed)."""
+    deadline = time.monotonic() + limit
+    free = client.device_memory().free
+    while not check(free) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        free = client.device_memory().free
+    return free
+
+
+def queue_behind_a_stalled_peer(other: Client, session: Raw, peer: StalledPeer) -> int:
+    """``session`` (of a worker with --mem 64 MiB, ``other`` a client of it) probes ``peer``,
+    then sends it a 44 MiB zero-stride view, materialized chunk by chunk (4 MiB each); returns
+    the send's request id once the chunks that wait on the link are counted. At least 24 MiB
+    must be: past the link are at most the 2 chunks the stalled peer's libzmq took (its queue
+    of 1, the one it decodes) and the two kernel buffers' worth (here at most 4 MiB sent and
+    what the receiver's autotuning grew to without reads; measured: 2-4 of the 11 chunks
+    left, 28-36 MiB stayed counted)."""
+    session.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=64))
+    probe = session.send(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=peer.endpoint, timeout_ms=10_000))
+    ack = peer.answer_probe()
+    assert session.reply(probe)[0] == 0                       # handshake done: it may push there
+    ack.close(linger=0)               # its connection into the worker is counted while open
+    assert free_becomes(other, lambda free: free == 64 * MiB - 64) == 64 * MiB - 64
+    send = session.send(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16),
+                                                     src=zero_stride(1, 44 * MiB),
+                                                     endpoint=peer.endpoint, timeout_ms=60_000))
+    free = free_becomes(other, lambda free: free <= 40 * MiB)
+    assert free <= 40 * MiB, f"the queued push is not counted: {free / MiB:.1f} MiB free"
+    with pytest.raises(OutOfMemory):
+        other.alloc_buffer(44 * MiB)          # fits an idle worker (a session may take 48 MiB)
+    assert other.device_memory().free <= 40 * MiB                 # still counted
+    assert not session.sock.poll(0), "the send ended: nothing waits on the link any more"
+    return send
+
+
+@pytest.mark.parametrize("end", ["goodbye", "peer closes"])
+def test_a_peer_push_queued_behind_a_stalled_peer_is_counted_until_it_ends(
+        spawn_worker: Callable[..., WorkerProcess], make_client: Callable[..., Client],
+        raw_socket: Callable[[int], zmq.Socket[bytes]],
+        zmq_ctx: zmq.Context[zmq.Socket[bytes]], end: str) -> None:
+    """Issue 24 (point 10): what a worker materialized for a peer push counts in --mem while
+    it waits on the link. The peer answered the handshake, then stalled with its connection
+    open (the link stays up: its heartbeat ping waits behind the half-written chunk; measured
+    up for 10 s and more, 3 runs of 3): the chunks it does not take stay counted, and another
+    client's alloc that would fit an idle worker gets OutOfMemory. They are given back when
+    the session says GOODBYE (the link it queued on is dropped), or when the peer closes its
+    connection (the send fails as PEER_UNREACHABLE and drops the link; the session keeps only
+    its buffer). Lost since 28c3880, whose send to a stopped peer now fails at once."""
+    worker = spawn_worker("--mem", "64MiB", "--max-buffer", "64MiB")
+    other = make_client(worker.endpoint)
+    session = Raw(raw_socket, worker.endpoint)
+    peer = StalledPeer(zmq_ctx)
+    try:
+        send = queue_behind_a_stalled_peer(other, session, peer)
+        if end == "goodbye":
+            session.send(Cmd.GOODBYE, p.Empty())
+            assert session.reply(send)[0] == p.ErrorCode.NO_SESSION   # still queued until then
+            expected = 64 * MiB
+        else:
+            peer.close()
+            reply = session.reply(send)
+            assert reply[0] == p.ErrorCode.PEER_UNREACHABLE, reply
+            assert f"cannot reach worker {peer.endpoint}" in str(reply[2])
+            expected = 64 * MiB - 64
+        assert free_becomes(other, lambda free: free == expected) == expected
+    finally:
+        peer.close()
 
 
 def few_ms_graph(client: Client, adds: int) -> Any:

@@ -35,6 +35,9 @@ PUSH: it takes in no messages, so its input is never stopped by an HWM, the stat
 4.3.5's heartbeat timer aborts the process (broker/broker.py says why the client-facing ROUTER has
 no heartbeat of its own). The peer's PULL answers the pings while it reads: only a peer with 256
 unread 4 MiB chunks queued (1 GiB) could miss one."""
+RECONNECT_IVL_MS = 100
+"""How long a link waits before it reconnects (libzmq's default, made explicit): a link to a
+port that accepts and drops connections makes two monitor events per reconnect."""
 LINK_LOSS_S = (HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS) / 1000
 """The longest a lost link goes unnoticed: one heartbeat interval, then its timeout. A link that
 has not connected within this long after it opened is lost too."""
@@ -56,9 +59,12 @@ class LinkState:
 class PushLinks:
     """The PUSH sockets to other workers' peer ports, by endpoint."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], security: PeerSecurity) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], security: PeerSecurity, *,
+                 reconnect_ivl_ms: int = RECONNECT_IVL_MS) -> None:
         self.ctx = ctx
         self.security = security
+        self.reconnect_ivl_ms = reconnect_ivl_ms
+        """Each link's reconnect interval (a test makes it small to fill a monitor fast)."""
         self.sockets: dict[str, zmq.Socket[bytes]] = {}
         self.monitors: dict[str, zmq.Socket[bytes]] = {}
         """Each link's socket monitor (connections, drops), read while a transfer needs it."""
@@ -131,6 +137,7 @@ class PushLinks:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, 0)     # never block the backend thread (see send)
+        sock.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.IPV6, needs_ipv6(address))
