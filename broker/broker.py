@@ -2,7 +2,7 @@
 
 Runs in its own thread (:class:`BrokerThread`). Forwarding is ``zmq.proxy_steerable`` — libzmq's C
 loop, which passes frames by reference and never takes the GIL per message (a Python forwarding loop
-costs ~4x in pipelined throughput, see REFERENCE.md §2). Everything else (sessions, validation,
+would, at a large cost in pipelined throughput: docs/DESIGN.md). Everything else (sessions, validation,
 replies) is the backend thread's; the broker only moves frames and obeys TERMINATE on its control
 socket.
 
@@ -20,8 +20,8 @@ Socket options chosen here:
   blocking sends, and while the full PAIR holds it there it forwards no reply; so the backend
   reads the PAIR ahead and serves first the client that used the least backend time
   (worker/inbox.py), and the PAIR fills only
-  while one request runs long or a flood outruns the read-ahead (that test's 64 KiB flood does:
-  p99 140-165 ms). Replies to a client are held up to ``CLIENT_SNDHWM`` messages; a
+  while one request runs long or a flood outruns the read-ahead (that test's 64 KiB flood does).
+  Replies to a client are held up to ``CLIENT_SNDHWM`` messages; a
   client that never reads them loses those beyond it (zmq-rpc's client keeps at most 512
   requests in flight, under it). The PAIR's reply direction is unbounded, so the backend never
   blocks on a reply.

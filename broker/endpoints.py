@@ -3,8 +3,8 @@
 Pure functions, any thread. libzmq's grammar (``tcp_address.cpp``, ``ip_resolver.cpp``) is wider than
 ``scheme://host:port``: a tcp endpoint may start with a *source* address, ``tcp://SRC;HOST:PORT``
 (split at the last ``;``), and libzmq binds or connects ``HOST:PORT``, the part after it. Reading
-the host before the first ``:`` took ``tcp://127.0.0.1:1;0.0.0.0:5555`` for loopback while libzmq
-listened on 0.0.0.0 (issue 24). libzmq also reads IPv4 in inet_aton's forms (``127.1``,
+the host before the first ``:`` would take ``tcp://127.0.0.1:1;0.0.0.0:5555`` for loopback while
+libzmq listens on 0.0.0.0. libzmq also reads IPv4 in inet_aton's forms (``127.1``,
 ``0x7f000001``, ``2130706433``, octal ``010.0.0.1``) and resolves interface names and host names.
 
 :func:`parse_endpoint` accepts a strict subset and refuses the rest with a message saying what to

@@ -1,5 +1,7 @@
 """The exception tree of zmq-rpc, shared by the client and the worker.
 
+Plain exception classes and the fixed table from error codes to them: no state, any thread.
+
 ::
 
     RpcError

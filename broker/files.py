@@ -46,8 +46,9 @@ from .wire import (
 
 DIGEST_BYTES = 32
 MAX_READS = 1024
-"""Reads of one READ_FILE: each costs ~10 us to decode and a header check and a ``preadv`` to
-run; a client sends them in batches of at most this many (a llama has ~9 tensors a layer)."""
+"""Reads of one READ_FILE: each costs a decode, a header check and a ``preadv``, so their count
+bounds the request's fixed cost (docs/SECURITY.md, "What one request may cost"); a client sends
+them in batches of at most this many (a llama has ~9 tensors a layer)."""
 MAX_READ_EXTRA = 256 << 20
 """Bytes one READ_FILE may read besides its largest read (a single tensor may be as big as a
 buffer; ``reads`` naming the same 1 GiB view 1,024 times could not read in any bound)."""

@@ -1,9 +1,8 @@
 """Content hashes: BLAKE3-256 of tensor bytes (cache keys) and of whole files (file identity).
 
-Pure functions; any thread. BLAKE3 was picked over xxhash's XXH3-128 with figures from this
-machine (``zmq-rpc-bench hashes``; 256 MiB, single thread, loaded 2-vCPU VM: XXH3-128 ~6.6 GB/s,
-BLAKE3 ~2.6 GB/s, SHA-256 ~0.2-0.5 GB/s): both are an order of magnitude faster than a 1-2.5 GbE
-link, and only BLAKE3 is collision resistant. A worker's tensor cache is shared by every client
+Pure functions; any thread. BLAKE3 rather than xxhash's XXH3-128: both hash far faster than a
+1-2.5 GbE link delivers (``zmq-rpc-bench --cases hashes``; figures in docs/DESIGN.md), and only
+BLAKE3 is collision resistant. A worker's tensor cache is shared by every client
 of that worker, so a key must be a name that nobody can forge content for: with a
 non-cryptographic hash one client could upload crafted bytes under the key of another's tensor
 (poisoning it). The ``blake3`` package is an extra (``pip install zmq-rpc[files]``, also in

@@ -3,8 +3,8 @@
 Pure functions; any thread may call them. Why a proof at all: the worker's backend thread sees a
 request as ``[routing id, header, *payload]`` only. The CURVE key libzmq authenticated (ZAP's
 User-Id) is message metadata, and metadata does not survive the broker's ``zmq.proxy_steerable``
-hop to the backend (a Python forwarding loop that reads it costs ~4x in pipelined throughput),
-so the backend cannot tell which key sent a message. The client therefore proves its key
+hop to the backend (a Python forwarding loop that could read it costs far more per message:
+docs/DESIGN.md), so the backend cannot tell which key sent a message. The client therefore proves its key
 in-band: HELLO carries the key and a crypto box (Curve25519 + XSalsa20-Poly1305, libsodium via
 PyNaCl) from that key's secret to the worker's public key over a context string and the
 session's routing id. Only the holder of the key's secret (or the worker itself) can make one;

@@ -29,15 +29,15 @@ from .errors import BadRequest
 STATUS_OK = 0
 MAX_HEADER_BYTES = 2 << 20
 """A header frame's size. Decoding is the first thing a worker spends on a request, before any
-quota applies: these three bound it (~50 ms for the worst header on a loaded 2-vCPU VM, see
-docs/SECURITY.md). The largest real header, a llama stage graph of 240 layers (8,192 nodes),
+quota applies: these three bound it (docs/SECURITY.md, "What one request may cost"). The largest real header, a llama stage graph of 240 layers (8,192 nodes),
 is ~0.6 MiB and ~40,000 containers."""
 MAX_HEADER_ARRAY = 16384
 """Items in any one msgpack array of a header: twice the longest list a request may have (graph
 nodes), so that a list a little too long still gets its field's own error."""
 MAX_HEADER_CONTAINERS = 1 << 16
 """Arrays and maps in one header, all levels together: a MiB of empty lists is a million
-Python objects (0.6-1.9 s to build with the garbage collector running), refused early here."""
+Python objects (a second or more to build with the garbage collector running), refused early
+here."""
 MAX_RANK = 8
 MAX_DIM = 1 << 48
 MAX_HANDLE = (1 << 63) - 1

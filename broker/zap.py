@@ -42,9 +42,9 @@ REFUSAL_LOG_EVERY = 10.0
 RESCAN_S = 0.1
 """How often, at most, a key directory's signature is taken (at a handshake, not on a timer): a
 change applies to every handshake that starts this long after it. Taking it costs one scandir
-and one stat per ``*.key`` file (measured on this 2-vCPU machine, busy: 44 us median for 1 key,
-0.1 ms for 10, 0.7 ms for 100, 19 ms for 1,000), GIL held in between: per handshake, a flood of
-handshakes with made-up keys would take that from every thread of the worker."""
+and one stat per ``*.key`` file, GIL held in between (up to tens of ms for 1,000 keys:
+docs/DESIGN.md): per handshake, a flood of handshakes with made-up keys would take that from
+every thread of the worker."""
 
 
 @dataclass

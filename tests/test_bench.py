@@ -24,7 +24,9 @@ from zmq_rpc.tools import bench
 
 BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
 """The console script the install put beside this interpreter."""
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+"""The README and the pages it links: every ``zmq-rpc-bench CMD`` they show must exist."""
 
 
 @pytest.mark.timeout(30)
@@ -269,14 +271,15 @@ def _help(*args: str) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_help_names_only_commands_that_exist_and_so_does_the_readme() -> None:
+def test_help_names_only_commands_that_exist_and_so_do_the_docs() -> None:
     text = _help()
     assert "``" not in text and ":class:" not in text
     bench.load_case_modules()
     in_help = set(re.findall(r"zmq-rpc-bench ([a-z][\w-]*)", text))
-    in_readme = set(re.findall(r"^zmq-rpc-bench ([a-z][\w-]*)", README.read_text(), re.M))
+    in_docs = {name for page in DOCS
+               for name in re.findall(r"^zmq-rpc-bench ([a-z][\w-]*)", page.read_text(), re.M)}
     assert in_help == set(bench.COMMANDS), in_help       # the usage shows every command
-    assert in_readme <= set(bench.COMMANDS), in_readme   # no "run" that neither usage nor README shows
+    assert in_docs <= set(bench.COMMANDS), in_docs       # no "run" that neither usage nor docs show
     for command in in_help:
         assert f"usage: zmq-rpc-bench {command}" in _help(command)
 

@@ -1,7 +1,7 @@
 """Faults as users meet them: real worker subprocesses, real signals, real ports, and clients with
 their DEFAULT settings (a fault test that passes only with a short timeout hides a long wait).
 
-The bound under test is the README's failure-detection contract: a worker that dies, freezes or
+The bound under test is the failure-detection contract (docs/FAILURES.md): a worker that dies, freezes or
 becomes unreachable fails every in-flight and new request with ConnectionLost within the
 heartbeat timeout (5 s) + 1 s; at once when its process dies on this host.
 """

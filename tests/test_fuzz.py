@@ -123,8 +123,8 @@ def test_live_worker_survives_mutation_fuzzing(fuzz_seconds: float,
                                                request: pytest.FixtureRequest) -> None:
     """Every command, mutated, from 4 sessions + the peer port, while a well-behaved client
     probes every second with default settings: no crash, no hang, no malformed reply, no
-    INTERNAL error, every probe request answered within 5 s of being sent (the README's
-    contract is per request), RSS bounded (256 MiB --mem)."""
+    INTERNAL error, every probe request answered within 5 s of being sent (the failure
+    contract, docs/FAILURES.md, is per request), RSS bounded (256 MiB --mem)."""
     report = fuzz.fuzz(fuzz_seconds, settle=12.0)
     summary = (f"{report.messages} messages + {report.peer_messages} peer in "
                f"{report.seconds:.0f} s; statuses {dict(report.statuses)}; probes "

@@ -219,7 +219,7 @@ def test_workers_on_separate_hosts_copy_directly_to_each_other() -> None:
 # ------------------------------------------------- a partition between two workers (issue 24.9)
 
 PARTITION_BOUND_S = 6.0
-"""README's failure contract for a lost peer link: the heartbeat bound (1 s + 3 s), + the
+"""The failure contract (docs/FAILURES.md) for a lost peer link: the heartbeat bound (1 s + 3 s), + the
 grace for what was already on its way (1 s on the sending side, 0.5 s on the receiving one),
 + the verdict's way to the client."""
 

@@ -1,5 +1,5 @@
 """``zmq-rpc-bench`` fault cases: how long a client with DEFAULT settings takes to report a worker
-that died, froze or was restarted, each row against the README's stated bound.
+that died, froze or was restarted, each row against the bound docs/FAILURES.md states.
 
 What runs where: this process's main thread times each trial; worker subprocesses (started per
 trial, so that each can be killed) run on random loopback ports; every trial's clients are closed
@@ -28,7 +28,7 @@ from . import baselines as bl
 from .bench import BenchContext, CaseResult, Target, register_case, worker_argv
 
 DETECT_BOUND_S = 6.0
-"""The heartbeat timeout (5 s) + 1 s: the README's bound for a dead, frozen or unreachable
+"""The heartbeat timeout (5 s) + 1 s: docs/FAILURES.md's bound for a dead, frozen or unreachable
 worker."""
 COPY_BOUND_S = 3.0
 """A copy whose other side dies fails within this."""

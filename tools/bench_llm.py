@@ -138,7 +138,7 @@ def _in_process_child(quick: bool) -> None:
 OVERHEAD_BUDGET_MS = 1.0
 UPLOAD_BUDGET_GBPS = 2.0
 LOAD_BUDGET_S = 0.35
-"""Whole load of SmolLM2 on 2 warm workers (llama.cpp's RPC load here: ~0.33 s)."""
+"""Whole load of SmolLM2 on 2 warm workers: about what llama.cpp's RPC backend takes (docs/DESIGN.md)."""
 GENERATE_VS_F32 = 2.5
 
 
@@ -192,7 +192,7 @@ def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
         out.append(CaseResult(
             "llm", "llm overhead/token vs budget", "ms", two.overhead,
             {"1 ms budget": [OVERHEAD_BUDGET_MS]}, Target(1.0, False), False,
-            note="the same 2-worker overhead against the issue's absolute budget"))
+            note="the same 2-worker overhead against its absolute budget"))
         out.append(CaseResult(
             "llm", "llm upload vs budget", "GB/s", two.upload_gbps,
             {"2 GB/s budget": [UPLOAD_BUDGET_GBPS]}, Target(1.0, True), True,
@@ -235,7 +235,7 @@ def first_output_rows(ctx: BenchContext) -> list[CaseResult]:
                    note="from exec to the first byte on stderr (starting local workers)"),
         CaseResult("llm", "generate first output vs budget", "s", ours,
                    {"1 s budget": [FIRST_OUTPUT_BUDGET_S]}, Target(1.0, False), False,
-                   note="the issue's bound: output within the first second"),
+                   note="the bound: output within the first second"),
     ]
 
 

@@ -4,7 +4,7 @@ Runs on the bench's main thread (the timed loops) plus one scraper thread. Two l
 started for the case, alike but for ``--metrics-port``; the one with metrics is scraped once a
 second for the whole case (faster than any real Prometheus scrapes), and the tiny round trip and
 the pipelined rate are measured against both, rounds alternating (A B A B ...). The rows compare
-"metrics on" against "metrics off" from the same run: the issue's budget is a cost of at most 5 %.
+"metrics on" against "metrics off" from the same run: the budget is a cost of at most 5 %.
 """
 
 from __future__ import annotations

@@ -539,7 +539,7 @@ class Fuzzer:
 
     def _probe(self, client: Any) -> None:
         """Four requests of a well-behaved client (alloc; set and get pipelined; free). The
-        contract checked is the README's: each request answered within ``probe_limit`` seconds
+        contract checked is the failure contract's (docs/FAILURES.md): each request answered within ``probe_limit`` seconds
         of being sent (a probe, four of them in turn, may take longer)."""
         started = time.monotonic()
         self.report.probes += 1

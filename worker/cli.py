@@ -45,12 +45,9 @@ BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"
                     "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 BLAS_THREAD_TIMEOUT = "16"
 """``OPENBLAS_THREAD_TIMEOUT`` of a worker with ``--threads`` > 1 (unless the environment sets it):
-OpenBLAS's idle threads spin 2^16 cycles (~25 us) before they sleep, not its default 2^28 (~0.1
-s), which kept a CPU from the quantized kernels' own threads (:mod:`.kernels.split`; both pools
-spinning at once made SmolLM2's 120 layer products ~2x slower at 2 threads than at one). Measured
-on 2 vCPUs, SmolLM2 Q4_1, one worker per setting, 8 alternated rounds in one run (quiet):
-generation at ``--threads 2`` / ``--threads 1`` 1.28x per round [0.91-1.81], 128-token prefill
-1.39x [0.91-1.78]."""
+OpenBLAS's idle threads spin 2^16 cycles before they sleep, not its default 2^28, which kept a CPU
+from the quantized kernels' own threads (:mod:`.kernels.split`): two pools spinning at once made
+two threads slower than one (docs/DESIGN.md, "Threads per product")."""
 
 
 def blas_env(threads: int) -> dict[str, str]:
@@ -258,8 +255,8 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 64 << 20) 
     """Let glibc reuse freed message buffers instead of mapping fresh pages per message.
 
     libzmq mallocs every received message; above glibc's mmap threshold each one is a new
-    mapping whose first touch runs at ~2 GB/s. Raising the thresholds keeps chunk-sized buffers
-    in the heap for reuse (REFERENCE.md §2). No-op where glibc's mallopt is unavailable.
+    mapping whose pages are faulted in on first touch, slower than reused ones. Raising the
+    thresholds keeps chunk-sized buffers in the heap for reuse (docs/DESIGN.md). No-op where glibc's mallopt is unavailable.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

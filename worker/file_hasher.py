@@ -13,7 +13,7 @@ Jobs for the same version of a file (:class:`~.model_files.FileKey`) share one h
 hashes one file at a time, in order: a second file waits for the first (BLAKE3 and ``preadv``
 release the GIL, so the backend thread keeps its core; a pool would only take the other core
 from the broker). It runs at the worker's priority: a nicer thread, preempted on a loaded machine
-in the moment it holds the GIL between two blocks, held the backend thread up to 0.4 s.
+while it holds the GIL between two blocks, would hold the backend thread up (docs/SECURITY.md).
 """
 
 from __future__ import annotations

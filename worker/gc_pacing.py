@@ -2,21 +2,18 @@
 
 Why: a full (generation 2) collection walks every object the collector tracks, holding the GIL.
 CPython starts one from whatever code allocates when its thresholds are crossed: in a worker that
-is the backend thread in the middle of some client's request, and every client waits for it. Under
-the live fuzz with two CPU hogs (issue 24.8) a worker ran 13-26 full collections in 20 s, up to
-66 ms of CPU and 558 ms of wall time each, 1.7-3.0 s in all per run, each inside a request; and
-they found nothing to free (the fuzz's garbage dies young).
+is the backend thread in the middle of some client's request, and every client waits for it,
+usually for nothing: a request's garbage dies young (the figures, before and after what follows:
+docs/SECURITY.md, "Garbage-collector pauses").
 
 What the worker does about it (process-wide, as the collector is):
 
 1. :func:`freeze_start_up` (the CLI, once the worker listens): collect, then ``gc.freeze()``: the
-   ~31,000 objects of the imports, numba and the backend's set-up go to the permanent generation
-   and are never walked again. A full collection under the same fuzz: at most 10-17 ms of CPU
-   (84 ms wall) with the freeze alone, 4-8 ms (47 ms wall) paced as below, which keeps the old
-   generation small by collecting whenever the backend idles.
+   objects of the imports, numba and the backend's set-up go to the permanent generation and are
+   never walked again; pacing as below keeps the old generation small by collecting whenever the
+   backend idles.
 2. It also takes full collections out of CPython's automatic schedule (``threshold2`` =
-   :data:`NEVER`). The young generations stay automatic: they walk only young objects (well under
-   1 ms), and garbage cycles that die young, as a request's usually do, go with them.
+   :data:`NEVER`). The young generations stay automatic: they walk only young objects (cheap), and garbage cycles that die young, as a request's usually do, go with them.
 3. :class:`FullCollections` (the backend thread, once per loop turn, so between requests, never
    inside one) runs the full collections: when the backend has nothing to do (no client waits),
    or, under traffic that never lets it idle, as soon as the young generations have promoted as

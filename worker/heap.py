@@ -3,8 +3,7 @@
 Owned by the backend thread (:class:`IdleTrim`, called from its loop). libzmq mallocs every
 message it receives; the worker raises glibc's mmap and trim thresholds (``cli.tune_malloc``) so
 that chunk-sized message buffers are reused while data streams, but then what a burst of
-messages leaves freed in the heap stays resident (measured: +32 MiB RSS after one 256 MiB upload,
-+60 MiB after a fuzz burst). When the backend has been idle for a poll interval after some
+messages leaves freed in the heap stays resident (tens of MiB: docs/DESIGN.md). When the backend has been idle for a poll interval after some
 traffic, ``malloc_trim(0)`` hands those pages back, at most once per :data:`TRIM_INTERVAL_S`.
 """
 

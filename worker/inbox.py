@@ -1,12 +1,10 @@
 """Requests read ahead from the broker's PAIR and handed to the executor by backend time used.
 
-Owned by the backend thread (:class:`~zmq_rpc.worker.server.BackendThread`); no socket here. The
-PAIR is one FIFO for every client; libzmq's proxy (broker.py) fills it with blocking sends and
-forwards no reply while it waits for room. Served straight from the PAIR, a well-behaved client's
-request waited behind the whole PAIR (64 requests, in any mix of other clients), and its reply
-waited in the PAIR until the proxy had pushed every request queued at the ROUTER (the fuzzer's
-four hostile sessions: up to 256 of them, some taking ~1 s each under load; CI saw a probe
-answered after more than 5 s).
+Owns the read-ahead queues and every client's virtual time; run by the backend thread
+(:class:`~zmq_rpc.worker.server.BackendThread`); no socket here. The PAIR is one FIFO for every
+client, and libzmq's proxy (broker.py) fills it with blocking sends and forwards no reply while it
+waits for room: served straight from the PAIR, a well-behaved client's request would wait behind
+every request queued there, and its reply behind every request queued at the ROUTER.
 
 So after each request it handles, the backend thread reads the PAIR empty (at most once per
 :data:`READ_AHEAD_EVERY_NS`; up to :data:`READ_AHEAD_MESSAGES` messages and
@@ -18,12 +16,12 @@ Which client goes next is fair queuing by backend time, not by turns: each clien
 time, the backend nanoseconds its requests took (:meth:`Inbox.charge`), and the client with the
 least goes next (ties: the one waiting longest, so equal costs make plain turns). A client that
 had nothing here starts from the virtual time of the request taken last, so idling banks no
-credit. Served in plain turns (the first version), a ping waited for one request of *every*
-other client: behind the fuzzer's four hostile sessions, four graph decodes of 0.3-0.8 s each
-under load. Now a client whose requests are cheap goes before those whose last requests were
-long: it waits for the request being handled (at most a millisecond's worth more, the
-read-ahead) and for no other; a client that keeps sending long requests gets its share of the
-backend's time, no more, while the others have requests here.
+credit. Plain turns would make a ping wait for one request of *every* other client, however long
+those are; by backend time, a client whose requests are cheap goes before those whose last
+requests were long: it waits for the request being handled (at most a millisecond's worth more,
+the read-ahead) and for no other; a client that keeps sending long requests gets its share of the
+backend's time, no more, while the others have requests here. The figures that led here:
+docs/DESIGN.md, "The backend's inbox".
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ READ_AHEAD_BYTES = 16 << 20
 """Most bytes held here (a message bigger than this is still taken when the inbox is empty)."""
 READ_AHEAD_EVERY_NS = 1_000_000
 """How often the backend reads the PAIR while it works through the inbox: a newly arrived client
-waits this long at most before it has its turn. Reading it before every request (the first
-version) cost a pipelining client ~20 % of its calls/s and every ping ~40 us (quiet A/B)."""
+waits this long at most before it has its turn. Not before every request: that costs every
+request a read of an empty PAIR (docs/DESIGN.md)."""
 FORGET_ABOVE = 4096
 """Clients remembered before those with nothing here and no time ahead are forgotten (a client
 that sent a long request keeps its virtual time until the others have caught up)."""

@@ -35,7 +35,7 @@ class LinkLost(str):
 
 def link_lost(me: str, peer: str, after: float, what: str) -> LinkLost:
     """The failure of a transfer whose link from worker ``me`` to worker ``peer`` was lost,
-    ``after`` seconds into it: names both ends of the link (README, failure detection)."""
+    ``after`` seconds into it: names both ends of the link (docs/FAILURES.md)."""
     return LinkLost(f"worker {me or '(no peer endpoint)'} cannot reach worker {peer}: peer "
                     f"link lost after {after:.1f} s ({what}; the link went down: no heartbeat "
                     "answer, or no connection: the network between the two workers failed, or "

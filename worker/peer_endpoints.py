@@ -29,12 +29,12 @@ def check_numeric(address: str) -> None:
 
     Peer endpoints come from the network (a client's PEER_SEND, a probe's reply address).
     libzmq calls getaddrinfo for a ``tcp://NAME:PORT`` on its I/O thread and again at every
-    reconnect; an unresolvable name blocks that thread ~1.5 s each time, and with it every
-    client's requests, replies and heartbeats (the long fuzz's lost probes). So links take IP
+    reconnect; an unresolvable name blocks that thread for seconds each time, and with it every
+    client's requests, replies and heartbeats. So links take IP
     addresses only; a worker's own advertised endpoint is resolved once at start
     (:func:`resolve_endpoint`). ``inproc://`` is refused: it reaches sockets inside this
     worker's own process with no handshake at all (the ZAP handler's
-    ``inproc://zeromq.zap.01`` took tensor chunks that way, issue 24), and a ``SRC;`` source
+    ``inproc://zeromq.zap.01`` would take tensor chunks), and a ``SRC;`` source
     address is refused: which local address a link leaves from is not a client's to choose.
     """
     try:

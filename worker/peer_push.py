@@ -30,7 +30,7 @@ HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 3000
 """ZMTP heartbeats on every link: a peer host that vanishes without closing its connections
 (power, cable, a partition between the two workers) is seen as disconnected at most
 :data:`LINK_LOSS_S` after its last sign of life (a ping every second, 3 s for any answer), so
-that a transfer needing the link fails within the failure contract's 6 s (README). Safe on a
+that a transfer needing the link fails within the failure contract's 6 s (docs/FAILURES.md). Safe on a
 PUSH: it takes in no messages, so its input is never stopped by an HWM, the state in which libzmq
 4.3.5's heartbeat timer aborts the process (broker/broker.py says why the client-facing ROUTER has
 no heartbeat of its own). The peer's PULL answers the pings while it reads: only a peer with 256
@@ -89,8 +89,8 @@ class PushLinks:
         cannot make a worker send tensors to a port that is not a zmq-rpc worker; under CURVE
         the answer also proves the CURVE handshake with the endpoint's key (among
         ``--worker-keys``, :class:`PeerSecurity`) completed on this link, since the probe
-        cannot leave before it. Before issue 24 a CURVE worker relied on the handshake alone,
-        and an ``inproc://`` endpoint (no handshake at all) took a push."""
+        cannot leave before it. The handshake alone would not do: an ``inproc://`` endpoint
+        has none (docs/SECURITY.md, "Peer links")."""
         self.security.address(endpoint)     # a refused endpoint says why first
         if endpoint not in self.verified:
             raise WireError(ErrorCode.TRANSFER_FAILED,
@@ -185,9 +185,8 @@ class PushLinks:
         """Take every link's monitor news now (never blocks). Run it often enough that no
         monitor's pipe fills: libzmq's I/O thread sends monitor events with a blocking send, so
         a full pipe (1,000 events: a link to a port that accepts and drops reconnects ten times
-        a second) stops that thread, and with it every client connection of the worker (the
-        long fuzz: no client served after ~3 min, and the worker's exit hung in
-        disable_monitor)."""
+        a second) stops that thread, and with it every client connection of the worker and its
+        exit (docs/SECURITY.md, the long fuzz)."""
         for endpoint in list(self.monitors):
             self._read(endpoint)
 
@@ -209,7 +208,7 @@ class PushLinks:
              track: bool = False, copy: bool = False) -> zmq.MessageTracker | None:
         """Hand frames to a link without ever blocking (links have SNDTIMEO 0): a PUSH whose
         connection cannot take a message (none up, its pipe gone) would otherwise block the
-        backend thread, and with it every client, for good (seen in the long fuzz). Such a
+        backend thread, and with it every client, for good. Such a
         send fails its transfer with TRANSFER_FAILED and the link is dropped (the next use
         reconnects)."""
         try:

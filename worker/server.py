@@ -312,8 +312,8 @@ class BackendThread(threading.Thread):
 
         After a request is handled, the PAIR is read empty into the inbox (once per
         READ_AHEAD_EVERY_NS); an empty inbox takes the PAIR's next message alone, the oldest of
-        all. Reading the PAIR to its end (``zmq.Again``) before a request rather than after it
-        cost every ping ~40 us (quiet A/B, 6 rounds: 160-211 us against 132-147 us)."""
+        all. The PAIR is read after a request, not before it: reading it to its end
+        (``zmq.Again``) first would put that read in every ping's round trip (docs/DESIGN.md)."""
         assert self.executor is not None
         inbox = self.inbox
         next_read = 0

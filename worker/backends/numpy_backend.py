@@ -81,9 +81,8 @@ class NumpyBackend(Backend):
         """A zero-filled, ``ALIGNMENT``-aligned byte array (zeroed: no data leaks between sessions).
 
         Buffers of ``POPULATE_MIN`` bytes and more are private anonymous mappings on 2 MiB
-        boundaries, advised to use transparent huge pages: filling fresh 4 KiB pages one fault
-        at a time ran at 0.4-2.7 GB/s here, populating them up front at ~3 GB/s, huge pages at
-        ~11 GB/s. Those up to ``POPULATE_MAX`` are populated at once, so that the first upload
+        boundaries, advised to use transparent huge pages: faulting fresh 4 KiB pages in one at
+        a time is the slowest way to fill them, huge pages the fastest (docs/DESIGN.md). Those up to ``POPULATE_MAX`` are populated at once, so that the first upload
         into them runs at copy speed; bigger ones fault in as they are written.
         """
         if size < POPULATE_MIN:

@@ -291,22 +291,8 @@ _MMQ_BLOCK_BYTES: Final = 1 << 20  # float32 bytes of W dequantized per step
 def _mul_mat_q(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     """out = x @ dequantize(wq).T, dequantizing W about 1 MiB of rows at a time into one reusable buffer.
 
-    Measured with timeit (best of 9) on the 2-core dev machine, numpy 2.4 + OpenBLAS 0.3.31, W (1536, 576),
-    against ``matmul(x, dequantize(wq).T)`` (allocates the 3.4 MiB float32 W) and against a prebuilt
-    float32 W (no dequantization at all); milliseconds, 1 BLAS thread / 2 BLAS threads:
-
-    ======  =========  ===========  ===================  ==============
-    qtype   x          this kernel  dequantize + matmul  prebuilt f32 W
-    ======  =========  ===========  ===================  ==============
-    q8_0    (1, 576)   0.33 / 0.32  0.31 / 0.35          0.035 / 0.021
-    q8_0    (128, 576) 2.13 / 1.32  2.05 / 1.21          1.78 / 0.95
-    q4_1    (1, 576)   0.74 / 0.78  0.70 / 0.73          0.035 / 0.020
-    q4_1    (128, 576) 2.56 / 2.08  2.44 / 1.87          1.79 / 0.96
-    ======  =========  ===========  ===================  ==============
-
-    So blocking buys memory (1 MiB of scratch instead of the whole float32 W), not speed: it is ~5%
-    slower than dequantize-then-matmul. Dequantization dominates a single-row product (10-20x a
-    prebuilt float32 W); with 128 rows the matmul dominates and the gap is 1.2-2x.
+    Blocking buys memory (1 MiB of scratch instead of the whole float32 W), not speed: it runs a
+    little slower than dequantize-then-matmul (docs/DESIGN.md, "Quantized products on numpy").
     """
     x, xp = as_float32(xs[0], ms[0].dtype).reshape(-1, ms[0].shape[-1]), namespace(out)
     wq, qtype = xs[1], p["qtype"]
@@ -837,8 +823,8 @@ class KernelTable:
     """numpy's floating-point warnings are silenced around every kernel (a GPU raises none)."""
 
     def __post_init__(self) -> None:
-        """The numpy table runs the module's functions themselves (no method dispatch, not one
-        attribute lookup more than before the table existed)."""
+        """The numpy table runs the module's functions themselves (no method dispatch, no
+        attribute lookup added per kernel call)."""
         if (self.compute is _COMPUTE_KERNELS and self.views is _VIEW_KERNELS
                 and self.inplace is _INPLACE_KERNELS and self.host_errors):
             for method, function in (("run_compute", run_compute), ("run_view", run_view),

@@ -25,11 +25,10 @@ and no module state; the backend thread stays the only owner of everything else.
 cannot start (no libgomp), products run on one thread and a warning says why, once. The tile
 path (:func:`dequantize`, row gathers, and prefill of a type without a GEMM) dequantizes on the
 backend thread alone, and BLAS (pinned to ``n`` threads by the worker) multiplies: splitting the
-dequantization too handed the CPUs from numba's pool to BLAS's and back twice per tile, and each
-pool's idle spin delayed the other's start (measured, 2 vCPUs, quiet: 32-token prefill at 2 threads
-0.5-0.7x of 1 thread for q4_k/q5_x/q6_k; one dequantizing thread: 0.85-1.2x). That hand-off is why
-f16/bf16 prefill by tiles + BLAS ran at 0.6-0.8x of float32 BLAS at 2 threads; their GEMMs split
-by rows like the integer ones.
+dequantization too would hand the CPUs from numba's pool to BLAS's and back twice per tile, each
+pool's idle spin delaying the other's start; that hand-off is also why the f16/bf16 GEMMs split by
+rows like the integer ones rather than go through tiles + BLAS (docs/DESIGN.md, "Threads per
+product").
 
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.

@@ -3,7 +3,7 @@
 Compiles (or loads from numba's on-disk cache) the kernels of the given packed types (default: all
 ten) for ``--threads`` (1: the single-thread bodies; more: the row-splitting versions too), and
 prints the seconds each took. ``run.py`` runs it once after installing, so that no model load on
-this machine pays the first compile (~30-40 s of CPU for all types); a worker that finds the cache
+this machine pays the first compile (tens of seconds of CPU for all types: docs/MODELS.md); a worker that finds the cache
 cold still compiles a model's types at its load (:data:`~zmq_rpc.client.llama.load.KERNEL_TIMEOUT`).
 Runs in its own process, main thread.
 """

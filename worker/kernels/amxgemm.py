@@ -11,7 +11,8 @@ cached on disk as :mod:`.jit`'s is (the tile instructions are inline assembly: n
 set up LLVM's assembly parser, this module does, at import).
 
 Why AMX. ``tdpbf16ps`` multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 float32
-accumulators: 8192 multiply-adds in ~16 cycles here, 16x what the FMA units do. bf16 products are
+accumulators: 8192 multiply-adds in one instruction, an order of magnitude more per cycle than
+the FMA units. bf16 products are
 exact in float32, and the tiles accumulate in float32, so the product stays float32-accurate if
 the operands are *exact*: each activation is split into three bf16 levels, ``x = h + m + l``
 (:func:`split_rows`: each level the top 16 bits of the float that the levels before left, so every
@@ -28,24 +29,12 @@ row side by side, one 64-byte tile row per pair and 16 rows; ``[chunk][level][ha
 8 KiB per chunk of 32 inputs, in L1/L2; f16 split into its two levels there), then runs every block
 of 32 activation rows against it; :func:`split_rows` lays the activation levels out as A tiles
 ``[row block][chunk][level][half][16][32]``. All tile memory is 64-byte aligned (a tile row that
-straddles two cache lines made each ``tileloadd`` ~4x slower). Activation rows past the last
+straddles two cache lines makes each ``tileloadd`` several times slower). Activation rows past the last
 multiple of 32, inputs past the last multiple of 32 and weight rows past the last whole block go
 through zero padding (the output block then lands in a scratch and is copied).
 
-Measured (``zmq-rpc-bench --cases kernels``, quiet, SmolLM2's matrices, 4 layers, medians [ranges]
-of tokens/s against float32 ``matmul`` on the dequantized weights, BLAS on as many threads, same run):
-
-    f16   1t  32 rows  3855 [3661-3917] vs 1682  2.29x    128 rows  6003 [4382-6282] vs 3296  1.82x
-          2t  32 rows  4004 [2575-5622] vs 2330  1.72x    128 rows  6594 [4982-9011] vs 5044  1.31x
-    bf16  1t  32 rows  5333 [5019-5499] vs 1671  3.19x    128 rows  6750 [4615-8336] vs 3076  2.19x
-          2t  32 rows  7549 [7002-8137] vs 2831  2.67x    128 rows  7555 [7042-11808] vs 5131 1.47x
-
-(tiles + BLAS before: 0.6-1.1x). Alone and hot, 128 rows, one thread: f16 ~130, bf16 ~195 GMAC/s
-against ~50 for OpenBLAS float32; f16 pays two more tile products and its weights' split in the
-packing (~0.2 ns a weight). Two threads gain less than BLAS does: the two vCPUs here seem to share
-one AMX unit. The whole model (SmolLM2 with f16 layers, ``--weights quantized`` against ``f32``, one
-worker, same run): prefill of 32 / 128 tokens ~1.9x / ~2.0x (bf16 layers: ~2.2x / ~2.7x), greedy
-tokens identical.
+How fast, against float32 BLAS on the dequantized weights: ``zmq-rpc-bench --cases kernels``;
+the figures that chose this design: docs/DESIGN.md, "AMX tiles".
 """
 
 from __future__ import annotations
@@ -70,9 +59,8 @@ TM: Final = 32
 GROUP: Final = 4
 """Blocks of 32 weight rows packed together: each input's row of the weights is then read as
 ``64 GROUP`` contiguous bytes (the layout puts ``2 R`` bytes between inputs: one cache line a row
-was one TLB entry and one DRAM access a line: measured on SmolLM2's f16 matrices, 32 rows, one
-thread, the packing of cold weights took ~3x its time on hot ones with blocks packed one by one,
-~1.1x four at a time)."""
+was one TLB entry and one DRAM access a line; four blocks at a time make cold weights pack about
+as fast as hot ones: docs/DESIGN.md)."""
 PACK_AHEAD: Final = 16
 """Input pairs ahead that the packing of a weight block asks the cache for (its rows lie ``2 R``
 bytes apart, too far for the hardware's prefetchers); it also asks for the next block's lines."""
@@ -318,7 +306,7 @@ _SH = np.uint32(16)
 
 @njit(cache=True, nogil=True)
 def _aligned(n: int) -> Any:
-    """``n`` uint16 on a 64-byte boundary (a tile row: loads that straddle cache lines run ~4x slower)."""
+    """``n`` uint16 on a 64-byte boundary (a tile row: loads that straddle cache lines run slower)."""
     raw = np.empty(n + 32, np.uint16)
     off = (-raw.ctypes.data) % 64 // 2
     return raw[off:off + n]

@@ -8,9 +8,7 @@ numba; compiled code is cached on disk (``cache=True``), like :mod:`.jit`'s.
 
 Why they exist: a decode token of a small llama runs a few hundred of these ops on vectors of a
 few hundred floats, where numpy's ~10 calls per op (temporaries, broadcasting, a BLAS call on
-a strided cache) cost 20-130 us each and the arithmetic under 5 us. Measured on SmolLM2-135M
-(30 layers, one token, the 2-core dev VM): the unfused attention (two batched matmuls over the
-whole 512-row cache and a masked softmax) took ~190 us per layer, rope ~60 us per call.
+a strided cache) cost far more than the arithmetic (docs/DESIGN.md, "Quantized kernels").
 
 - :func:`attention`: ``softmax(scale * q k^T + mask) v`` per query row and head, heads grouped
   over the KV heads (GQA: query head ``h`` reads KV head ``h // (H / H_kv)``). Keys whose mask

@@ -15,10 +15,9 @@ at 16 bits and no float32 copy of them is written. Passes are balanced (32 rows 
 12 + 12 + 8); weight rows past the last multiple of 16 go through a zero-padded 16-row panel. Every
 product is one FMA per weight and input in input order: the rounding of a float32 dot product.
 
-Measured (SmolLM2's matrices, one thread, quiet, hot caches): ~64 GMAC/s against ~50-56 for
-OpenBLAS float32; in the cold loop of ``zmq-rpc-bench``'s prefill rows (AMX hidden) about level
-with BLAS at 32 rows (f16 ~1.15x, bf16 ~0.9-1.0x) and below it at 128 (0.8-0.95x): the fallback
-for CPUs without AMX, where "no slower than f32 mode" does not hold yet (:mod:`.amxgemm`: 1.3-3.2x).
+The fallback for CPUs without AMX (:mod:`.amxgemm`): about level with float32 BLAS, so there "no
+slower than f32 mode" does not hold yet at 128 rows (the figures: docs/DESIGN.md, "Quantized
+kernels").
 """
 
 from __future__ import annotations

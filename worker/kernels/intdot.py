@@ -6,8 +6,8 @@ ranges to (``kernels.set_threads``): every kernel releases the GIL. Compiled cod
 as :mod:`.jit`'s is.
 
 llama.cpp's method, with a second int8 level. The float kernels of :mod:`.jit` convert every code to
-float32 and multiply it by its input: about 4 codes per instruction, ~4 GB/s of weights, far below
-the memory's bandwidth. Here the input vector ``x`` is rounded once per product to int8 blocks of 32,
+float32 and multiply it by its input: about 4 codes per instruction, far below the memory's
+bandwidth. Here the input vector ``x`` is rounded once per product to int8 blocks of 32,
 in two levels: ``x ~ dx * (HI * xq1 + xq2)`` (``e = max|x| / 127`` per block, ``xq1 = rint(x / e)``,
 ``xq2`` the rest in steps ``dx = e / HI``, ``HI = 254``), and the codes meet both levels in integer
 products summed into int32 (``isum = HI * (q . xq1) + q . xq2``, exact), so that one ``vpdpbusd``
@@ -22,10 +22,9 @@ multiply-adds; the scales are applied once per 32-weight block and row::
 ``dx / 2 = max|x| / 64516`` per input, so at most ``sum dx / 2 * |d q|`` per output (the tests hold
 the kernels to that bound). llama.cpp stops at one level (``max|x| / 254`` per input): on SmolLM2 that
 changed the 11th greedy token against the float32 reference; two levels keep the tokens, at little cost
-(a sweep waits on memory more than on its integer work). Measured on SmolLM2's Q4_1 layer
-matrices, one thread, hot in cache: ~20 GB/s of weights against ~4 GB/s for the float kernel; cold, a
-decode token's 30 layers take ~7 ms (memory bound: the scales stay float16 as in GGUF, and the sweeps
-prefetch :data:`PREFETCH` bytes ahead in each stream).
+(a sweep waits on memory more than on its integer work). Hot in cache it reads weights several
+times faster than the float kernel; cold, it is memory bound (the scales stay float16 as in GGUF,
+and the sweeps prefetch :data:`PREFETCH` bytes ahead in each stream): docs/DESIGN.md.
 
 The packed layout (:mod:`.layout`): the codes of q4_0/q4_1/q8_0 are *interleaved by fours*: the 4
 bytes of a row that one int32 lane takes are adjacent, and consecutive rows follow, so one 64-byte
@@ -90,8 +89,8 @@ _half: Any = intrinsic(_half_typing)
 
 PREFETCH = 1024
 """Bytes ahead in each stream of codes that the sweeps ask the cache for (software prefetch: the
-hardware's streams stop at every 4 KiB page; measured on SmolLM2's Q4_1 layer matrices, alternated
-in one process: 7.0 ms per token's layers at 1024 against 8.9 ms without, 512-8192 within noise)."""
+hardware's streams stop at every 4 KiB page; the fastest distance on SmolLM2's matrices:
+docs/DESIGN.md)."""
 
 
 def _prefetch(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> None:

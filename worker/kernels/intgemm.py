@@ -25,12 +25,9 @@ the last multiple of 16 a scalar loop.
 
 Why not BLAS: f32 BLAS does 16 multiply-adds per instruction, after a dequantization pass, on weights
 read at 32 bits; ``vpdpbusd`` does 64 (32 with the two levels) on weights read at 4.5-8.5 bits; 96
-of the ~260 instructions of a 6-row pass's sub-block are ``vpdpbusd``. Measured on SmolLM2's shapes
-(the ``zmq-rpc-bench --cases kernels`` products, quiet, alternated with float32 ``matmul``), one
-thread: 128 rows ~68 GMAC/s against ~50 for OpenBLAS, 1.2-1.4x; 32 rows 2.2-2.6x. llama.cpp's one
-level would halve the ``vpdpbusd`` but changed greedy tokens (:mod:`.intdot`). The whole model
-(``zmq-rpc-bench --cases llm``, quiet): SmolLM2 Q4_1 prefill of 32 and 128 tokens 1.4-1.9x the f32
-mode's, 1 and 2 workers (tile dequantization + BLAS, before: ~1.0x).
+of the ~260 instructions of a 6-row pass's sub-block are ``vpdpbusd``; it beats float32 BLAS on
+SmolLM2's shapes (``zmq-rpc-bench --cases kernels``; figures in docs/DESIGN.md). llama.cpp's one
+level would halve the ``vpdpbusd`` but changed greedy tokens (:mod:`.intdot`).
 
 Precision: the decode kernels' (the error is the rounding of the inputs, at most ``dx / 2 = max|x| /
 64516`` per input; the tests hold these kernels to that bound for every row).
@@ -54,7 +51,7 @@ __all__ = ["GEMM", "TB", "empty_rows", "gemm_q4", "gemm_q8_0", "quantize_rows", 
 TB = 6
 """Activation rows per pass over a block of 16 weight rows: 6 float32 accumulators, 8 unpacked code
 vectors and 12 int32 sums in the 32 vector registers, the 12 chains of ``vpdpbusd`` interleaved
-(measured on SmolLM2's shapes, one thread: 6 ahead of 4 and 8 by 10-20 %)."""
+(faster than 4 or 8 on SmolLM2's shapes: docs/DESIGN.md)."""
 PREFETCH = 128
 """Bytes ahead in each stream of codes asked for (the next two row blocks: a row block's codes lie in
 4-8 streams per sub-block, too many for the hardware's prefetchers; on the passes after the first

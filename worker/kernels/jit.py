@@ -9,7 +9,7 @@ worker start on a machine pays the compile (a few seconds per family of types).
 :data:`KERNELS` maps each qtype to its two kernels and the flags that select it within its family
 (one compiled function per family: q4_0/q4_1, q5_0/q5_1, q4_k/q5_k, f16/bf16; q8_0 and q6_k alone; a
 flag is tested once per sub-block, outside the vectorized loops). The matrix-vector products of q4_0,
-q4_1 and q8_0 are integer kernels that round ``x`` to int8 first (:mod:`.intdot`, ~6x faster); the
+q4_1 and q8_0 are integer kernels that round ``x`` to int8 first (:mod:`.intdot`, several times faster); the
 others, here, multiply float32 by float32:
 
 - ``mv(w, x, y, r0, r1, *flags)``: rows ``r0..r1`` of ``y = W @ x`` for one float32 vector ``x`` (K,);
@@ -17,14 +17,14 @@ others, here, multiply float32 by float32:
   float32 tile (K, n), written with unit stride, that a BLAS ``x @ out`` consumes directly (prefill of
   the types without an integer GEMM, :mod:`.intgemm`; row gathers).
 
-How the loops are built (the prototype measured 2-5x between layouts): for each sub-block of 32 weights
+How the loops are built (the layout decides the speed: docs/DESIGN.md): for each sub-block of 32 weights
 the innermost loop runs over a tile of :data:`TILE` rows, reading ``p[16s + j, r]`` with unit stride;
 they accumulate into one float32 per row, one sweep per byte position ``j``, then apply the scales
 (q4_0/q4_1/q8_0, whose codes are stored by fours, are dequantized from int32 words of 4 bytes). LLVM vectorizes the row loop (8 or 16 rows per instruction). numba computes every integer expression in 64 bits; LLVM narrows it back only when
 each operand is visibly an 8/16/32-bit value, so codes are read as ``np.int32(byte)``, every result is
 cast to ``np.int32`` before it becomes a float, and bit masks come from the uint32 table :data:`_BIT`
-(a computed ``1 << j`` or a shift by ``j`` kept the whole loop in 64-bit lanes: half the elements per
-vector, measured 1.2-1.9x slower). f16/bf16 convert with LLVM's own ``fpext half`` / a bit move
+(a computed ``1 << j`` or a shift by ``j`` keeps the whole loop in 64-bit lanes: half the elements per
+vector). f16/bf16 convert with LLVM's own ``fpext half`` / a bit move
 (:func:`_half`, :func:`_bfloat`), exact, one instruction per vector.
 fastmath (matrix-vector only) allows reassociation and contraction but not "no NaN/no inf": infinities
 and NaNs in weights or inputs propagate as they do in numpy. The dequantizers use strict float
@@ -48,7 +48,7 @@ __all__ = ["KERNELS", "TILE", "pack"]
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 TILE = 4096
 """Rows per accumulator tile (16 KiB of float32, in L1): one tile for every layer matrix of a small llama,
-several for a vocabulary head (a 512-row tile measured up to ~2x slower on layer matrices)."""
+several for a vocabulary head (smaller tiles run slower on layer matrices)."""
 
 _U15 = np.uint8(15)
 _U4 = np.uint8(4)
@@ -87,8 +87,8 @@ def _xsums(x: Any, width: int) -> Any:
 
 # ---------------------------------------------------------------------- inner sums over a sub-block
 # Every loop below runs from 0 over views sliced to the tile (``p[i][t0:t1]``): LLVM vectorizes
-# those; the same loops written as ``acc[r - t0]`` over ``range(t0, t1)`` stayed scalar (measured:
-# 1 vector FMA in the asm instead of 5, 3x slower).
+# those; the same loops written as ``acc[r - t0]`` over ``range(t0, t1)`` stay scalar (1 vector FMA
+# in the asm instead of 5).
 
 
 @njit(inline="always")
@@ -508,7 +508,7 @@ Both run in the calling thread and release the GIL, so several threads may run d
 
 
 # ----------------------------------------------------------------------------------------- repack
-# GGUF rows (R, row bytes) -> packed (R, P), byte for byte what layout.pack_numpy writes, ~50x faster.
+# GGUF rows (R, row bytes) -> packed (R, P), byte for byte what layout.pack_numpy writes, much faster.
 # Rows go in tiles of PACK_TILE so the transposed writes of one (block, byte) land in one cache line run.
 
 PACK_TILE = 64

@@ -269,7 +269,8 @@ def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None, *, jit: bo
 
     ``data`` is the GGUF form: uint8 blocks ``(R, nb * block_bytes)`` for block types, or the
     ``(R, K)`` weights for f16 (float16) and bf16 (uint16 bits). Raises ValueError on a bad shape.
-    With numba (and ``jit``) a compiled loop does it (~1 GB/s); else numpy (~0.1 GB/s), same bytes.
+    With numba (and ``jit``) a compiled loop does it (an order of magnitude faster); else numpy, same
+    bytes.
     """
     if data.ndim != 2:
         raise ValueError(f"pack needs a 2-D weight, got shape {data.shape}")

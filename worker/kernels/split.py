@@ -5,23 +5,21 @@ threads of a split are numba's OpenMP team: each runs the kernel on its own row 
 nothing but those rows of the output; the backend thread runs the first range itself and returns
 when every range is done. No backend state is read or written outside the backend thread.
 
-Why OpenMP. A decode product of a small llama takes 10-100 us. Measured on the 2-vCPU dev VM,
-SmolLM2's 120 layer products (quiet window, medians): handing each range to a
-``ThreadPoolExecutor`` (a future per range; the helper wakes on a futex and takes the GIL to call
-the kernel) made two threads slower than one (Q4_1 13.0 ms against 6.9 ms); numba's ``workqueue``
-layer (condition variables) costs ~35 us per parallel region and was slower too (14.8 ms against
-8.4 ms); the ``omp`` layer (GNU libgomp) costs ~3-4 us per region, because its threads spin a
-while before they sleep, and the products of one decode step follow each other closely enough to
-find them awake. OpenMP is also thread-safe (two backend threads in one process may split at once;
+Why OpenMP. A decode product of a small llama takes tens of microseconds, so a split must cost
+far less per parallel region than that: a ``ThreadPoolExecutor`` (a future per range, a futex
+wake-up and the GIL per call) and numba's ``workqueue`` layer (condition variables) both made two
+threads slower than one; the ``omp`` layer (GNU libgomp) is cheap per region because its threads
+spin a while before they sleep, and the products of one decode step follow each other closely
+enough to find them awake (the figures: docs/DESIGN.md, "Threads per product"). OpenMP is also
+thread-safe (two backend threads in one process may split at once;
 ``workqueue`` aborts the process then). It needs libgomp (shipped with GCC, on every common Linux);
 where it does not load, :func:`problem` says why and the products run on one thread (the caller
 warns).
 
 Two spinning pools. BLAS (OpenBLAS, numpy's) keeps its own threads for the prefill products and
 the f32 mode. A thread that spins holds its CPU until the scheduler preempts it (milliseconds), so
-each pool's spinning starves the other: with both defaults (libgomp spins ~300k pauses, OpenBLAS
-~2^28 cycles, ~0.1 s) a 128-token prefill at 2 threads ran at 9 tokens/s against 143 at one
-thread. So this module makes libgomp spin :data:`SPINCOUNT` pauses (``GOMP_SPINCOUNT``, set before
+each pool's spinning starves the other with both libraries' default spins (libgomp ~300k pauses,
+OpenBLAS ~2^28 cycles): two threads then ran far slower than one. So this module makes libgomp spin :data:`SPINCOUNT` pauses (``GOMP_SPINCOUNT``, set before
 libgomp loads unless the environment sets it), long enough to bridge the gaps between the products
 of a decode step and short enough to leave the CPU to BLAS soon after; the worker's CLI shortens
 OpenBLAS's spin alike (``OPENBLAS_THREAD_TIMEOUT``, :data:`~zmq_rpc.worker.cli.BLAS_THREAD_TIMEOUT`).
@@ -33,7 +31,7 @@ numba dispatcher compiled with ``nogil=True`` whose rows ``a..b`` write only row
 output, with a parallel wrapper in :data:`PARALLEL` (the matrix-vector and dequantization kernels
 of :mod:`.jit`, :mod:`.intdot` and :mod:`.intgemm` here; a new kernel adds its own with
 :func:`register`). The wrappers are compiled on first use and cached on disk like the kernels
-(``cache=True``: ~2 s each the first time, loaded in milliseconds after). numba keys each cached
+(``cache=True``: compiled once, loaded in milliseconds after). numba keys each cached
 function on its own file's time stamp only: a wrapper here holds the kernel it calls, so after
 editing a kernel in place (a developer's checkout; an install rewrites every file) clear the
 ``__pycache__`` beside these files, or the wrappers keep running the old kernel.

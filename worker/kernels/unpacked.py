@@ -33,7 +33,7 @@ pass into a 16-column scratch output.
 q6_k's passes are bound by the port that runs ``vpdpbusd`` (8 per 16 inputs and row, against
 16 per 32 for the others, with the same per-group tail): they apply ``HI`` to the first level's sum
 in float32 (two conversions and an FMA) instead of an integer multiply (two more micro-ops on that
-port), ~10% faster (the sum then rounds to float32 once, far inside the tolerance).
+port), faster (the sum then rounds to float32 once, far inside the tolerance).
 
 Precision: as :mod:`.intgemm`'s (the rounding of the inputs, at most ``dx / 2`` per input, times
 ``|s c|``; the offsets of q5_0 and q6_k are exact integer sums, the mins of the others meet the float
