@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..client import Client, Graph, RemoteTensor
-from ..worker.devices import cuda_unavailable
+from ..worker.process.devices import cuda_unavailable
 from .baselines import ServerProcess
 from .bench import BenchContext, CaseResult, elapsed, interleave, register_case, worker_argv
 

@@ -82,10 +82,10 @@ def backend_cpu(rounds: int, count: int) -> dict[str, list[float]]:
 
     from ..broker import protocol as p
     from ..worker.backends.numpy_backend import NumpyBackend
-    from ..worker.executor import Executor
-    from ..worker.metrics import NullRecorder, Recorder
-    from ..worker.peer_links import PeerLinks
-    from ..worker.session import WorkerLimits
+    from ..worker.dispatch.executor import Executor
+    from ..worker.observe.metrics import NullRecorder, Recorder
+    from ..worker.peer.links import PeerLinks
+    from ..worker.sessions.session import WorkerLimits
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 

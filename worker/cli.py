@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
 from ..broker.graph import MAX_NODES
 from ..broker.ops import DEFAULT_MAX_WORK, NODE_WORK
-from .devices import parse_device
-from .gc_pacing import freeze_start_up
-from .logs import configure_logging
-from .quotas import DEFAULT_MAX_SESSIONS
+from .observe.logs import configure_logging
+from .process.devices import parse_device
+from .process.gc_pacing import freeze_start_up
+from .sessions.quotas import DEFAULT_MAX_SESSIONS
 
 if TYPE_CHECKING:
     from .server import WorkerServer
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
     code = 1
-    freeze_start_up()       # full collections walk only what clients make (worker/gc_pacing.py)
+    freeze_start_up()       # full collections walk only what clients make (worker/process/gc_pacing.py)
     try:
         lines = [f"zmq-rpc-worker listening on {endpoint}"]
         if server.metrics_address:

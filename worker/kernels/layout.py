@@ -3,7 +3,7 @@
 Owns the byte layout of *packed* weights. Pure numpy functions, no state: the worker's backend thread
 packs a weight once when it is loaded (the ``pack`` graph op), tests pack to compare against ``gguf``.
 
-Why a second layout. GGUF stores a weight row by row, each row a run of blocks (``broker/quant.py``
+Why a second layout. GGUF stores a weight row by row, each row a run of blocks (``worker/formats/quant.py``
 draws the blocks). A matrix-vector kernel that walks a row's 16-byte block cannot be vectorized by LLVM
 (the work per block is too short); one that, for each block and each byte position, sweeps over *all
 rows at once* is: the inner loop reads consecutive bytes of consecutive rows and keeps one float32
