@@ -43,6 +43,7 @@ from tqdm import tqdm
 from ..client import Client
 from ..worker.cli import endpoint, parse_size
 from . import baselines as bl
+from .units import fmt, format_size
 
 # ------------------------------------------------------------------------------- records
 
@@ -416,21 +417,6 @@ def case_get(ctx: BenchContext) -> list[CaseResult]:
 
 
 # -------------------------------------------------------------------------------- report
-
-
-def format_size(nbytes: int) -> str:
-    """4096 -> "4KiB", 16777216 -> "16MiB"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{unit}"
-    return f"{nbytes}B"
-
-
-def fmt(value: float) -> str:
-    """About three significant digits, no exponent."""
-    if value >= 100:
-        return f"{value:,.0f}"
-    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
 def _figure(row: CaseResult, samples: Sequence[float]) -> str:

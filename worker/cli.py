@@ -20,7 +20,6 @@ import sys
 import threading
 from collections.abc import Callable
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
@@ -29,6 +28,7 @@ from ..broker.ops import DEFAULT_MAX_WORK, NODE_WORK
 from .observe.logs import configure_logging
 from .process.devices import parse_device
 from .process.gc_pacing import freeze_start_up
+from .process.version import package_version
 from .sessions.quotas import DEFAULT_MAX_SESSIONS
 
 if TYPE_CHECKING:
@@ -74,14 +74,6 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (write e.g. 512MiB, 4GiB, 100MB)")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def package_version() -> str:
-    """The installed zmq-rpc version."""
-    try:
-        return version("zmq-rpc")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 SCHEMES = ("tcp", "ipc")
@@ -269,12 +261,9 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 64 << 20) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``zmq-rpc-worker``; returns the exit code (see :data:`EPILOG`);
-    ``zmq-rpc-worker status ...`` asks running workers instead."""
+    """Run one worker; returns the exit code (see :data:`EPILOG`). ``zmq-rpc-worker status ...``
+    is :mod:`zmq_rpc.tools.worker_command`'s other branch (a client: the worker never imports one)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["status"]:
-        from ..tools.status import main as status_main
-        return status_main(argv[1:])
     args = build_parser().parse_args(argv)
     os.environ.update(blas_env(args.threads))
     tune_malloc()

@@ -42,6 +42,7 @@ from .peer.links import PeerLinks
 from .process.devices import parse_device
 from .process.gc_pacing import FullCollections
 from .process.heap import IdleTrim
+from .process.version import package_version
 from .sessions.identities import KeyCheck
 from .sessions.quotas import default_session_share
 from .sessions.session import WorkerLimits
@@ -447,7 +448,6 @@ class WorkerServer:
         """Serve the recorder's metrics over HTTP (prometheus_client is imported only here)."""
         cfg = self.config
         from ..broker.protocol import PROTOCOL_VERSION
-        from .cli import package_version
         try:
             from .observe.exporter import MetricsServer
         except ImportError as exc:

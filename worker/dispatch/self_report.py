@@ -13,9 +13,9 @@ from ...broker import graph as g
 from ...broker import protocol as p
 from .. import kernels
 from ..backends.base import Backend
-from ..cli import package_version
 from ..observe.metrics import WorkerSnapshot
 from ..peer.links import PeerLinks
+from ..process.version import package_version
 from ..sessions.memory import MemoryBudget
 from ..sessions.session import Session, WorkerLimits
 from .outbox import Outbox
