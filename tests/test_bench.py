@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import zmq
 from zmq_rpc.tools import baselines as bl
-from zmq_rpc.tools import bench
+from zmq_rpc.tools import bench, units
 
 BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
 """The console script the install put beside this interpreter."""
@@ -258,7 +258,7 @@ def test_unknown_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_format_size() -> None:
-    assert [bench.format_size(n) for n in (4096, 1 << 20, 256 << 20, 1000)] == \
+    assert [units.format_size(n) for n in (4096, 1 << 20, 256 << 20, 1000)] == \
         ["4KiB", "1MiB", "256MiB", "1000B"]
 
 

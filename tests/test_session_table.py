@@ -17,8 +17,7 @@ from zmq_rpc.worker.dispatch.outbox import Outbox
 from zmq_rpc.worker.observe.metrics import NullRecorder
 from zmq_rpc.worker.sessions.memory import MemoryBudget, SessionMemory
 from zmq_rpc.worker.sessions.quotas import Quotas
-from zmq_rpc.worker.sessions.requests import Request, Route
-from zmq_rpc.worker.sessions.session import Buffer, Session, WorkerLimits
+from zmq_rpc.worker.sessions.session import Buffer, Request, Route, Session, WorkerLimits
 from zmq_rpc.worker.sessions.table import PRESSURE_SILENCE, WEAK_ID, PeerCleanup, SessionTable
 
 pytestmark = pytest.mark.timeout(10)

@@ -34,11 +34,11 @@ from .bench import (
     Runner,
     Target,
     elapsed,
-    format_size,
     interleave,
     register_case,
     worker_argv,
 )
+from .units import format_size
 
 CURVE_SIZES = (16 << 20, 256 << 20)
 

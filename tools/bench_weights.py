@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from ..client import Client
-from .bench import BenchContext, CaseResult, Runner, format_size, interleave, register_case
+from .bench import BenchContext, CaseResult, Runner, interleave, register_case
+from .units import format_size
 
 SOURCES = ("upload", "cache cold", "cache warm", "file first", "file")
 """Measured in this order on fresh workers each round: "file first" includes the worker hashing

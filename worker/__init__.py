@@ -10,8 +10,8 @@ modules, and none imports anything on import:
   client at a time in turn), ``executor`` (sessions' queues and the ``Cmd -> Route`` dispatch
   table), ``self_report`` (HELLO's reply, STATUS, capabilities, the metrics' gauges), ``outbox``
   (replies to the broker, zero-copy tracking, held replies first) (backend).
-- ``sessions``: ``session`` (``Session``, ``Buffer``, ``WorkerLimits``), ``requests`` (the dispatch
-  vocabulary: ``Request``, ``Route``, admissions and outcomes), ``views`` (checked views of
+- ``sessions``: ``session`` (``Session``, ``Buffer``, ``WorkerLimits``, and the dispatch vocabulary:
+  ``Request``, ``Route``, admissions and outcomes), ``views`` (checked views of
   buffers), ``table`` (HELLO, ``--max-sessions``, closing a session: what it frees and fails),
   ``memory`` and ``quotas`` (``--mem`` and per-session quotas), ``identities`` (whose session it
   is: quotas per client key), ``buffers`` (buffer and tensor commands) (backend).

@@ -5,7 +5,7 @@ sessions, buffers and every tensor byte on a worker; no other thread touches any
 receives requests from the broker thread over the inproc PAIR as ``[client_id, header, *payload]``,
 decodes them, and answers every one of them on the same PAIR, an error reply included.
 
-Dispatch: ``self.routes`` maps each command to its :class:`~zmq_rpc.worker.sessions.requests.Route` (the
+Dispatch: ``self.routes`` maps each command to its :class:`~zmq_rpc.worker.sessions.session.Route` (the
 handler, the buffers it writes, how it is admitted). The handlers live by job in
 :mod:`~zmq_rpc.worker.sessions.buffers`, :mod:`~zmq_rpc.worker.graphs.commands`, :mod:`~zmq_rpc.worker.peer.transfers`
 and :mod:`~zmq_rpc.worker.graphs.linked`; replies leave through :class:`~zmq_rpc.worker.dispatch.outbox.Outbox`;
@@ -44,9 +44,18 @@ from ..sessions.buffers import BufferCommands
 from ..sessions.identities import Identities, IdentityQuotas, KeyCheck, default_share
 from ..sessions.memory import MemoryBudget, SessionMemory
 from ..sessions.quotas import Quotas, check
-from ..sessions.requests import Admission, Later, Outcome, Request, Route
-from ..sessions.session import NO_REPLY, Session, Views, WorkerLimits
+from ..sessions.session import (
+    NO_REPLY,
+    Admission,
+    Later,
+    Outcome,
+    Request,
+    Route,
+    Session,
+    WorkerLimits,
+)
 from ..sessions.table import PeerCleanup, SessionTable
+from ..sessions.views import Views
 from .outbox import Outbox, Send
 from .self_report import SelfReport
 

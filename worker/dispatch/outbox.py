@@ -23,7 +23,8 @@ from ...broker.errors import BadRequest
 from ...broker.protocol import ErrorCode
 from ..graphs.linked import HeldReplies
 from ..sessions.quotas import Charged, InFlight
-from ..sessions.session import Reply, TrackedPayload
+from ..sessions.session import Reply
+from ..sessions.views import TrackedPayload
 
 log = logging.getLogger("zmq_rpc.worker")
 

@@ -25,7 +25,7 @@ import numpy as np
 from ...broker import files as f
 from ...broker import protocol as p
 from ...broker.protocol import Cmd, ErrorCode, WireError
-from ..sessions.requests import Later, Request, Route
+from ..sessions.session import Later, Request, Route
 from .hasher import FileHasher, HashOutcome
 from .model_files import (
     PLAIN_DTYPES,
@@ -39,8 +39,8 @@ from .model_files import (
 from .tensor_cache import TensorCache
 
 if TYPE_CHECKING:
-    from ..sessions.requests import Handler, Outcome
-    from ..sessions.session import Reply, Session, Views
+    from ..sessions.session import Handler, Outcome, Reply, Session
+    from ..sessions.views import Views
 
 log = logging.getLogger("zmq_rpc.worker.files.loading")
 

@@ -1,6 +1,7 @@
 """A compiled graph bound to its arrays: every per-run constant resolved once, a tight run loop.
 
-Owned by the backend thread (only :class:`~zmq_rpc.worker.graphs.execute.CompiledGraph` calls it).
+Owned by the backend thread (only :class:`~zmq_rpc.worker.graphs.execute.CompiledGraph` calls it,
+and passes itself as the :class:`Plan` it binds).
 Between two runs of a registered graph nothing but the data changes: the arena is allocated
 once, the external tensors' views are cached until a buffer of the session is freed, views of
 either are fixed, and so is every node's output array (its arena slot, or its dst tensor when it
@@ -17,18 +18,32 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ...broker.graph import tensor_meta
+from ...broker.graph import GraphSpec, tensor_meta
 from ...broker.ops import OPS, OpKind
 from ..backends import numpy_ops as K
+from .steps import Step
 
-if TYPE_CHECKING:
-    from .execute import CompiledGraph, Step
-
-__all__ = ["BoundRun", "bind"]
+__all__ = ["BoundRun", "Plan", "bind"]
 
 Call = Callable[[], None]
+
+
+class Plan(Protocol):
+    """What :func:`bind` reads of a compiled graph (:class:`~.execute.CompiledGraph` is one)."""
+
+    @property
+    def spec(self) -> GraphSpec: ...
+
+    @property
+    def steps(self) -> list[Step]: ...
+
+    @property
+    def kernels(self) -> K.KernelTable: ...
+
+    def scratch(self, step: Step) -> Any:
+        """The arena slot of ``step``'s result, as an array of its shape and dtype."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +56,7 @@ class BoundRun:
     values: tuple[Any, ...]
 
 
-def bind(graph: CompiledGraph, externals: Sequence[Any]) -> BoundRun | None:
+def bind(graph: Plan, externals: Sequence[Any]) -> BoundRun | None:
     """Resolve ``graph`` (its arena allocated) over ``externals``; None if a view cannot be
     bound (the node-by-node run then reports it)."""
     values: list[Any] = []
@@ -56,7 +71,7 @@ def bind(graph: CompiledGraph, externals: Sequence[Any]) -> BoundRun | None:
     return BoundRun(externals, tuple(calls), tuple(values))
 
 
-def _bind_step(graph: CompiledGraph, step: Step, inputs: list[Any], externals: Sequence[Any],
+def _bind_step(graph: Plan, step: Step, inputs: list[Any], externals: Sequence[Any],
                index: int, calls: list[tuple[int, Call]]) -> Any:
     """The node's result array; its calls (none for a view) appended to ``calls``."""
     kernels = graph.kernels

@@ -18,8 +18,8 @@ from ..backends import numpy_ops as K
 from ..backends.base import Backend, View
 from ..sessions.memory import SessionMemory
 from ..sessions.quotas import check
-from ..sessions.requests import Request, Route
-from ..sessions.session import NO_REPLY, Reply, Session, Views
+from ..sessions.session import NO_REPLY, Reply, Request, Route, Session
+from ..sessions.views import Views
 from .execute import CompiledGraph, compile_graph
 
 

@@ -27,30 +27,15 @@ from ...broker.ops import (
     NODE_WORK,
     OPS,
     OpKind,
-    TensorMeta,
     node_work,
 )
 from ...broker.protocol import ErrorCode, WireError
 from ..backends import numpy_ops as K
 from ..backends.base import Backend, Memory
 from .bind import BoundRun, bind
+from .steps import Step
 
 ARENA_ALIGN = 64
-
-
-@dataclass
-class Step:
-    """One planned node: what to run, on what, and where its result lives."""
-
-    op: str
-    kind: OpKind
-    srcs: tuple[int, ...]
-    params: dict[str, Any]
-    meta: TensorMeta
-    in_metas: list[TensorMeta]
-    dst: int
-    slot: int = -1          # arena offset of its result (COMPUTE into scratch), else -1
-    direct: bool = False    # COMPUTE straight into its dst tensor
 
 
 @dataclass

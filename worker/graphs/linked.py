@@ -28,8 +28,8 @@ from ..backends.base import Backend
 from ..peer.send import Push
 from ..peer.transfers import PeerCommands
 from ..sessions.quotas import Charged
-from ..sessions.requests import Later, Outcome, Request, Route
-from ..sessions.session import Reply, Session, TrackedPayload, Views, overlap
+from ..sessions.session import Later, Outcome, Reply, Request, Route, Session
+from ..sessions.views import TrackedPayload, Views, overlap
 from .commands import GraphCommands
 
 MAX_HELD_BYTES = 64 * 1024

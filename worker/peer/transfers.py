@@ -14,8 +14,8 @@ from ...broker import peer as wire
 from ...broker.protocol import Cmd, TensorRef
 from ..backends.base import View
 from ..sessions.quotas import Charged
-from ..sessions.requests import Admission, Later, Outcome, Request, Route
-from ..sessions.session import NO_REPLY, Reply, Session, Views
+from ..sessions.session import NO_REPLY, Admission, Later, Outcome, Reply, Request, Route, Session
+from ..sessions.views import Views
 from .acks import Done
 from .links import PeerLinks
 from .send import ZERO_COPY_BYTES, Push, Source

@@ -2,7 +2,7 @@
 
 Owned by the backend thread (the executor calls these handlers from its queue). Every byte
 allocated here is counted by the worker's :class:`~zmq_rpc.worker.sessions.memory.MemoryBudget`; every
-tensor is reached through :class:`~zmq_rpc.worker.sessions.session.Views` (handle and bounds checked).
+tensor is reached through :class:`~zmq_rpc.worker.sessions.views.Views` (handle and bounds checked).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from ...broker.protocol import Cmd, ErrorCode, WireError
 from ..backends.base import Backend
 from .memory import SessionMemory
 from .quotas import check
-from .requests import Request, Route
-from .session import NO_REPLY, Buffer, Reply, Session, Views
+from .session import NO_REPLY, Buffer, Reply, Request, Route, Session
+from .views import Views
 
 
 class BufferCommands:

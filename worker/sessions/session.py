@@ -1,15 +1,23 @@
-"""A client's session on a worker: its buffers, graphs and request queue, and its checked views.
+"""A client's session on a worker: its buffers, graphs and request queue, and the requests in it.
 
 Owned by the backend thread, like everything a session holds: no other thread reads or writes
-any of it. :class:`Views` turns a wire :class:`~zmq_rpc.broker.protocol.TensorRef` into a backend
-view after checking its handle and bounds (remembered per session until a buffer is freed).
+any of it. A session and its requests refer to each other (a session queues requests, a request's
+handler runs on a session), so both live here; checked views of the buffers are :mod:`.views`.
+
+The executor's dispatch vocabulary: the executor keeps one table, ``Cmd -> Route``: the route
+names the handler, the buffers the request writes (it waits while a zero-copy send still reads
+them), how it is admitted (opens a session, runs at once, or waits its turn in the session's
+queue), and what a queue entry of that command is (:class:`Request`, or a linked run with its
+own states). A handler is called with the session, the decoded message and the request, and
+returns the reply to send now, or a :class:`Later` saying who answers instead.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,23 +25,14 @@ import zmq
 
 from ...broker import protocol as p
 from ...broker.ops import DEFAULT_MAX_WORK
-from ...broker.protocol import ErrorCode, TensorRef, WireError
+from ...broker.protocol import Cmd, TensorRef
 from ...broker.request_mac import Verifier
-from ..backends.base import Backend, Memory, View
-from .quotas import Charged, Usage
-
-if TYPE_CHECKING:
-    from .memory import SessionMemory
+from ..backends.base import Memory, View
+from .quotas import Usage
 
 if TYPE_CHECKING:
     from ..graphs.execute import CompiledGraph
-    from .requests import Request
 
-MAX_CACHED_VIEWS = 1024
-"""Most checked views a session keeps (see :attr:`Session.views`)."""
-
-TRACK_THRESHOLD = 64 * 1024
-"""Replies at least this big are sent zero-copy from buffer memory, with a tracker."""
 
 
 @dataclass(frozen=True)
@@ -134,92 +133,88 @@ Reply = tuple[p.Message, list[Any]]
 NO_REPLY: Reply = (p.Empty(), [])
 
 
-@dataclass(frozen=True)
-class TrackedPayload:
-    """A reply frame that aliases ``buffer``'s memory: the buffer records the send's tracker."""
+class Admission(enum.Enum):
+    """How a request gets to run."""
 
-    data: Any
-    buffer: Buffer
-
-
-class Views:
-    """Checked views of a session's buffers, for every command that touches tensor bytes."""
-
-    def __init__(self, backend: Backend, max_view_bytes: int, memory: SessionMemory) -> None:
-        self.backend = backend
-        self.max_view_bytes = max_view_bytes
-        self.memory = memory
-
-    @staticmethod
-    def buffer(session: Session, handle: int) -> Buffer:
-        """The session's buffer ``handle``, or an INVALID_HANDLE error."""
-        buf = session.buffers.get(handle)
-        if buf is None:
-            raise WireError(ErrorCode.INVALID_HANDLE,
-                            f"buffer {handle} does not exist in this session")
-        return buf
-
-    def view(self, session: Session, ref: TensorRef) -> View:
-        """The backend view of ``ref`` after checking its handle and that it lies in its buffer
-        (remembered until the session frees a buffer)."""
-        view = session.views.get(ref)
-        if view is None:
-            view = self._check(session, ref)
-            if len(session.views) >= MAX_CACHED_VIEWS:
-                session.views.clear()
-            session.views[ref] = view
-        return view
-
-    def fetched(self, session: Session, ref: TensorRef, view: View) -> Any:
-        """A reply frame: the buffer's bytes in place (tracked when big), else a copy; a big
-        copy (a strided or zero-stride view) is counted in memory until it is sent."""
-        data = self.backend.alias(view)
-        if data is not None:
-            if ref.nbytes >= TRACK_THRESHOLD:
-                return TrackedPayload(data, session.buffers[ref.buffer])
-            return data
-        if ref.nbytes < TRACK_THRESHOLD:
-            return self.backend.read(view)[0]
-        data = self.memory.allocate(session, ref.nbytes, "reply",
-                                    lambda: self.backend.read(view)[0])
-        return Charged(data, ref.nbytes, session.usage)
-
-    def fetch_all(self, session: Session, refs: Sequence[TensorRef],
-                  views: Sequence[View]) -> list[Any]:
-        """Every fetched frame, or none: a fetch that does not fit gives back the others."""
-        frames: list[Any] = []
-        try:
-            for ref, view in zip(refs, views):
-                frames.append(self.fetched(session, ref, view))
-        except BaseException:
-            for frame in frames:
-                if isinstance(frame, Charged):
-                    self.memory.uncharge(session, frame.nbytes)
-            raise
-        return frames
-
-    def _check(self, session: Session, ref: TensorRef) -> View:
-        buf = self.buffer(session, ref.buffer)
-        check_inside(ref, buf.size)
-        if ref.nbytes > self.max_view_bytes:
-            raise WireError(ErrorCode.OUT_OF_BOUNDS, f"view of {ref.nbytes} bytes (repeating "
-                            f"elements through zero strides) is over the maximum buffer size "
-                            f"{self.max_view_bytes}")
-        return self.backend.view(buf.memory, ref)
+    OPENS = "opens a session"
+    """HELLO: runs with no session yet, and opens one."""
+    AT_ONCE = "at once"
+    """PEER_FILL: feeds the transfer that holds its session's queue, so it cannot wait in it."""
+    QUEUED = "in session order"
+    """Everything else: after every earlier request of its session."""
 
 
-def check_inside(ref: TensorRef, size: int) -> None:
-    """OUT_OF_BOUNDS unless every element ``ref`` can reach lies in ``[0, size)``."""
-    lo, hi = ref.byte_extent()
-    if lo < 0 or hi > size or (ref.numel == 0 and ref.offset > size):
-        raise WireError(ErrorCode.OUT_OF_BOUNDS,
-                        f"view {ref.dtype.dtype_name}{list(ref.shape)} strides {list(ref.strides)} "
-                        f"at offset {ref.offset} reaches bytes [{lo}, {hi}) of a {size}-byte buffer")
+class Later(enum.Enum):
+    """A handler's answer when the reply does not go out now."""
+
+    HOLD = "stays at the head"
+    """The request stays at the head of its queue (its transfer is under way, or it has more
+    steps to take): the requests behind it wait."""
+    ANSWERED_LATER = "answered later"
+    """The request leaves the queue; the outcome of its transfer answers it."""
 
 
-def overlap(a: TensorRef, b: TensorRef) -> bool:
-    """Whether two views of the same buffer may share a byte."""
-    if a.buffer != b.buffer:
-        return False
-    (a_lo, a_hi), (b_lo, b_hi) = a.byte_extent(), b.byte_extent()
-    return a_lo < b_hi and b_lo < a_hi
+Outcome = Reply | Later
+Handler = Callable[[Session, Any, "Request"], Outcome]
+"""(session, the decoded message, the request) -> the reply, or who answers instead."""
+Writes = Callable[[Session, Any], Iterable[int]]
+"""(session, the decoded message) -> handles of the buffers the request writes."""
+
+
+def writes_nothing(session: Session, msg: Any) -> Iterable[int]:
+    """The buffers a request that writes none writes."""
+    return ()
+
+
+@dataclass(eq=False)
+class Request:
+    """A decoded request: run at once, or waiting in its session's queue."""
+
+    cmd: Cmd
+    req_id: int
+    msg: p.Message
+    payload: Sequence[Any]
+    route: Route
+    in_flight: bool = False
+    """Its transfer is under way: the session's queue waits on it (see :meth:`landed`)."""
+    nbytes: int = 0
+    """Payload bytes, counted against the session's queued-bytes quota while it waits."""
+    arrived: int = 0
+    """``perf_counter_ns()`` when the backend thread took it from the PAIR (metrics, timing)."""
+
+    def writes(self, session: Session) -> Iterable[int]:
+        """The buffers its next step writes: zero-copy sends from them must be done first."""
+        return self.route.writes(session, self.msg)
+
+    def landed(self) -> bool:
+        """Its transfer arrived; True when that finishes the request (it then replies)."""
+        return True
+
+    def transfer_failed(self, error: str) -> str:
+        """Its error message when its transfer failed with ``error``."""
+        return error
+
+    @property
+    def hold_us(self) -> int:
+        """How long the worker may hold its successful reply back (0: send at once)."""
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How the executor handles one command."""
+
+    handler: Handler
+    writes: Writes = writes_nothing
+    admission: Admission = Admission.QUEUED
+    eager: bool = False
+    """Started right behind the request ahead of it, before that one's reply leaves (a peer
+    send: another worker waits on its bytes, the client does not wait on the reply)."""
+    queued: Callable[[Session, Any], None] | None = None
+    """Called when a request joins its session's queue (a receive announces its tokens)."""
+    entry: Callable[[Cmd, int, p.Message, Sequence[Any], Route], Request] = Request
+    """What a request of this command is while it waits (a linked run has its own states)."""
+
+    def request(self, cmd: Cmd, req_id: int, msg: p.Message, payload: Sequence[Any]) -> Request:
+        """The queue entry for one decoded request."""
+        return self.entry(cmd, req_id, msg, payload, self)

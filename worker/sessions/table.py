@@ -26,8 +26,7 @@ from ..dispatch.outbox import Outbox
 from ..observe.metrics import Recorder
 from .identities import Identities, IdentityQuotas
 from .memory import SessionMemory
-from .requests import Outcome, Request
-from .session import Session, WorkerLimits
+from .session import Outcome, Request, Session, WorkerLimits
 
 log = logging.getLogger("zmq_rpc.worker")
 
