@@ -12,8 +12,6 @@ import os
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")   # before numpy loads: 2 cores, workers in the same process
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import pytest
 import zmq
 from zmq_rpc.client import Client
+from zmq_rpc.worker.launch import ServerProcess, worker_argv
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -110,20 +109,13 @@ def raw_socket(zmq_ctx: zmq.Context[zmq.Socket[bytes]]
         sock.close(linger=0)
 
 
-class WorkerProcess:
-    """A ``zmq-rpc-worker`` subprocess; ``endpoint`` is parsed from its first stdout line."""
+class WorkerProcess(ServerProcess):
+    """A ``zmq-rpc-worker`` subprocess started by the package's launcher; ``endpoint`` is parsed
+    from its first stdout line."""
 
     def __init__(self, *args: str) -> None:
-        cmd = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", LOOPBACK,
-               "--log-level", "WARNING", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "listening on" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"worker did not start: {line!r} {self.proc.stderr.read()!r}")
-        self.endpoint = line.rsplit(" ", 1)[1].strip()
+        super().__init__(worker_argv(*args, bind=LOOPBACK, threads=None))
+        self.wait_ready()
 
     def freeze(self, timeout: float = 10) -> None:
         """SIGSTOP, then wait until every thread is stopped: ``kill`` returns once the signal
@@ -137,12 +129,11 @@ class WorkerProcess:
             time.sleep(0.001)
 
     def terminate(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        """Send ``sig`` and wait for the exit (TimeoutExpired past ``timeout``: a hang fails)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         code = self.proc.wait(timeout)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
+        self.stop()             # it has exited: this only closes its streams
         return code
 
 

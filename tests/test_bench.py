@@ -21,6 +21,7 @@ import pytest
 import zmq
 from zmq_rpc.tools import baselines as bl
 from zmq_rpc.tools import bench, units
+from zmq_rpc.worker.launch import ServerProcess
 
 BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
 """The console script the install put beside this interpreter."""
@@ -69,7 +70,7 @@ def test_quick_run_reports_every_case(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["echo", "bulk-zmq", "bulk-tcp"])
 def test_baseline_server_round_trip_and_clean_stop(kind: str) -> None:
-    server = bl.ServerProcess(bl.baseline_argv(kind))
+    server = ServerProcess(bl.baseline_argv(kind))
     try:
         endpoint = server.wait_ready()
         _exercise(kind, endpoint)
