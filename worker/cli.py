@@ -2,7 +2,7 @@
 
 The main thread parses and checks flags (endpoints, sizes), pins BLAS threads (before numpy is
 imported), starts a :class:`~zmq_rpc.worker.server.WorkerServer`, freezes what start-up made
-(:mod:`.gc_pacing`), prints the endpoint it listens on, and waits for a signal (or for one of
+(:mod:`.process.gc_pacing`), prints the endpoint it listens on, and waits for a signal (or for one of
 the worker's threads to end on its own); then it stops the server (in-flight requests answered
 or failed) within :data:`SHUTDOWN_BOUND_S` and exits 0.
 A worker that cannot start (address in use, bad ``--mem``) says why and exits 1 at once.

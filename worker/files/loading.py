@@ -6,7 +6,7 @@ it owns the worker's :class:`~.model_files.ModelFiles` (``--model-dir``) and
 commands. A read or a cache fill runs in order in the session's queue, after any zero-copy send
 of its destination buffer has finished (the executor's ``writes`` table), like SET_TENSOR.
 
-A file not hashed yet in its current version is hashed by :mod:`~.file_hasher`'s thread, never
+A file not hashed yet in its current version is hashed by :mod:`~.hasher`'s thread, never
 here: its FILE_QUERY or READ_FILE waits at the head of its session's queue (other sessions go on)
 and runs again when the hash is in; the reply leaves then.
 """

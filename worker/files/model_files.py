@@ -13,7 +13,7 @@ its buffers when a client asks (READ_FILE), so that weights never cross the netw
   client names the hash it expects and a different file with the same name is refused
   (:class:`FileMismatch`). Hashing reads the whole file (seconds for GiBs), so it does not run
   here: :meth:`ModelFiles.identify` answers from the cache or hands back the open file, which
-  :mod:`~.file_hasher`'s thread hashes with :func:`identify_open`.
+  :mod:`~.hasher`'s thread hashes with :func:`identify_open`.
 - **Metadata**: the tensor table of the file's own header (GGUF v2/v3 or safetensors), parsed
   with bounds on every count and length, so a read of a named tensor is checked against the
   file's type, shape and byte size, and a byte range against the file's end.
@@ -331,7 +331,7 @@ class ModelFiles:
 
     def identify(self, name: str) -> FileIdentity | OpenFile:
         """``name``'s identity when this version of the file was hashed already (the cache),
-        else the open file for the hashing thread (:mod:`~.file_hasher`) to identify."""
+        else the open file for the hashing thread (:mod:`~.hasher`) to identify."""
         real = self.resolve(name)
         fd, st = self._open(real, name)
         key = FileKey.of(real, st)

@@ -15,7 +15,7 @@ Metric names (all prefixed ``zmq_rpc_``): ``requests_total{command,outcome}``,
 ``peer_transfers_total{direction,outcome}``, ``buffers``, ``transfers_in_progress``,
 ``held_replies``, ``uptime_seconds``, ``worker_info{name,version,protocol,device,kind}``,
 ``gc_full_collections_total{backend}`` (``idle`` or ``busy``), ``gc_frozen_objects`` and
-``gc_old_objects`` (:mod:`.gc_pacing`); and prometheus_client's ``python_gc_*`` (collections by
+``gc_old_objects`` (:mod:`..process.gc_pacing`); and prometheus_client's ``python_gc_*`` (collections by
 generation).
 """
 
