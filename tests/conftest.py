@@ -12,6 +12,7 @@ import os
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")   # before numpy loads: 2 cores, workers in the same process
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import zmq
 from zmq_rpc.client import Client
-from zmq_rpc.worker.launch import ServerProcess, worker_argv
+from zmq_rpc.worker.launch import LISTENING, worker_argv
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -109,13 +110,20 @@ def raw_socket(zmq_ctx: zmq.Context[zmq.Socket[bytes]]
         sock.close(linger=0)
 
 
-class WorkerProcess(ServerProcess):
-    """A ``zmq-rpc-worker`` subprocess started by the package's launcher; ``endpoint`` is parsed
-    from its first stdout line."""
+class WorkerProcess:
+    """A ``zmq-rpc-worker`` subprocess (the package launcher's command line); ``endpoint`` is
+    parsed from its first stdout line. Its stderr is a pipe: tests read the worker's logs."""
 
     def __init__(self, *args: str) -> None:
-        super().__init__(worker_argv(*args, bind=LOOPBACK, threads=None))
-        self.wait_ready()
+        cmd = worker_argv(*args, bind=LOOPBACK, threads=None)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if LISTENING not in line:
+            self.proc.kill()
+            raise RuntimeError(f"worker did not start: {line!r} {self.proc.stderr.read()!r}")
+        self.endpoint = line.rsplit(" ", 1)[1].strip()
 
     def freeze(self, timeout: float = 10) -> None:
         """SIGSTOP, then wait until every thread is stopped: ``kill`` returns once the signal
@@ -129,11 +137,12 @@ class WorkerProcess(ServerProcess):
             time.sleep(0.001)
 
     def terminate(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
-        """Send ``sig`` and wait for the exit (TimeoutExpired past ``timeout``: a hang fails)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         code = self.proc.wait(timeout)
-        self.stop()             # it has exited: this only closes its streams
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
         return code
 
 
