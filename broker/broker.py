@@ -19,7 +19,7 @@ Socket options chosen here:
   of idle (tests/test_quotas.py). libzmq's proxy forwards a burst of up to 1000 requests with
   blocking sends, and while the full PAIR holds it there it forwards no reply; so the backend
   reads the PAIR ahead and serves first the client that used the least backend time
-  (worker/inbox.py), and the PAIR fills only
+  (worker/dispatch/inbox.py), and the PAIR fills only
   while one request runs long or a flood outruns the read-ahead (that test's 64 KiB flood does).
   Replies to a client are held up to ``CLIENT_SNDHWM`` messages; a
   client that never reads them loses those beyond it (zmq-rpc's client keeps at most 512

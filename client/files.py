@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..broker import files as wire
-from ..broker.hashing import digest as content_digest
 from ..broker.protocol import Cmd
+from ..worker.formats.hashing import digest as content_digest
 
 if TYPE_CHECKING:
     from .client import Client, RemoteTensor
@@ -150,7 +150,7 @@ class FileHashes:
                  missing: list[tuple[int, int]], file_bytes: Any) -> FileDigests:
         import numpy as np
 
-        from ..broker.hashing import file_digest
+        from ..worker.formats.hashing import file_digest
 
         if known is None:
             fd = os.open(real, os.O_RDONLY)

@@ -13,7 +13,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")   # before numpy loads: 2 cores, workers in the same process
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import zmq
 from zmq_rpc.client import Client
+from zmq_rpc.worker.launch import LISTENING, worker_argv
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -111,16 +111,16 @@ def raw_socket(zmq_ctx: zmq.Context[zmq.Socket[bytes]]
 
 
 class WorkerProcess:
-    """A ``zmq-rpc-worker`` subprocess; ``endpoint`` is parsed from its first stdout line."""
+    """A ``zmq-rpc-worker`` subprocess (the package launcher's command line); ``endpoint`` is
+    parsed from its first stdout line. Its stderr is a pipe: tests read the worker's logs."""
 
     def __init__(self, *args: str) -> None:
-        cmd = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", LOOPBACK,
-               "--log-level", "WARNING", *args]
+        cmd = worker_argv(*args, bind=LOOPBACK, threads=None)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        if "listening on" not in line:
+        if LISTENING not in line:
             self.proc.kill()
             raise RuntimeError(f"worker did not start: {line!r} {self.proc.stderr.read()!r}")
         self.endpoint = line.rsplit(" ", 1)[1].strip()

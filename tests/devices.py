@@ -15,7 +15,7 @@ import functools
 from typing import Any
 
 import pytest
-from zmq_rpc.worker.devices import cuda_unavailable
+from zmq_rpc.worker.process.devices import cuda_unavailable
 
 
 @functools.cache

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import zmq
 from zmq_rpc.tools import baselines as bl
-from zmq_rpc.tools import bench
+from zmq_rpc.tools import bench, units
+from zmq_rpc.worker.launch import ServerProcess
 
 BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
 """The console script the install put beside this interpreter."""
@@ -71,7 +72,7 @@ def test_quick_run_reports_every_case(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["echo", "bulk-zmq", "bulk-tcp"])
 def test_baseline_server_round_trip_and_clean_stop(kind: str) -> None:
-    server = bl.ServerProcess(bl.baseline_argv(kind))
+    server = ServerProcess(bl.baseline_argv(kind))
     try:
         endpoint = server.wait_ready()
         _exercise(kind, endpoint)
@@ -260,7 +261,7 @@ def test_unknown_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_format_size() -> None:
-    assert [bench.format_size(n) for n in (4096, 1 << 20, 256 << 20, 1000)] == \
+    assert [units.format_size(n) for n in (4096, 1 << 20, 256 << 20, 1000)] == \
         ["4KiB", "1MiB", "256MiB", "1000B"]
 
 

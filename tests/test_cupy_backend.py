@@ -38,7 +38,7 @@ from zmq_rpc.client import (
     to_bfloat16,
 )
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
-from zmq_rpc.worker.devices import cuda_unavailable
+from zmq_rpc.worker.process.devices import cuda_unavailable
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = [

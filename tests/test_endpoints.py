@@ -203,7 +203,7 @@ def test_metrics_port_0_takes_a_free_port_and_says_which() -> None:
 
 def _status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ZMQ_RPC_")}
-    return subprocess.run([*WORKER[:3], "status", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "zmq_rpc.tools.worker_command", "status", *args], capture_output=True, text=True,
                           timeout=30, env={**environ, **(env or {})})
 
 

@@ -21,15 +21,16 @@ from zmq_rpc.broker import peer as wire_peer
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.graph import GraphSpec, Node
 from zmq_rpc.broker.protocol import Cmd, DType, ErrorCode, TensorRef
-from zmq_rpc.worker import graph_exec, linked
 from zmq_rpc.worker.backends.base import Backend
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
-from zmq_rpc.worker.executor import Executor
-from zmq_rpc.worker.linked import LinkedRun, Stage
-from zmq_rpc.worker.peer_endpoints import PeerSecurity
-from zmq_rpc.worker.peer_links import PeerLinks
-from zmq_rpc.worker.peer_push import PushLinks
-from zmq_rpc.worker.session import WorkerLimits
+from zmq_rpc.worker.dispatch.executor import Executor
+from zmq_rpc.worker.graphs import execute as graph_exec
+from zmq_rpc.worker.graphs import linked
+from zmq_rpc.worker.graphs.linked import LinkedRun, Stage
+from zmq_rpc.worker.peer.endpoints import PeerSecurity
+from zmq_rpc.worker.peer.links import PeerLinks
+from zmq_rpc.worker.peer.push import PushLinks
+from zmq_rpc.worker.sessions.session import WorkerLimits
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -157,7 +157,7 @@ def test_prometheus_scrapes_two_workers(spawn_worker: Callable[..., WorkerProces
 
 def test_grafana_dashboard_queries_metrics_the_workers_export() -> None:
     """Each panel's query names only metrics a worker serves (no dangling panels)."""
-    from zmq_rpc.worker import exporter
+    from zmq_rpc.worker.observe import exporter
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     assert exprs

@@ -1,4 +1,4 @@
-"""The hashing thread (worker/file_hasher.py): completions on the caller's thread, one hash per
+"""The hashing thread (worker/files/hasher.py): completions on the caller's thread, one hash per
 file version however many ask, refusals delivered as reasons, and a prompt stop."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from test_stalls import write_big_safetensors
-from zmq_rpc.broker.hashing import digest
-from zmq_rpc.worker.file_hasher import FileHasher, HashOutcome
-from zmq_rpc.worker.model_files import FileIdentity, ModelFiles, OpenFile
+from zmq_rpc.worker.files.hasher import FileHasher, HashOutcome
+from zmq_rpc.worker.files.model_files import FileIdentity, ModelFiles, OpenFile
+from zmq_rpc.worker.formats.hashing import digest
 
 pytest.importorskip("blake3")
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""The worker's garbage collector (worker/gc_pacing.py, issue 24.8): start-up objects frozen, full
+"""The worker's garbage collector (worker/process/gc_pacing.py, issue 24.8): start-up objects frozen, full
 collections run by the backend between requests, never inside one, and still run under traffic
 that never lets the backend idle, so memory stays bounded.
 

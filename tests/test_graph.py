@@ -34,7 +34,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from zmq_rpc.broker import graph as wire_graph
 from zmq_rpc.broker import protocol as p
-from zmq_rpc.broker import quant
 from zmq_rpc.broker.graph import GRAPH_VERSION, MAX_NODES, GraphSpec, Node
 from zmq_rpc.broker.protocol import Cmd, DType, ErrorCode, TensorRef
 from zmq_rpc.client import (
@@ -51,7 +50,8 @@ from zmq_rpc.client import (
     to_bfloat16,
 )
 from zmq_rpc.worker import kernels
-from zmq_rpc.worker.graph_exec import CompiledGraph, compile_graph
+from zmq_rpc.worker.formats import quant
+from zmq_rpc.worker.graphs.execute import CompiledGraph, compile_graph
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,4 +1,4 @@
-"""Quotas per client identity, and sessions bound to it (worker/identities.py, issue 24 #6/#7).
+"""Quotas per client identity, and sessions bound to it (worker/sessions/identities.py, issue 24 #6/#7).
 
 Real worker processes and default clients: under CURVE a greedy key, however many sessions it
 opens, leaves a quarter of ``--mem`` and of ``--max-sessions`` to another key.

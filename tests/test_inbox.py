@@ -1,5 +1,5 @@
 """The backend's read-ahead: each client's requests in order, clients served by backend time used
-(in turns when they cost the same), bounded (worker/inbox.py; the sockets' side is
+(in turns when they cost the same), bounded (worker/dispatch/inbox.py; the sockets' side is
 tests/test_quotas.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from zmq_rpc.worker.inbox import FORGET_ABOVE, Inbox
+from zmq_rpc.worker.dispatch.inbox import FORGET_ABOVE, Inbox
 
 pytestmark = pytest.mark.timeout(10)
 

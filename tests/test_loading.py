@@ -1,4 +1,4 @@
-"""Weights that don't cross the wire (worker/loading.py, client/files.py, client/llama/source.py).
+"""Weights that don't cross the wire (worker/files/loading.py, client/files.py, client/llama/source.py).
 
 Real workers and clients on loopback: FILE_QUERY / READ_FILE confined to ``--model-dir`` and
 checked against the file's header and hash; SET_FROM_CACHE / cached uploads verified by hash;
@@ -21,7 +21,6 @@ pytest.importorskip("blake3")
 
 from test_model_files import write_safetensors  # noqa: E402
 from zmq_rpc.broker.files import FileRead  # noqa: E402
-from zmq_rpc.broker.hashing import digest  # noqa: E402
 from zmq_rpc.client import BadRequest, Client, ModelFileError  # noqa: E402
 from zmq_rpc.client.files import (  # noqa: E402
     FileHashes,
@@ -31,6 +30,7 @@ from zmq_rpc.client.files import (  # noqa: E402
     read_file,
     upload_cached,
 )
+from zmq_rpc.worker.formats.hashing import digest  # noqa: E402
 from zmq_rpc.worker.server import WorkerServer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

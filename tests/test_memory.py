@@ -1,4 +1,4 @@
-"""The worker's memory accounting (worker/memory.py): what it holds for anyone stays in --mem.
+"""The worker's memory accounting (worker/sessions/memory.py): what it holds for anyone stays in --mem.
 
 Real worker processes: their peak resident set (``VmHWM``) is read from /proc.
 """
@@ -16,7 +16,7 @@ from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.errors import RpcError
 from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client
-from zmq_rpc.worker.peer_queue import QUEUE_BYTES_PER_CONNECTION
+from zmq_rpc.worker.peer.queue import QUEUE_BYTES_PER_CONNECTION
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,8 +16,8 @@ import zmq
 from conftest import Samples, WorkerProcess, sample, scrape
 from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client, Graph, InvalidHandle, OutOfMemory
-from zmq_rpc.worker.exporter import WorkerCollector, default_names, default_outcomes
-from zmq_rpc.worker.metrics import (
+from zmq_rpc.worker.observe.exporter import WorkerCollector, default_names, default_outcomes
+from zmq_rpc.worker.observe.metrics import (
     LATENCY_BUCKETS_S,
     NullRecorder,
     Recorder,

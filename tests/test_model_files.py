@@ -1,4 +1,4 @@
-"""Model files on the worker's disk (worker/model_files.py): confinement, identity, metadata.
+"""Model files on the worker's disk (worker/files/model_files.py): confinement, identity, metadata.
 
 Unit tests, no sockets: paths out of the model directories refused, files identified by hash,
 GGUF and safetensors headers parsed (checked against the gguf package on the packaged model).
@@ -14,9 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from zmq_rpc.broker import hashing
-from zmq_rpc.broker.hashing import digest
-from zmq_rpc.worker.model_files import (
+from zmq_rpc.worker.files.model_files import (
     HASH_TRIES,
     FileIdentity,
     FileMismatch,
@@ -29,6 +27,8 @@ from zmq_rpc.worker.model_files import (
     parse_safetensors,
     read_into,
 )
+from zmq_rpc.worker.formats import hashing
+from zmq_rpc.worker.formats.hashing import digest
 
 pytest.importorskip("blake3")
 

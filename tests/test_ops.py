@@ -21,7 +21,6 @@ from devices import KERNEL_DEVICES, cupy_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from zmq_rpc.broker import quant
 from zmq_rpc.broker.ops import MAC_WEIGHT, OPS, OpError, OpKind, TensorMeta, infer, node_work
 from zmq_rpc.worker.backends import numpy_ops
 from zmq_rpc.worker.backends.numpy_ops import (
@@ -34,6 +33,7 @@ from zmq_rpc.worker.backends.numpy_ops import (
     run_inplace,
     run_view,
 )
+from zmq_rpc.worker.formats import quant
 
 FAST = settings(max_examples=25, deadline=None, database=None)
 _DEVICE: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""Replies leave the worker only if they decode (worker/outbox.py), and the reply that did not."""
+"""Replies leave the worker only if they decode (worker/dispatch/outbox.py), and the reply that did not."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from zmq_rpc.broker.protocol import ErrorCode
 from zmq_rpc.broker.wire import MAX_STRING
 from zmq_rpc.client import Client
 from zmq_rpc.client.files import query_file
-from zmq_rpc.worker import loading
-from zmq_rpc.worker.outbox import Outbox
-from zmq_rpc.worker.quotas import InFlight
+from zmq_rpc.worker.dispatch.outbox import Outbox
+from zmq_rpc.worker.files import loading
 from zmq_rpc.worker.server import WorkerServer
+from zmq_rpc.worker.sessions.quotas import InFlight
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -965,7 +965,7 @@ def test_held_reply_goes_out_when_the_worker_stops(make_worker: Callable[..., Wo
 def test_held_replies_are_capped_in_bytes(trio: list[Client],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Past MAX_HELD_TOTAL a reply goes out at once, and takes the held ones with it."""
-    from zmq_rpc.worker import linked
+    from zmq_rpc.worker.graphs import linked
     monkeypatch.setattr(linked, "MAX_HELD_TOTAL", 1000)
     a, b, _ = trio
     ga, _xa, ya = stage(a, 100, 1.0)            # 400 bytes fetched per run

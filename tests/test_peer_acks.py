@@ -1,4 +1,4 @@
-"""Sends and probes waiting for an acknowledgement (worker/peer_acks.py), with no socket.
+"""Sends and probes waiting for an acknowledgement (worker/peer/acks.py), with no socket.
 
 The links are fakes behind the three callables the waits are given: whether a link dropped its
 connection, drop a link, trust an endpoint.
@@ -10,8 +10,8 @@ import os
 
 import pytest
 from zmq_rpc.broker import peer as wire
-from zmq_rpc.worker.metrics import NullRecorder
-from zmq_rpc.worker.peer_acks import (
+from zmq_rpc.worker.observe.metrics import NullRecorder
+from zmq_rpc.worker.peer.acks import (
     PEER_GONE_GRACE_S,
     WATCH_INTERVAL_S,
     AwaitedAcks,

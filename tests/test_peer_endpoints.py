@@ -1,4 +1,4 @@
-"""Which peer endpoints a worker pushes to, and as whom (worker/peer_endpoints.py): no socket."""
+"""Which peer endpoints a worker pushes to, and as whom (worker/peer/endpoints.py): no socket."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import zmq
 from zmq_rpc.broker.keys import KeyPair
 from zmq_rpc.broker.protocol import ErrorCode, WireError
 from zmq_rpc.broker.zap import KeySet
-from zmq_rpc.worker.peer_endpoints import PeerSecurity
+from zmq_rpc.worker.peer.endpoints import PeerSecurity
 
 pytestmark = pytest.mark.timeout(10)
 

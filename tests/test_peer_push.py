@@ -1,4 +1,4 @@
-"""The PUSH links to other workers (worker/peer_push.py), on sockets that connect to nothing (abstract ipc names), closed with linger 0."""
+"""The PUSH links to other workers (worker/peer/push.py), on sockets that connect to nothing (abstract ipc names), closed with linger 0."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import zmq
 from zmq_rpc.broker.keys import KeyPair
 from zmq_rpc.broker.protocol import WireError
 from zmq_rpc.broker.zap import KeySet
-from zmq_rpc.worker import peer_push
-from zmq_rpc.worker.peer_endpoints import PeerSecurity
-from zmq_rpc.worker.peer_push import MAX_LINKS, PushLinks
+from zmq_rpc.worker.peer import push as peer_push
+from zmq_rpc.worker.peer.endpoints import PeerSecurity
+from zmq_rpc.worker.peer.push import MAX_LINKS, PushLinks
 
 pytestmark = pytest.mark.timeout(10)
 

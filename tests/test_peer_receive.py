@@ -1,4 +1,4 @@
-"""Receives in progress (worker/peer_receive.py): chunks checked and landed, with no socket.
+"""Receives in progress (worker/peer/receive.py): chunks checked and landed, with no socket.
 
 Chunks are handed in as a peer's PULL would hand them (``wire.Chunk`` + a ``zmq.Frame``, which is
 a message, not a socket); acknowledgements are caught by the ``ack`` callable.
@@ -15,8 +15,8 @@ import zmq
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import DType, TensorRef, WireError
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
-from zmq_rpc.worker.peer_receive import Receives
-from zmq_rpc.worker.stash import Stash
+from zmq_rpc.worker.peer.receive import Receives
+from zmq_rpc.worker.peer.stash import Stash
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -1,6 +1,6 @@
-"""Sends to a peer (worker/peer_send.py): how a tensor is cut into chunks, and how each is pushed.
+"""Sends to a peer (worker/peer/send.py): how a tensor is cut into chunks, and how each is pushed.
 
-No socket: the links are :class:`~zmq_rpc.worker.peer_push.PushLinks` whose every link is a
+No socket: the links are :class:`~zmq_rpc.worker.peer.push.PushLinks` whose every link is a
 recording fake, so what each chunk was handed to zmq as (zero-copy and tracked, copied, or
 materialized and charged) can be read back.
 """
@@ -17,10 +17,10 @@ import zmq
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import DType, ErrorCode, TensorRef, WireError
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
-from zmq_rpc.worker.peer_endpoints import PeerSecurity
-from zmq_rpc.worker.peer_push import PushLinks
-from zmq_rpc.worker.peer_send import CHUNK_BYTES, ZERO_COPY_BYTES, Pusher, Source, cut
-from zmq_rpc.worker.quotas import Charged, Usage
+from zmq_rpc.worker.peer.endpoints import PeerSecurity
+from zmq_rpc.worker.peer.push import PushLinks
+from zmq_rpc.worker.peer.send import CHUNK_BYTES, ZERO_COPY_BYTES, Pusher, Source, cut
+from zmq_rpc.worker.sessions.quotas import Charged, Usage
 
 pytestmark = pytest.mark.timeout(10)
 

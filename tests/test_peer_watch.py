@@ -15,10 +15,10 @@ import zmq
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import DType, TensorRef
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
-from zmq_rpc.worker.peer_acks import LinkLost
-from zmq_rpc.worker.peer_endpoints import PeerSecurity
-from zmq_rpc.worker.peer_links import RECEIVE_GRACE_S, PeerLinks
-from zmq_rpc.worker.peer_push import LINK_LOSS_S, PushLinks
+from zmq_rpc.worker.peer.acks import LinkLost
+from zmq_rpc.worker.peer.endpoints import PeerSecurity
+from zmq_rpc.worker.peer.links import RECEIVE_GRACE_S, PeerLinks
+from zmq_rpc.worker.peer.push import LINK_LOSS_S, PushLinks
 
 pytestmark = pytest.mark.timeout(20)
 

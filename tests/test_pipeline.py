@@ -130,7 +130,7 @@ def test_relayed_hop_still_correct(make_worker: Callable[..., WorkerServer],
 
 def open_peer_links(clients: list[Client]) -> None:
     """Open the links a pipeline's hand-offs take (each worker to the next): an open peer
-    connection is counted in its receiver's --mem while it stays open (worker/peer_queue.py),
+    connection is counted in its receiver's --mem while it stays open (worker/peer/queue.py),
     whoever's transfers use it."""
     for a, b in zip(clients, clients[1:]):
         src, dst = a.alloc_buffer(64), b.alloc_buffer(64)

@@ -1,4 +1,4 @@
-"""Tests for broker/quant.py: ggml Q8_0 / Q4_1 layouts, round trips, argument checks."""
+"""Tests for worker/formats/quant.py: ggml Q8_0 / Q4_1 layouts, round trips, argument checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from zmq_rpc.broker import quant
+from zmq_rpc.worker.formats import quant
 
 FAST = settings(max_examples=25, deadline=None, database=None)
 QTYPES = ("q8_0", "q4_1")

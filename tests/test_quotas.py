@@ -387,7 +387,7 @@ def test_peer_send_to_a_dead_port_fails_at_once_and_holds_nothing(
     assert f"cannot reach worker {dead}" in str(reply[2])
     deadline = time.monotonic() + 5       # the peer's ack connection into this worker is closed
     while other.device_memory().free < 64 * MiB - 64 and time.monotonic() < deadline:
-        time.sleep(0.05)                  # (counted in --mem while open: worker/peer_queue.py)
+        time.sleep(0.05)                  # (counted in --mem while open: worker/peer/queue.py)
     assert other.device_memory().free == 64 * MiB - 64       # only the session's buffer
     raw.send(Cmd.GOODBYE, p.Empty())
     deadline = time.monotonic() + 5
@@ -517,7 +517,7 @@ def test_a_greedy_clients_queue_does_not_hold_another_clients_reply(
 
     Counted, not timed: STATUS tells the greedy session's buffers, so the two STATUS replies
     say how many of its allocs ran while the ping went there and back. Before the backend read
-    its PAIR ahead and served clients in turn (worker/inbox.py), the ping waited behind the 64
+    its PAIR ahead and served clients in turn (worker/dispatch/inbox.py), the ping waited behind the 64
     requests the PAIR held, and each reply waited in the PAIR until libzmq's proxy had pushed
     every request still queued at the ROUTER (the fuzzer's probe, behind four hostile sessions,
     once waited more than 5 s in CI)."""

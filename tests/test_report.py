@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from zmq_rpc.tools.bench import CaseResult, Target, format_size, main, result_json
+from zmq_rpc.tools.bench import CaseResult, Target, main, result_json
 from zmq_rpc.tools.report import PLOTS, size_of
+from zmq_rpc.tools.units import format_size
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -34,7 +34,7 @@ from zmq_rpc.broker.wire import printable
 from zmq_rpc.broker.zap import RESCAN_S
 from zmq_rpc.client import AuthenticationFailed, Client, TransferError
 from zmq_rpc.client.security import resolve_curve
-from zmq_rpc.worker.peer_endpoints import check_numeric, resolve_endpoint
+from zmq_rpc.worker.peer.endpoints import check_numeric, resolve_endpoint
 from zmq_rpc.worker.server import InsecureBind, WorkerConfig, WorkerServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -610,7 +610,7 @@ def test_a_link_that_cannot_take_a_message_never_blocks_the_worker() -> None:
     0): the probe or push fails with TRANSFER_FAILED, the link is dropped, nothing is left
     waiting for an acknowledgement."""
     from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
-    from zmq_rpc.worker.peer_links import PeerLinks
+    from zmq_rpc.worker.peer.links import PeerLinks
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     links = PeerLinks(ctx, NumpyBackend(), bind="tcp://127.0.0.1:*")
     try:

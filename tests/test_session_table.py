@@ -1,6 +1,6 @@
-"""Opening and closing sessions (worker/session_table.py), with no socket.
+"""Opening and closing sessions (worker/sessions/table.py), with no socket.
 
-Replies are caught from a real :class:`~zmq_rpc.worker.outbox.Outbox` whose ``send`` records the
+Replies are caught from a real :class:`~zmq_rpc.worker.dispatch.outbox.Outbox` whose ``send`` records the
 frames; the peer links are two recording callables; memory is a real budget and session memory.
 """
 
@@ -13,13 +13,12 @@ from typing import Any, cast
 import pytest
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.protocol import Cmd, ErrorCode, WireError
-from zmq_rpc.worker.memory import MemoryBudget, SessionMemory
-from zmq_rpc.worker.metrics import NullRecorder
-from zmq_rpc.worker.outbox import Outbox
-from zmq_rpc.worker.quotas import Quotas
-from zmq_rpc.worker.requests import Request, Route
-from zmq_rpc.worker.session import Buffer, Session, WorkerLimits
-from zmq_rpc.worker.session_table import PRESSURE_SILENCE, WEAK_ID, PeerCleanup, SessionTable
+from zmq_rpc.worker.dispatch.outbox import Outbox
+from zmq_rpc.worker.observe.metrics import NullRecorder
+from zmq_rpc.worker.sessions.memory import MemoryBudget, SessionMemory
+from zmq_rpc.worker.sessions.quotas import Quotas
+from zmq_rpc.worker.sessions.session import Buffer, Request, Route, Session, WorkerLimits
+from zmq_rpc.worker.sessions.table import PRESSURE_SILENCE, WEAK_ID, PeerCleanup, SessionTable
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -25,11 +25,11 @@ from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import BadRequest
 from zmq_rpc.broker.files import MAX_READS
 from zmq_rpc.broker.graph import GRAPH_VERSION, MAX_NODES
-from zmq_rpc.broker.hashing import file_digest
 from zmq_rpc.broker.ops import NODE_WORK
 from zmq_rpc.broker.protocol import Cmd, ErrorCode
 from zmq_rpc.client import Client
 from zmq_rpc.client.files import query_file
+from zmq_rpc.worker.formats.hashing import file_digest
 
 pytestmark = pytest.mark.timeout(120)
 

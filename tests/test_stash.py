@@ -1,4 +1,4 @@
-"""The early-chunk stash (worker/stash.py): transfers called off before their receive starts."""
+"""The early-chunk stash (worker/peer/stash.py): transfers called off before their receive starts."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from conftest import WorkerProcess
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client
-from zmq_rpc.worker.memory import MemoryBudget
-from zmq_rpc.worker.stash import Aborted, Stash
+from zmq_rpc.worker.peer.stash import Aborted, Stash
+from zmq_rpc.worker.sessions.memory import MemoryBudget
 
 pytestmark = pytest.mark.timeout(60)
 

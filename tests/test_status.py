@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def status_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "zmq_rpc.worker.cli", "status", *args],
+    return subprocess.run([sys.executable, "-m", "zmq_rpc.tools.worker_command", "status", *args],
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -96,7 +96,7 @@ def test_cli_table_and_json_for_two_workers_and_a_dead_one(
 
 def test_cli_watch_refreshes_until_interrupted(spawn_worker: Callable[..., WorkerProcess]) -> None:
     w = spawn_worker()
-    proc = subprocess.Popen([sys.executable, "-m", "zmq_rpc.worker.cli", "status", w.endpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "zmq_rpc.tools.worker_command", "status", w.endpoint,
                              "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

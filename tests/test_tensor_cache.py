@@ -1,4 +1,4 @@
-"""The worker's content-addressed tensor cache (worker/tensor_cache.py): unit tests, no sockets."""
+"""The worker's content-addressed tensor cache (worker/files/tensor_cache.py): unit tests, no sockets."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("blake3")
 
-from zmq_rpc.broker.hashing import digest  # noqa: E402
-from zmq_rpc.worker.tensor_cache import TensorCache  # noqa: E402
+from zmq_rpc.worker.files.tensor_cache import TensorCache  # noqa: E402
+from zmq_rpc.worker.formats.hashing import digest  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

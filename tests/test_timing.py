@@ -67,7 +67,7 @@ def test_a_worker_queue_wait_shows_up(make_worker: Callable[..., WorkerServer],
 def test_an_older_worker_is_not_traced(worker: WorkerServer, make_client: Callable[..., Client],
                                        caplog: pytest.LogCaptureFixture,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from zmq_rpc.worker.self_report import SelfReport
+    from zmq_rpc.worker.dispatch.self_report import SelfReport
     original = SelfReport.hello_reply
 
     def old_hello(self: SelfReport) -> p.HelloReply:

@@ -1,3 +1,6 @@
-"""Command-line tools around the worker: ``zmq-rpc-bench`` (cases, reports, the main job),
-``zmq-rpc-fuzz``, the load test, ``zmq-rpc-keygen``, ``status`` and the network lab. Each runs on
-its process's main thread; a module's docstring says what else runs where."""
+"""Programs over the client and the worker, the top layer (nothing below imports it): the bench
+(``bench`` and its ``bench_*`` cases, ``baselines``, ``report``, ``units``), ``generate`` (the main
+job), ``status``, ``keygen``, ``fuzz``, ``loadtest``, ``netlab`` (multi-host tests in network
+namespaces), ``timing``, and ``worker_command`` (``zmq-rpc-worker``'s entry point). Each runs on
+the main thread of its own process. Imports nothing on import.
+"""

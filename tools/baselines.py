@@ -8,8 +8,8 @@ workers):
   ``baseline KIND listening on ENDPOINT``; SIGTERM/SIGINT stop it cleanly (sockets closed, exit 0).
 - **Client helpers** (:func:`echo_once`, :func:`echo_pipelined`, :class:`ZmqBulk`, :class:`TcpBulk`,
   and :class:`ProtocolDealer`, a bare DEALER speaking our protocol to a worker),
-  called from the benchmark's main thread, and :class:`ServerProcess`, which spawns and stops any
-  such server (workers included).
+  called from the benchmark's main thread; :class:`~zmq_rpc.worker.launch.ServerProcess` spawns
+  and stops any such server (workers included).
 
 Bulk wire formats (all integers little-endian):
 
@@ -31,9 +31,7 @@ import re
 import signal
 import socket
 import struct
-import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 
@@ -41,6 +39,7 @@ import numpy as np
 import zmq
 
 from ..broker.keys import KeyPair, load_keypair
+from ..worker.launch import LISTENING
 
 ZmqSocket = zmq.Socket[bytes]
 ZmqContext = zmq.Context[zmq.Socket[bytes]]
@@ -50,7 +49,6 @@ HEAD = struct.Struct("<cQQQ")
 TCP_HEAD = struct.Struct("<cQ")
 """bulk-tcp request head: op, total bytes."""
 ACK = b"k"
-LISTENING = "listening on"
 
 
 # ----------------------------------------------------------------------------------- servers
@@ -417,57 +415,6 @@ class TcpBulk:
 
     def close(self) -> None:
         self.conn.close()
-
-
-# --------------------------------------------------------------------------- subprocesses
-
-
-class ServerProcess:
-    """A server subprocess whose first stdout line ends with ``listening on ENDPOINT``.
-
-    Its stderr goes to a temporary file (shown if it fails to start), so a chatty server can never
-    block on a full pipe. ``stop()`` sends SIGTERM and waits (SIGKILL after ``timeout``).
-    ``own_session``: start it in a session of its own, so that a terminal's Ctrl-C (SIGINT to the
-    foreground process group) reaches only the parent, which then stops it with one SIGTERM.
-    """
-
-    def __init__(self, argv: Sequence[str], own_session: bool = False) -> None:
-        self.argv = list(argv)
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env=_unbuffered_env(),
-                                     start_new_session=own_session)
-        self.endpoint = ""
-
-    def wait_ready(self) -> str:
-        """Read the announcement line; the endpoint, or RuntimeError with the server's stderr."""
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if LISTENING not in line:
-            self.stop(timeout=5)
-            self._stderr.seek(0)
-            err = self._stderr.read().decode(errors="replace")
-            raise RuntimeError(f"{' '.join(self.argv)} did not start: {line!r}\n{err}")
-        self.endpoint = line.rsplit(" ", 1)[1].strip()
-        return self.endpoint
-
-    def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, then wait; SIGKILL if it does not exit in time. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._stderr.close()
-        return code
-
-
-def _unbuffered_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def baseline_argv(kind: str, bind: str = "tcp://127.0.0.1:*", *extra: str) -> list[str]:

@@ -42,7 +42,9 @@ from tqdm import tqdm
 
 from ..client import Client
 from ..worker.cli import endpoint, parse_size
+from ..worker.launch import ServerProcess, local_workers, worker_argv
 from . import baselines as bl
+from .units import fmt, format_size
 
 # ------------------------------------------------------------------------------- records
 
@@ -145,12 +147,12 @@ class Baselines:
     """Baseline servers, each started on first use and stopped by :meth:`stop_all`."""
 
     def __init__(self) -> None:
-        self.servers: dict[str, bl.ServerProcess] = {}
+        self.servers: dict[str, ServerProcess] = {}
 
     def endpoint(self, kind: str) -> str:
         """The endpoint of the ``kind`` server (echo, bulk-zmq, bulk-tcp), starting it if needed."""
         if kind not in self.servers:
-            server = bl.ServerProcess(bl.baseline_argv(kind))
+            server = ServerProcess(bl.baseline_argv(kind))
             self.servers[kind] = server
             server.wait_ready()
         return self.servers[kind].endpoint
@@ -196,7 +198,7 @@ class BenchContext:
         """The first ``count`` workers' clients, starting more local workers (stopped when the
         run ends) if the run has fewer."""
         while len(self.clients) < count:
-            server = bl.ServerProcess(worker_argv())
+            server = ServerProcess(worker_argv())
             self.resources.callback(server.stop)
             client = Client(server.wait_ready())
             self.resources.callback(client.close)
@@ -418,21 +420,6 @@ def case_get(ctx: BenchContext) -> list[CaseResult]:
 # -------------------------------------------------------------------------------- report
 
 
-def format_size(nbytes: int) -> str:
-    """4096 -> "4KiB", 16777216 -> "16MiB"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{unit}"
-    return f"{nbytes}B"
-
-
-def fmt(value: float) -> str:
-    """About three significant digits, no exponent."""
-    if value >= 100:
-        return f"{value:,.0f}"
-    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
-
-
 def _figure(row: CaseResult, samples: Sequence[float]) -> str:
     return f"{fmt(row.headline(samples))} [{fmt(min(samples))}-{fmt(max(samples))}]"
 
@@ -488,28 +475,6 @@ def run_meta(args: argparse.Namespace, endpoints: list[str], seconds: float) -> 
 
 
 # ----------------------------------------------------------------------------- lifecycle
-
-
-def worker_argv(bind: str = "tcp://127.0.0.1:*") -> list[str]:
-    """The command line of one local benchmark worker."""
-    return [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", bind, "--threads", "1",
-            "--log-level", "WARNING"]
-
-
-@contextmanager
-def local_workers(count: int, *, own_session: bool = False) -> Iterator[list[str]]:
-    """Start ``count`` worker subprocesses (in parallel); SIGTERM and wait for them on exit.
-
-    ``own_session``: each in its own session, out of reach of a terminal's Ctrl-C (see
-    :class:`~zmq_rpc.tools.baselines.ServerProcess`)."""
-    procs: list[bl.ServerProcess] = []
-    try:
-        procs.extend(bl.ServerProcess(worker_argv(), own_session) for _ in range(count))
-        yield [proc.wait_ready() for proc in procs]
-    finally:
-        codes = [proc.stop() for proc in procs]
-        if any(codes):
-            print(f"zmq-rpc-bench: worker exit codes {codes}", file=sys.stderr)
 
 
 @contextmanager

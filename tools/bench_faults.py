@@ -24,8 +24,8 @@ from contextlib import ExitStack
 import numpy as np
 
 from ..client import Client, ConnectionLost, SessionLost
-from . import baselines as bl
-from .bench import BenchContext, CaseResult, Target, register_case, worker_argv
+from ..worker.launch import ServerProcess, worker_argv
+from .bench import BenchContext, CaseResult, Target, register_case
 
 DETECT_BOUND_S = 6.0
 """The heartbeat timeout (5 s) + 1 s: docs/FAILURES.md's bound for a dead, frozen or unreachable
@@ -38,14 +38,14 @@ reconnects every 0.1 s)."""
 MiB = 1 << 20
 
 
-def _worker(stack: ExitStack, bind: str = "tcp://127.0.0.1:*") -> bl.ServerProcess:
-    server = bl.ServerProcess(worker_argv(bind))
+def _worker(stack: ExitStack, bind: str = "tcp://127.0.0.1:*") -> ServerProcess:
+    server = ServerProcess(worker_argv(bind=bind))
     stack.callback(_reap, server)
     server.wait_ready()
     return server
 
 
-def _reap(server: bl.ServerProcess) -> None:
+def _reap(server: ServerProcess) -> None:
     if server.proc.poll() is None:
         server.proc.kill()
     server.stop(timeout=5)

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from ..client import Client, Graph, RemoteTensor
-from ..worker.devices import cuda_unavailable
-from .baselines import ServerProcess
-from .bench import BenchContext, CaseResult, elapsed, interleave, register_case, worker_argv
+from ..worker.launch import ServerProcess, worker_argv
+from ..worker.process.devices import cuda_unavailable
+from .bench import BenchContext, CaseResult, elapsed, interleave, register_case
 
 MATMUL_SIDE = 2048
 MATMUL_LAYERS = 8

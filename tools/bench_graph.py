@@ -7,7 +7,7 @@ Registered into :mod:`zmq_rpc.tools.bench`'s case registry on import (list this 
 - **This process, main thread**: the timed loops against the benchmark's workers (subprocesses
   started with ``--threads 1``) and the in-process numpy baselines, interleaved A B A B ...
 - **This process, no threads**: :class:`LocalExecutor`, a worker's
-  :class:`~zmq_rpc.worker.executor.Executor` driven through ``handle_frames`` without sockets, to
+  :class:`~zmq_rpc.worker.dispatch.executor.Executor` driven through ``handle_frames`` without sockets, to
   read the arena counters of a compiled graph (``graph_scratch``).
 - **A child process** (``graph_matmul``): the same executor and the plain-numpy loop, both with
   ``OPENBLAS_NUM_THREADS=1`` set before numpy loads, as the workers have it; it prints its samples
@@ -72,8 +72,8 @@ class LocalExecutor:
 
     def __init__(self, memory_limit: int = 4 << 30) -> None:
         from ..worker.backends.numpy_backend import NumpyBackend
-        from ..worker.executor import Executor, WorkerLimits
-        from ..worker.peer_links import PeerLinks
+        from ..worker.dispatch.executor import Executor, WorkerLimits
+        from ..worker.peer.links import PeerLinks
 
         limits = WorkerLimits(memory_limit=memory_limit, max_buffer_size=memory_limit,
                               max_message_size=64 << 20, session_timeout=3600.0)

@@ -33,18 +33,10 @@ import numpy as np
 from ..client import Client
 from . import baselines as bl
 from . import netlab
-from .bench import (
-    BenchContext,
-    CaseResult,
-    Runner,
-    Target,
-    _gbps,
-    format_size,
-    interleave,
-    register_case,
-)
+from .bench import BenchContext, CaseResult, Runner, Target, _gbps, interleave, register_case
 from .bench_peer import _copy_row, floats, free_all
 from .bench_weights import llama_load_rows, synthetic_load_rows
+from .units import format_size
 
 LINK_SIZES = (1 << 20, 16 << 20, 64 << 20)
 COPY_SIZES = (64 << 10, 1 << 20, 16 << 20)

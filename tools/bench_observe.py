@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 from ..client import Client
-from . import baselines as bl
+from ..worker.launch import ServerProcess, worker_argv
 from .bench import (
     BenchContext,
     CaseResult,
@@ -24,7 +24,6 @@ from .bench import (
     elapsed,
     interleave,
     register_case,
-    worker_argv,
 )
 
 SCRAPE_INTERVAL = 1.0
@@ -34,7 +33,7 @@ SCRAPE_INTERVAL = 1.0
 def _worker(ctx: BenchContext, metrics: bool) -> Iterator[tuple[Client, str]]:
     """A local worker (with metrics on a free loopback port if asked) and a client of it."""
     argv = worker_argv() + (["--metrics-port", "0"] if metrics else [])
-    server = bl.ServerProcess(argv)
+    server = ServerProcess(argv)
     try:
         endpoint = server.wait_ready()
         address = ""
@@ -82,10 +81,10 @@ def backend_cpu(rounds: int, count: int) -> dict[str, list[float]]:
 
     from ..broker import protocol as p
     from ..worker.backends.numpy_backend import NumpyBackend
-    from ..worker.executor import Executor
-    from ..worker.metrics import NullRecorder, Recorder
-    from ..worker.peer_links import PeerLinks
-    from ..worker.session import WorkerLimits
+    from ..worker.dispatch.executor import Executor
+    from ..worker.observe.metrics import NullRecorder, Recorder
+    from ..worker.peer.links import PeerLinks
+    from ..worker.sessions.session import WorkerLimits
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 

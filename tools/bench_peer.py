@@ -33,10 +33,10 @@ from .bench import (
     CaseResult,
     Runner,
     Target,
-    format_size,
     interleave,
     register_case,
 )
+from .units import format_size
 
 MiB = 1 << 20
 PEER_SIZES = (64 << 10, 1 * MiB, 16 * MiB, 256 * MiB)

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..broker.keys import KeyPair, generate_keypair, load_keypair
 from ..client import Client
+from ..worker.launch import ServerProcess, worker_argv
 from . import baselines as bl
 from .bench import (
     BULK_CHUNK,
@@ -34,11 +35,10 @@ from .bench import (
     Runner,
     Target,
     elapsed,
-    format_size,
     interleave,
     register_case,
-    worker_argv,
 )
+from .units import format_size
 
 CURVE_SIZES = (16 << 20, 256 << 20)
 
@@ -53,7 +53,7 @@ class CurveSetup:
         secrets = {name: generate_keypair(folder / name, name)[1] for name in ("w", "c")}
         self.worker_key = load_keypair(secrets["w"])
         self.client_key: KeyPair = load_keypair(secrets["c"])
-        worker = bl.ServerProcess([*worker_argv(), "--curve-secret-key", str(secrets["w"]),
+        worker = ServerProcess([*worker_argv(), "--curve-secret-key", str(secrets["w"]),
                                    "--authorized-keys", str(folder / "c")])
         ctx.resources.callback(worker.stop)
         endpoint = worker.wait_ready()
@@ -62,7 +62,7 @@ class CurveSetup:
         ctx.resources.callback(self.client.close)
         self.servers: dict[str, str] = {}
         for kind in ("echo", "bulk-zmq"):
-            server = bl.ServerProcess(bl.baseline_argv(kind, "tcp://127.0.0.1:*",
+            server = ServerProcess(bl.baseline_argv(kind, "tcp://127.0.0.1:*",
                                                        "--curve-secret-key", str(secrets["w"])))
             ctx.resources.callback(server.stop)
             self.servers[kind] = server.wait_ready()

@@ -10,7 +10,7 @@ copy of the file; and the content hashes the cache and file identity use.
   tensors are split over two workers and filled with the client calls of
   :mod:`zmq_rpc.client.files`.
 - case ``hashes``: GB/s of BLAKE3-256 and XXH3-128 (and SHA-256 for scale) over 256 MiB, one
-  thread, alternated: the figures behind the choice of BLAKE3 (:mod:`zmq_rpc.broker.hashing`).
+  thread, alternated: the figures behind the choice of BLAKE3 (:mod:`zmq_rpc.worker.formats.hashing`).
 
 Runs in the bench's main thread. Workers are started through a callable given by the caller (in
 the lab hosts for ``links``) and stopped after each round.
@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from ..client import Client
-from .bench import BenchContext, CaseResult, Runner, format_size, interleave, register_case
+from .bench import BenchContext, CaseResult, Runner, interleave, register_case
+from .units import format_size
 
 SOURCES = ("upload", "cache cold", "cache warm", "file first", "file")
 """Measured in this order on fresh workers each round: "file first" includes the worker hashing
@@ -167,7 +168,7 @@ class SyntheticLoad:
     """The synthetic model's tensors split over two workers, filled from one source."""
 
     def __init__(self, path: Path) -> None:
-        from ..worker.model_files import parse_gguf
+        from ..worker.files.model_files import parse_gguf
 
         with open(path, "rb") as fh:
             self.table = parse_gguf(fh, path.stat().st_size)

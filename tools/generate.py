@@ -34,7 +34,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ..client import Client, RpcError
-from .bench import endpoint_list, local_workers
+from ..worker.launch import local_workers
+from .bench import endpoint_list
 
 if TYPE_CHECKING:   # imported when used: the first status line does not wait for them
     from ..client.gguf_model import LlamaGGUF

@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    from .baselines import ServerProcess
-    from .bench import worker_argv
+    from ..worker.launch import ServerProcess, worker_argv
     server = None if args.worker else ServerProcess(worker_argv())
     try:
         endpoint = args.worker or server.wait_ready()      # type: ignore[union-attr]

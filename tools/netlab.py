@@ -46,7 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .baselines import ServerProcess
+from ..worker.launch import ServerProcess
 
 PREFIX = "zrl"
 SUBNET = "10.213.0"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..worker.cli import parse_size
+from .units import fmt, format_size
 
 Row = dict[str, Any]
 """One result row as :func:`zmq_rpc.tools.bench.result_json` writes it."""
@@ -89,7 +90,6 @@ def _plain(axis: Any) -> None:
 
 
 def _size_axis(ax: Any, sizes: list[int]) -> None:
-    from .bench import format_size
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes)
     ax.set_xticklabels([format_size(s) for s in sizes])
@@ -278,7 +278,6 @@ def write_report(directory: str, doc: dict[str, Any]) -> list[str]:
 
 def summary(doc: dict[str, Any], drawn: list[tuple[str, str]], missing: list[str]) -> str:
     """The Markdown summary: the run, the table, each plot embedded."""
-    from .bench import fmt
     meta = doc.get("meta", {})
     lines = ["# zmq-rpc bench report", "",
              f"Run {meta.get('time', '?')} on {meta.get('machine', '?')}, Python "

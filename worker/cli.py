@@ -2,7 +2,7 @@
 
 The main thread parses and checks flags (endpoints, sizes), pins BLAS threads (before numpy is
 imported), starts a :class:`~zmq_rpc.worker.server.WorkerServer`, freezes what start-up made
-(:mod:`.gc_pacing`), prints the endpoint it listens on, and waits for a signal (or for one of
+(:mod:`.process.gc_pacing`), prints the endpoint it listens on, and waits for a signal (or for one of
 the worker's threads to end on its own); then it stops the server (in-flight requests answered
 or failed) within :data:`SHUTDOWN_BOUND_S` and exits 0.
 A worker that cannot start (address in use, bad ``--mem``) says why and exits 1 at once.
@@ -20,16 +20,16 @@ import sys
 import threading
 from collections.abc import Callable
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
 from ..broker.graph import MAX_NODES
 from ..broker.ops import DEFAULT_MAX_WORK, NODE_WORK
-from .devices import parse_device
-from .gc_pacing import freeze_start_up
-from .logs import configure_logging
-from .quotas import DEFAULT_MAX_SESSIONS
+from .observe.logs import configure_logging
+from .process.devices import parse_device
+from .process.gc_pacing import freeze_start_up
+from .process.version import package_version
+from .sessions.quotas import DEFAULT_MAX_SESSIONS
 
 if TYPE_CHECKING:
     from .server import WorkerServer
@@ -71,14 +71,6 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (write e.g. 512MiB, 4GiB, 100MB)")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def package_version() -> str:
-    """The installed zmq-rpc version."""
-    try:
-        return version("zmq-rpc")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 SCHEMES = ("tcp", "ipc")
@@ -266,12 +258,9 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 64 << 20) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``zmq-rpc-worker``; returns the exit code (see :data:`EPILOG`);
-    ``zmq-rpc-worker status ...`` asks running workers instead."""
+    """Run one worker; returns the exit code (see :data:`EPILOG`). ``zmq-rpc-worker status ...``
+    is :mod:`zmq_rpc.tools.worker_command`'s other branch (a client: the worker never imports one)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["status"]:
-        from ..tools.status import main as status_main
-        return status_main(argv[1:])
     args = build_parser().parse_args(argv)
     os.environ.update(blas_env(args.threads))
     tune_malloc()
@@ -311,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
     code = 1
-    freeze_start_up()       # full collections walk only what clients make (worker/gc_pacing.py)
+    freeze_start_up()       # full collections walk only what clients make (worker/process/gc_pacing.py)
     try:
         lines = [f"zmq-rpc-worker listening on {endpoint}"]
         if server.metrics_address:

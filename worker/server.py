@@ -3,7 +3,7 @@
 :class:`WorkerServer` is created and stopped by one thread (the CLI's main thread, or a test). It owns
 the zmq context and the control sockets that tell the other two threads to stop; the broker thread
 owns the ROUTER (:mod:`zmq_rpc.broker.broker`), the backend thread owns every byte of tensor state
-(:class:`BackendThread`, running :class:`~zmq_rpc.worker.executor.Executor`).
+(:class:`BackendThread`, running :class:`~zmq_rpc.worker.dispatch.executor.Executor`).
 
 Shutdown (``stop()``, SIGINT/SIGTERM in the CLI): the backend answers every request it already
 holds, fails those still waiting with SHUTTING_DOWN, then the broker stops forwarding and closes the
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ..broker import hashing
 from ..broker.broker import BACKEND_HWM, BrokerConfig, BrokerThread
 from ..broker.endpoints import EndpointError, bind_endpoint, is_loopback_endpoint
 from ..broker.keys import KeyPair
@@ -32,22 +31,24 @@ from ..broker.ops import DEFAULT_MAX_WORK
 from ..broker.protocol import ErrorCode
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .backends.base import Backend
-from .devices import parse_device
-from .executor import DRAIN_BATCH, Executor
-from .gc_pacing import FullCollections
-from .heap import IdleTrim
-from .identities import KeyCheck
-from .inbox import READ_AHEAD_EVERY_NS, Inbox
-from .metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
-from .model_files import ModelFiles
-from .peer_endpoints import PeerSecurity
-from .peer_links import PeerLinks
-from .quotas import default_session_share
-from .session import WorkerLimits
-from .tensor_cache import TensorCache
+from .dispatch.executor import DRAIN_BATCH, Executor
+from .dispatch.inbox import READ_AHEAD_EVERY_NS, Inbox
+from .files.model_files import ModelFiles
+from .files.tensor_cache import TensorCache
+from .formats import hashing
+from .observe.metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
+from .peer.endpoints import PeerSecurity
+from .peer.links import PeerLinks
+from .process.devices import parse_device
+from .process.gc_pacing import FullCollections
+from .process.heap import IdleTrim
+from .process.version import package_version
+from .sessions.identities import KeyCheck
+from .sessions.quotas import default_session_share
+from .sessions.session import WorkerLimits
 
 if TYPE_CHECKING:
-    from .exporter import MetricsServer
+    from .observe.exporter import MetricsServer
 
 log = logging.getLogger("zmq_rpc.worker")
 
@@ -74,13 +75,13 @@ class WorkerConfig:
     max_graph_work: int = DEFAULT_MAX_WORK
     """Element-ops one graph run may ask for."""
     session_memory: int = 0
-    """Bytes one session may hold; 0 means :func:`~zmq_rpc.worker.quotas.default_session_share`
-    of the memory limit (see worker/quotas.py)."""
+    """Bytes one session may hold; 0 means :func:`~zmq_rpc.worker.sessions.quotas.default_session_share`
+    of the memory limit (see worker/sessions/quotas.py)."""
     max_sessions: int = 64
-    """Sessions open at once (see worker/quotas.py)."""
+    """Sessions open at once (see worker/sessions/quotas.py)."""
     identity_memory: int = 0
     """Bytes all sessions of one client identity may hold; 0: 3/4 of the memory limit
-    (worker/identities.py)."""
+    (worker/sessions/identities.py)."""
     identity_sessions: int = 0
     """Sessions one client identity may hold; 0: 3/4 of ``max_sessions``."""
     peer_bind: str | None = None
@@ -196,7 +197,7 @@ class BackendThread(threading.Thread):
         self.client_keys = None if curve is None else KeyCheck(
             curve.secret, KeySet(directory=authorized_keys).keys)
         """Whose HELLO key proofs this worker checks (its own KeySet: the ZAP thread's is the
-        ZAP thread's), see worker/identities.py."""
+        ZAP thread's), see worker/sessions/identities.py."""
         self.metrics = metrics or NullRecorder()
         self.peer_security = PeerSecurity(curve, KeySet(
             fixed=frozenset([curve.public]) if curve else frozenset(), directory=worker_keys))
@@ -272,7 +273,7 @@ class BackendThread(threading.Thread):
             events = dict(poller.poll(self._timeout_ms(waiting)))
             busy = bool(events) or bool(self.inbox)
             idle_trim.poll_result(busy or waiting)
-            full_gc.poll_result(busy or waiting)        # between requests (worker/gc_pacing.py)
+            full_gc.poll_result(busy or waiting)        # between requests (worker/process/gc_pacing.py)
             if pair in events or self.inbox:
                 self._drain(pair)
             if peers.pull is not None and peers.pull in events:
@@ -308,7 +309,7 @@ class BackendThread(threading.Thread):
 
     def _drain(self, pair: zmq.Socket[bytes]) -> None:
         """Handle up to DRAIN_BATCH requests, the client with the least backend time used
-        first (worker/inbox.py: why); each request's time is charged to its client.
+        first (worker/dispatch/inbox.py: why); each request's time is charged to its client.
 
         After a request is handled, the PAIR is read empty into the inbox (once per
         READ_AHEAD_EVERY_NS); an empty inbox takes the PAIR's next message alone, the oldest of
@@ -447,9 +448,8 @@ class WorkerServer:
         """Serve the recorder's metrics over HTTP (prometheus_client is imported only here)."""
         cfg = self.config
         from ..broker.protocol import PROTOCOL_VERSION
-        from .cli import package_version
         try:
-            from .exporter import MetricsServer
+            from .observe.exporter import MetricsServer
         except ImportError as exc:
             raise RuntimeError(f"metrics need prometheus_client ({exc}): "
                                "pip install 'zmq-rpc[metrics]'") from None

@@ -32,6 +32,7 @@ from ..gguf_model import GGUFTensor, LlamaGGUF
 from ..graph import Graph
 from .plan import FUSED, NORMS, Stage, head_tensor, layer_tensor, stage_sources, vocab_tables
 from .source import StageSource, WeightSource
+from .staged import Staged
 from .weights import LayerWeights, WeightFormat
 
 __all__ = ["ALIGN", "KERNEL_TIMEOUT", "Layout", "LoadStats", "PendingLoad", "Progress",
@@ -114,16 +115,6 @@ class Layout:
         """The placed tensors as RemoteTensors of ``buffer``."""
         return {name: buffer.tensor(shape, dtype, offset)
                 for name, shape, dtype, offset in self.places}
-
-
-@dataclass(eq=False)
-class _Staged:
-    """A stage's staging buffer during load: the GGUF tensors in it, the uploads filling it."""
-
-    stage: Stage
-    buffer: RemoteBuffer
-    tensors: dict[str, RemoteTensor] = field(default_factory=dict)
-    uploads: list[tuple[RemoteTensor, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +238,7 @@ class WeightLoader:
             future.result()
         return time.perf_counter() - start if futures else 0.0
 
-    def _fill(self, staged: Sequence[_Staged], pending: PendingLoad) -> None:
+    def _fill(self, staged: Sequence[Staged], pending: PendingLoad) -> None:
         """Issue the fill of every staging buffer (into ``pending``): how each stage is filled,
         the requests, the bytes sent."""
         picks = [self.source.pick(s) for s in staged]
@@ -272,7 +263,7 @@ class WeightLoader:
                 nbytes = sum(int(d.nbytes) for t, d in s.uploads) if source == "upload" else 0
                 pending.sources.append(StageSource(endpoint, source, nbytes, note=note))
 
-    def _stage_file_ranges(self, stage: Stage) -> _Staged:
+    def _stage_file_ranges(self, stage: Stage) -> Staged:
         """Allocate a staging buffer holding the stage's tensors as the file lays them out, and
         the uploads that fill it: few contiguous ranges of the mapped file, zero-copy, cut into
         pieces of one message each."""
@@ -283,7 +274,7 @@ class WeightLoader:
             placed.append((lo, hi, size))
             size += hi - lo
         buffer = stage.client.alloc_buffer_nowait(size)
-        staged = _Staged(stage, buffer)
+        staged = Staged(stage, buffer)
         for t in sources:
             lo, _, at = next(run for run in placed if run[0] <= t.offset < run[1])
             staged.tensors[t.name] = buffer.tensor(t.data.shape, t.data.dtype, at + t.offset - lo)
@@ -300,7 +291,7 @@ class WeightLoader:
         """Pipelined set_tensor_async of every piece: each acknowledgement and its bytes."""
         return {t.client.set_tensor_async(t, data): int(data.nbytes) for t, data in uploads}
 
-    def _build_resident(self, staged: _Staged) -> list[Future[Any]]:
+    def _build_resident(self, staged: Staged) -> list[Future[Any]]:
         """One compute graph on the stage's worker lays the staged bytes out as the weights the
         stage graphs read; then the staging buffer is freed (queued behind the build on the same
         worker)."""

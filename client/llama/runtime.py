@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ...broker import quant
 from ...broker.ops import QUANT_BLOCKS
+from ...worker.formats import quant
 from ..client import RunResult
 from ..futures import failed, settled_by
 from ..gguf_model import LlamaGGUF, dequantize_rows

@@ -39,7 +39,7 @@ from ..files import (
 if TYPE_CHECKING:
     from ..client import RemoteTensor
     from ..gguf_model import GGUFTensor, LlamaGGUF
-    from .load import _Staged
+    from .staged import Staged
 
 __all__ = ["SOURCES", "SourceChoice", "StageSource", "WeightSource"]
 
@@ -89,7 +89,7 @@ class WeightSource:
         self._digests = FILE_HASHES.hashes(self.gguf.path, ranges, self.gguf.file_bytes)
         return self._digests
 
-    def pick(self, staged: _Staged) -> tuple[str, str]:
+    def pick(self, staged: Staged) -> tuple[str, str]:
         """(source, why not better) for one stage's worker."""
         caps = staged.stage.client.info.capabilities
         notes = []
@@ -112,7 +112,7 @@ class WeightSource:
                 raise RuntimeError(f"{staged.stage.client.endpoint} has no tensor cache")
         return "upload", "; ".join(notes)
 
-    def _file_matches(self, staged: _Staged) -> str:
+    def _file_matches(self, staged: Staged) -> str:
         """"" when the worker's file is ours, else why not."""
         reply = query_file(staged.stage.client, self.worker_path).result()
         if not reply.found:
@@ -124,14 +124,14 @@ class WeightSource:
 
     # --------------------------------------------------------------------------- filling
 
-    def from_file(self, staged: _Staged) -> Future[None]:
+    def from_file(self, staged: Staged) -> Future[None]:
         """One READ_FILE (in batches) naming every tensor of the stage."""
         reads = [named_read(staged.tensors[name], name, t.qtype.upper(),
                             tuple(reversed(t.shape)))
                  for name, t in ((n, self.gguf.tensors[n]) for n in staged.tensors)]
         return read_file(staged.stage.client, self.worker_path, self.digests().digest, reads)
 
-    def cache_lookups(self, staged: _Staged) -> list[tuple[RemoteTensor, Any, bytes,
+    def cache_lookups(self, staged: Staged) -> list[tuple[RemoteTensor, Any, bytes,
                                                            Future[Any]]]:
         """SET_FROM_CACHE for every piece of the stage's tensors (all issued at once)."""
         tensors = [self.gguf.tensors[name] for name in staged.tensors]

@@ -1,2 +1,5 @@
-"""Compute backends behind one ``Backend`` protocol (``base``): numpy and cupy, with their op
-kernels. Owned by the worker's backend thread, the only thread that calls them."""
+"""Compute backends, owned by the backend thread: ``base`` (the ``Backend`` protocol, with its explicit
+capabilities), ``numpy_backend`` and ``numpy_ops`` (the CPU backend and its kernels),
+``cupy_backend`` and ``cupy_ops`` (NVIDIA GPUs; cupy is imported only when asked for), ``staging``
+(pinned host staging for device transfers). Imports nothing on import.
+"""

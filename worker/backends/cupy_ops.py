@@ -29,8 +29,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from ...broker import quant
 from ...broker.ops import TensorMeta
+from ..formats import quant
 from . import numpy_ops as K
 
 Params = K.Params

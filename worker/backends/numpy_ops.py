@@ -34,9 +34,9 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from ...broker import quant
 from ...broker.ops import OPS, OpError, OpKind, TensorMeta, view_span
 from .. import kernels
+from ..formats import quant
 
 __all__ = [
     "NUMPY_KERNELS",

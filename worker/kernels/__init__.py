@@ -45,7 +45,14 @@ from typing import Any, Final
 
 import numpy as np
 
-from .layout import PACKED, QTYPES, gguf_row_bytes, pack, packed_row_bytes
+from .layout import (
+    PACKED,
+    QTYPES,
+    gguf_row_bytes,
+    pack_numpy,
+    packed_output,
+    packed_row_bytes,
+)
 
 __all__ = [
     "HALF_GEMM",
@@ -108,6 +115,21 @@ def _jit() -> ModuleType:
         raise KernelUnavailable("quantized matmul kernels need numba: pip install 'zmq-rpc[llm]'")
     from . import jit
     return jit
+
+
+def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None, *, jit: bool = True) -> np.ndarray:
+    """Repack one GGUF weight into the kernels' layout (:mod:`.layout`): ``(R, P)`` uint8, returned
+    (``out`` if given). With numba (and ``jit``) a compiled loop does it (an order of magnitude faster);
+    else numpy (:func:`.layout.pack_numpy`), the same bytes. Raises ValueError on a bad shape.
+
+    Chosen here, not in :mod:`.layout`: the compiled loop (:mod:`.jit`) reads the layout's
+    tables, so the layout must not import it back."""
+    result = packed_output(data, qtype, out)
+    if jit and available():
+        from . import jit as compiled
+        compiled.pack(np.ascontiguousarray(data), qtype, result)
+        return result
+    return pack_numpy(data, qtype, result)
 
 
 def _intgemm() -> ModuleType:

@@ -3,7 +3,7 @@
 Owns the byte layout of *packed* weights. Pure numpy functions, no state: the worker's backend thread
 packs a weight once when it is loaded (the ``pack`` graph op), tests pack to compare against ``gguf``.
 
-Why a second layout. GGUF stores a weight row by row, each row a run of blocks (``broker/quant.py``
+Why a second layout. GGUF stores a weight row by row, each row a run of blocks (``worker/formats/quant.py``
 draws the blocks). A matrix-vector kernel that walks a row's 16-byte block cannot be vectorized by LLVM
 (the work per block is too short); one that, for each block and each byte position, sweeps over *all
 rows at once* is: the inner loop reads consecutive bytes of consecutive rows and keeps one float32
@@ -47,7 +47,6 @@ which keeps every type within 1.1x its GGUF size except q4_1 (1.2x) and q5_1 (1.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Final
 
@@ -56,7 +55,7 @@ import numpy.typing as npt
 
 from ...broker.ops import PACKED_BLOCKS
 
-__all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack", "packed_row_bytes", "read_row_bytes",
+__all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack_numpy", "packed_output", "packed_row_bytes", "read_row_bytes",
            "unpack_codes"]
 
 #: qtype -> (weights per GGUF block, GGUF bytes per block, packed bytes per block and row).
@@ -264,25 +263,28 @@ def _sections(qtype: str, codes: np.ndarray, f: dict[str, np.ndarray]) -> list[n
     return scales + high + sub + [_pairs(codes)]
 
 
-def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None, *, jit: bool = True) -> U8:
-    """Repack one weight into the layout above: ``(R, P)`` uint8, returned (``out`` if given).
-
-    ``data`` is the GGUF form: uint8 blocks ``(R, nb * block_bytes)`` for block types, or the
-    ``(R, K)`` weights for f16 (float16) and bf16 (uint16 bits). Raises ValueError on a bad shape.
-    With numba (and ``jit``) a compiled loop does it (an order of magnitude faster); else numpy, same
-    bytes.
-    """
+def packed_output(data: np.ndarray, qtype: str, out: np.ndarray | None = None) -> U8:
+    """Check a GGUF weight's shape for :func:`pack_numpy` (and the compiled repack of
+    :func:`zmq_rpc.worker.kernels.pack`) and return where its packed bytes go: ``out`` or a new
+    ``(R, P)`` uint8 array. Raises ValueError on a bad shape."""
     if data.ndim != 2:
         raise ValueError(f"pack needs a 2-D weight, got shape {data.shape}")
     rows, per_block = data.shape[0], PACKED[qtype][0]
     k = data.shape[1] if per_block == 1 else data.shape[1] // PACKED[qtype][1] * per_block
     if per_block > 1 and gguf_row_bytes(qtype, k) != data.shape[1]:
         raise ValueError(f"{qtype} rows of {data.shape[1]} bytes are not whole blocks")
-    result = np.empty((rows, packed_row_bytes(qtype, k)), np.uint8) if out is None else out
-    if jit and importlib.util.find_spec("numba") is not None:
-        from . import jit as compiled
-        compiled.pack(np.ascontiguousarray(data), qtype, result)
-        return result
+    return np.empty((rows, packed_row_bytes(qtype, k)), np.uint8) if out is None else out
+
+
+def pack_numpy(data: np.ndarray, qtype: str, out: np.ndarray | None = None) -> U8:
+    """Repack one weight into the layout above with numpy: ``(R, P)`` uint8, returned
+    (``out`` if given). :func:`zmq_rpc.worker.kernels.pack` runs numba's compiled loop instead
+    where it can (an order of magnitude faster, the same bytes).
+
+    ``data`` is the GGUF form: uint8 blocks ``(R, nb * block_bytes)`` for block types, or the
+    ``(R, K)`` weights for f16 (float16) and bf16 (uint16 bits). Raises ValueError on a bad shape.
+    """
+    result = packed_output(data, qtype, out)
     if qtype in ("f16", "bf16"):
         parts = [np.ascontiguousarray(data).view(np.uint16).T]
     else:

@@ -1,0 +1,104 @@
+"""Local worker processes: start ``zmq-rpc-worker`` subprocesses, learn their endpoints, stop them.
+
+The public launcher of ``generate``, the bench and the tests (and of the bench's baseline servers,
+which announce themselves the same way). Runs on the caller's thread; it imports no worker code
+(each worker is its own ``python -m zmq_rpc.worker.cli`` process), so a client program pays only
+for :mod:`subprocess`.
+
+A server announces itself with one stdout line ending ``listening on ENDPOINT``
+(:data:`LISTENING`); its stderr goes to a temporary file (shown if it fails to start), so a
+chatty server can never block on a full pipe. :meth:`ServerProcess.stop` sends SIGTERM and
+waits (SIGKILL after its timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+__all__ = ["LISTENING", "ServerProcess", "local_workers", "worker_argv"]
+
+LISTENING = "listening on"
+"""What a server's first stdout line says before its endpoint."""
+
+LOOPBACK = "tcp://127.0.0.1:*"
+"""Where a local worker listens unless told otherwise: loopback, a port the system picks."""
+
+
+class ServerProcess:
+    """A server subprocess whose first stdout line ends with ``listening on ENDPOINT``.
+
+    ``own_session``: start it in a session of its own, so that a terminal's Ctrl-C (SIGINT to the
+    foreground process group) reaches only the parent, which then stops it with one SIGTERM.
+    """
+
+    def __init__(self, argv: Sequence[str], own_session: bool = False) -> None:
+        self.argv = list(argv)
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     start_new_session=own_session)
+        self.endpoint = ""
+
+    def wait_ready(self) -> str:
+        """Read the announcement line; the endpoint, or RuntimeError with the server's stderr."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if LISTENING not in line:
+            self.stop(timeout=5)
+            raise RuntimeError(f"{' '.join(self.argv)} did not start: {line!r}\n{self.stderr()}")
+        self.endpoint = line.rsplit(" ", 1)[1].strip()
+        return self.endpoint
+
+    def stderr(self) -> str:
+        """What the server wrote to stderr so far."""
+        if self._stderr.closed:
+            return ""
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def stop(self, timeout: float = 15.0, sig: int = signal.SIGTERM) -> int:
+        """``sig`` (SIGTERM), then wait; SIGKILL if it does not exit in time. Returns the exit
+        code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._stderr.close()
+        return code
+
+
+def worker_argv(*extra: str, bind: str = LOOPBACK, threads: int | None = 1,
+                log_level: str = "WARNING") -> list[str]:
+    """The command line of one local worker (``threads`` None: the worker's default)."""
+    argv = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", bind]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    return [*argv, "--log-level", log_level, *extra]
+
+
+@contextmanager
+def local_workers(count: int, *extra: str, own_session: bool = False) -> Iterator[list[str]]:
+    """Start ``count`` workers (in parallel) and yield their endpoints; SIGTERM and wait for them
+    on exit, saying on stderr if any exited with an error.
+
+    ``own_session``: each in its own session, out of reach of a terminal's Ctrl-C (see
+    :class:`ServerProcess`)."""
+    procs: list[ServerProcess] = []
+    try:
+        procs.extend(ServerProcess(worker_argv(*extra), own_session) for _ in range(count))
+        yield [proc.wait_ready() for proc in procs]
+    finally:
+        codes = [proc.stop() for proc in procs]
+        if any(codes):
+            print(f"zmq-rpc-bench: worker exit codes {codes}", file=sys.stderr)
