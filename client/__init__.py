@@ -49,6 +49,7 @@ from ..broker.errors import (
 )
 from ..broker.ops import OpError
 from .aio import AsyncClient
+from .calls import RequestTiming
 from .client import (
     Client,
     MemoryInfo,
@@ -59,7 +60,6 @@ from .client import (
     from_bfloat16,
     to_bfloat16,
 )
-from .engine import RequestTiming
 from .graph import Graph, GraphTensor
 from .peer import HandOff, hand_off
 

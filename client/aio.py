@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..broker import protocol as p
+from .calls import RequestTiming
 from .client import (
     Client,
     Inputs,
@@ -29,7 +30,6 @@ from .client import (
     RemoteTensor,
     RunResult,
 )
-from .engine import RequestTiming
 from .graph import Graph
 from .peer import HandOff
 

@@ -1,6 +1,7 @@
-"""The synchronous caller's own path (``client/inline.py``): a request sent and answered on the
-caller's thread, its fast course and every way off it (a stray message first, a bad reply, a
-slow one, close from another thread, many threads at once)."""
+"""A blocking call on an idle connection (``Connection.result_of``): its requests sent and
+answered on the caller's thread, through the same loop as the I/O thread's, and every way off
+the usual course (a stray message first, a bad reply, a slow one, close from another thread,
+many threads at once)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import zmq
@@ -15,9 +18,21 @@ from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import BadRequest
 from zmq_rpc.broker.protocol import Cmd, ErrorCode
 from zmq_rpc.client import Client, ClientClosed
-from zmq_rpc.client.engine import Engine
-from zmq_rpc.client.link import SYNC_SLICE_MS
+from zmq_rpc.client.connection import Connection
 from zmq_rpc.worker.server import WorkerServer
+
+SLOW_S = 0.04
+"""A reply this late comes after the caller has polled (and slept) more than once."""
+
+
+class Engine(Connection):
+    """A connection with the blocking call of one request these tests make."""
+
+    def request(self, cmd: Cmd, msg: p.Message, *args: Any, **kwargs: Any) -> Any:
+        return self.result_of(self.call, cmd, msg, *args, **kwargs)
+
+    def submit(self, cmd: Cmd, msg: p.Message, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self.call(cmd, msg, *args, **kwargs)
 
 
 @pytest.fixture
@@ -45,8 +60,8 @@ def _ack(req_id: int) -> list[bytes]:
 
 
 def _idle(engine: Engine) -> bool:
-    io = engine._io
-    return io is not None and not io.in_flight and not io.backlog
+    loop = engine._loop
+    return loop is not None and not loop.busy()
 
 
 def test_stray_replies_first_are_dropped_and_ours_still_read(
@@ -95,21 +110,21 @@ def test_a_reply_with_fields_is_decoded(silent_router: zmq.Socket[bytes], engine
     assert got == (reply, [])
 
 
-def test_a_reply_slower_than_the_slice_is_still_ours(
+def test_a_late_reply_is_still_ours(
         silent_router: zmq.Socket[bytes], engine: Engine) -> None:
-    """Past ``SYNC_SLICE_MS`` the caller watches every socket; the reply still ends its call."""
-    served = _serve(silent_router, lambda req_id: [_ack(req_id)], delay=20 * SYNC_SLICE_MS / 1000)
+    """The caller watches every socket while it waits; a late reply still ends its call."""
+    served = _serve(silent_router, lambda req_id: [_ack(req_id)], delay=SLOW_S)
     started = time.monotonic()
     assert isinstance(engine.request(Cmd.PING, p.Empty()), p.Ack)
-    assert time.monotonic() - started >= 20 * SYNC_SLICE_MS / 1000
+    assert time.monotonic() - started >= SLOW_S
     served.join(5)
     assert _idle(engine)
 
 
 def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
         silent_router: zmq.Socket[bytes], engine: Engine) -> None:
-    """A synchronous caller whose reply is slow sends what other threads submit meanwhile
-    (within ``SYNC_SLICE_MS``), so theirs are answered first."""
+    """A blocking caller whose reply is slow sends what other threads submit meanwhile, so
+    theirs are answered first."""
     first = threading.Event()
     order: list[str] = []
 
@@ -138,7 +153,7 @@ def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
 
 
 @pytest.mark.parametrize("delay", [0.2, "random"])
-def test_close_wakes_a_sync_caller_within_the_slice(silent_router: zmq.Socket[bytes],
+def test_close_wakes_a_blocking_caller_at_once(silent_router: zmq.Socket[bytes],
                                                     delay: float | str) -> None:
     """close() from another thread, whenever it comes, ends a synchronous call at once and
     joins the I/O thread at once. (The I/O thread, parked on the same wake-up socket, used to
