@@ -63,7 +63,9 @@ class Call:
     frames: bytes | list[Any] | tuple[Any, ...]
     """The header alone, or header and payload; an empty tuple once sent (the payload may be
     freed)."""
-    future: Future[Any]
+    future: Future[Any] | None
+    """None for a blocking call of one request (``Connection.request``): its outcome lands
+    in ``value``/``error``, read by the caller once the loop it drives has settled it."""
     deadline: float
     on_reply: OnReply | None
     nbytes: int = 0
@@ -74,6 +76,14 @@ class Call:
     submitted_ns: int = 0
     sent_ns: int = 0
     """Submitted and sent, by ``perf_counter_ns`` (taken only when the connection traces)."""
+    value: Any = None
+    error: BaseException | None = None
+
+    def outcome(self) -> Any:
+        """A future-less call's result, or its error raised."""
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 @dataclass(eq=False)
@@ -102,7 +112,21 @@ def all_done(calls: list[Call]) -> bool:
 
 def fail_call(call: Call, error: BaseException) -> None:
     call.settled = True
-    fail_future(call.future, error)
+    if call.future is not None:
+        fail_future(call.future, error)
+    elif call.error is None:
+        call.value, call.error = None, error
+
+
+def settle(call: Call, value: Any, error: BaseException | None) -> None:
+    """Give ``call`` its outcome: to its future, or (a future-less call's) to its fields."""
+    future = call.future
+    if future is None:
+        call.value, call.error = value, error
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
 
 
 def fail_future(future: Future[Any], error: BaseException) -> None:

@@ -287,7 +287,7 @@ class Client:
 
     def device_memory(self) -> MemoryInfo:
         """Free and total bytes this worker may hand out (all sessions together)."""
-        return self.connection.result_of(self.device_memory_async)
+        return self.session.connection.request(Cmd.DEVICE_MEMORY, EMPTY, (), _memory_info)  # type: ignore[no-any-return]
 
     def device_memory_async(self) -> Future[MemoryInfo]:
         return self.connection.call(Cmd.DEVICE_MEMORY, EMPTY, on_reply=_memory_info)
@@ -306,14 +306,14 @@ class Client:
 
     def synchronize(self) -> None:
         """Return once every request issued before it to this worker has run."""
-        self.connection.result_of(self.synchronize_async)
+        self.session.connection.request(Cmd.SYNCHRONIZE, EMPTY, (), no_result)
 
     def synchronize_async(self) -> Future[None]:
         return self.connection.call(Cmd.SYNCHRONIZE, EMPTY, on_reply=no_result)
 
     def ping(self) -> None:
         """One tiny round trip (what the latency benchmark measures)."""
-        self.connection.result_of(self.ping_async)
+        self.session.connection.request(Cmd.PING, EMPTY, (), no_result)
 
     def ping_async(self) -> Future[None]:
         return self.connection.call(Cmd.PING, EMPTY, on_reply=no_result)

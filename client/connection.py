@@ -62,6 +62,9 @@ log = logging.getLogger("zmq_rpc.client")
 T = TypeVar("T")
 P = ParamSpec("P")
 
+_EMPTY_HEADS = {cmd: p.request_head(cmd) for cmd in Cmd}
+"""Per command, the head of a request header without fields (``protocol.request_head``)."""
+
 FINISHING_WAIT = 0.002
 """How long a blocking caller waits for an idle holder to let go of the connection."""
 
@@ -110,6 +113,24 @@ class Connection:
         future = new_future()
         self._enqueue(self._new_call(cmd, msg, payload, on_reply, timeout, reply_bytes, future))
         return future
+
+    def request(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any] = (),
+                on_reply: OnReply | None = None, timeout: float | None = None,
+                reply_bytes: int = 0) -> Any:
+        """``call(...).result()`` for a blocking call of one request. On an idle connection it
+        is sent and answered on this thread, as in :meth:`result_of`, with its outcome kept on
+        the call itself instead of a future (a blocking caller pays for every object on its
+        way); otherwise it is :meth:`call` and a wait."""
+        loop = self._take_idle()
+        if loop is None:
+            return self.call(cmd, msg, payload, on_reply, timeout, reply_bytes).result()
+        call = self._new_call(cmd, msg, payload, on_reply, timeout, reply_bytes, None)
+        try:
+            loop.send_now(call)
+            loop.drive([call])
+        finally:
+            self._release(loop)
+        return call.outcome()
 
     def result_of(self, issue: Callable[P, Future[T]], *args: P.args,
                   **kwargs: P.kwargs) -> T:
@@ -193,9 +214,12 @@ class Connection:
 
     def _new_call(self, cmd: Cmd, msg: p.Message, payload: Sequence[Any],
                   on_reply: OnReply | None, timeout: float | None, reply_bytes: int,
-                  future: Future[Any]) -> Call:
+                  future: Future[Any] | None) -> Call:
         req_id = next(self._ids)
-        header = p.encode_request(cmd, req_id, msg)
+        if type(msg) is p.Empty:          # the same bytes, without building a list
+            header = _EMPTY_HEADS[cmd] + p.pack_id(req_id)
+        else:
+            header = p.encode_request(cmd, req_id, msg)
         wait = self.options.timeout if timeout is None else timeout
         frames: bytes | list[Any]
         if payload:
@@ -229,7 +253,7 @@ class Connection:
         nothing in flight or queued is finishing its last round: wait for it (at most
         ``FINISHING_WAIT`` s) rather than hand the call over."""
         loop = self._loop
-        if loop is None or self._local.loop is not None or on_io_thread():
+        if loop is None or io_thread.active or self._local.loop is not None:
             return None
         lock = self._socket_lock
         if not lock.acquire(False) and (
@@ -243,7 +267,7 @@ class Connection:
     def _release(self, loop: Loop) -> None:
         """The loop back to the I/O thread, woken if it has work."""
         self._socket_lock.release()
-        if not loop.idle():
+        if loop.in_flight or loop.backlog or loop.closing or not self._mailbox.empty():
             self._mailbox.wake()
 
     # ------------------------------------------------------------------ I/O thread

@@ -19,17 +19,32 @@ from typing import Any
 
 import zmq
 from zmq import zmq_poll
+from zmq.backend import Socket as _CSocket
 
 from ..broker import protocol as p
 from ..broker.errors import BadRequest, ClientClosed, RpcError, Timeout
-from ..broker.protocol import Cmd, ErrorCode
-from .calls import SENT, Call, RequestTiming, Reservation, all_done, fail_call, fail_item, timing
+from ..broker.protocol import STATUS_OK, Cmd, ErrorCode
+from .calls import (
+    SENT,
+    Call,
+    RequestTiming,
+    Reservation,
+    all_done,
+    fail_call,
+    fail_item,
+    settle,
+    timing,
+)
 from .deadlines import NEVER, Deadlines
 from .link import Link
 from .mailbox import Mailbox
 from .options import ConnectionOptions
 
 log = logging.getLogger("zmq_rpc.client")
+
+_send = _CSocket.send
+"""pyzmq's send without its Python layer (routing ids and groups, for draft sockets only), for
+a header alone: a blocking caller pays for every call on its way."""
 
 BLOCKED_POLL_MS = 50
 """While the window is full, how often the I/O thread looks at new requests (arming their
@@ -115,6 +130,8 @@ class Loop:
         mailbox, items = self.mailbox, self.poll_items
         io_thread.active = True
         try:
+            if self._first_reply(calls) and mailbox.empty():
+                return
             while not all_done(calls):
                 mailbox.polling = True
                 timeout = 0 if not mailbox.empty() else self.poll_timeout_ms()
@@ -126,6 +143,44 @@ class Loop:
                     return
         finally:
             io_thread.active = False
+
+    def _first_reply(self, calls: list[Call]) -> bool:
+        """A blocking caller's first wait, when its calls alone are in flight: on the DEALER
+        only, for at most ``link.WAIT_SLICE_MS`` (its ``RCVTIMEO``), the message that comes read as
+        any reply; True once that settled the calls. The poll rounds of :meth:`drive` (the
+        monitor, the deadlines, the wake-up socket) take over after it."""
+        if self.backlog or len(self.in_flight) != len(calls):
+            return False
+        dealer = self.dealer
+        try:
+            frame = dealer.recv(copy=False)
+        except zmq.Again:
+            return False
+        if len(calls) == 1 and not frame.more and self._was_ack(calls[0], frame):
+            return True
+        frames = [frame]
+        while frame.more:
+            frame = dealer.recv(zmq.NOBLOCK, copy=False)
+            frames.append(frame)
+        self._on_reply(frames)
+        return all_done(calls)
+
+    def _was_ack(self, call: Call, frame: zmq.Frame) -> bool:
+        """Settle ``call`` if ``frame`` is its success reply without fields (an Ack: the bytes
+        ``protocol.BARE_REPLY_HEAD`` and its id), which decodes to one known instance: no header
+        to parse, no reply to build. Anything else is :meth:`_on_reply`'s."""
+        ack = _ACKS.get(call.cmd)
+        if ack is None or frame.bytes != _ACK_HEAD + p.pack_id(call.req_id):
+            return False
+        if self.in_flight.pop(call.req_id, None) is None:
+            return False
+        self.in_flight_bytes -= call.nbytes
+        call.settled = True
+        try:
+            settle(call, call.on_reply(ack, []) if call.on_reply else ack, None)
+        except BaseException as exc:
+            fail_call(call, exc)
+        return True
 
     # ------------------------------------------------------------------------ one round
 
@@ -218,8 +273,8 @@ class Loop:
             self.admit(call)
             self.send_backlog()
             return
-        self.deadlines.watch(call)
         self.send(call, opts.trace)
+        self.deadlines.watch(call)
         self.link.last_sent = time.monotonic()
 
     def send_backlog(self) -> None:
@@ -249,7 +304,7 @@ class Loop:
         frames = call.frames
         signer = self.link.signer
         if isinstance(frames, bytes):
-            self.dealer.send(frames if signer is None else signer.sign(frames))
+            _send(self.dealer, frames if signer is None else signer.sign(frames))
         else:
             if signer is not None:
                 frames = [signer.sign(frames[0]), *frames[1:]]
@@ -313,11 +368,11 @@ class Loop:
         try:
             result = p.decode_reply(call.cmd, header)
             if isinstance(result, RpcError):
-                call.future.set_exception(result)
+                settle(call, None, result)
             else:
                 check_reply_payload(call.cmd, result, frames)
-                call.future.set_result(call.on_reply(result, frames[1:]) if call.on_reply
-                                       else result)
+                settle(call, call.on_reply(result, frames[1:]) if call.on_reply else result,
+                       None)
                 if received and getattr(result, "timing", None):
                     self.timings.append(timing(call, result, received))
         except BaseException as exc:
@@ -387,6 +442,24 @@ class Loop:
 
     def close(self) -> None:
         self.link.close()
+
+
+def _acks() -> dict[Cmd, p.Message]:
+    """Per command whose success reply has no fields and no payload (an Ack): the one instance
+    such a reply decodes to (a success reply of its bytes decodes to this very object)."""
+    acks = {}
+    for cmd in p.REQUESTS:
+        try:
+            first, second = (p.decode_reply(cmd, [STATUS_OK, 0]) for _ in range(2))
+        except RpcError:
+            continue                    # a reply with required fields
+        if first is second and isinstance(first, p.Message) and not first.payload_count():
+            acks[cmd] = first
+    return acks
+
+
+_ACKS = _acks()
+_ACK_HEAD = p.BARE_REPLY_HEAD
 
 
 def check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:

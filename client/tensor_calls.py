@@ -41,7 +41,7 @@ class TensorCalls:
                                     reply_bytes=reply_bytes)
 
     def _request(self, cmd: Cmd, msg: p.Message) -> None:
-        self.connection.result_of(self._call, cmd, msg)
+        self.connection.request(cmd, msg, (), no_result)
 
     def _own_buffer(self, buffer: RemoteBuffer) -> None:
         if buffer.client is not self.owner:
