@@ -51,7 +51,7 @@ class GraphCalls:
         refs, frames = self._graph_inputs(inputs)
         msg = wire_graph.GraphCompute(graph=graph.spec(), inputs=refs,
                                       fetch=[self._ref(t) for t in fetch])
-        return self.connection.call(Cmd.GRAPH_COMPUTE, msg, frames, on_reply=_fetched(fetch),
+        return self.connection.call(Cmd.GRAPH_COMPUTE, msg, frames, on_reply=_fetched(msg.fetch),
                                     timeout=timeout)
 
     def register(self, graph: Graph) -> RegisteredGraph:
@@ -95,7 +95,7 @@ class GraphCalls:
         if receive or send:
             return run_linked(self.owner, graph, refs, frames, fetch, receive, send, hold_reply)
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
-        return self.connection.call(Cmd.GRAPH_RUN, msg, frames, on_reply=_fetched(fetch))
+        return self.connection.call(Cmd.GRAPH_RUN, msg, frames, on_reply=_fetched(fetch_refs))
 
     def free_graph(self, graph: RegisteredGraph) -> None:
         """Release a registered graph and its scratch arena on the worker."""

@@ -342,10 +342,10 @@ def run_linked(client: Owner, graph: RegisteredGraph, refs: list[TensorRef],
         msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
                                              receive=receives, send=sends, timeout_ms=timeout_ms,
                                              hold_reply_us=hold_us, receive_from=sources)
-        run = _call(client, Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch))
+        run = _call(client, Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch_refs))
     else:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
-        run = _call(client, Cmd.GRAPH_RUN, msg, frames, on_reply=fetched(fetch))
+        run = _call(client, Cmd.GRAPH_RUN, msg, frames, on_reply=fetched(fetch_refs))
     after = [client.copy_tensor_async(h.src, h.dst) if h.route == "local"
              else _relay(h.src, h.dst, h.token) for h in send if h.route != "direct"]
     return run if not after else first_error([run, *after], run.result)
