@@ -4,7 +4,8 @@
 in :class:`~.link.Link`, the backlog, the calls in flight, their deadlines), the
 :class:`~.mailbox.Mailbox` (inbox, wake-up, submit lock) and the I/O thread. Its public face:
 :meth:`Connection.call` queues a request and returns a ``concurrent.futures.Future``;
-:meth:`Connection.result_of` waits for what a function issues; :meth:`Connection.reserve` /
+:meth:`Connection.request` is a blocking call of one request; :meth:`Connection.result_of`
+waits for what a function issues; :meth:`Connection.reserve` /
 :meth:`Connection.filling` hold a place in the send order; :meth:`Connection.close`.
 
 Threads: any thread calls in. The loop has one owner at a time, whoever holds the socket lock
@@ -16,14 +17,15 @@ threads):
   high-water mark anywhere drops a reply), matches replies to futures, lands reply payloads
   where the caller asked, and fails futures on timeout, connection loss and close. When nothing
   is in flight it lets go of the lock and sleeps on its wake-up socket;
-- a **blocking caller** (:meth:`Connection.result_of`) that finds the connection idle: it takes
-  the lock, and the requests it issues meanwhile go out and are answered on its own thread, with
-  no hop through the I/O thread, through the same rounds of the same loop (close and other
-  threads' requests are seen too); then it gives the lock back.
+- a **blocking caller** (:meth:`Connection.request`, :meth:`Connection.result_of`) that finds
+  the connection idle: it takes the lock, and the requests it issues meanwhile go out and are
+  answered on its own thread, with no hop through the I/O thread, through the same rounds of
+  the same loop (close and other threads' requests are seen too); then it gives the lock back.
 
-Every request takes one path: a :class:`~.calls.Call` with its future, queued (posted to the
-mailbox, or straight to the backlog when this thread drives the loop), sent by the loop's
-``send_backlog``/``send_now``, settled by its reply, its deadline or a failure.
+Every request takes one path: a :class:`~.calls.Call`, queued (posted to the mailbox, or
+straight to the loop when this thread drives it), sent by the loop's ``send_backlog``/
+``send_now``, settled by its reply (``Loop._on_reply``), its deadline or a failure. Its outcome
+goes to its future, or, for :meth:`Connection.request` on the caller's thread, onto the call.
 
 Failure detection (the README's contract): a worker that dies, freezes or becomes unreachable
 fails every request in flight and every new one with ``ConnectionLost`` once libzmq's heartbeat
@@ -120,17 +122,19 @@ class Connection:
         """``call(...).result()`` for a blocking call of one request. On an idle connection it
         is sent and answered on this thread, as in :meth:`result_of`, with its outcome kept on
         the call itself instead of a future (a blocking caller pays for every object on its
-        way); otherwise it is :meth:`call` and a wait."""
+        way); otherwise it is :meth:`call` and a wait. ``on_reply`` runs once the connection is
+        given back (so it may make a blocking call on this connection itself)."""
         loop = self._take_idle()
         if loop is None:
             return self.call(cmd, msg, payload, on_reply, timeout, reply_bytes).result()
-        call = self._new_call(cmd, msg, payload, on_reply, timeout, reply_bytes, None)
+        call = self._new_call(cmd, msg, payload, _kept, timeout, reply_bytes, None)
         try:
             loop.send_now(call)
             loop.drive([call])
         finally:
             self._release(loop)
-        return call.outcome()
+        reply, frames = call.outcome()
+        return on_reply(reply, frames) if on_reply is not None else reply
 
     def result_of(self, issue: Callable[P, Future[T]], *args: P.args,
                   **kwargs: P.kwargs) -> T:
@@ -321,6 +325,11 @@ class Connection:
         self._mailbox.close_sockets()
         if self._own_ctx:
             self.ctx.term()
+
+
+def _kept(reply: p.Message, frames: list[zmq.Frame]) -> tuple[p.Message, list[zmq.Frame]]:
+    """A blocking request's reply and payload, for its ``on_reply`` once the loop is let go."""
+    return reply, frames
 
 
 class _Local(threading.local):

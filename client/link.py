@@ -31,9 +31,8 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 WAIT_SLICE_MS = 2
 """The DEALER's receive timeout (``RCVTIMEO``; every other read of it is non-blocking): how
 long a blocking caller waits on the DEALER alone for its reply (``Loop.drive``) before it polls
-the monitor, the deadlines and the wake-up socket too. A blocking receive costs the caller
-about half the CPU of a poll over the three sockets and a receive (the figures are in
-docs/)."""
+the monitor, the deadlines and the wake-up socket too: a blocking receive costs the caller less
+than a poll over the three sockets and a receive (docs/CLIENT_DESIGN.md)."""
 
 PING_HEADER = p.encode_request(Cmd.PING, 0, p.Empty())
 """The keep-alive ping (request id 0: its reply matches nothing and is dropped)."""

@@ -14,9 +14,9 @@ from ..broker.errors import BadEndpoint
 from .security import CurveClient
 
 DEFAULT_WINDOW_BYTES = 64 << 20
-"""Payload bytes in flight per client (sixteen 4 MiB chunks). Each byte in flight is a message
-the worker holds until its backend thread copies it out, so a client that shares a worker with
-many others can pass a smaller ``window_bytes``."""
+"""Payload bytes in flight per client (sixteen 4 MiB chunks; docs/CLIENT_DESIGN.md). Each byte
+in flight is a message the worker holds until its backend thread copies it out, so a client that
+shares a worker with many others can pass a smaller ``window_bytes``."""
 
 MAX_TIMINGS = 100_000
 """Timings kept until read (``Connection.drain_timings``); older ones are dropped."""
