@@ -127,10 +127,18 @@ class Client:
         """Large tensors travel as requests of at most this many bytes."""
         return self.session.chunk_bytes
 
+    @chunk_bytes.setter
+    def chunk_bytes(self, chunk_bytes: int) -> None:
+        self.session.chunk_bytes = chunk_bytes
+
     @property
     def peer_copy(self) -> bool:
         """Whether copies between workers may go worker to worker."""
         return self.session.peer_copy
+
+    @peer_copy.setter
+    def peer_copy(self, peer_copy: bool) -> None:
+        self.session.peer_copy = peer_copy
 
     def timings(self) -> list[RequestTiming]:
         """Where each traced request's time went since the last call (``trace=True``)."""

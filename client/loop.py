@@ -131,6 +131,7 @@ class Loop:
         io_thread.active = True
         try:
             if self._first_reply(calls) and mailbox.empty():
+                self.deadlines.next()       # drops the settled calls' timers (and results)
                 return
             while not all_done(calls):
                 mailbox.polling = True
@@ -146,10 +147,10 @@ class Loop:
 
     def _first_reply(self, calls: list[Call]) -> bool:
         """A blocking caller's first wait, when its calls alone are in flight: on the DEALER
-        only, for at most ``link.WAIT_SLICE_MS`` (its ``RCVTIMEO``), the message that comes read as
-        any reply; True once that settled the calls. The poll rounds of :meth:`drive` (the
+        only, for at most ``link.WAIT_SLICE_MS`` (its ``RCVTIMEO``), the message that comes
+        read as any reply; True once that settled the calls. The poll rounds of :meth:`drive` (the
         monitor, the deadlines, the wake-up socket) take over after it."""
-        if self.backlog or len(self.in_flight) != len(calls):
+        if not calls or self.backlog or len(self.in_flight) != len(calls):
             return False
         dealer = self.dealer
         try:

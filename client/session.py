@@ -39,6 +39,7 @@ log = logging.getLogger("zmq_rpc.client")
 DEFAULT_CHUNK = 4 << 20
 """Large tensors travel as requests of at most this many bytes (received straight into place)."""
 
+
 class Session:
     """One worker and a session on it (see :class:`~zmq_rpc.client.Client` for the options)."""
 

@@ -104,9 +104,11 @@ def record_corpus(endpoint: str) -> list[Seed]:
 
 
 def _record(client: Any, seeds: list[Seed]) -> None:
-    """Keep what ``client`` sends: every request goes through its connection's ``call``."""
+    """Keep what ``client`` sends: every request goes through its connection's ``call`` (a
+    future) or ``request`` (a blocking call of one request)."""
     connection = client.connection
-    connection.call = _recording(connection.call, seeds)
+    for name in ("call", "request"):
+        setattr(connection, name, _recording(getattr(connection, name), seeds))
 
 
 def _recording(send: Callable[..., Any], seeds: list[Seed]) -> Callable[..., Any]:
