@@ -295,7 +295,9 @@ class Client:
 
     def device_memory(self) -> MemoryInfo:
         """Free and total bytes this worker may hand out (all sessions together)."""
-        return self.session.connection.request(Cmd.DEVICE_MEMORY, EMPTY, (), _memory_info)  # type: ignore[no-any-return]
+        info: MemoryInfo = self.session.connection.request(Cmd.DEVICE_MEMORY, EMPTY, (),
+                                                           _memory_info)
+        return info
 
     def device_memory_async(self) -> Future[MemoryInfo]:
         return self.connection.call(Cmd.DEVICE_MEMORY, EMPTY, on_reply=_memory_info)
