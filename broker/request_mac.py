@@ -1,8 +1,8 @@
 """Per-request authentication of a session (protocol 1.10, ``request-mac``).
 
 Pure functions and small per-session objects; a :class:`Signer` belongs to whoever drives the
-client's connection (the holder of ``Engine._socket_lock``), a :class:`Verifier` to the worker's
-backend thread.
+client's connection (the holder of its socket lock, ``client/connection.py``), a
+:class:`Verifier` to the worker's backend thread.
 
 Why: the worker keys a session by the client's 16-byte routing id, and its backend thread cannot
 see which connection a message came on (libzmq's metadata does not cross the broker's proxy hop,

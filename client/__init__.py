@@ -4,25 +4,29 @@ Public API: :class:`Client` (blocking methods and ``_async`` twins returning
 ``concurrent.futures.Future``), :class:`AsyncClient` (asyncio), :class:`RemoteBuffer`,
 :class:`RemoteTensor`, and the exception tree re-exported from :mod:`zmq_rpc.broker.errors`.
 
-Module map (thread that runs it):
+Module map, in layers (each imports only from the layers below it; thread that runs it):
 
-- ``client``: :class:`Client`, the futures face (any thread): ``connection`` (HELLO, the
-  session's life, issuing requests), ``tensor_calls`` (buffers and tensor bytes), ``graph_calls``
-  (graphs and linked runs); ``remote`` the handles they hand out (plain data, any thread).
-- ``aio``: :class:`AsyncClient`, the asyncio face over the same engine (the event loop's thread).
-- ``engine``: one worker connection: submit, the I/O thread, close (any thread submits; the
-  I/O thread runs it). Whoever holds its socket lock drives the connection: ``io_loop``
-  (backlog, in flight, send and receive rounds), ``link`` (the DEALER, monitor, handshake,
-  keep-alive), ``deadlines`` (timers, socket-free), ``calls`` (what passes between threads),
-  ``handover`` (a blocking call takes the idle connection, and gives it back; an Ack's round
-  trip), ``inline`` (a synchronous call driven on the caller's own thread).
-- ``futures``: future combinators and the lean ``RunningFuture`` (callbacks run on the thread
-  that settles them, usually the I/O thread).
-- ``peer``: worker-to-worker copies and hand-offs (any thread; route state under a lock).
-- ``graph``: graph building (plain data, any thread). ``pipeline``: stages over workers (the
-  caller's thread). ``llama``: a llama GGUF across workers (the caller's thread; see its map).
-- ``files``, ``gguf_file``, ``gguf_model``, ``tokenizer``: model files and the worker-side
-  file reads and cache (the caller's thread). ``security``, ``arrays``: pure helpers.
+- ``client``: :class:`Client`, the futures face (any thread), composed of ``tensor_calls``
+  (buffers and tensor bytes) and ``graph_calls`` (graphs and linked runs) over one ``session``;
+  ``aio``: :class:`AsyncClient`, the asyncio face over the same client (the event loop's
+  thread); ``pipeline``: stages over workers (the caller's thread); ``llama``: a llama GGUF
+  across workers (the caller's thread; see its map).
+- ``peer`` (worker-to-worker copies and hand-offs), ``files`` (worker-side file reads, the
+  workers' tensor cache, file hashes): request helpers over a handle's client's session (any
+  thread); ``remote``: the handles the calls hand out, and ``Owner``, what they ask of their
+  client (plain data, any thread).
+- ``session``: one worker session: the connection, HELLO, what the calls share (built on the
+  caller's thread, then read from any); ``routes``: which peers a worker reaches (under a lock).
+- ``connection``: :class:`~.connection.Connection`, one per worker: the public ``call`` (a
+  future), ``request`` and ``result_of`` (blocking), ``reserve``/``filling``, ``close``; it owns
+  the I/O thread, the ``mailbox`` (inbox, wake-up, submit lock; any thread posts) and the
+  ``loop`` (backlog, in flight, the send/receive/timeout rounds), run by whoever holds its
+  socket lock: the I/O thread, or a blocking caller on an idle connection. The loop owns the
+  ``link`` (the DEALER, its monitor, handshake, keep-alive) and the ``deadlines`` (timers).
+- Leaves: ``calls`` (what passes between threads), ``options`` (connection options, endpoint
+  check), ``futures`` (combinators over ``concurrent.futures.Future``; callbacks run on the
+  thread that settles them), ``graph`` (graph building), ``arrays``, ``security``,
+  ``gguf_file``, ``gguf_model``, ``tokenizer`` (pure helpers and model files).
 """
 
 from ..broker.errors import (
@@ -49,6 +53,7 @@ from ..broker.errors import (
 )
 from ..broker.ops import OpError
 from .aio import AsyncClient
+from .calls import RequestTiming
 from .client import (
     Client,
     MemoryInfo,
@@ -59,7 +64,6 @@ from .client import (
     from_bfloat16,
     to_bfloat16,
 )
-from .engine import RequestTiming
 from .graph import Graph, GraphTensor
 from .peer import HandOff, hand_off
 

@@ -1,7 +1,7 @@
-"""The asyncio face of the client: the same engine as :class:`~zmq_rpc.client.Client`, awaited.
+"""The asyncio face of the client: the same :class:`~zmq_rpc.client.Client`, awaited.
 
 Every coroutine issues its request through the futures-based twin (``Client.<name>_async``) and
-awaits it with ``asyncio.wrap_future``: one engine, one I/O thread, no event-loop integration of
+awaits it with ``asyncio.wrap_future``: one connection, one I/O thread, no event-loop integration of
 its own, so it runs under any asyncio loop. A request is issued when its coroutine starts to run,
 so tasks started in order issue in order (``asyncio.gather(a.run(g1, send=[h]), b.run(g2,
 receive=[h]))`` issues the sender first, as linked runs need). Use from one event loop; the
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..broker import protocol as p
+from .calls import RequestTiming
 from .client import (
     Client,
     Inputs,
@@ -29,7 +30,6 @@ from .client import (
     RemoteTensor,
     RunResult,
 )
-from .engine import RequestTiming
 from .graph import Graph
 from .peer import HandOff
 

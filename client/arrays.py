@@ -7,17 +7,14 @@ them: the caller's, or the one that reads a reply).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import zmq
 
 from ..broker import graph as wire_graph
 from ..broker import protocol as p
-from ..broker.protocol import DType
-
-if TYPE_CHECKING:
-    from .client import RemoteTensor
+from ..broker.protocol import DType, TensorRef
 
 
 def to_bfloat16(values: np.ndarray) -> np.ndarray:
@@ -43,10 +40,10 @@ class RunResult(list[np.ndarray]):
     compute_seconds: float = 0.0
 
 
-def fetched(fetch: Sequence[RemoteTensor]) -> Callable[[p.Message, list[zmq.Frame]], Any]:
-    """The reply handler of a graph run: the fetched tensors as numpy arrays (a
+def fetched(fetch: Sequence[TensorRef]) -> Callable[[p.Message, list[zmq.Frame]], Any]:
+    """The reply handler of a graph run that fetches the views ``fetch``: their arrays (a
     :class:`RunResult`)."""
-    shapes = [(t.shape, t.ref.dtype) for t in fetch]
+    shapes = [(ref.shape, ref.dtype) for ref in fetch]
 
     def land(reply: p.Message, frames: list[zmq.Frame]) -> RunResult:
         arrays = RunResult()

@@ -1,10 +1,10 @@
-"""What the client engine passes between threads: a request on its way (:class:`Call`), a place
-held in the send order (:class:`Reservation`), the timing of one request, and the functions that
-give a call its outcome.
+"""What passes between the threads of one connection: a request on its way (:class:`Call`), a
+place held in the send order (:class:`Reservation`), the timing of one request, and the functions
+that give a call its outcome.
 
 Threads: a call is built by the submitting thread, then belongs to whoever drives the connection
-(the holder of ``Engine._socket_lock``: the I/O thread or a synchronous caller), which settles it;
-a reservation's ``calls`` and ``error`` are written under ``Engine._submit_lock``. No sockets here.
+(the holder of the connection's socket lock: its I/O thread or a blocking caller), which settles
+it; a reservation's ``calls`` and ``error`` are written under the mailbox's lock. No sockets here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SENT: tuple[Any, ...] = ()
 @dataclass(frozen=True)
 class RequestTiming:
     """Where one request's time went, in seconds: the client's clock for its own parts, the
-    worker's report (protocol 1.5, ``EngineOptions.trace``) for its share. ``wire`` is the round
+    worker's report (protocol 1.5, ``ConnectionOptions.trace``) for its share. ``wire`` is the round
     trip minus the worker's share: both directions, the broker hop and the reply's decoding."""
 
     cmd: str
@@ -64,18 +64,18 @@ class Call:
     """The header alone, or header and payload; an empty tuple once sent (the payload may be
     freed)."""
     future: Future[Any] | None
-    """None for a synchronous call driven by its caller (:meth:`Engine.request`): its outcome
-    lands in ``value``/``error`` instead."""
+    """None for a blocking call of one request (``Connection.request``): its outcome lands
+    in ``value``/``error``, read by the caller once the loop it drives has settled it."""
     deadline: float
     on_reply: OnReply | None
     nbytes: int = 0
     sent: bool = False
     settled: bool = False
     """Its future has (or is about to have) its outcome; set by whoever settles it, so the
-    engine never asks the future (a lock round trip) whether it is done."""
+    loop never asks the future (a lock round trip) whether it is done."""
     submitted_ns: int = 0
     sent_ns: int = 0
-    """Submitted and sent, by ``perf_counter_ns`` (taken only when the engine traces)."""
+    """Submitted and sent, by ``perf_counter_ns`` (taken only when the connection traces)."""
     value: Any = None
     error: BaseException | None = None
 
@@ -88,13 +88,13 @@ class Call:
 
 @dataclass(eq=False)
 class Reservation:
-    """A place in the send order for requests decided later (:meth:`Engine.reserve`): requests
+    """A place in the send order for requests decided later (``Connection.reserve``): requests
     submitted after it wait until it is filled, then go out behind what filled it."""
 
     req_id: int
     deadline: float
     calls: list[Call] | None = None
-    """What filled it, once :meth:`Engine.filling` is done; None while open."""
+    """What filled it, once ``Connection.filling`` is done; None while open."""
     error: RpcError | None = None
     """Why it can no longer be filled (the connection failed, it expired)."""
 
@@ -119,7 +119,7 @@ def fail_call(call: Call, error: BaseException) -> None:
 
 
 def settle(call: Call, value: Any, error: BaseException | None) -> None:
-    """Give ``call`` its outcome: to its future, or (a synchronous call's) to its fields."""
+    """Give ``call`` its outcome: to its future, or (a future-less call's) to its fields."""
     future = call.future
     if future is None:
         call.value, call.error = value, error
@@ -162,3 +162,12 @@ def timing(call: Call, reply: p.Message, received_ns: int) -> RequestTiming:
         max(round_trip - queued_ns - run_ns, 0) / 1e9, queued_ns / 1e9, run_ns / 1e9,
         (time.perf_counter_ns() - received_ns) / 1e9,
         getattr(reply, "compute_ns", 0) / 1e9)
+
+
+EMPTY = p.Empty()
+"""The fields of a request that has none (messages are frozen: one instance serves all)."""
+
+
+def no_result(reply: p.Message, frames: list[zmq.Frame]) -> None:
+    """The result of a request that returns nothing."""
+    return None

@@ -1,8 +1,8 @@
 """When each pending request of one connection times out: a FIFO for the usual case and a heap
 for the rest, with no sockets and no clock of its own (the caller says what time it is).
 
-Threads: owned by whoever drives the connection (the holder of ``Engine._socket_lock``: the I/O
-thread, or a synchronous caller); never touched by two threads at once.
+Threads: owned by whoever drives the connection's loop (the holder of its socket lock: the I/O
+thread, or a blocking caller); never touched by two threads at once.
 """
 
 from __future__ import annotations

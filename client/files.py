@@ -13,8 +13,10 @@ cache, and the file hashes both need.
   memory and on disk (``$XDG_CACHE_HOME/zmq-rpc/hashes``, else ``~/.cache/...``), so a restarted
   client does not hash a large model again.
 
-Nothing here blocks but :meth:`FileHashes.hashes` (it reads the file the first time); futures
-resolve on the client's I/O thread. Any thread may call in.
+Requests go through the worker's public :class:`~.connection.Connection`
+(``client.session.connection``). Nothing here blocks but :meth:`FileHashes.hashes` (it reads the
+file the first time); futures resolve on the thread that drives the connection. Any thread may
+call in.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..broker import files as wire
 from ..broker.protocol import Cmd
 from ..worker.formats.hashing import digest as content_digest
-
-if TYPE_CHECKING:
-    from .client import Client, RemoteTensor
+from .calls import no_result
+from .futures import first_error
+from .remote import Owner, RemoteTensor
 
 log = logging.getLogger("zmq_rpc.client.files")
 
@@ -49,19 +51,16 @@ HASHES_VERSION = 1
 # ------------------------------------------------------------------------------ requests
 
 
-def query_file(client: Client, path: str) -> Future[wire.FileQueryReply]:
+def query_file(client: Owner, path: str) -> Future[wire.FileQueryReply]:
     """FILE_QUERY: whether ``client``'s worker has ``path`` under a ``--model-dir``, and its
     hash."""
-    return client._call(Cmd.FILE_QUERY, wire.FileQuery(path=path),
-                        on_reply=lambda reply, frames: reply)
+    return client.session.connection.call(Cmd.FILE_QUERY, wire.FileQuery(path=path))
 
 
-def read_file(client: Client, path: str, file_digest: bytes,
+def read_file(client: Owner, path: str, file_digest: bytes,
               reads: Sequence[wire.FileRead]) -> Future[None]:
     """READ_FILE in batches of about :data:`READ_BATCH` bytes and at most
     :data:`~zmq_rpc.broker.files.MAX_READS` reads; one future for all of them."""
-    from .futures import first_error
-
     batches: list[list[wire.FileRead]] = [[]]
     size = 0
     for read in reads:
@@ -71,8 +70,9 @@ def read_file(client: Client, path: str, file_digest: bytes,
             size = 0
         batches[-1].append(read)
         size += read.nbytes
-    parts = [client._call(Cmd.READ_FILE, wire.ReadFile(path=path, digest=file_digest,
-                                                       reads=tuple(batch)))
+    connection = client.session.connection
+    parts = [connection.call(Cmd.READ_FILE, wire.ReadFile(path=path, digest=file_digest,
+                                                          reads=tuple(batch)), on_reply=no_result)
              for batch in batches if batch]
     return first_error(parts, lambda: None)
 
@@ -86,8 +86,8 @@ def named_read(tensor: RemoteTensor, name: str, kind: str, file_shape: Sequence[
 
 def fill_from_cache(tensor: RemoteTensor, key: bytes) -> Future[wire.CacheReply]:
     """SET_FROM_CACHE: the reply says whether the worker's cache filled ``tensor``."""
-    return tensor.client._call(Cmd.SET_FROM_CACHE, wire.SetFromCache(tensor=tensor.ref, key=key),
-                               on_reply=lambda reply, frames: reply)
+    return tensor.client.session.connection.call(
+        Cmd.SET_FROM_CACHE, wire.SetFromCache(tensor=tensor.ref, key=key))
 
 
 def upload_cached(tensor: RemoteTensor, data: Any, key: bytes) -> Future[None]:
@@ -96,8 +96,8 @@ def upload_cached(tensor: RemoteTensor, data: Any, key: bytes) -> Future[None]:
     from ..broker import protocol as p
 
     flat = data.reshape(-1).view("uint8")
-    return tensor.client._call(Cmd.SET_TENSOR, p.SetTensor(tensor=tensor.ref, cache_key=key),
-                               [flat])
+    return tensor.client.session.connection.call(
+        Cmd.SET_TENSOR, p.SetTensor(tensor=tensor.ref, cache_key=key), [flat], no_result)
 
 
 # -------------------------------------------------------------------------------- hashes

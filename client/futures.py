@@ -3,7 +3,8 @@
 No thread of its own: every function here attaches done-callbacks, which run on whichever thread
 resolves the parts (usually a client I/O thread, so they never block). Each returned future is
 already running (``set_running_or_notify_cancel``) and is settled exactly once: never cancelled,
-never left pending while a part is pending forever (the engine resolves every part in bounded time).
+never left pending while a part is pending forever (the connection settles every part in bounded
+time). They are stock futures (public API only): a request's future is ``new_future()``.
 
 - :func:`resolved` / :func:`failed`: a future that is already done.
 - :func:`then`: ``fn(result)`` of one future (its error passes through).
@@ -20,171 +21,21 @@ never left pending while a part is pending forever (the engine resolves every pa
 from __future__ import annotations
 
 import threading
-from _thread import RLock as _RLock
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, RUNNING
-from concurrent.futures._base import LOGGER as _LOGGER
-from typing import Any, TypeVar, cast
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_CANCELLED = (CANCELLED, CANCELLED_AND_NOTIFIED)
-
-__all__ = ["RunningFuture", "Steps", "all_of", "failed", "first_error", "forward", "new_future", "resolved",
+__all__ = ["Steps", "all_of", "failed", "first_error", "forward", "new_future", "resolved",
            "settled_by", "then"]
-
-
-class RunningFuture(Future[T]):
-    """A ``concurrent.futures.Future`` born in the running state (so that nobody can cancel it),
-    made for the engine's one-per-request traffic: its mutex is a bare ``RLock`` and its
-    ``Condition`` is built only when somebody has to wait for it (an unsettled ``result()``,
-    ``concurrent.futures.wait``/``as_completed``); settling it and reading a settled one take
-    that lock once, or not at all.
-
-    Everything that reads ``_condition`` (the standard library's ``wait``, ``as_completed``,
-    ``cancel``, ``repr``) gets a Condition over the same lock, so it excludes the methods
-    here exactly as it excludes the stock ones. The lists of waiters and callbacks are made on
-    first use too: a pipelining caller holds thousands of these, and every object the garbage
-    collector tracks makes its collections come sooner and last longer.
-    """
-
-    def __init__(self) -> None:     # not Future.__init__: it builds a Condition per future
-        self._lock = _RLock()
-        self._cond: threading.Condition | None = None
-        self._state = RUNNING
-        self._result: T | None = None
-        self._exception: BaseException | None = None
-        self._waiting: list[Any] | None = None
-        self._callbacks: list[Callable[[Future[T]], object]] | None = None
-
-    @property
-    def _waiters(self) -> list[Any]:    # concurrent.futures.wait() appends under the lock
-        if self._waiting is None:
-            self._waiting = []
-        return self._waiting
-
-    @_waiters.setter
-    def _waiters(self, waiters: list[Any]) -> None:
-        self._waiting = waiters
-
-    @property
-    def _done_callbacks(self) -> list[Callable[[Future[T]], object]]:
-        if self._callbacks is None:
-            self._callbacks = []
-        return self._callbacks
-
-    @_done_callbacks.setter
-    def _done_callbacks(self, callbacks: list[Callable[[Future[T]], object]]) -> None:
-        self._callbacks = callbacks
-
-    @property
-    def _condition(self) -> threading.Condition:
-        cond = self._cond
-        if cond is None:
-            with self._lock:
-                cond = self._cond
-                if cond is None:
-                    cond = self._cond = threading.Condition(self._lock)
-        return cond
-
-    @_condition.setter
-    def _condition(self, cond: threading.Condition) -> None:
-        raise AttributeError("a RunningFuture's condition is its own")
-
-    def done(self) -> bool:
-        return self._state == FINISHED or self._state in _CANCELLED
-
-    def set_result(self, result: T) -> None:
-        self._settle(result, None, failed=False)
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        self._settle(None, exception, failed=True)
-
-    def _settle(self, result: T | None, exception: BaseException | None, failed: bool) -> None:
-        """Finish with ``result`` or ``exception``; wake waiters, then run callbacks."""
-        with self._lock:
-            if self._state == FINISHED or self._state in _CANCELLED:
-                raise InvalidStateError(f"{self._state}: {self!r}")
-            self._result, self._exception = result, exception
-            self._state = FINISHED
-            if self._waiting or self._cond is not None:
-                self._wake(failed)
-        if self._callbacks:
-            self._run_callbacks()
-
-    def _set_result_quietly(self, result: T) -> bool:
-        """``set_result`` for the engine, which reads replies in batches: everything but waking
-        a thread blocked in ``result()``; True when there is one, and the engine then calls
-        :meth:`_wake_readers` at the end of its batch (a pipelining reader wakes once per
-        batch, not once per reply)."""
-        with self._lock:
-            if self._state == FINISHED or self._state in _CANCELLED:
-                raise InvalidStateError(f"{self._state}: {self!r}")
-            self._result = result
-            self._state = FINISHED
-            for waiter in self._waiting or ():
-                waiter.add_result(self)
-            blocked = self._cond is not None
-        if self._callbacks:
-            self._run_callbacks()
-        return blocked
-
-    def _wake_readers(self) -> None:
-        with self._lock:
-            if self._cond is not None:
-                self._cond.notify_all()
-
-    def _wake(self, failed: bool) -> None:
-        """Under the lock, just settled: tell whoever waits (usually nobody)."""
-        for waiter in self._waiting or ():
-            if failed:
-                waiter.add_exception(self)
-            else:
-                waiter.add_result(self)
-        if self._cond is not None:
-            self._cond.notify_all()
-
-    def _run_callbacks(self) -> None:
-        for fn in self._callbacks or ():
-            try:
-                fn(self)
-            except Exception:  # noqa: BLE001 - as concurrent.futures does: logged, not raised
-                _LOGGER.exception("exception calling callback for %r", self)
-
-    def result(self, timeout: float | None = None) -> T:
-        if self._state == FINISHED:             # written last, under the lock, by the setter
-            error = self._exception
-            if error is None:
-                return cast(T, self._result)
-            try:
-                raise error
-            finally:
-                del error, self                 # no reference cycle through the traceback
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if self._state == FINISHED:
-            return self._exception
-        return super().exception(timeout)
-
-    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
-        with self._lock:
-            if not (self._state == FINISHED or self._state in _CANCELLED):
-                if self._callbacks is None:
-                    self._callbacks = [fn]
-                else:
-                    self._callbacks.append(fn)
-                return
-        try:
-            fn(self)
-        except Exception:   # noqa: BLE001 - as concurrent.futures does: logged, not raised
-            _LOGGER.exception("exception calling callback for %r", self)
 
 
 def new_future() -> Future[Any]:
     """A pending future in the running state (so that nobody can cancel it)."""
-    return RunningFuture()
+    future: Future[Any] = Future()
+    future.set_running_or_notify_cancel()
+    return future
 
 
 def resolved(value: T) -> Future[T]:

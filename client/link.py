@@ -2,9 +2,8 @@
 monitor (handshakes, disconnects), the session the worker may have forgotten, the keep-alive
 ping and the goodbye.
 
-Threads: created by the engine's I/O thread, then owned by whoever drives the connection (the
-holder of ``Engine._socket_lock``: the I/O thread or a synchronous caller); closed by the I/O
-thread. A failure it learns of is reported to the connection's driver through ``on_failure``,
+Threads: created by the connection's I/O thread, then owned by whoever drives the connection
+(the holder of its socket lock: the I/O thread or a blocking caller); closed by the I/O thread. A failure it learns of is reported to the connection's driver through ``on_failure``,
 on the same thread.
 """
 
@@ -13,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -23,20 +21,18 @@ from ..broker.endpoints import needs_ipv6
 from ..broker.errors import AuthenticationFailed, ConnectionLost, RpcError, SessionLost
 from ..broker.protocol import Cmd, ErrorCode
 from ..broker.request_mac import Signer
-
-if TYPE_CHECKING:
-    from .engine import EngineOptions
+from .options import ConnectionOptions
 
 log = logging.getLogger("zmq_rpc.client")
 
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
-SYNC_SLICE_MS = 2
-"""The DEALER's receive timeout (``RCVTIMEO``; the engine's other reads never block): how long a
-synchronous caller waits on the DEALER alone for its reply (``inline.request``) before it
-watches the monitor, the deadlines and the wake-up socket too. A blocking receive costs the
-caller about half the CPU of a poll over the three sockets and a receive."""
+WAIT_SLICE_MS = 2
+"""The DEALER's receive timeout (``RCVTIMEO``; every other read of it is non-blocking): how
+long a blocking caller waits on the DEALER alone for its reply (``Loop.drive``) before it polls
+the monitor, the deadlines and the wake-up socket too: a blocking receive costs the caller less
+than a poll over the three sockets and a receive (docs/CLIENT_DESIGN.md)."""
 
 PING_HEADER = p.encode_request(Cmd.PING, 0, p.Empty())
 """The keep-alive ping (request id 0: its reply matches nothing and is dropped)."""
@@ -47,7 +43,7 @@ class Link:
     could (``ever_up``) or has forgotten our session for good (``lost``)."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
-                 options: EngineOptions, on_failure: Callable[[RpcError], None]) -> None:
+                 options: ConnectionOptions, on_failure: Callable[[RpcError], None]) -> None:
         self.endpoint = endpoint
         self.options = options
         self.on_failure = on_failure
@@ -71,13 +67,13 @@ class Link:
             self.close()
             raise
 
-    def _configure(self, opts: EngineOptions) -> None:
+    def _configure(self, opts: ConnectionOptions) -> None:
         dealer = self.dealer
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.ROUTING_ID, opts.identity)
         dealer.setsockopt(zmq.SNDHWM, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.setsockopt(zmq.RCVTIMEO, SYNC_SLICE_MS)
+        dealer.setsockopt(zmq.RCVTIMEO, WAIT_SLICE_MS)
         dealer.setsockopt(zmq.IPV6, needs_ipv6(self.endpoint))   # tcp://[::1]:P: ENODEV without
         dealer.setsockopt(zmq.HEARTBEAT_IVL, opts.zmq_heartbeat_ms)
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, opts.zmq_heartbeat_timeout_ms)

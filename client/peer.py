@@ -5,12 +5,13 @@ session until the bytes have landed, so later requests to B see them) and PEER_S
 runs after A's earlier requests, so it reads what they wrote). The client never touches the bytes.
 
 The first copy between two workers asks A to probe B's peer endpoint; the copy's half on A takes a
-place reserved in A's send order (:meth:`Engine.reserve`) and is decided when the probe answers, so
+place reserved in A's send order (``Connection.reserve``) and is decided when the probe answers, so
 nothing waits and later requests to A still run after it. When the probe fails, or a worker has no
 peer endpoint, copies are relayed: PEER_RECV on B as above, a GET on A, and, when its reply
 arrives, PEER_FILL requests that hand the bytes to B's waiting receive. Nothing in here blocks, so
 copies may be issued from future callbacks too; the ordering guarantees are the same either way.
-Any thread may call in; route state is under a lock.
+Any thread may call in; route state (``routes.py``) is under a lock. Requests go through each
+side's public :class:`~.connection.Connection` (``tensor.client.session.connection``).
 
 Completion: a copy is done when B says the bytes have landed (its PEER_RECV reply). B writes
 every byte into ``dst`` before it answers, and the receive held B's queue, so every request this
@@ -54,7 +55,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -62,16 +63,13 @@ from ..broker import graph as wire_graph
 from ..broker import peer as wire
 from ..broker.errors import BadRequest
 from ..broker.protocol import Cmd, DType, TensorRef, split_tensor
-from .arrays import fetched, to_bfloat16
+from .arrays import RunResult, fetched, to_bfloat16
+from .calls import EMPTY, no_result
 from .futures import all_of, first_error, forward, new_future, resolved, settled_by
-
-if TYPE_CHECKING:
-    from .arrays import RunResult
-    from .client import Client, RegisteredGraph, RemoteTensor
+from .remote import Owner, RegisteredGraph, RemoteTensor
+from .routes import PROBE_TIMEOUT_S
 
 log = logging.getLogger("zmq_rpc.client.peer")
-
-PROBE_TIMEOUT_S = 3.0
 
 _ISSUE_LOCK = threading.Lock()
 """Held while the two halves of one copy are queued. Without it, copies issued from two threads
@@ -80,49 +78,10 @@ send waits behind the other worker's receive: a deadlock until the transfer time
 order, the earliest unfinished copy can always proceed."""
 
 
-class Routes:
-    """Which destination peer endpoints one source worker can reach (probed once each).
-
-    Nothing here waits: a route still being probed is a future of the answer, which the probe's
-    own request timeout bounds.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reachable: dict[str, bool] = {}
-        self._probing: dict[str, Future[bool]] = {}
-
-    def route(self, source: Client, endpoint: str) -> bool | Future[bool]:
-        """Whether ``source``'s worker reaches ``endpoint``, or the future answer of the probe
-        (started by the first caller)."""
-        with self._lock:
-            known = self._reachable.get(endpoint)
-            if known is not None:
-                return known
-            decided = self._probing.get(endpoint)
-            if decided is not None:
-                return decided
-            decided = self._probing[endpoint] = new_future()
-        probe = self._send_probe(source, endpoint)
-        # Outside the lock: a probe that has already finished runs the callback right here.
-        probe.add_done_callback(lambda f: self._record(source, endpoint, f, decided))
-        return decided
-
-    @staticmethod
-    def _send_probe(source: Client, endpoint: str) -> Future[Any]:
-        msg = wire.PeerProbe(endpoint=endpoint, timeout_ms=int(PROBE_TIMEOUT_S * 1000))
-        return source._call(Cmd.PEER_PROBE, msg, timeout=PROBE_TIMEOUT_S + 5)
-
-    def _record(self, source: Client, endpoint: str, probe: Future[Any],
-                decided: Future[bool]) -> None:
-        error = probe.exception()
-        if error is not None:
-            log.warning("%s cannot reach peer %s (%s): copies to it are relayed through this "
-                        "client", source.endpoint, endpoint, error)
-        with self._lock:
-            self._reachable[endpoint] = error is None
-            self._probing.pop(endpoint, None)
-        decided.set_result(error is None)
+def _call(client: Owner, cmd: Cmd, msg: Any, payload: Sequence[Any] = (),
+          timeout: float | None = None, on_reply: Any = no_result) -> Future[Any]:
+    """A request to ``client``'s worker, through its session's connection."""
+    return client.session.connection.call(cmd, msg, payload, on_reply, timeout)
 
 
 def _check_pair(src: RemoteTensor, dst: RemoteTensor) -> None:
@@ -139,23 +98,23 @@ def _transfer_ms(wait: float) -> int:
     return max(1, int(wait * TRANSFER_SHARE * 1000))
 
 
-def _direct(a: Client, b: Client) -> bool | Future[bool]:
+def _direct(a: Owner, b: Owner) -> bool | Future[bool]:
     """Whether worker ``a`` pushes straight to worker ``b`` (probed once per pair), or the
     future answer while the probe is out."""
-    target = b.info.peer_endpoint
-    if not (target and a.info.peer_endpoint and a.peer_copy):
+    target = b.session.info.peer_endpoint
+    if not (target and a.session.info.peer_endpoint and a.session.peer_copy):
         return False
-    return a._routes.route(a, target)
+    return a.session.routes.route(target)
 
 
-def route(a: Client, b: Client) -> Future[bool]:
+def route(a: Owner, b: Owner) -> Future[bool]:
     """Whether worker ``a`` pushes straight to worker ``b``: starts the probe if none has run,
     never waits (for hand-offs planned after it has answered to go worker to worker)."""
     decision = _direct(a, b)
     return resolved(decision) if isinstance(decision, bool) else decision
 
 
-def _on_route(a: Client, decision: bool | Future[bool],
+def _on_route(a: Owner, decision: bool | Future[bool],
               issue: Callable[[bool], Future[Any]]) -> Future[Any]:
     """``issue(direct)`` on ``a`` now if the route is known; else in a place reserved in
     ``a``'s send order now and filled when the probe answers (so requests issued to ``a``
@@ -165,14 +124,15 @@ def _on_route(a: Client, decision: bool | Future[bool],
     return _later(a, decision, lambda: issue(decision.result()))
 
 
-def _later(a: Client, ready: Future[Any], issue: Callable[[], Future[Any]]) -> Future[Any]:
+def _later(a: Owner, ready: Future[Any], issue: Callable[[], Future[Any]]) -> Future[Any]:
     """``issue()`` once ``ready`` is done, its requests to ``a`` in a place reserved in ``a``'s
     send order now (requests issued to ``a`` meanwhile wait behind it). Never waits."""
-    slot = a._engine.reserve(PROBE_TIMEOUT_S + 10)
+    connection = a.session.connection
+    slot = connection.reserve(PROBE_TIMEOUT_S + 10)
     out: Future[Any] = new_future()
 
     def go(_: Future[Any]) -> None:
-        with a._engine.filling(slot):
+        with connection.filling(slot):
             try:
                 issued = issue()
             except BaseException as exc:  # noqa: BLE001 - the caller's future reports it
@@ -189,50 +149,51 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
     and fallback."""
     _check_pair(src, dst)
     a, b = src.client, dst.client
-    wait = min(a.timeout, b.timeout) if timeout is None else timeout
+    wait = min(a.session.timeout, b.session.timeout) if timeout is None else timeout
     transfer_ms = _transfer_ms(wait)
-    target = b.info.peer_endpoint
+    target = b.session.info.peer_endpoint
     token = os.urandom(wire.TOKEN_BYTES)
 
     def send_half(direct: bool) -> Future[Any]:
         if not direct:
             return _relay(src, dst, token)
-        acked = "unacked-sends" not in a.info.capabilities
-        return a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
-                                                    timeout_ms=transfer_ms, acked=acked),
-                       timeout=wait)
+        acked = "unacked-sends" not in a.session.info.capabilities
+        return _call(a, Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref, endpoint=target,
+                                                     timeout_ms=transfer_ms, acked=acked),
+                     timeout=wait)
 
     with _ISSUE_LOCK:   # every worker queues the halves of all copies in one global order
         route = _direct(a, b)
         source = _source(a, b) if route is True else ""
-        landed = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
-                                                      timeout_ms=transfer_ms, source=source),
-                         timeout=wait)
+        landed = _call(b, Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
+                                                       timeout_ms=transfer_ms, source=source),
+                       timeout=wait)
         sent = _on_route(a, route, send_half)
     sent.add_done_callback(lambda f: _abort_if_failed(f, landed, b, token))
     return settled_by(landed, [landed, sent])
 
 
-def _source(a: Client, b: Client) -> str:
+def _source(a: Owner, b: Owner) -> str:
     """A's peer endpoint, for B to watch its own link to A while it waits for A's bytes (1.9,
     ``peer-link-watch``): a partition between the two then fails the receive with
     :class:`PeerUnreachable` within the heartbeat bound. "" for workers that do not watch.
     Only for a route known to be direct: a relayed transfer does not need the link (the
     first copy between two workers, decided by its probe, is not watched)."""
-    return a.info.peer_endpoint if "peer-link-watch" in b.info.capabilities else ""
+    return (a.session.info.peer_endpoint if "peer-link-watch" in b.session.info.capabilities
+            else "")
 
 
-def _abort_if_failed(sent: Future[Any], landed: Future[Any], b: Client, token: bytes) -> None:
+def _abort_if_failed(sent: Future[Any], landed: Future[Any], b: Owner, token: bytes) -> None:
     """The sending half failed (its worker died, or refused): release the receiving worker's
     queue now rather than at its transfer deadline."""
     error = sent.exception()
-    if error is not None and not landed.done() and not b.closed:
+    if error is not None and not landed.done() and not b.session.closed:
         _abort(b, token, str(error))
 
 
-def _abort(b: Client, token: bytes, why: str) -> Future[Any]:
-    return b._call(Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0, total=0,
-                                                error=why[:512]), [b""])
+def _abort(b: Owner, token: bytes, why: str) -> Future[Any]:
+    return _call(b, Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0,
+                                                 total=0, error=why[:512]), [b""])
 
 
 def _relay(src: RemoteTensor, dst: RemoteTensor, token: bytes) -> Future[Any]:
@@ -251,9 +212,9 @@ def _relay(src: RemoteTensor, dst: RemoteTensor, token: bytes) -> Future[Any]:
         if dst.ref.dtype is DType.BFLOAT16:   # get_tensor widened it to float32: send raw bits
             values = to_bfloat16(values)
         flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
-        pieces = split_tensor(_flat_ref(dst), b.chunk_bytes)
+        pieces = split_tensor(_flat_ref(dst), b.session.chunk_bytes)
         for seq, (start, sub) in enumerate(pieces):
-            b._call(Cmd.PEER_FILL, wire.PeerFill(token=token, seq=seq, nchunks=len(pieces),
+            _call(b, Cmd.PEER_FILL, wire.PeerFill(token=token, seq=seq, nchunks=len(pieces),
                                                  start=start, total=dst.nbytes, error=""),
                     [flat[start:start + sub.nbytes]])
 
@@ -317,7 +278,7 @@ def hand_off(src: RemoteTensor, dst: RemoteTensor) -> HandOff:
     the probe answers (worker to worker, or relayed through the client)."""
     _check_pair(src, dst)
     a, b = src.client, dst.client
-    timeout_ms = _transfer_ms(min(a.timeout, b.timeout))
+    timeout_ms = _transfer_ms(min(a.session.timeout, b.session.timeout))
     token = os.urandom(wire.TOKEN_BYTES)
     if a is b:
         return HandOff(src, dst, token, "local", timeout_ms)
@@ -327,17 +288,17 @@ def hand_off(src: RemoteTensor, dst: RemoteTensor) -> HandOff:
     return HandOff(src, dst, token, "probing", timeout_ms, decision)
 
 
-def receive(client: Client, h: HandOff) -> Future[None]:
+def receive(client: Owner, h: HandOff) -> Future[None]:
     """Land a hand-off that no run receives, in ``client``'s queue (a PEER_RECV)."""
     if h.dst.client is not client:
         raise BadRequest(f"a hand-off lands in its own worker's tensors, not {h.dst!r}")
     if h.route == "local":
-        return client.synchronize_async()
+        return _call(client, Cmd.SYNCHRONIZE, EMPTY)
     msg = wire.PeerRecv(token=h.token, dst=h.dst.ref, timeout_ms=h.timeout_ms)
-    return client._call(Cmd.PEER_RECV, msg, timeout=h.timeout_ms / 1000 / TRANSFER_SHARE)
+    return _call(client, Cmd.PEER_RECV, msg, timeout=h.timeout_ms / 1000 / TRANSFER_SHARE)
 
 
-def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
+def run_linked(client: Owner, graph: RegisteredGraph, refs: list[TensorRef],
                frames: list[np.ndarray], fetch: Sequence[RemoteTensor],
                receive: Sequence[HandOff], send: Sequence[HandOff],
                hold_reply: float = 0.0) -> Future[RunResult]:
@@ -347,9 +308,10 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
     if not 0 <= hold_reply <= wire_graph.MAX_HOLD_REPLY_US / 1e6:
         raise BadRequest(f"hold_reply must lie in [0, {wire_graph.MAX_HOLD_REPLY_US / 1e6}] "
                          f"seconds, not {hold_reply}")
-    if hold_reply and hold_reply >= client.timeout / 2:
+    session = client.session
+    if hold_reply and hold_reply >= session.timeout / 2:
         raise BadRequest(f"hold_reply {hold_reply} s would eat half of the client's "
-                         f"{client.timeout} s timeout")
+                         f"{session.timeout} s timeout")
 
     for h in receive:
         if h.dst.client is not client:
@@ -367,22 +329,23 @@ def run_linked(client: Client, graph: RegisteredGraph, refs: list[TensorRef],
                     for h in receive if h.route != "local")
     if not any(sources):
         sources = ()
-    sends = tuple(wire.Send(h.token, h.src.ref, h.dst.client.info.peer_endpoint)
+    sends = tuple(wire.Send(h.token, h.src.ref, h.dst.client.session.info.peer_endpoint)
                   for h in send if h.route == "direct")
     fetch_refs = [t.ref for t in fetch]
     if receives or sends:
-        if "linked-runs" not in client.info.capabilities:
+        info = session.info
+        if "linked-runs" not in info.capabilities:
             raise BadRequest(f"the worker at {client.endpoint} does not run linked graphs "
-                             f"(protocol {client.info.major}.{client.info.minor})")
-        timeout_ms = max([h.timeout_ms for h in receive] or [_transfer_ms(client.timeout)])
-        hold_us = round(hold_reply * 1e6) if "held-replies" in client.info.capabilities else 0
+                             f"(protocol {info.major}.{info.minor})")
+        timeout_ms = max([h.timeout_ms for h in receive] or [_transfer_ms(session.timeout)])
+        hold_us = round(hold_reply * 1e6) if "held-replies" in info.capabilities else 0
         msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
                                              receive=receives, send=sends, timeout_ms=timeout_ms,
                                              hold_reply_us=hold_us, receive_from=sources)
-        run = client._call(Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch))
+        run = _call(client, Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch_refs))
     else:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
-        run = client._call(Cmd.GRAPH_RUN, msg, frames, on_reply=fetched(fetch))
+        run = _call(client, Cmd.GRAPH_RUN, msg, frames, on_reply=fetched(fetch_refs))
     after = [client.copy_tensor_async(h.src, h.dst) if h.route == "local"
              else _relay(h.src, h.dst, h.token) for h in send if h.route != "direct"]
     return run if not after else first_error([run, *after], run.result)

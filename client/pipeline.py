@@ -139,7 +139,7 @@ class Pipeline:
         slots = [stage[index % self.depth] for stage in self.stages]
         runs = [LinkedRun(s.graph, x=s.x, y=s.y) for s in slots]
         first = slots[0]
-        client = first.graph.client
+        client = self.clients[0]
         steps: list[Future[Any]] = []
         if batch.nbytes <= client.chunk_bytes:      # the batch travels in stage 0's run message
             runs[0] = LinkedRun(first.graph, [(first.x, batch)], x=first.x, y=first.y)

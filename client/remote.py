@@ -2,24 +2,22 @@
 
 Plain descriptions of things on a worker (a handle, a view, the client they live on), usable from
 any thread; their methods are shortcuts to the calls of the :class:`~zmq_rpc.client.Client` that
-made them. No socket work here: requests go through the client's engine.
+made them (:class:`Owner`: what this module and the call modules ask of it). No socket work here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
 from ..broker.errors import BadRequest
 from ..broker.protocol import DType, TensorRef, contiguous_strides
-from .arrays import to_bfloat16
-
-if TYPE_CHECKING:
-    from .client import Client
-    from .graph import Graph
+from .arrays import RunResult, to_bfloat16
+from .graph import Graph
+from .session import Session
 
 DTypeLike = str | type | np.dtype[Any] | DType
 
@@ -31,6 +29,47 @@ def as_dtype(dtype: DTypeLike) -> DType:
     if isinstance(dtype, str):
         return DType.from_name(dtype)
     return DType.from_name(np.dtype(dtype).name)
+
+
+class Owner(Protocol):
+    """What a handle's ``client`` (a :class:`~zmq_rpc.client.Client`) offers to the handles and
+    the call modules: its session, and the calls the handles' shortcuts and the cross-worker
+    copies issue (declared here so that these modules need not import the client)."""
+
+    @property
+    def session(self) -> Session: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def get_tensor(self, tensor: RemoteTensor, out: np.ndarray | None = None) -> np.ndarray: ...
+
+    def get_tensor_async(self, tensor: RemoteTensor,
+                         out: np.ndarray | None = None) -> Future[np.ndarray]: ...
+
+    def set_tensor(self, tensor: RemoteTensor, values: Any) -> None: ...
+
+    def set_tensor_async(self, tensor: RemoteTensor, values: Any) -> Future[None]: ...
+
+    def copy_tensor(self, src: RemoteTensor, dst: RemoteTensor) -> None: ...
+
+    def copy_tensor_async(self, src: RemoteTensor, dst: RemoteTensor) -> Future[None]: ...
+
+    def free_buffer(self, buffer: RemoteBuffer) -> None: ...
+
+    def free_buffer_async(self, buffer: RemoteBuffer) -> Future[None]: ...
+
+    def clear_buffer(self, buffer: RemoteBuffer, value: int = 0) -> None: ...
+
+    def clear_buffer_async(self, buffer: RemoteBuffer, value: int = 0) -> Future[None]: ...
+
+    def free_graph(self, graph: RegisteredGraph) -> None: ...
+
+    def free_graph_async(self, graph: RegisteredGraph) -> Future[None]: ...
+
+    def run_async(self, graph: RegisteredGraph, inputs: Inputs = None,
+                  fetch: Sequence[RemoteTensor] = (), *, receive: Sequence[Any] = (),
+                  send: Sequence[Any] = (), hold_reply: float = 0.0) -> Future[RunResult]: ...
 
 
 class MemoryInfo(NamedTuple):
@@ -50,7 +89,7 @@ class RemoteTensor:
         self.ref = ref
 
     @property
-    def client(self) -> Client:
+    def client(self) -> Owner:
         return self.buffer.client
 
     @property
@@ -154,7 +193,7 @@ class RemoteBuffer:
 
     __slots__ = ("client", "handle", "size", "allocation")
 
-    def __init__(self, client: Client, handle: int, size: int, allocation: Future[Any]) -> None:
+    def __init__(self, client: Owner, handle: int, size: int, allocation: Future[Any]) -> None:
         self.client = client
         self.handle = handle
         self.size = size
@@ -196,7 +235,7 @@ class RegisteredGraph:
 
     __slots__ = ("client", "handle", "graph")
 
-    def __init__(self, client: Client, handle: int, graph: Graph) -> None:
+    def __init__(self, client: Owner, handle: int, graph: Graph) -> None:
         self.client = client
         self.handle = handle
         self.graph = graph

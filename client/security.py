@@ -1,7 +1,7 @@
 """Where a client's CurveZMQ settings come from: arguments, the endpoint, environment variables.
 
 Pure functions, called by :class:`~zmq_rpc.client.client.Client` in the caller's thread before
-the engine starts. Precedence for the worker's public key: a key in the endpoint
+the connection opens. Precedence for the worker's public key: a key in the endpoint
 (``tcp://h:p#curve=KEY``, what workers advertise), then ``server_key=``, then
 ``$ZMQ_RPC_SERVER_KEY``; for the client's key pair: ``curve_key=``, then
 ``$ZMQ_RPC_CURVE_SECRET_KEY`` (a ``.key_secret`` file). With a server key and no key pair the

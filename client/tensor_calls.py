@@ -1,9 +1,10 @@
 """A client's buffer and tensor calls: allocate, free and clear buffers; set, get, memset, copy views.
 
-Part of :class:`~zmq_rpc.client.Client` (the job that moves tensor bytes). Each call has a
+:class:`TensorCalls` issues them over one session's :class:`~.connection.Connection` (its public
+``call`` and ``result_of`` only); :class:`~zmq_rpc.client.Client` composes it. Each call has a
 blocking form and an ``_async`` twin returning a ``concurrent.futures.Future``; large tensors go
-as requests of at most ``chunk_bytes`` (received straight into place). Used from any thread:
-socket work belongs to the engine (:mod:`zmq_rpc.client.engine`).
+as requests of at most ``chunk_bytes`` (received straight into place). Any thread may call in;
+``on_reply`` functions here run on the thread that drives the connection.
 """
 
 from __future__ import annotations
@@ -19,19 +20,42 @@ from ..broker import protocol as p
 from ..broker.errors import BadRequest, ProtocolError
 from ..broker.protocol import Cmd, DType
 from .arrays import from_bfloat16
-from .connection import Connection
-from .engine import call_together
+from .calls import OnReply, no_result
 from .futures import all_of, then
 from .peer import copy_between
-from .remote import RemoteBuffer, RemoteTensor, payload_array
+from .remote import Owner, RemoteBuffer, RemoteTensor, payload_array
+from .session import Session
 
 
-class TensorCalls(Connection):
-    """Buffers and the bytes of their views."""
+class TensorCalls:
+    """Buffers and the bytes of their views, on ``session``'s worker, handed out as ``owner``'s."""
+
+    def __init__(self, session: Session, owner: Owner) -> None:
+        self.session = session
+        self.owner = owner
+        self.connection = session.connection
+
+    def _call(self, cmd: Cmd, msg: p.Message, payload: Any = (),
+              on_reply: OnReply | None = None, reply_bytes: int = 0) -> Future[Any]:
+        return self.connection.call(cmd, msg, payload, on_reply or no_result,
+                                    reply_bytes=reply_bytes)
+
+    def _request(self, cmd: Cmd, msg: p.Message) -> None:
+        self.connection.request(cmd, msg, (), no_result)
+
+    def _own_buffer(self, buffer: RemoteBuffer) -> None:
+        if buffer.client is not self.owner:
+            raise BadRequest(f"{buffer!r} lives on {buffer.client.endpoint}, "
+                             f"not on {self.session.endpoint}")
+
+    def _own(self, tensor: RemoteTensor) -> None:
+        if tensor.buffer.client is not self.owner:
+            raise BadRequest(f"{tensor!r} lives on {tensor.client.endpoint}, "
+                             f"not on {self.session.endpoint}")
 
     def alloc_buffer(self, size: int) -> RemoteBuffer:
         """Allocate ``size`` bytes on the worker (raises OutOfMemory beyond its limits)."""
-        return self._sync(self.alloc_buffer_async, size)
+        return self.connection.result_of(self.alloc_buffer_async, size)
 
     def alloc_buffer_async(self, size: int) -> Future[RemoteBuffer]:
         """Allocate without waiting; the future resolves to the buffer."""
@@ -43,9 +67,9 @@ class TensorCalls(Connection):
         ``buffer.allocation`` is the allocation's future (its error, if any, also fails them)."""
         if size < 0:
             raise BadRequest(f"buffer size must be >= 0, got {size}")
-        handle = self._new_handle()
+        handle = self.session.new_handle()
         future = self._call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=handle, size=size))
-        return RemoteBuffer(self._as_client(), handle, size, future)
+        return RemoteBuffer(self.owner, handle, size, future)
 
     def free_buffer(self, buffer: RemoteBuffer) -> None:
         """Free a buffer now (the session frees the rest when the client closes)."""
@@ -67,7 +91,7 @@ class TensorCalls(Connection):
 
     def set_tensor(self, tensor: RemoteTensor, values: Any) -> None:
         """Upload ``values`` (same shape; same dtype, or float32 into bfloat16) into the view."""
-        self._sync(self.set_tensor_async, tensor, values)
+        self.connection.result_of(self.set_tensor_async, tensor, values)
 
     def set_tensor_async(self, tensor: RemoteTensor, values: Any) -> Future[None]:
         """Pipelined upload. Do not modify ``values`` until the future is done (zero-copy send)."""
@@ -76,7 +100,7 @@ class TensorCalls(Connection):
         flat = data.reshape(-1).view(np.uint8)
         parts = [self._call(Cmd.SET_TENSOR, p.SetTensor(tensor=sub),
                             [flat[start:start + sub.nbytes]])
-                 for start, sub in p.split_tensor(tensor.ref, self.chunk_bytes)]
+                 for start, sub in p.split_tensor(tensor.ref, self.session.chunk_bytes)]
         return all_of(parts, lambda: None)
 
     def get_tensor(self, tensor: RemoteTensor, out: np.ndarray | None = None) -> np.ndarray:
@@ -86,7 +110,7 @@ class TensorCalls(Connection):
         float32 or uint16 bits for bfloat16) receives the bytes straight from the reply frames,
         which saves the allocation and first touch of a fresh array on every large download.
         """
-        return self._sync(self.get_tensor_async, tensor, out)
+        return self.connection.result_of(self.get_tensor_async, tensor, out)
 
     def get_tensor_async(self, tensor: RemoteTensor,
                          out: np.ndarray | None = None) -> Future[np.ndarray]:
@@ -108,7 +132,7 @@ class TensorCalls(Connection):
 
         parts = [self._call(Cmd.GET_TENSOR, p.GetTensor(tensor=sub),
                             on_reply=landing(start, sub.nbytes), reply_bytes=sub.nbytes)
-                 for start, sub in p.split_tensor(tensor.ref, self.chunk_bytes)]
+                 for start, sub in p.split_tensor(tensor.ref, self.session.chunk_bytes)]
 
         def result() -> np.ndarray:
             if not convert:
@@ -139,16 +163,16 @@ class TensorCalls(Connection):
         Across workers, src's worker pushes the bytes straight to dst's worker (the client never
         touches them) and dst's worker runs nothing else of this client's until they have landed.
         """
-        if src.client is not dst.client:   # both workers' replies read on this thread
-            call_together([src.client._engine, dst.client._engine],
-                          lambda: copy_between(src, dst))
+        if src.client is not dst.client:   # the receiving worker's reply completes it
+            dst.client.session.connection.result_of(copy_between, src, dst)
             return
-        self._sync(self.copy_tensor_async, src, dst)
+        self.connection.result_of(self.copy_tensor_async, src, dst)
 
     def copy_tensor_async(self, src: RemoteTensor, dst: RemoteTensor) -> Future[None]:
         if src.client is not dst.client:
             return copy_between(src, dst)
-        return src.client._call(Cmd.COPY_TENSOR, p.CopyTensor(src=src.ref, dst=dst.ref))
+        return src.client.session.connection.call(
+            Cmd.COPY_TENSOR, p.CopyTensor(src=src.ref, dst=dst.ref), on_reply=no_result)
 
 
 def _check_out(tensor: RemoteTensor, out: np.ndarray, storage: np.dtype[Any]) -> None:

@@ -105,7 +105,7 @@ def test_frozen_worker_fails_a_waiting_sync_call_on_the_callers_thread(
     proc = spawn_worker()
     with Client(proc.endpoint) as client:
         client.ping()
-        monkeypatch.setattr(client._engine, "submit", None)  # no hop through the I/O thread
+        monkeypatch.setattr(client.connection._mailbox, "post", None)  # no I/O thread hop
         proc.freeze()
         try:
             frozen = time.monotonic()
@@ -226,7 +226,7 @@ def test_peer_copy_whose_source_dies_before_its_receive_starts_frees_the_destina
         b.set_tensor(small, np.arange(4, dtype=np.float32))
         a.copy_tensor(src, second)               # the route is known
         tok = os.urandom(wire.TOKEN_BYTES)
-        one = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=tok, dst=first.ref, timeout_ms=48_000))
+        one = b.connection.call(Cmd.PEER_RECV, wire.PeerRecv(token=tok, dst=first.ref, timeout_ms=48_000))
         # A dies before it sends: a small send is answered once its bytes are in zmq, and B
         # would hold them and finish this copy after `one` (a success: no fault to report).
         wa.freeze()
@@ -239,7 +239,7 @@ def test_peer_copy_whose_source_dies_before_its_receive_starts_frees_the_destina
         assert not queued.done()
         released = time.monotonic()
         values = np.arange(n, dtype=np.float32)
-        b._call(Cmd.PEER_FILL, wire.PeerFill(token=tok, seq=0, nchunks=1, start=0, total=4 * n,
+        b.connection.call(Cmd.PEER_FILL, wire.PeerFill(token=tok, seq=0, nchunks=1, start=0, total=4 * n,
                                              error=""), [values.view(np.uint8)])
         one.result(timeout=BOUND_S)
         with pytest.raises(TransferError, match="earlier transfer"):

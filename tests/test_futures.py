@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 from zmq_rpc.client.futures import (
-    RunningFuture,
     Steps,
     all_of,
     failed,
@@ -108,7 +107,7 @@ def test_new_futures_run_and_cannot_be_cancelled() -> None:
     assert future.result(timeout=5) == 7 and future.done() and not future.running()
 
 
-# --------------------------------------------------------- RunningFuture, the engine's future
+# ------------------------------------------------- the futures every request gets (new_future)
 
 def _settle_later(future: Future[Any], value: Any, delay: float = 0.02) -> threading.Thread:
     setter = future.set_exception if isinstance(value, BaseException) else future.set_result
@@ -117,7 +116,7 @@ def _settle_later(future: Future[Any], value: Any, delay: float = 0.02) -> threa
     return thread
 
 
-def test_running_future_waits_and_times_out_like_a_stock_future() -> None:
+def test_new_future_waits_and_times_out_like_a_stock_future() -> None:
     future = new_future()
     with pytest.raises(FuturesTimeout):
         future.result(timeout=0.01)
@@ -137,7 +136,7 @@ def test_running_future_waits_and_times_out_like_a_stock_future() -> None:
     assert "finished raised KeyError" in repr(broken)
 
 
-def test_running_future_callbacks_run_once_before_or_after_settling(
+def test_new_future_callbacks_run_once_before_or_after_settling(
         caplog: pytest.LogCaptureFixture) -> None:
     future = new_future()
     seen: list[Any] = []
@@ -151,7 +150,7 @@ def test_running_future_callbacks_run_once_before_or_after_settling(
 
 
 @pytest.mark.parametrize("when", [FIRST_COMPLETED, FIRST_EXCEPTION, ALL_COMPLETED])
-def test_running_futures_work_with_concurrent_futures_wait(when: str) -> None:
+def test_new_futures_work_with_concurrent_futures_wait(when: str) -> None:
     early = resolved("early")
     parts = [new_future() for _ in range(4)]
     threads = [_settle_later(p, i if i != 2 else ValueError("two"), 0.01 * (i + 1))
@@ -168,7 +167,7 @@ def test_running_futures_work_with_concurrent_futures_wait(when: str) -> None:
     assert [f.done() for f in parts] == [True] * 4
 
 
-def test_running_futures_work_with_as_completed_and_asyncio() -> None:
+def test_new_futures_work_with_as_completed_and_asyncio() -> None:
     parts = [new_future() for _ in range(3)]
     threads = [_settle_later(p, i, 0.01 * (3 - i)) for i, p in enumerate(parts)]
     assert {f.result(0) for f in as_completed(parts, timeout=10)} == {0, 1, 2}
@@ -190,7 +189,7 @@ def _append_result(future: Future[Any], out: list[Any]) -> None:
     out.append(future.result(10))
 
 
-def test_running_future_wakes_every_waiter_when_settled_from_another_thread() -> None:
+def test_new_future_wakes_every_waiter_when_settled_from_another_thread() -> None:
     for round_ in range(200):          # the Condition is built by the first waiter: race it
         future = new_future()
         got: list[Any] = []
@@ -204,32 +203,3 @@ def test_running_future_wakes_every_waiter_when_settled_from_another_thread() ->
         for thread in waiters:
             thread.join(10)
         assert got == [round_] * 3
-
-
-def test_quiet_settling_wakes_a_blocked_reader_only_when_asked() -> None:
-    """The engine settles a batch of replies, then wakes their blocked readers at once."""
-    future: RunningFuture[Any] = RunningFuture()
-    assert future._set_result_quietly(1) is False          # nobody waits: nothing to wake
-    assert future.result(0) == 1
-    future = RunningFuture()
-    got: list[Any] = []
-    reader = threading.Thread(target=_append_result, args=(future, got))
-    reader.start()
-    while future._cond is None:                              # the reader is blocked
-        time.sleep(0.001)
-    seen: list[Any] = []
-    future.add_done_callback(lambda f: seen.append(f.result()))
-    waiter = threading.Thread(target=lambda: seen.append(len(wait([future], timeout=10).done)))
-    waiter.start()
-    time.sleep(0.05)
-    assert future._set_result_quietly("v") is True
-    assert seen[0] == "v"                                    # callbacks ran at once
-    waiter.join(5)
-    assert seen[1:] == [1]                                   # concurrent.futures.wait too
-    assert future.done() and future.result(0) == "v"
-    assert reader.is_alive() and not got                     # woken when the batch ends
-    future._wake_readers()
-    reader.join(5)
-    assert got == ["v"] and not reader.is_alive()
-    with pytest.raises(InvalidStateError):
-        future._set_result_quietly("again")

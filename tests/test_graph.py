@@ -678,13 +678,13 @@ def test_run_writes_inputs_and_fetches_in_one_message(client: Client,
     g, a, b, out = _add_graph(client)
     handle = client.register(g)
     sent: list[Cmd] = []
-    submit = client._engine.submit
+    submit = client.connection.call
 
     def counting(cmd: Cmd, *args: Any, **kw: Any) -> Any:
         sent.append(cmd)
         return submit(cmd, *args, **kw)
 
-    monkeypatch.setattr(client._engine, "submit", counting)
+    monkeypatch.setattr(client.connection, "call", counting)
     va, vb = np.arange(16, dtype=F32), np.full(16, 3, F32)
     (got,) = client.run(handle, inputs={a: va, b: vb}, fetch=[out])
     assert sent == [Cmd.GRAPH_RUN]
@@ -737,7 +737,7 @@ def test_duplicate_graph_handle_is_rejected(client: Client) -> None:
     other.neg(a, out=out)
     dup = wire_graph.GraphRegister(handle=handle.handle, graph=other.spec())
     with pytest.raises(InvalidHandle, match=f"graph handle {handle.handle} is in use"):
-        client._call(Cmd.GRAPH_REGISTER, dup).result()
+        client.connection.call(Cmd.GRAPH_REGISTER, dup).result()
     (got,) = client.run(handle, inputs={a: np.ones(16, F32), b: np.ones(16, F32)}, fetch=[out])
     np.testing.assert_array_equal(got, np.full(16, 2))  # still the first graph
 

@@ -47,8 +47,8 @@ def test_a_push_to_itself_and_a_get_of_the_same_view_stay_within_mem(
         x = c.alloc_buffer(64).tensor((4,), "float32")
         view = x.view((128 * MiB,), (0,))              # 512 MiB, all the same 4 bytes
         own = c.info.peer_endpoint
-        c._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=own, timeout_ms=5000)).result(10)
-        send = c._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(wire.TOKEN_BYTES),
+        c.connection.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=own, timeout_ms=5000)).result(10)
+        send = c.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(wire.TOKEN_BYTES),
                                                     src=view.ref, endpoint=own,
                                                     timeout_ms=8000))
         get = c.get_tensor_async(view)

@@ -33,7 +33,9 @@ from zmq_rpc.client import (
     to_bfloat16,
 )
 from zmq_rpc.client import peer as client_peer
+from zmq_rpc.client.connection import Connection
 from zmq_rpc.client.futures import failed
+from zmq_rpc.client.routes import Routes
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -279,14 +281,14 @@ def hold_sends(monkeypatch: pytest.MonkeyPatch, a: Client,
     """A's PEER_SENDs get the future ``outcome(cmd, args, kwargs)`` returns (other commands
     go through); the sends' messages are recorded."""
     sends: list[wire.PeerSend] = []
-    real = a._call
+    real = a.connection.call
 
     def spy(cmd: Cmd, *args: Any, **kwargs: Any) -> Future[Any]:
         if cmd is not Cmd.PEER_SEND:
             return real(cmd, *args, **kwargs)
         sends.append(args[0])
         return outcome(cmd, args, kwargs)
-    monkeypatch.setattr(a, "_call", spy)
+    monkeypatch.setattr(a.connection, "call", spy)
     return sends
 
 
@@ -304,7 +306,7 @@ def test_copy_completes_when_the_destination_says_the_bytes_landed(
     held: Future[Any] = Future()
     held.set_running_or_notify_cancel()
     sends = hold_sends(monkeypatch, a, lambda cmd, args, kw: (
-        replies.append(Client._call(a, cmd, *args, **kw)), held)[1])
+        replies.append(Connection.call(a.connection, cmd, *args, **kw)), held)[1])
     copy = a.copy_tensor_async(src, dst)
     copy.result(timeout=30)
     assert not held.done()                      # done on B's word alone
@@ -384,7 +386,7 @@ def test_a_copy_called_off_before_its_receive_starts_fails_as_it_starts(
     assert not one.done() and not queued.done()
     cmd, args, kw = later[0]
     released = time.monotonic()
-    Client._call(a, cmd, *args, **kw)   # now the first send goes out
+    Connection.call(a.connection, cmd, *args, **kw)   # now the first send goes out
     one.result(timeout=30)
     with pytest.raises(TransferError, match="earlier transfer.*called the transfer off"):
         queued.result(timeout=30)
@@ -400,7 +402,7 @@ def test_held_session_does_not_block_other_clients(make_worker: Callable[..., Wo
     other = make_client(worker.endpoint, timeout=5)
     t = tensor(b, (256,))
     b.set_tensor(t, np.ones(256, np.float32))
-    held = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token(), dst=t.ref, timeout_ms=2500))
+    held = b.connection.call(Cmd.PEER_RECV, wire.PeerRecv(token=token(), dst=t.ref, timeout_ms=2500))
     queued = b.get_tensor_async(t)
     mine = tensor(other, (256,))
     for k in range(20):
@@ -563,7 +565,7 @@ def pending_recv(client: Client, dst: RemoteTensor, tok: bytes,
                  timeout_ms: int = 5000) -> tuple[Future[Any], Future[Any]]:
     """A PEER_RECV nobody else sends to, and a request queued behind it; the PEER_RECV is at the
     head of its queue (registered on the worker) when this returns."""
-    held = client._call(Cmd.PEER_RECV, wire.PeerRecv(token=tok, dst=dst.ref,
+    held = client.connection.call(Cmd.PEER_RECV, wire.PeerRecv(token=tok, dst=dst.ref,
                                                      timeout_ms=timeout_ms))
     queued = client.get_tensor_async(dst)
     time.sleep(0.3)
@@ -619,7 +621,7 @@ def test_opposite_copies_from_two_threads(trio: list[Client], make_client: Calla
     b.copy_tensor(*ba)                           # routes probed
     both_received = threading.Barrier(2)
     for client in (a, b):                        # hold each thread between its two submits
-        real = client._call
+        real = client.connection.call
 
         def call(cmd: Cmd, *args: Any, _real: Any = real, **kw: Any) -> Future[Any]:
             future = _real(cmd, *args, **kw)
@@ -629,7 +631,7 @@ def test_opposite_copies_from_two_threads(trio: list[Client], make_client: Calla
                 except threading.BrokenBarrierError:
                     pass                         # a lock in copy_between serializes: fine
             return future
-        monkeypatch.setattr(client, "_call", call)
+        monkeypatch.setattr(client.connection, "call", call)
     results: list[Future[None]] = [Future(), Future()]
 
     def copy(i: int, pair: tuple[RemoteTensor, RemoteTensor]) -> None:
@@ -655,14 +657,14 @@ def test_probe_answered_before_its_callback_is_added(outcome: str) -> None:
     class Source:
         endpoint = "tcp://127.0.0.1:1"
 
-        def _call(self, *args: Any, **kw: Any) -> Future[Any]:
+        def call(self, *args: Any, **kw: Any) -> Future[Any]:
             return probe
 
-    routes = client_peer.Routes()
+    routes = Routes(Source())  # type: ignore[arg-type]
     answers: list[bool | Future[bool]] = []
     for _ in range(2):                          # the second call answers from the record
         asked = threading.Thread(target=lambda: answers.append(
-            routes.route(Source(), "tcp://127.0.0.1:2")), daemon=True)  # type: ignore
+            routes.route("tcp://127.0.0.1:2")), daemon=True)
         asked.start()
         asked.join(timeout=2)
         assert not asked.is_alive(), "route() deadlocked on its own lock"
@@ -747,13 +749,13 @@ def count_commands(monkeypatch: pytest.MonkeyPatch, clients: list[Client]) -> li
     """Record every command the clients send from now on."""
     sent: list[Cmd] = []
     for c in clients:
-        submit = c._engine.submit
+        submit = c.connection.call
 
         def spy(cmd: Cmd, *args: Any, _submit: Any = submit, **kw: Any) -> Any:
             sent.append(cmd)
             return _submit(cmd, *args, **kw)
 
-        monkeypatch.setattr(c._engine, "submit", spy)
+        monkeypatch.setattr(c.connection, "call", spy)
     return sent
 
 
@@ -902,7 +904,7 @@ def test_linked_run_send_of_an_unknown_handle_fails_before_running(trio: list[Cl
     msg = wire_graph.GraphRunLinked(handle=ga.handle, inputs=[], fetch=[], receive=(),
                                     send=(bad,), timeout_ms=1000)
     with pytest.raises(InvalidHandle):
-        a._call(Cmd.GRAPH_RUN_LINKED, msg).result(timeout=5)
+        a.connection.call(Cmd.GRAPH_RUN_LINKED, msg).result(timeout=5)
     assert a.get_tensor(ya)[0] == 0             # the graph did not run
 
 
@@ -999,14 +1001,16 @@ def test_first_copy_and_hand_off_wait_for_their_probe_without_blocking(
     from zmq_rpc.client.futures import forward, new_future
     a, b = (make_client(make_worker().endpoint) for _ in range(2))
     gate: Future[None] = new_future()
-    real = client_peer.Routes._send_probe
+    real = a.connection.call
 
-    def held(source: Client, endpoint: str) -> Future[Any]:
+    def held(cmd: Cmd, *args: Any, **kw: Any) -> Future[Any]:
+        if cmd is not Cmd.PEER_PROBE:
+            return real(cmd, *args, **kw)
         out: Future[Any] = new_future()
-        probe = real(source, endpoint)          # sent now; its answer is held back
+        probe = real(cmd, *args, **kw)          # sent now; its answer is held back
         gate.add_done_callback(lambda _: forward(probe, out))
         return out
-    monkeypatch.setattr(client_peer.Routes, "_send_probe", staticmethod(held))
+    monkeypatch.setattr(a.connection, "call", held)
     ga, xa, ya = stage(a, 64, 1.0)
     gb, xb, yb = stage(b, 64, 10.0)
     src, dst = tensor(a, (64,)), tensor(b, (64,))

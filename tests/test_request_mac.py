@@ -43,7 +43,7 @@ keys = {"curve_key": sys.argv[2], "server_key": sys.argv[3]} if len(sys.argv) > 
 client = Client(sys.argv[1], **keys)               # default settings
 buf = client.alloc_buffer(4096)
 client.set_tensor(buf.tensor(1024), np.arange(1024, dtype=np.float32) * 3.5)
-print(client._engine.options.identity.hex(), buf.handle, flush=True)
+print(client.connection.options.identity.hex(), buf.handle, flush=True)
 sys.stdin.readline()                               # until it is killed
 """
 
@@ -252,7 +252,7 @@ def test_a_client_keeps_its_session_across_a_reconnect_and_a_stranger_gets_nothi
         client = make_client(proxy.endpoint)                   # default settings
         buf = client.alloc_buffer(4096)
         client.set_tensor(buf.tensor(1024), SECRET)
-        rid = client._engine.options.identity
+        rid = client.connection.options.identity
         proxy.cut()
         _until(lambda: not _pings(client), 15, "the client never saw its connection drop")
         attacks = _attacks(buf.handle)
@@ -312,7 +312,7 @@ def test_a_signed_request_after_the_session_expired_gets_no_session_under_its_id
         ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     worker = make_worker(memory_limit=64 << 20)
     client = make_client(worker.endpoint)
-    rid = client._engine.options.identity
+    rid = client.connection.options.identity
     client.close()                                       # GOODBYE: the session is gone
     sock = _dealer(ctx, worker.endpoint, rid)
     header = _ask(sock, [Signer(bytes(32)).sign(p.encode_request(Cmd.PING, 42, p.Empty()))])
@@ -344,6 +344,6 @@ def test_our_client_signs_every_path_and_a_wrong_signature_raises_not_authentic(
     assert all(f.result() is None for f in futures)
     client.ping()                                          # the short course
     np.testing.assert_array_equal(client.get_tensor(buf.tensor(1024)), SECRET)
-    client._engine.sign_from_now(bytes(32))                # as if another client signed
+    client.connection.sign_from_now(bytes(32))                # as if another client signed
     with pytest.raises(NotAuthentic, match="wrong request signature"):
         client.ping()

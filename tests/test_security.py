@@ -376,7 +376,7 @@ def test_curve_worker_pushes_only_to_known_worker_keys(
     stranger = keys.pairs["mallory"].public.decode()
     for endpoint, why in ((trap_ep, "carries no key"),
                           (f"{trap_ep}#curve={stranger}", "not among this worker's")):
-        fut = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+        fut = a.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
                                                    endpoint=endpoint, timeout_ms=2000))
         with pytest.raises(TransferError, match=why):
             fut.result(timeout=5)
@@ -395,12 +395,12 @@ def test_a_curve_worker_never_pushes_to_inproc(
     own = keys.pairs["w1"].public.decode()
     for target in ("inproc://zeromq.zap.01", "inproc://zmq-rpc-anything"):
         endpoint = f"{target}#curve={own}"
-        send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+        send = a.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
                                                     endpoint=endpoint, timeout_ms=2000,
                                                     acked=False))
         with pytest.raises(TransferError, match="inproc:// would reach sockets inside"):
             send.result(timeout=5)
-        probe = a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=endpoint, timeout_ms=1000))
+        probe = a.connection.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=endpoint, timeout_ms=1000))
         with pytest.raises(TransferError, match="inproc:// would reach sockets inside"):
             probe.result(timeout=5)
     assert _accepted(ep1, keys.secret("alice"))
@@ -417,12 +417,12 @@ def test_a_curve_worker_pushes_tensors_only_after_the_peer_handshake(
     a = make_client(ep1, curve_key=keys.secret("alice"))
     b = make_client(ep2, curve_key=keys.secret("alice"))
     src = a.alloc_buffer(64).tensor((64,), "uint8")
-    send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+    send = a.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
                                                 endpoint=b.info.peer_endpoint, timeout_ms=2000,
                                                 acked=False))
     with pytest.raises(TransferError, match="has not answered a peer probe"):
         send.result(timeout=5)
-    a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=b.info.peer_endpoint,
+    a.connection.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=b.info.peer_endpoint,
                                            timeout_ms=3000)).result(timeout=5)
     dst = b.alloc_buffer(64).tensor((64,), "uint8")
     a.copy_tensor(src, dst)
@@ -485,14 +485,14 @@ def test_made_up_chunks_do_not_deny_peer_copies(make_worker: Callable[..., Worke
     src = a.alloc_buffer(16).tensor((16,), "uint8")
     dst = b.alloc_buffer(16).tensor((16,), "uint8")
     a.set_tensor(src, np.arange(16, dtype=np.uint8))
-    a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=b_peer, timeout_ms=5000)).result(10)
+    a.connection.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=b_peer, timeout_ms=5000)).result(10)
     with caplog.at_level(logging.INFO, logger="zmq_rpc.client.peer"):
         for _ in range(3):     # with the PEER_SEND issued before the PEER_RECV: chunks stash
             token = os.urandom(16)
-            send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref,
+            send = a.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref,
                                                         endpoint=b_peer, timeout_ms=5000))
             time.sleep(0.05)
-            recv = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
+            recv = b.connection.call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
                                                         timeout_ms=5000))
             send.result(timeout=10)
             recv.result(timeout=10)
@@ -542,14 +542,14 @@ def test_push_to_a_port_that_is_not_a_worker_is_refused(
     src = a.alloc_buffer(1 << 16).tensor((1 << 16,), "uint8")
     trap = raw_socket(zmq.PULL)
     trap_ep = f"tcp://127.0.0.1:{trap.bind_to_random_port('tcp://127.0.0.1')}"
-    send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+    send = a.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
                                                 endpoint=trap_ep, timeout_ms=2000))
     with pytest.raises(TransferError, match="has not answered a peer probe"):
         send.result(timeout=5)
-    probe = a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=trap_ep, timeout_ms=1000))
+    probe = a.connection.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=trap_ep, timeout_ms=1000))
     with pytest.raises(TransferError, match="no acknowledgement"):
         probe.result(timeout=5)                            # it got the probe, never answered
-    again = a._call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
+    again = a.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=os.urandom(16), src=src.ref,
                                                  endpoint=trap_ep, timeout_ms=2000))
     with pytest.raises(TransferError, match="has not answered a peer probe"):
         again.result(timeout=5)
@@ -589,7 +589,7 @@ def test_unresolvable_peer_names_do_not_stall_the_worker(
     push.connect(server._backend_thread.peers.endpoint)   # type: ignore[union-attr]
     for i in range(20):
         push.send(wire.encode_peer(wire.Probe(os.urandom(16), f"tcp://nohost-{i}.invalid:1")))
-    probe = c._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint="tcp://nohost.invalid:1",
+    probe = c.connection.call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint="tcp://nohost.invalid:1",
                                                    timeout_ms=1000))
     with pytest.raises(TransferError, match="names an IP address"):
         probe.result(timeout=5)

@@ -146,11 +146,11 @@ def test_a_flood_from_another_address_does_not_fail_a_copy_into_a_busy_session(
             ctx.term()
         b.set_tensor(dst, np.zeros(1 << 20, np.uint8))
         token = os.urandom(wire.TOKEN_BYTES)           # B's session busy: a receive waits
-        head = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=head_dst.ref,
+        head = b.connection.call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=head_dst.ref,
                                                     timeout_ms=20_000))
         start = time.monotonic()
         copy = a.copy_tensor_async(src, dst)           # its chunk reaches B while it queues
-        a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=head_src.ref,
+        a.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=head_src.ref,
                                              endpoint=b.info.peer_endpoint, timeout_ms=20_000))
         copy.result(timeout=10)
         took = time.monotonic() - start

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -199,7 +199,7 @@ class Model:
             h: Any = x
             layers = range(stage * per, (stage + 1) * per)
             for layer in layers:
-                w = self.weight(x.client, layer)
+                w = self.weight(cast(Client, x.client), layer)
                 h = g.matmul(h, w, out=y if layer == layers[-1] else None)
             return g
         return build

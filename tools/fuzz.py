@@ -80,8 +80,9 @@ def record_corpus(endpoint: str) -> list[Seed]:
         for client in (a, b):
             _record(client, seeds)
         _exercise(a, b, Graph, hand_off)
-        a._call(Cmd.PEER_PROBE, wire.PeerProbe(endpoint=a.info.peer_endpoint or "tcp://127.0.0.1:9",
-                                               timeout_ms=500)).exception(timeout=5)
+        a.connection.call(Cmd.PEER_PROBE, wire.PeerProbe(
+            endpoint=a.info.peer_endpoint or "tcp://127.0.0.1:9",
+            timeout_ms=500)).exception(timeout=5)
     major, minor = p.PROTOCOL_VERSION
     tensor = p.TensorRef(buffer=1, dtype=p.DType.UINT8, shape=(64,), strides=(1,), offset=0)
     for cmd, msg, payload in (
@@ -103,11 +104,11 @@ def record_corpus(endpoint: str) -> list[Seed]:
 
 
 def _record(client: Any, seeds: list[Seed]) -> None:
-    """Keep what ``client`` sends: through its engine's ``submit`` (a future) and ``request``
-    (a blocking call of one request, read on the caller's thread)."""
-    engine = client._engine
-    for name in ("submit", "request"):
-        setattr(engine, name, _recording(getattr(engine, name), seeds))
+    """Keep what ``client`` sends: every request goes through its connection's ``call`` (a
+    future) or ``request`` (a blocking call of one request)."""
+    connection = client.connection
+    for name in ("call", "request"):
+        setattr(connection, name, _recording(getattr(connection, name), seeds))
 
 
 def _recording(send: Callable[..., Any], seeds: list[Seed]) -> Callable[..., Any]:

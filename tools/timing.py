@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..client.engine import RequestTiming
+from ..client.calls import RequestTiming
 
 LINKED = "GRAPH_RUN_LINKED"
 

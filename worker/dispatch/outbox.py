@@ -103,7 +103,7 @@ class Outbox:
 
 
 def _breaks_protocol(header: bytes, msg: p.Message, payload: list[Any]) -> str | None:
-    """Why a client could not decode this reply (as ``client.io_loop`` does), or None."""
+    """Why a client could not decode this reply (as ``client.loop`` does), or None."""
     if header[:1] == b"\x92" and not payload and msg.payload_count() == 0:
         return None       # [STATUS_OK, req_id], no fields: what from_fields([]) takes (hot path)
     try:

@@ -1,5 +1,6 @@
-"""The client engine's lifecycle: close against submit, failed construction, bad endpoints, the
-inline (caller's thread) path, and the two faces of the client kept in step."""
+"""A worker connection's lifecycle (``client/connection.py``): close against submit, failed
+construction, bad endpoints, blocking calls on the caller's thread, reservations, and the two
+faces of the client kept in step."""
 
 from __future__ import annotations
 
@@ -26,8 +27,14 @@ from zmq_rpc.client import (
     SessionLost,
     Timeout,
 )
-from zmq_rpc.client.engine import Engine, check_endpoint
+from zmq_rpc.client.connection import Connection as Engine
+from zmq_rpc.client.options import ConnectionOptions, check_endpoint
 from zmq_rpc.worker.server import WorkerServer
+
+
+def request(engine: Engine, cmd: Cmd, msg: p.Message, **kwargs: Any) -> Any:
+    """A blocking call of one request (on this thread when the connection is idle)."""
+    return engine.result_of(engine.call, cmd, msg, **kwargs)
 
 
 def _client_threads() -> list[threading.Thread]:
@@ -88,9 +95,9 @@ def test_failed_engine_start_closes_its_context() -> None:
 
 def test_close_joins_the_io_thread_and_closes_the_context(worker: WorkerServer) -> None:
     client = Client(worker.endpoint)
-    engine = client._engine
+    engine = client.connection
     client.close()
-    assert not engine._thread.is_alive()
+    assert not engine.thread.is_alive()
     assert engine.ctx.closed
 
 
@@ -131,16 +138,16 @@ def test_close_races_eight_submitting_threads(worker: WorkerServer) -> None:
 def _reply_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads that handle each reply from now on (the reply handler of the
     pings and allocations below, ``no_result``, runs on the thread that read the reply, on the
-    synchronous fast path as on the I/O thread's)."""
+    blocking caller's thread as on the I/O thread's)."""
     from zmq_rpc.client import client as client_module
-    from zmq_rpc.client import connection as connection_module
+    from zmq_rpc.client import tensor_calls as tensor_calls_module
     seen: list[str] = []
-    real = connection_module.no_result
+    real = tensor_calls_module.no_result
 
     def on_reply(reply: p.Message, frames: list[zmq.Frame]) -> None:
         seen.append(threading.current_thread().name)
         real(reply, frames)
-    monkeypatch.setattr(connection_module, "no_result", on_reply)
+    monkeypatch.setattr(tensor_calls_module, "no_result", on_reply)
     monkeypatch.setattr(client_module, "no_result", on_reply)
     return seen
 
@@ -150,15 +157,15 @@ def test_sync_call_on_an_idle_engine_runs_on_the_callers_thread(
         monkeypatch: pytest.MonkeyPatch) -> None:
     client = make_client(worker.endpoint)
     seen = _reply_threads(monkeypatch)
-    client.ping()                                         # one request, no future at all
-    client.alloc_buffer(64)                               # Engine.call: issue() inline
+    client.ping()                                         # one request
+    client.alloc_buffer(64)                               # result_of: issued on this thread
     assert seen == [threading.current_thread().name] * 2
     pending = [client.ping_async() for _ in range(50)]   # pipelined: the I/O thread's
     client.ping()                                         # waits its turn behind them
     for future in pending:
         future.result(timeout=10)
     assert "zmq-rpc-client-io" in seen and len(seen) == 53
-    assert not client._engine._io.in_flight               # type: ignore[union-attr]
+    assert not client.connection._loop.in_flight               # type: ignore[union-attr]
     seen.clear()
     client.ping()                                         # idle again: back on this thread
     assert seen == [threading.current_thread().name]
@@ -185,12 +192,12 @@ def test_sync_request_times_out_and_leaves_the_engine_idle(
         for _ in range(2):
             started = time.monotonic()
             with pytest.raises(Timeout, match="PING"):
-                engine.request(Cmd.PING, p.Empty(), timeout=0.3)
+                request(engine, Cmd.PING, p.Empty(), timeout=0.3)
             assert 0.25 < time.monotonic() - started < 3.0
-            assert engine._io is not None and not engine._io.in_flight
+            assert engine._loop is not None and not engine._loop.in_flight
             silent_router.recv_multipart()                # it did go out
         answering = _answer(silent_router, lambda req_id: p.encode_reply(req_id, p.Empty()))
-        assert isinstance(engine.request(Cmd.PING, p.Empty()), p.Ack)
+        assert isinstance(request(engine, Cmd.PING, p.Empty()), p.Ack)
         answering.join(5)
     finally:
         engine.close()
@@ -205,16 +212,16 @@ def test_sync_request_raises_what_the_reply_or_its_handler_says(
         def broken(reply: p.Message, frames: list[zmq.Frame]) -> None:
             raise ValueError("the handler broke")
         with pytest.raises(ValueError, match="handler broke"):
-            engine.request(Cmd.PING, p.Empty(), on_reply=broken)
+            request(engine, Cmd.PING, p.Empty(), on_reply=broken)
         _answer(silent_router, lambda req_id: p.encode_error(req_id, ErrorCode.NO_SESSION, "gone"))
         with pytest.raises(SessionLost, match="gone"):
-            engine.request(Cmd.PING, p.Empty())
+            request(engine, Cmd.PING, p.Empty())
         started = time.monotonic()
         for _ in range(2):                                # for good, and at once
             with pytest.raises(SessionLost):
-                engine.request(Cmd.PING, p.Empty())
+                request(engine, Cmd.PING, p.Empty())
             with pytest.raises(SessionLost):
-                engine.submit(Cmd.PING, p.Empty()).result(timeout=5)
+                engine.call(Cmd.PING, p.Empty()).result(timeout=5)
         assert time.monotonic() - started < 1.0
     finally:
         engine.close()
@@ -227,11 +234,11 @@ def test_io_thread_sleeps_while_it_waits_for_replies(silent_router: zmq.Socket[b
     names a plain socket by its fd, and spin until the engine went idle)."""
     engine = Engine(_endpoint(silent_router))
     try:
-        pending = [engine.submit(Cmd.PING, p.Empty()) for _ in range(3)]
+        pending = [engine.call(Cmd.PING, p.Empty()) for _ in range(3)]
         for _ in range(3):
             time.sleep(0.05)
-            pending.append(engine.submit(Cmd.PING, p.Empty()))   # wakes the I/O thread
-        clock = time.pthread_getcpuclockid(engine._thread.ident or 0)
+            pending.append(engine.call(Cmd.PING, p.Empty()))   # wakes the I/O thread
+        clock = time.pthread_getcpuclockid(engine.thread.ident or 0)
         cpu, wall = time.clock_gettime(clock), time.monotonic()
         time.sleep(0.5)
         used = time.clock_gettime(clock) - cpu
@@ -243,13 +250,12 @@ def test_io_thread_sleeps_while_it_waits_for_replies(silent_router: zmq.Socket[b
 
 def test_each_request_times_out_at_its_own_deadline(silent_router: zmq.Socket[bytes]) -> None:
     """Deadlines in submission order (the engine's timeout) and out of it (shorter ones)."""
-    from zmq_rpc.client.engine import EngineOptions
-    engine = Engine(_endpoint(silent_router), EngineOptions(timeout=0.6))
+    engine = Engine(_endpoint(silent_router), ConnectionOptions(timeout=0.6))
     try:
         started = time.monotonic()
-        default = [engine.submit(Cmd.PING, p.Empty()) for _ in range(3)]
-        short = engine.submit(Cmd.PING, p.Empty(), timeout=0.2)
-        long = engine.submit(Cmd.PING, p.Empty(), timeout=30)
+        default = [engine.call(Cmd.PING, p.Empty()) for _ in range(3)]
+        short = engine.call(Cmd.PING, p.Empty(), timeout=0.2)
+        long = engine.call(Cmd.PING, p.Empty(), timeout=30)
         assert isinstance(short.exception(timeout=5), Timeout)
         assert time.monotonic() - started < 0.55 and not any(f.done() for f in default)
         for future in default:
@@ -267,10 +273,10 @@ def test_close_from_another_thread_ends_a_waiting_sync_request(
     closer.start()
     started = time.monotonic()
     with pytest.raises(ClientClosed):
-        engine.request(Cmd.PING, p.Empty())               # default timeout: 60 s
+        request(engine, Cmd.PING, p.Empty())               # default timeout: 60 s
     assert time.monotonic() - started < 5.0
     closer.join(5)
-    assert not engine._thread.is_alive()
+    assert not engine.thread.is_alive()
 
 
 def test_sync_and_async_calls_from_many_threads_keep_order(
@@ -284,9 +290,9 @@ def test_sync_and_async_calls_from_many_threads_keep_order(
         try:
             for i in range(60):
                 if i % 3 == 0:
-                    client.device_memory()            # Engine.call
+                    client.device_memory()            # result_of
                 elif i % 3 == 1:
-                    client.ping()                     # Engine.request: no future
+                    client.ping()                     # result_of too
                 else:
                     client.ping_async().result(10)    # the I/O thread's
         except BaseException as exc:  # noqa: BLE001
@@ -305,7 +311,7 @@ def test_sync_and_async_calls_from_many_threads_keep_order(
 def test_reservation_holds_later_requests_until_filled(
         worker: WorkerServer, make_client: Callable[..., Client]) -> None:
     client = make_client(worker.endpoint)
-    engine = client._engine
+    engine = client.connection
     t = client.alloc_buffer(64).tensor(16, "float32")
     slot = engine.reserve()
     later = client.get_tensor_async(t)
@@ -320,10 +326,10 @@ def test_reservation_holds_later_requests_until_filled(
 def test_reservation_that_is_never_filled_times_out(
         worker: WorkerServer, make_client: Callable[..., Client]) -> None:
     client = make_client(worker.endpoint)
-    slot = client._engine.reserve(timeout=0.3)
+    slot = client.connection.reserve(timeout=0.3)
     later = client.ping_async()
     later.result(timeout=5)                        # released at the reservation's deadline
-    with client._engine.filling(slot):
+    with client.connection.filling(slot):
         late = client.ping_async()
     with pytest.raises(RpcError):
         late.result(timeout=5)
@@ -333,7 +339,7 @@ def test_no_session_reply_is_session_lost_for_good(worker: WorkerServer,
                                                    make_client: Callable[..., Client]) -> None:
     from zmq_rpc.client import SessionLost
     client = make_client(worker.endpoint)
-    client._engine.submit(Cmd.GOODBYE, p.Empty())  # the worker forgets us
+    client.connection.call(Cmd.GOODBYE, p.Empty())  # the worker forgets us
     with pytest.raises(SessionLost):
         for _ in range(100):
             client.ping()
@@ -350,15 +356,15 @@ def test_a_wake_up_during_a_poll_is_drained_and_the_io_thread_sleeps(
     return at once: the thread spun through every graph run in flight (~80% of a core per
     connection while a model generated)."""
     from zmq_rpc.client import Graph
-    from zmq_rpc.client import io_loop as io_loop_module
+    from zmq_rpc.client import loop as io_loop_module
     client = make_client(worker.endpoint)
-    wake_fd = client._engine._wake_r.fileno()
+    wake_fd = client.connection._mailbox.wake_socket.fileno()
     wakes = [0]
     poll = io_loop_module.zmq_poll
 
     def counting_poll(items: Any, timeout: Any = None) -> Any:
         events = poll(items, timeout)
-        if threading.current_thread() is client._engine._thread:
+        if threading.current_thread() is client.connection.thread:
             wakes[0] += sum(1 for sock, _ in events if sock == wake_fd)
         return events
 
@@ -394,9 +400,11 @@ def test_async_face_matches_the_sync_face() -> None:
     twins = {n for n in sync if n.endswith("_async")}
     expected = ({n for n in sync if n not in twins}
                 | {"connect", "sync"})              # how an AsyncClient is made, and its Client
-    attributes = {"endpoint", "info"}               # plain attributes of a Client instance
-    assert set(aio) - {"sync"} - attributes == expected - {"sync"}, (set(aio) ^ expected)
-    for name in sorted(expected - {"connect", "sync"}):
+    attributes = {"endpoint", "info",               # the worker, as the session knows it
+                  "name", "timeout", "chunk_bytes", "peer_copy", "connection"}
+    assert set(aio) - {"sync"} - attributes == expected - {"sync"} - attributes, \
+        (set(aio) ^ expected)
+    for name in sorted(expected - {"connect", "sync"} - (attributes - set(aio))):
         a, s = aio[name], sync[name]
         if isinstance(s, property):
             assert isinstance(a, property), name

@@ -1,11 +1,12 @@
-"""The state of one worker connection while requests are pending: what waits to be sent (the
-backlog, in submission order, paced by the window), what is in flight, their deadlines, and the
-rounds that send, read replies, time out and fail them.
+"""The loop of one worker connection: what waits to be sent (the backlog, in submission order,
+paced by the window), what is in flight, their deadlines, and the rounds that send, read replies,
+time out and fail them.
 
-Threads: created by the engine's I/O thread; touched only by whoever holds
-``Engine._socket_lock`` (the I/O thread, running :meth:`IoLoop.step`, or a synchronous caller
-driving the connection inline, see ``inline.py``). Futures settled here run their callbacks on
-that thread.
+Threads: created by the connection's I/O thread; run only by whoever holds the connection's
+socket lock: the I/O thread (:meth:`Loop.step`, :meth:`Loop.park`) or a blocking caller that
+found the connection idle (:meth:`Loop.drive`). The two run the same rounds (:meth:`Loop.handle`);
+only how long they sleep differs. Futures settled here run their callbacks on that thread, which
+is marked meanwhile (:func:`on_io_thread`) so that a callback knows not to block.
 """
 
 from __future__ import annotations
@@ -14,33 +15,36 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 from zmq import zmq_poll
+from zmq.backend import Socket as _CSocket
 
 from ..broker import protocol as p
-from ..broker.errors import BadRequest, RpcError, Timeout
-from ..broker.protocol import Cmd, ErrorCode
+from ..broker.errors import BadRequest, ClientClosed, RpcError, Timeout
+from ..broker.protocol import STATUS_OK, Cmd, ErrorCode
 from .calls import (
     SENT,
     Call,
+    RequestTiming,
     Reservation,
     all_done,
-    drain_inbox,
     fail_call,
     fail_item,
     settle,
     timing,
 )
 from .deadlines import NEVER, Deadlines
-from .futures import RunningFuture
 from .link import Link
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .mailbox import Mailbox
+from .options import ConnectionOptions
 
 log = logging.getLogger("zmq_rpc.client")
+
+_send = _CSocket.send
+"""pyzmq's send without its Python layer (routing ids and groups, for draft sockets only), for
+a header alone: a blocking caller pays for every call on its way."""
 
 BLOCKED_POLL_MS = 50
 """While the window is full, how often the I/O thread looks at new requests (arming their
@@ -53,7 +57,7 @@ and so the worker, busy)."""
 
 class _IoThread(threading.local):
     active = False
-    """This thread drives a connection now (an I/O thread, or an inline caller)."""
+    """This thread drives a connection now (an I/O thread, or a blocking caller)."""
 
 
 io_thread = _IoThread()
@@ -64,13 +68,18 @@ def on_io_thread() -> bool:
     return io_thread.active
 
 
-class IoLoop:
+class Loop:
     """The connection's pending requests: the backlog, the calls in flight, their deadlines."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        opts = engine.options
-        self.link = Link(engine.ctx, engine.endpoint, opts, self.fail_pending)
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
+                 opts: ConnectionOptions, mailbox: Mailbox,
+                 timings: deque[RequestTiming]) -> None:
+        self.endpoint = endpoint
+        self.options = opts
+        self.mailbox = mailbox
+        self.timings = timings
+        """Appended when tracing; read by the connection's ``drain_timings`` (any thread)."""
+        self.link = Link(ctx, endpoint, opts, self.fail_pending)
         self.dealer = self.link.dealer
         self.monitor = self.link.monitor
         self.backlog: deque[Call | Reservation] = deque()
@@ -79,19 +88,100 @@ class IoLoop:
         self.deadlines: Deadlines[Call] = Deadlines()
         self.closing = False
         """close() was asked for (whoever drove the connection then saw it)."""
-        self.wake_fd = engine._wake_r.fileno()
+        self.wake_fd = mailbox.wake_socket.fileno()
         """The wake-up socket, as poll reports it (a plain socket is reported by its fd)."""
         self.poll_items: list[tuple[Any, int]] = [
             (self.dealer, zmq.POLLIN), (self.monitor, zmq.POLLIN), (self.wake_fd, zmq.POLLIN)]
-        self.blocked_readers: list[RunningFuture[Any]] = []
-        """Futures settled in this batch of replies whose readers wait to be woken."""
         self.beat_ms = int(opts.heartbeat * 1000)
         self.trace = opts.trace
         self.wake_poller = zmq.Poller()
-        self.wake_poller.register(engine._wake_r, zmq.POLLIN)
+        self.wake_poller.register(mailbox.wake_socket, zmq.POLLIN)
 
     def busy(self) -> bool:
         return bool(self.in_flight or self.backlog)
+
+    def idle(self) -> bool:
+        """Nothing in flight, queued or posted, and no close under way: a blocking caller may
+        take the connection."""
+        return not (self.closing or self.in_flight or self.backlog or not self.mailbox.empty())
+
+    # ------------------------------------------------------------------------ the drivers
+
+    def park(self) -> None:
+        """The I/O thread with nothing in flight: sleep on the wake-up socket only (a blocking
+        caller may drive the connection meanwhile); the heartbeat interval wakes us for the
+        keep-alive ping.
+
+        A blocking caller polls the same wake-up socket: when there is work in the inbox
+        (close, other threads' requests) the byte we drained is written again, or a caller that
+        polled just after we drained would sleep through it."""
+        mailbox = self.mailbox
+        mailbox.parked = True
+        if mailbox.empty():
+            self.wake_poller.poll(self.beat_ms)
+        mailbox.parked = False
+        mailbox.drain_wake()
+        if not mailbox.empty():
+            mailbox.wake()
+
+    def drive(self, calls: list[Call]) -> None:
+        """A blocking caller drives the connection until its ``calls`` are done; it also sends
+        what other threads post meanwhile (its calls may wait on theirs)."""
+        mailbox, items = self.mailbox, self.poll_items
+        io_thread.active = True
+        try:
+            if self._first_reply(calls) and mailbox.empty():
+                self.deadlines.next()       # drops the settled calls' timers (and results)
+                return
+            while not all_done(calls):
+                mailbox.polling = True
+                timeout = 0 if not mailbox.empty() else self.poll_timeout_ms()
+                events = dict(zmq_poll(items, timeout))
+                mailbox.polling = False
+                if not self.handle(events, calls):
+                    for call in calls:
+                        fail_call(call, ClientClosed("the client was closed"))
+                    return
+        finally:
+            io_thread.active = False
+
+    def _first_reply(self, calls: list[Call]) -> bool:
+        """A blocking caller's first wait, when its calls alone are in flight: on the DEALER
+        only, for at most ``link.WAIT_SLICE_MS`` (its ``RCVTIMEO``), the message that comes
+        read as any reply; True once that settled the calls. The poll rounds of :meth:`drive` (the
+        monitor, the deadlines, the wake-up socket) take over after it."""
+        if not calls or self.backlog or len(self.in_flight) != len(calls):
+            return False
+        dealer = self.dealer
+        try:
+            frame = dealer.recv(copy=False)
+        except zmq.Again:
+            return False
+        if len(calls) == 1 and not frame.more and self._was_ack(calls[0], frame):
+            return True
+        frames = [frame]
+        while frame.more:
+            frame = dealer.recv(zmq.NOBLOCK, copy=False)
+            frames.append(frame)
+        self._on_reply(frames)
+        return all_done(calls)
+
+    def _was_ack(self, call: Call, frame: zmq.Frame) -> bool:
+        """Settle ``call`` if ``frame`` is its success reply without fields (an Ack: the bytes
+        ``protocol.BARE_REPLY_HEAD`` and its id), which decodes to one known instance: no header
+        to parse, no reply to build. Anything else is :meth:`_on_reply`'s."""
+        ack = _ACKS.get(call.cmd)
+        if ack is None or frame.bytes != _ACK_HEAD + p.pack_id(call.req_id):
+            return False
+        if self.in_flight.pop(call.req_id, None) is None:
+            return False
+        self.in_flight_bytes -= call.nbytes
+        call.settled = True
+        try:
+            settle(call, call.on_reply(ack, []) if call.on_reply else ack, None)
+        except BaseException as exc:
+            fail_call(call, exc)
+        return True
 
     # ------------------------------------------------------------------------ one round
 
@@ -101,36 +191,36 @@ class IoLoop:
         While the backlog waits for room in the window, new requests would only queue behind
         it: submitters do not wake the thread then (a pipelining caller would keep it spinning),
         and it looks at its inbox at the next reply, or within ``BLOCKED_POLL_MS``."""
-        if self.closing:        # a synchronous caller saw close() and gave the connection back
+        if self.closing:        # a blocking caller saw close() and gave the connection back
             return False
-        engine = self.engine
+        mailbox = self.mailbox
         blocked = bool(self.backlog)
         if not blocked:
-            engine._io_sleeping = True      # then look again: a submit may have raced us
+            mailbox.parked = True           # then look again: a post may have raced us
         if not self.in_flight and not blocked:
             timeout = 0                     # idle: look, then park
-        elif not blocked and not engine._inbox.empty():
+        elif not blocked and not mailbox.empty():
             timeout = 0
         else:
             timeout = self.poll_timeout_ms()
             if blocked and timeout > BLOCKED_POLL_MS:
                 timeout = BLOCKED_POLL_MS
         events = dict(zmq_poll(self.poll_items, timeout))
-        engine._io_sleeping = False
+        mailbox.parked = False
         return self.handle(events)
 
     def handle(self, events: dict[Any, int], calls: list[Call] | None = None) -> bool:
         """Handle what ``poll`` reported: replies before a disconnect (they made it), then
         connection events, then new requests; False once close() was asked for. ``calls``:
-        an inline caller's, whose replies end its reading."""
-        engine = self.engine
+        a blocking caller's, whose replies end its reading."""
+        mailbox = self.mailbox
         if self.wake_fd in events:
-            engine._drain_wake()       # undrained, it would keep every poll returning at once
+            mailbox.drain_wake()       # undrained, it would keep every poll returning at once
         if self.dealer in events or self.monitor in events:
             self.receive(calls)
         if self.monitor in events:
             self.link.read_monitor()
-        if not engine._inbox.empty() and not self._take_inbox():
+        if not mailbox.empty() and not self._take_inbox():
             return False
         if self.closing:
             return False
@@ -153,7 +243,7 @@ class IoLoop:
         """Move submitted calls to the backlog; False when close() was asked for."""
         if self.closing:
             return False
-        inbox = self.engine._inbox
+        inbox = self.mailbox.inbox
         while not inbox.empty():            # one consumer: what empty() says holds
             item = inbox.get_nowait()
             if item is None:
@@ -176,16 +266,16 @@ class IoLoop:
             self.deadlines.watch_id(item.deadline, item.req_id)
 
     def send_now(self, call: Call) -> None:
-        """Send ``call`` at once (an inline caller's, nothing ahead of it) or queue it."""
-        opts = self.engine.options
+        """Send ``call`` at once (a blocking caller's, nothing ahead of it) or queue it."""
+        opts = self.options
         if self.backlog or self.link.down or (
                 self.in_flight and (len(self.in_flight) >= opts.window or
                                     self.in_flight_bytes + call.nbytes > opts.window_bytes)):
             self.admit(call)
             self.send_backlog()
             return
-        self.deadlines.watch(call)
         self.send(call, opts.trace)
+        self.deadlines.watch(call)
         self.link.last_sent = time.monotonic()
 
     def send_backlog(self) -> None:
@@ -193,7 +283,7 @@ class IoLoop:
         backlog = self.backlog
         if not backlog:
             return
-        opts, in_flight, trace = self.engine.options, self.in_flight, self.engine.options.trace
+        opts, in_flight, trace = self.options, self.in_flight, self.options.trace
         while backlog:
             call = backlog[0]
             if isinstance(call, Reservation):
@@ -215,7 +305,7 @@ class IoLoop:
         frames = call.frames
         signer = self.link.signer
         if isinstance(frames, bytes):
-            self.dealer.send(frames if signer is None else signer.sign(frames))
+            _send(self.dealer, frames if signer is None else signer.sign(frames))
         else:
             if signer is not None:
                 frames = [signer.sign(frames[0]), *frames[1:]]
@@ -227,7 +317,7 @@ class IoLoop:
 
     def _open_reservation(self, slot: Reservation) -> bool:
         """Replace a filled reservation at the head by its calls; False while it is open."""
-        with self.engine._submit_lock:
+        with self.mailbox.lock:
             calls = slot.calls
         if calls is None:
             return False
@@ -240,15 +330,10 @@ class IoLoop:
     # ------------------------------------------------------------------------ receiving
 
     def receive(self, calls: list[Call] | None = None) -> None:
-        """Take the replies that are in (up to 1024 at a time); with ``calls`` (an inline
+        """Take the replies that are in (up to 1024 at a time); with ``calls`` (a blocking
         caller's), stop once they are done. Every ``REFILL_EVERY`` replies the window is topped
-        up from the backlog (read to the end first, and the worker would run dry meanwhile) and
-        the threads blocked on the futures settled so far are woken."""
-        try:
-            self._read(calls)
-        finally:
-            if self.blocked_readers:
-                self.wake_readers()
+        up from the backlog (read to the end first, and the worker would run dry meanwhile)."""
+        self._read(calls)
 
     def _read(self, calls: list[Call] | None) -> None:
         dealer, more = self.dealer, zmq.NOBLOCK
@@ -264,16 +349,8 @@ class IoLoop:
             self._on_reply(frames)
             if calls is not None and all_done(calls):
                 return
-            if not count % REFILL_EVERY:
-                if self.blocked_readers:
-                    self.wake_readers()
-                if self.backlog:
-                    self.send_backlog()
-
-    def wake_readers(self) -> None:
-        readers, self.blocked_readers = self.blocked_readers, []
-        for future in readers:
-            future._wake_readers()
+            if not count % REFILL_EVERY and self.backlog:
+                self.send_backlog()
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -295,15 +372,10 @@ class IoLoop:
                 settle(call, None, result)
             else:
                 check_reply_payload(call.cmd, result, frames)
-                value = call.on_reply(result, frames[1:]) if call.on_reply else result
-                future = call.future
-                if type(future) is RunningFuture:
-                    if future._set_result_quietly(value):
-                        self.blocked_readers.append(future)
-                else:
-                    settle(call, value, None)
+                settle(call, call.on_reply(result, frames[1:]) if call.on_reply else result,
+                       None)
                 if received and getattr(result, "timing", None):
-                    self.engine.timings.append(timing(call, result, received))
+                    self.timings.append(timing(call, result, received))
         except BaseException as exc:
             fail_call(call, exc)
 
@@ -332,13 +404,13 @@ class IoLoop:
 
     def time_out(self, call: Call) -> None:
         where = "waiting to be sent" if not call.sent else "sent, no reply"
-        fail_call(call, Timeout(f"{call.cmd.name} to {self.engine.endpoint}: no reply "
+        fail_call(call, Timeout(f"{call.cmd.name} to {self.endpoint}: no reply "
                                   f"within the timeout ({where})"))
 
     def _expire_reservation(self, slot: Reservation) -> None:
-        with self.engine._submit_lock:
+        with self.mailbox.lock:
             if slot.calls is None:
-                slot.error = Timeout(f"a request to {self.engine.endpoint} was not decided "
+                slot.error = Timeout(f"a request to {self.endpoint} was not decided "
                                      "within the timeout")
                 slot.calls = []
         self.backlog.remove(slot)
@@ -357,7 +429,7 @@ class IoLoop:
         self.fail_in_flight(exc)
         items, self.backlog = list(self.backlog), deque()
         calls = [c for c in items if isinstance(c, Call)]
-        with self.engine._submit_lock:
+        with self.mailbox.lock:
             for slot in items:
                 if isinstance(slot, Reservation):
                     slot.error = slot.error or exc
@@ -367,10 +439,28 @@ class IoLoop:
 
     def fail_all(self, exc: RpcError) -> None:
         self.fail_pending(exc)
-        drain_inbox(self.engine._inbox, exc)
+        self.mailbox.fail_posted(exc)
 
     def close(self) -> None:
         self.link.close()
+
+
+def _acks() -> dict[Cmd, p.Message]:
+    """Per command whose success reply has no fields and no payload (an Ack): the one instance
+    such a reply decodes to (a success reply of its bytes decodes to this very object)."""
+    acks = {}
+    for cmd in p.REQUESTS:
+        try:
+            first, second = (p.decode_reply(cmd, [STATUS_OK, 0]) for _ in range(2))
+        except RpcError:
+            continue                    # a reply with required fields
+        if first is second and isinstance(first, p.Message) and not first.payload_count():
+            acks[cmd] = first
+    return acks
+
+
+_ACKS = _acks()
+_ACK_HEAD = p.BARE_REPLY_HEAD
 
 
 def check_reply_payload(cmd: Cmd, reply: p.Message, frames: list[zmq.Frame]) -> None:

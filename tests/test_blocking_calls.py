@@ -1,13 +1,17 @@
-"""The synchronous caller's own path (``client/inline.py``): a request sent and answered on the
-caller's thread, its fast course and every way off it (a stray message first, a bad reply, a
-slow one, close from another thread, many threads at once)."""
+"""A blocking call on an idle connection (``Connection.result_of``): its requests sent and
+answered on the caller's thread, through the same loop as the I/O thread's, and every way off
+the usual course (a stray message first, a bad reply, a slow one, close from another thread,
+many threads at once)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import zmq
@@ -15,9 +19,18 @@ from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import BadRequest
 from zmq_rpc.broker.protocol import Cmd, ErrorCode
 from zmq_rpc.client import Client, ClientClosed
-from zmq_rpc.client.engine import Engine
-from zmq_rpc.client.link import SYNC_SLICE_MS
+from zmq_rpc.client.connection import Connection
 from zmq_rpc.worker.server import WorkerServer
+
+SLOW_S = 0.04
+"""A reply this late comes after the caller has polled (and slept) more than once."""
+
+
+class Engine(Connection):
+    """A connection with the names these tests use."""
+
+    def submit(self, cmd: Cmd, msg: p.Message, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self.call(cmd, msg, *args, **kwargs)
 
 
 @pytest.fixture
@@ -45,8 +58,8 @@ def _ack(req_id: int) -> list[bytes]:
 
 
 def _idle(engine: Engine) -> bool:
-    io = engine._io
-    return io is not None and not io.in_flight and not io.backlog
+    loop = engine._loop
+    return loop is not None and not loop.busy()
 
 
 def test_stray_replies_first_are_dropped_and_ours_still_read(
@@ -95,21 +108,21 @@ def test_a_reply_with_fields_is_decoded(silent_router: zmq.Socket[bytes], engine
     assert got == (reply, [])
 
 
-def test_a_reply_slower_than_the_slice_is_still_ours(
+def test_a_late_reply_is_still_ours(
         silent_router: zmq.Socket[bytes], engine: Engine) -> None:
-    """Past ``SYNC_SLICE_MS`` the caller watches every socket; the reply still ends its call."""
-    served = _serve(silent_router, lambda req_id: [_ack(req_id)], delay=20 * SYNC_SLICE_MS / 1000)
+    """The caller watches every socket while it waits; a late reply still ends its call."""
+    served = _serve(silent_router, lambda req_id: [_ack(req_id)], delay=SLOW_S)
     started = time.monotonic()
     assert isinstance(engine.request(Cmd.PING, p.Empty()), p.Ack)
-    assert time.monotonic() - started >= 20 * SYNC_SLICE_MS / 1000
+    assert time.monotonic() - started >= SLOW_S
     served.join(5)
     assert _idle(engine)
 
 
 def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
         silent_router: zmq.Socket[bytes], engine: Engine) -> None:
-    """A synchronous caller whose reply is slow sends what other threads submit meanwhile
-    (within ``SYNC_SLICE_MS``), so theirs are answered first."""
+    """A blocking caller whose reply is slow sends what other threads submit meanwhile, so
+    theirs are answered first."""
     first = threading.Event()
     order: list[str] = []
 
@@ -138,7 +151,7 @@ def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
 
 
 @pytest.mark.parametrize("delay", [0.2, "random"])
-def test_close_wakes_a_sync_caller_within_the_slice(silent_router: zmq.Socket[bytes],
+def test_close_wakes_a_blocking_caller_at_once(silent_router: zmq.Socket[bytes],
                                                     delay: float | str) -> None:
     """close() from another thread, whenever it comes, ends a synchronous call at once and
     joins the I/O thread at once. (The I/O thread, parked on the same wake-up socket, used to
@@ -210,3 +223,114 @@ def test_eight_threads_pinging_while_another_closes(
     outcomes = _ping_while_closing(make_client(worker.endpoint))
     assert len(outcomes) == 8 * 300
     assert set(outcomes) <= {"ok", "closed"}, set(outcomes) - {"ok", "closed"}
+
+
+# ----------------------------------------------- Connection.request: the reply on the call itself
+
+def _answer_each(router: zmq.Socket[bytes], count: int,
+                 replies: Callable[[bytes, int], list[list[bytes]]]) -> threading.Thread:
+    """Answer the next ``count`` requests with ``replies(header, req_id)``."""
+    def run() -> None:
+        for _ in range(count):
+            who, header, *_ = router.recv_multipart()
+            for message in replies(header, p.unpack_header(header)[1]):
+                router.send_multipart([who, *message])
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _ack_of(header: bytes, req_id: int) -> list[list[bytes]]:
+    return [[p.encode_reply(req_id, p.Ack())]]
+
+
+@pytest.mark.parametrize("first_id", [1, 2**16 - 2, 2**32 - 2, 2**63 - 2])
+def test_acks_are_known_by_their_bytes_at_every_id_width(
+        silent_router: zmq.Socket[bytes], engine: Engine, monkeypatch: pytest.MonkeyPatch,
+        first_id: int) -> None:
+    """The request goes out as encode_request writes it (a field-less header from its cached
+    head), and its Ack is recognized by its bytes whatever the width of its id (none reaches
+    the general reader); nothing is left in flight."""
+    from zmq_rpc.client import loop as loop_module
+    engine._ids = itertools.count(first_id)
+    headers: list[bytes] = []
+    read: list[int] = []
+    on_reply = loop_module.Loop._on_reply
+    monkeypatch.setattr(loop_module.Loop, "_on_reply",
+                        lambda self, frames: (read.append(1), on_reply(self, frames))[1])
+
+    def replies(header: bytes, req_id: int) -> list[list[bytes]]:
+        headers.append(header)
+        return _ack_of(header, req_id)
+    served = _answer_each(silent_router, 3, replies)
+    assert engine.request(Cmd.PING, p.Empty()) is p.decode_reply(Cmd.PING, [p.STATUS_OK, 0])
+    assert engine.request(Cmd.SYNCHRONIZE, p.Empty(), on_reply=lambda r, f: ("done", f)) == \
+        ("done", [])
+    assert engine.request(Cmd.PING, p.Empty(), timeout=30.0) is not None
+    served.join(5)
+    assert headers == [p.encode_request(cmd, first_id + i, p.Empty())
+                       for i, cmd in enumerate([Cmd.PING, Cmd.SYNCHRONIZE, Cmd.PING])]
+    assert read == []          # (a reply later than the 2 ms slice would be read the usual way)
+    assert _idle(engine)
+
+
+@pytest.mark.parametrize("reply", ["error", "timing", "junk frame", "stray first"])
+def test_any_other_reply_is_read_the_usual_way(
+        silent_router: zmq.Socket[bytes], engine: Engine, reply: str) -> None:
+    """An error, an Ack with fields, an Ack with a frame too many, another message first: each
+    is read by the loop's reader (raised, decoded, refused, skipped)."""
+    def replies(header: bytes, req_id: int) -> list[list[bytes]]:
+        if reply == "error":
+            return [[p.encode_error(req_id, ErrorCode.INTERNAL, "no")]]
+        if reply == "timing":
+            return [[p.encode_reply(req_id, p.Ack(timing=(1, 2)))]]
+        if reply == "junk frame":
+            return [[p.encode_reply(req_id, p.Ack()), b"junk"]]
+        return [[p.encode_reply(0, p.Ack())], [p.encode_reply(req_id, p.Ack())]]
+    served = _answer_each(silent_router, 1, replies)
+    try:
+        result = engine.request(Cmd.PING, p.Empty())
+    except Exception as exc:  # noqa: BLE001
+        result = exc
+    served.join(5)
+    if reply == "error":
+        assert isinstance(result, Exception) and "no" in str(result)
+    elif reply == "timing":
+        assert result == p.Ack(timing=(1, 2))
+    elif reply == "junk frame":
+        assert isinstance(result, Exception) and "payload frame" in str(result)
+    else:
+        assert isinstance(result, p.Ack)
+    assert _idle(engine)
+
+
+def test_requests_with_fields_or_payload_are_answered(
+        silent_router: zmq.Socket[bytes], engine: Engine) -> None:
+    served = _answer_each(silent_router, 2, _ack_of)
+    assert isinstance(engine.request(Cmd.FREE_BUFFER, p.BufferOp(handle=3)), p.Ack)
+    assert isinstance(engine.request(Cmd.PING, p.Empty(), payload=[b"x"]), p.Ack)
+    served.join(5)
+    assert _idle(engine)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("delay", [0.0, 0.05], ids=["in the slice", "past the slice"])
+def test_on_reply_runs_with_the_connection_given_back(
+        silent_router: zmq.Socket[bytes], engine: Engine, delay: float) -> None:
+    """A blocking request's ``on_reply`` may itself make a blocking call on the same
+    connection: it runs once the caller has let go of the loop (run while it held it, the
+    nested call would wait for the loop its own thread holds: until its timeout)."""
+    def run() -> None:
+        who, header = silent_router.recv_multipart()
+        time.sleep(delay)
+        silent_router.send_multipart([who, *_ack_of(header, p.unpack_header(header)[1])[0]])
+        who, header = silent_router.recv_multipart()        # the nested call
+        silent_router.send_multipart([who, *_ack_of(header, p.unpack_header(header)[1])[0]])
+    served = threading.Thread(target=run)
+    served.start()
+    started = time.monotonic()
+    nested = engine.request(Cmd.PING, p.Empty(),
+                            on_reply=lambda r, f: engine.request(Cmd.SYNCHRONIZE, p.Empty(),
+                                                                 timeout=5.0))
+    served.join(5)
+    assert isinstance(nested, p.Ack) and time.monotonic() - started < 4.0
