@@ -111,7 +111,7 @@ def _submit_while_closing(endpoint: str) -> list[Future[Any]]:
     for thread in threads:
         thread.start()
     go.wait()
-    time.sleep(0.002)
+    time.sleep(0.002)               # close() among the submissions: the race is the subject
     client.close()
     for thread in threads:
         thread.join(10)
@@ -229,11 +229,11 @@ def test_io_thread_sleeps_while_it_waits_for_replies(silent_router: zmq.Socket[b
     try:
         pending = [engine.submit(Cmd.PING, p.Empty()) for _ in range(3)]
         for _ in range(3):
-            time.sleep(0.05)
+            time.sleep(0.05)        # wake-ups spread while it waits: the subject
             pending.append(engine.submit(Cmd.PING, p.Empty()))   # wakes the I/O thread
         clock = time.pthread_getcpuclockid(engine._thread.ident or 0)
         cpu, wall = time.clock_gettime(clock), time.monotonic()
-        time.sleep(0.5)
+        time.sleep(0.5)             # a measurement window of its CPU time
         used = time.clock_gettime(clock) - cpu
         assert used < 0.25 * (time.monotonic() - wall), f"I/O thread busy {used:.3f} s"
         assert not any(f.done() for f in pending)
@@ -309,7 +309,7 @@ def test_reservation_holds_later_requests_until_filled(
     t = client.alloc_buffer(64).tensor(16, "float32")
     slot = engine.reserve()
     later = client.get_tensor_async(t)
-    time.sleep(0.2)
+    time.sleep(0.2)                 # nothing may happen meanwhile: a real duration
     assert not later.done()                       # held behind the open reservation
     with engine.filling(slot):
         write = client.set_tensor_async(t, [7.0] * 16)
@@ -337,7 +337,7 @@ def test_no_session_reply_is_session_lost_for_good(worker: WorkerServer,
     with pytest.raises(SessionLost):
         for _ in range(100):
             client.ping()
-            time.sleep(0.01)
+            time.sleep(0.01)        # until GOODBYE is in (SessionLost ends the loop)
     with pytest.raises(SessionLost):
         client.alloc_buffer(16)
 

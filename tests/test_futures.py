@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 import pytest
+from waiting import wait_until
 from zmq_rpc.client.futures import (
     RunningFuture,
     Steps,
@@ -112,7 +113,8 @@ def test_new_futures_run_and_cannot_be_cancelled() -> None:
 
 def _settle_later(future: Future[Any], value: Any, delay: float = 0.02) -> threading.Thread:
     setter = future.set_exception if isinstance(value, BaseException) else future.set_result
-    thread = threading.Thread(target=lambda: (time.sleep(delay), setter(value)))
+    thread = threading.Thread(target=lambda: (time.sleep(delay),  # settled while waited on
+                                              setter(value)))
     thread.start()
     return thread
 
@@ -199,7 +201,7 @@ def test_running_future_wakes_every_waiter_when_settled_from_another_thread() ->
         for thread in waiters:
             thread.start()
         if round_ % 2:
-            time.sleep(0.0005)
+            time.sleep(0.0005)      # half the rounds settle a little later: the race is the subject
         future.set_result(round_)
         for thread in waiters:
             thread.join(10)
@@ -215,13 +217,12 @@ def test_quiet_settling_wakes_a_blocked_reader_only_when_asked() -> None:
     got: list[Any] = []
     reader = threading.Thread(target=_append_result, args=(future, got))
     reader.start()
-    while future._cond is None:                              # the reader is blocked
-        time.sleep(0.001)
+    wait_until(lambda: future._cond is not None, 5, "the reader blocked on the future")
     seen: list[Any] = []
     future.add_done_callback(lambda f: seen.append(f.result()))
     waiter = threading.Thread(target=lambda: seen.append(len(wait([future], timeout=10).done)))
     waiter.start()
-    time.sleep(0.05)
+    time.sleep(0.05)                # wait() blocking inside concurrent.futures: no event to see
     assert future._set_result_quietly("v") is True
     assert seen[0] == "v"                                    # callbacks ran at once
     waiter.join(5)

@@ -74,7 +74,7 @@ def test_silent_client_loses_its_session(make_worker: Callable[..., WorkerServer
     worker = make_worker(session_timeout=0.5)
     client = make_client(worker.endpoint, heartbeat=30.0)   # heartbeats too rare on purpose
     buf = client.alloc_buffer(1024)
-    time.sleep(1.6)
+    time.sleep(1.6)                      # silent, longer than the session timeout
     with pytest.raises(ConnectionLost, match="no session"):
         client.get_tensor(buf.tensor(4, "int32"))
 
@@ -202,7 +202,7 @@ while True:                           # it was frozen: new calls fail until it i
         if time.monotonic() > deadline:
             outcomes["ping " + type(exc).__name__] += 1
             break
-        time.sleep(0.1)
+        time.sleep(0.1)               # (in the child: polls until the worker is back)
 print(repr(dict(outcomes)), flush=True)
 client.close()
 """
@@ -287,7 +287,7 @@ def test_ten_thousand_sessions_leave_the_worker_as_it_was(
         run(200)
         before = rss_mib(proc.proc.pid)
         run(10_000)
-        time.sleep(1.0)
+        time.sleep(1.0)         # RSS settles (the allocator gives pages back): no event to wait on
         after = rss_mib(proc.proc.pid)
         with Client(proc.endpoint, ctx=ctx) as observer:
             memory = observer.device_memory()
