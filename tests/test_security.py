@@ -497,7 +497,7 @@ def test_made_up_chunks_do_not_deny_peer_copies(make_worker: Callable[..., Worke
             token = os.urandom(16)
             send = a._call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref,
                                                         endpoint=b_peer, timeout_ms=5000))
-            wait_until(lambda: token in peers.stash.entries, 10,
+            wait_until(lambda token=token: token in peers.stash.entries, 10,
                        "A's chunk was stashed on B before its receive")
             recv = b._call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
                                                         timeout_ms=5000))

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zmq_rpc.client import Client
 
 POLL_S = 0.005
 """How often a condition is checked: short against every bound the tests state (>= 0.1 s)."""
@@ -23,13 +27,13 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str | Call
     deadline = start + timeout
     while not predicate():
         if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what if isinstance(what, str) else what()}")
+            event = what if isinstance(what, str) else what()
+            raise AssertionError(f"not within {timeout:g} s: {event}")
         time.sleep(interval)
     return time.monotonic() - start
 
 
-def bytes_read(pid: int) -> int:
-    """All bytes process ``pid`` has read so far (files and sockets: ``rchar`` of /proc/PID/io),
-    for waiting until a worker is into an upload or a transfer."""
-    with open(f"/proc/{pid}/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+def receiving(watch: Client) -> bool:
+    """Whether ``watch``'s worker has a peer receive under way: STATUS, asked from a session of
+    its own (a session's STATUS waits behind its queue, which the receive holds)."""
+    return watch.status().transfers_in_progress > 0
