@@ -13,12 +13,12 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")   # before numpy loads: 2 cores, workers in the same process
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import zmq
+from waiting import wait_until
 from zmq_rpc.client import Client
 from zmq_rpc.worker.launch import LISTENING, worker_argv
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
@@ -129,12 +129,10 @@ class WorkerProcess:
         """SIGSTOP, then wait until every thread is stopped: ``kill`` returns once the signal
         is queued, and under load a worker thread can still answer a request for a few ms."""
         self.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + timeout
         tasks = f"/proc/{self.proc.pid}/task"
-        while os.path.isdir(tasks) and not all(_stopped(f"{tasks}/{t}/stat")
-                                                for t in os.listdir(tasks)):
-            assert time.monotonic() < deadline, "the worker did not stop"
-            time.sleep(0.001)
+        wait_until(lambda: not os.path.isdir(tasks) or all(_stopped(f"{tasks}/{t}/stat")
+                                                           for t in os.listdir(tasks)),
+                   timeout, "the worker stopped (SIGSTOP) in every thread", interval=0.001)
 
     def terminate(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
         if self.proc.poll() is None:

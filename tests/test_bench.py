@@ -209,6 +209,7 @@ def test_first_byte_times_a_program_and_stops_it_with_sigint(tmp_path: Path) -> 
     script = ("import signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "try:\n    sys.stderr.write('x'); sys.stderr.flush()\n"
               f"    time.sleep(60)\nexcept KeyboardInterrupt:\n    open({str(marker)!r}, 'w')")
+    # (the sleeps in these scripts are programs that run on until stopped: the subject)
     seconds = bench_llm._first_byte([sys.executable, "-c", script])
     assert 0 < seconds < 60 and marker.exists()
     with pytest.raises(RuntimeError, match="wrote nothing"):

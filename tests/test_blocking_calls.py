@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import zmq
+from waiting import wait_until
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import BadRequest
 from zmq_rpc.broker.protocol import Cmd, ErrorCode
@@ -45,7 +46,7 @@ def _serve(silent_router: zmq.Socket[bytes],
     """Answer the next request with the messages ``replies(req_id)``, after ``delay`` s."""
     def run() -> None:
         who, header = silent_router.recv_multipart()
-        time.sleep(delay)
+        time.sleep(delay)           # a slow worker: the delay is the test's subject
         for message in replies(p.unpack_header(header)[1]):
             silent_router.send_multipart([who, *message])
     thread = threading.Thread(target=run)
@@ -132,7 +133,7 @@ def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
         first.set()
         who, header = silent_router.recv_multipart()           # another thread's, sent meanwhile
         silent_router.send_multipart([who, *_ack(p.unpack_header(header)[1])])
-        time.sleep(0.1)
+        time.sleep(0.1)             # the slow reply: slower than the other thread's round trip
         silent_router.send_multipart([who, *_ack(slow_id)])
     thread = threading.Thread(target=answer)
     thread.start()
@@ -169,7 +170,7 @@ def test_close_wakes_a_blocking_caller_at_once(silent_router: zmq.Socket[bytes],
 
         def close(engine: Engine = engine, wait: float = wait,
                   times: list[float] = times) -> None:
-            time.sleep(wait)
+            time.sleep(wait)        # close() at a random moment of the call: the subject
             times.append(time.monotonic())
             engine.close()                                # joins the I/O thread
             times.append(time.monotonic())
@@ -208,7 +209,7 @@ def _ping_while_closing(client: Client, threads: int = 8, calls: int = 300) -> l
     for thread in pingers:
         thread.start()
     start.wait(5)
-    time.sleep(0.05)
+    wait_until(lambda: outcomes, 10, "a ping was answered: the pingers are under way")
     client.close()
     for thread in pingers:
         thread.join(20)

@@ -80,7 +80,7 @@ def test_sigint_then_sigterm_with_an_open_session_exits_zero(
     with Client(proc.endpoint) as client:
         client.alloc_buffer(1 << 20)
         proc.proc.send_signal(signal.SIGINT)
-        time.sleep(0.1)
+        time.sleep(0.1)             # the scenario: a second signal while it shuts down
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(SHUTDOWN_BOUND_S + 5) == 0
 
@@ -89,7 +89,7 @@ def test_shutdown_past_its_bound_exits_one_without_waiting() -> None:
     script = ("import time\n"
               "from zmq_rpc.worker.cli import stop_within\n"
               "class Stuck:\n"
-              "    def stop(self): time.sleep(60)\n"
+              "    def stop(self): time.sleep(60)\n"         # a stop that never ends
               "raise SystemExit(stop_within(Stuck(), 0.5, 0))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=30)

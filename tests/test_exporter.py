@@ -11,7 +11,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import WorkerProcess
+from waiting import wait_until
 from zmq_rpc.client import Client, Graph
 
 pytestmark = pytest.mark.timeout(120)
@@ -73,15 +73,14 @@ class PrometheusServer:
 
     def wait_for(self, expr: str, check: Callable[[list[dict[str, Any]]], bool],
                  timeout: float = 60) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + timeout
         result: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
+
+        def holds() -> bool:
             assert self.proc.poll() is None, "prometheus exited; see prometheus.log"
-            result = self.query(expr)
-            if check(result):
-                return result
-            time.sleep(0.5)
-        raise AssertionError(f"{expr}: still {result} after {timeout} s")
+            result[:] = self.query(expr)
+            return check(result)
+        wait_until(holds, timeout, lambda: f"{expr} as expected: still {result}", interval=0.5)
+        return result
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import WorkerProcess
+from waiting import receiving, wait_until
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client, ConnectionLost, SessionLost, TransferError
@@ -53,7 +54,7 @@ def test_killed_worker_fails_in_flight_and_new_requests_at_once(
         values = np.ones(16 * MiB, np.float32)
         pending = [client.set_tensor_async(t, values) for _ in range(4)]   # an upload under way
         pending += [client.get_tensor_async(t) for _ in range(4)]          # and downloads
-        time.sleep(0.05)
+        time.sleep(0.05)            # mid-upload: no event says bytes are on the wire
         killed = time.monotonic()
         proc.terminate(signal.SIGKILL)
         errors = failures(pending, BOUND_S)
@@ -87,14 +88,13 @@ def test_frozen_worker_fails_in_flight_then_serves_after_sigcont(
         with Client(proc.endpoint) as fresh:    # the worker serves new clients
             fresh.ping()
             assert fresh.alloc_buffer(1024).size == 1024
-        deadline = time.monotonic() + 10        # the old client reconnects; its session lived
-        while True:
+        def pings() -> bool:
             try:
                 client.ping()
-                break
             except ConnectionLost:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+                return False
+            return True
+        wait_until(pings, 10, "the old client reconnected; its session lived", interval=0.1)
         assert client.get_tensor(t).shape == (MiB,)
 
 
@@ -126,18 +126,16 @@ def test_restarted_worker_answers_the_old_session_with_session_lost(
         client.set_tensor(t, np.arange(256, dtype=np.float32))
         proc.terminate(signal.SIGKILL)
         spawn_worker("--bind", bind)
-        deadline = time.monotonic() + 10
-        while True:                             # down (ConnectionLost) until it reconnects
+        def session_lost() -> bool:             # down (ConnectionLost) until it reconnects
             try:
                 client.get_tensor(t)
             except SessionLost as exc:
                 assert "session" in str(exc)
-                break
+                return True
             except ConnectionLost:
-                assert time.monotonic() < deadline, "never reconnected"
-                time.sleep(0.05)
-            else:
-                pytest.fail("the restarted worker answered the old session with fresh memory")
+                return False
+            pytest.fail("the restarted worker answered the old session with fresh memory")
+        wait_until(session_lost, 10, "the client reconnected", interval=0.05)
         for call in (client.ping, lambda: client.alloc_buffer(16), lambda: client.get_tensor(t)):
             with pytest.raises(SessionLost):   # for good: its buffers are gone
                 call()
@@ -146,12 +144,13 @@ def test_restarted_worker_answers_the_old_session_with_session_lost(
 def test_peer_copy_whose_destination_dies_fails_quickly(
         spawn_worker: Callable[..., WorkerProcess]) -> None:
     wa, wb, wc = spawn_worker(), spawn_worker(), spawn_worker()
-    with Client(wa.endpoint) as a, Client(wb.endpoint) as b, Client(wc.endpoint) as c:
+    with Client(wa.endpoint) as a, Client(wb.endpoint) as b, Client(wc.endpoint) as c, \
+            Client(wb.endpoint) as watch:
         src, dst = a.alloc_buffer(256 * MiB).tensor(64 * MiB), b.alloc_buffer(256 * MiB).tensor(
             64 * MiB)
         a.copy_tensor(src[:16], dst[:16])       # the route is known
         copy = a.copy_tensor_async(src, dst)
-        time.sleep(0.05)
+        wait_until(lambda: receiving(watch), 3, "B started receiving the copy")
         killed = time.monotonic()
         wb.terminate(signal.SIGKILL)
         with pytest.raises((ConnectionLost, TransferError)):
@@ -169,7 +168,7 @@ def test_peer_copy_whose_destination_dies_fails_quickly(
 def test_peer_copy_whose_source_dies_fails_quickly_and_frees_the_destination(
         spawn_worker: Callable[..., WorkerProcess]) -> None:
     wa, wb = spawn_worker(), spawn_worker()
-    with Client(wa.endpoint) as a, Client(wb.endpoint) as b:
+    with Client(wa.endpoint) as a, Client(wb.endpoint) as b, Client(wb.endpoint) as watch:
         src, dst = a.alloc_buffer(256 * MiB).tensor(64 * MiB), b.alloc_buffer(256 * MiB).tensor(
             64 * MiB)
         small = b.alloc_buffer(16).tensor(4)
@@ -177,7 +176,7 @@ def test_peer_copy_whose_source_dies_fails_quickly_and_frees_the_destination(
         a.copy_tensor(src[:16], dst[:16])
         copy = a.copy_tensor_async(src, dst)
         queued = b.get_tensor_async(small)       # behind the receive in B's queue
-        time.sleep(0.05)
+        wait_until(lambda: receiving(watch), 3, "B started receiving the copy")
         killed = time.monotonic()
         wa.terminate(signal.SIGKILL)
         with pytest.raises((ConnectionLost, TransferError)):
@@ -200,7 +199,7 @@ def test_small_peer_copy_whose_destination_dies_fails_quickly(
         a.copy_tensor(src, dst)                 # the route is known
         wb.freeze()                             # B takes nothing in from here on
         copy = a.copy_tensor_async(src, dst)
-        time.sleep(0.2)
+        time.sleep(0.2)             # A's send goes out (B frozen: no event shows it)
         killed = time.monotonic()
         wb.terminate(signal.SIGKILL)
         with pytest.raises((ConnectionLost, TransferError)):

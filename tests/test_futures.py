@@ -111,7 +111,8 @@ def test_new_futures_run_and_cannot_be_cancelled() -> None:
 
 def _settle_later(future: Future[Any], value: Any, delay: float = 0.02) -> threading.Thread:
     setter = future.set_exception if isinstance(value, BaseException) else future.set_result
-    thread = threading.Thread(target=lambda: (time.sleep(delay), setter(value)))
+    thread = threading.Thread(target=lambda: (time.sleep(delay),  # settled while waited on
+                                              setter(value)))
     thread.start()
     return thread
 
@@ -198,7 +199,7 @@ def test_new_future_wakes_every_waiter_when_settled_from_another_thread() -> Non
         for thread in waiters:
             thread.start()
         if round_ % 2:
-            time.sleep(0.0005)
+            time.sleep(0.0005)      # half the rounds settle a little later: the race is the subject
         future.set_result(round_)
         for thread in waiters:
             thread.join(10)

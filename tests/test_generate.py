@@ -15,11 +15,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 pytest.importorskip("tokenizers")
 gguf_model = pytest.importorskip("zmq_rpc.client.gguf_model")
@@ -66,12 +66,15 @@ class Run:
             buf += chunk
 
     def wait_for(self, ready: Callable[[], bool], timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while not ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"never got there (rc {self.proc.returncode}):\n"
-                                     f"{self.err.decode(errors='replace')}")
-            time.sleep(0.02)
+        def there() -> bool:
+            if ready():
+                return True
+            assert self.proc.poll() is None, f"it exited ({self.proc.returncode}): {self.stderr()}"
+            return False
+        wait_until(there, timeout, lambda: f"the run got there: {self.stderr()}", interval=0.02)
+
+    def stderr(self) -> str:
+        return self.err.decode(errors="replace")
 
     def children(self) -> list[int]:
         """The pids whose parent is this run (its local workers)."""

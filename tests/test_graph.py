@@ -32,6 +32,7 @@ from devices import WORKER_DEVICES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from waiting import wait_until
 from zmq_rpc.broker import graph as wire_graph
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.graph import GRAPH_VERSION, MAX_NODES, GraphSpec, Node
@@ -124,15 +125,6 @@ def compiled(worker: WorkerServer, client_name: str, handle: int) -> CompiledGra
                 if s.name == client_name]
     assert len(sessions) == 1, f"{len(sessions)} sessions named {client_name!r}"
     return sessions[0].graphs[handle]
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def sigmoid64(x: np.ndarray) -> np.ndarray:
@@ -781,7 +773,8 @@ def test_graph_memory_returns_on_free_and_with_the_session(worker: WorkerServer,
     owner.register(g)
     assert watcher.device_memory().free == baseline - buffers - 2 * one_arena
     owner.close()                                 # graphs go with the session
-    assert wait_for(lambda: watcher.device_memory().free == baseline)
+    wait_until(lambda: watcher.device_memory().free == baseline, 10.0,
+               "the closed session's buffers and graph arenas were given back")
 
 
 # ----------------------------------------------------------------------------------- scratch arena

@@ -6,12 +6,12 @@ Real worker processes: their peak resident set (``VmHWM``) is read from /proc.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 import pytest
 import zmq
 from conftest import WorkerProcess
+from waiting import wait_until
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.errors import RpcError
 from zmq_rpc.broker.protocol import Cmd
@@ -65,15 +65,6 @@ def test_a_push_to_itself_and_a_get_of_the_same_view_stay_within_mem(
         f"peak {peak / MiB:.0f} MiB under --mem 1GiB ({outcomes})"
 
 
-def _free_becomes(c: Client, value: int) -> int:
-    deadline = time.monotonic() + 10
-    free = c.device_memory().free
-    while free != value and time.monotonic() < deadline:
-        time.sleep(0.02)
-        free = c.device_memory().free
-    return free
-
-
 def test_each_peer_connection_counts_its_receive_queue(
         make_worker: Callable[..., WorkerServer], make_client: Callable[..., Client],
         raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
@@ -85,8 +76,9 @@ def test_each_peer_connection_counts_its_receive_queue(
     pushers = [raw_socket(zmq.PUSH) for _ in range(2)]
     for push in pushers:
         push.connect(c.info.peer_endpoint)
-    assert _free_becomes(c, before - 2 * QUEUE_BYTES_PER_CONNECTION) == \
-        before - 2 * QUEUE_BYTES_PER_CONNECTION
+    wait_until(lambda: c.device_memory().free == before - 2 * QUEUE_BYTES_PER_CONNECTION, 10,
+               "both peer connections' queues were counted in --mem")
     for push in pushers:
         push.close(linger=0)
-    assert _free_becomes(c, before) == before
+    wait_until(lambda: c.device_memory().free == before, 10,
+               "the closed connections' queues were given back")

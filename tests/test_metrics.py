@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import Samples, WorkerProcess, sample, scrape
+from waiting import wait_until
 from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client, Graph, InvalidHandle, OutOfMemory
 from zmq_rpc.worker.observe.exporter import WorkerCollector, default_names, default_outcomes
@@ -36,13 +37,15 @@ pytestmark = pytest.mark.timeout(60)
 
 def settled(address: str, check: Callable[[Samples], bool]) -> Samples:
     """Scrape until ``check`` holds (counters and gauges are republished every 0.1 s), at most
-    5 s."""
-    deadline = time.monotonic() + 5
-    while True:
-        samples = scrape(address)
-        if check(samples) or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
+    5 s; the samples that passed it."""
+    last: list[Samples] = []
+
+    def holds() -> bool:
+        last[:] = [scrape(address)]
+        return check(last[0])
+    wait_until(holds, 5, f"the /metrics page at {address} showed the expected samples",
+               interval=0.05)
+    return last[0]
 
 
 # ------------------------------------------------------------------------------ unit tests

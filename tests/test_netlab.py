@@ -154,6 +154,7 @@ def test_a_failing_block_still_tears_everything_down() -> None:
 @needs_lab
 @pytest.mark.timeout(60)
 def test_a_killed_owner_leaves_nothing_the_next_lab_does_not_sweep() -> None:
+    # the child holds its lab until it is killed (the sleep is its lifetime, not a wait)
     code = ("import time; from zmq_rpc.tools.netlab import NetLab\n"
             "lab = NetLab(['a']); lab.open(); print(lab.tag, flush=True); time.sleep(600)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -18,6 +18,7 @@ import pytest
 import zmq
 from conftest import RelayLog, WorkerProcess
 from devices import TRIO_DEVICES
+from waiting import receiving, wait_until
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.protocol import Cmd, DType
@@ -212,13 +213,13 @@ def test_ordering_stress_copy_then_compute(trio: list[Client]) -> None:
 
 def test_destination_killed_mid_transfer(spawn_worker: Callable[..., WorkerProcess]) -> None:
     procs = [spawn_worker() for _ in range(3)]
-    a, b, c = (Client(w.endpoint, timeout=3) for w in procs)
+    a, b, c, watch = (Client(w.endpoint, timeout=3) for w in (*procs, procs[1]))
     try:
         src, dst = tensor(a, (64 * MiB,)), tensor(b, (64 * MiB,))   # 256 MiB
         a.copy_tensor(src[:16], dst[:16])        # route probed while B is alive
         start = time.monotonic()
         copy = a.copy_tensor_async(src, dst)
-        time.sleep(0.05)
+        wait_until(lambda: receiving(watch), 3, "B started receiving the copy")
         procs[1].terminate(signal.SIGKILL)
         with pytest.raises((TransferError, ConnectionLost)):
             copy.result(timeout=10)
@@ -230,7 +231,7 @@ def test_destination_killed_mid_transfer(spawn_worker: Callable[..., WorkerProce
         a.copy_tensor(head, fresh)
         np.testing.assert_array_equal(c.get_tensor(fresh), np.arange(1024))
     finally:
-        for client in (a, b, c):
+        for client in (a, b, c, watch):
             client.close()
 
 
@@ -245,13 +246,15 @@ def test_source_killed_mid_transfer(spawn_worker: Callable[..., WorkerProcess]) 
         start = time.monotonic()
         copy = a.copy_tensor_async(src, dst)
         queued = b.get_tensor_async(small)      # behind the PEER_RECV in B's queue
-        time.sleep(0.05)
+        wait_until(lambda: receiving(other), 3, "B started receiving the copy")
         wa.terminate(signal.SIGKILL)
-        while not copy.done():                  # other sessions of B go on meanwhile
+
+        def pinged_until_failed() -> bool:      # other sessions of B go on meanwhile
             t0 = time.monotonic()
             other.ping()
             assert time.monotonic() - t0 < 1.0
-            time.sleep(0.05)
+            return copy.done()
+        wait_until(pinged_until_failed, 4.5, "the copy failed", interval=0.05)
         with pytest.raises((TransferError, ConnectionLost)):
             copy.result()
         assert time.monotonic() - start < 4.5
@@ -568,7 +571,8 @@ def pending_recv(client: Client, dst: RemoteTensor, tok: bytes,
     held = client.connection.call(Cmd.PEER_RECV, wire.PeerRecv(token=tok, dst=dst.ref,
                                                      timeout_ms=timeout_ms))
     queued = client.get_tensor_async(dst)
-    time.sleep(0.3)
+    with Client(client.endpoint) as watch:
+        wait_until(lambda: receiving(watch), 5, "the PEER_RECV started on the worker")
     assert not held.done()
     return held, queued
 
@@ -688,7 +692,7 @@ def test_stashed_transfer_gets_one_reply(trio: list[Client], total: int,
     tok = token()
     pusher(b.info.peer_endpoint).send_multipart(
         [wire.encode_peer(wire.Chunk(tok, 0, 1, 0, total, "x")), bytes(64)])
-    time.sleep(0.3)
+    time.sleep(0.3)                 # the chunk stashes first (B's stash: no client-side event)
     dst = p.TensorRef(buffer=1, dtype=DType.UINT8, shape=(64,), strides=(1,), offset=0)
     dealer.send(p.encode_request(Cmd.PEER_RECV, 3, wire.PeerRecv(token=tok, dst=dst,
                                                                  timeout_ms=2000)))
@@ -1022,7 +1026,7 @@ def test_first_copy_and_hand_off_wait_for_their_probe_without_blocking(
     a.set_tensor_async(xa, np.full(64, 5.0, np.float32))
     sent = a.run_async(ga, send=[h])
     got = b.run_async(gb, receive=[h], fetch=[yb])
-    time.sleep(0.2)
+    time.sleep(0.2)                 # nothing may finish meanwhile: a real duration
     assert not copy.done() and not overwrite.done() and not sent.done()
     gate.set_result(None)
     copy.result(timeout=10)

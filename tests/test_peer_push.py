@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from waiting import wait_until
 from zmq_rpc.broker.keys import KeyPair
 from zmq_rpc.broker.protocol import WireError
 from zmq_rpc.broker.zap import KeySet
@@ -58,10 +59,7 @@ def test_a_disconnection_is_seen_once(links: PushLinks) -> None:
         assert not links.disconnected(endpoint)
     finally:
         pull.close(linger=0)
-    deadline = time.monotonic() + 5
-    while not links.disconnected(endpoint):
-        assert time.monotonic() < deadline, "the link never reported its peer gone"
-        time.sleep(0.01)
+    wait_until(lambda: links.disconnected(endpoint), 5, "the link reported its peer gone")
     assert not links.disconnected(endpoint)               # said once
     assert not links.disconnected("tcp://127.0.0.1:9")    # never opened: nothing to say
 
@@ -104,13 +102,6 @@ def test_an_endpoint_refused_by_security_opens_no_socket(links: PushLinks) -> No
     assert len(links) == 0
 
 
-def _until(check: object, what: str, limit: float = 5.0) -> None:
-    deadline = time.monotonic() + limit
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def test_a_link_is_lost_once_its_connection_drops_and_counted_from_the_later_moment(
         links: PushLinks) -> None:
     pull = links.ctx.socket(zmq.PULL)
@@ -118,11 +109,11 @@ def test_a_link_is_lost_once_its_connection_drops_and_counted_from_the_later_mom
         pull.bind("tcp://127.0.0.1:*")
         endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
         links.get(endpoint)
-        _until(lambda: links.lost_for(endpoint, 0.0) is None and links.states[endpoint].up,
-               "the link never connected")                      # up: not lost
+        wait_until(lambda: links.lost_for(endpoint, 0.0) is None and links.states[endpoint].up,
+                   5.0, "the link connected")                   # up: not lost
     finally:
         pull.close(linger=0)
-    _until(lambda: links.lost_for(endpoint, 0.0) is not None, "the drop was never seen")
+    wait_until(lambda: links.lost_for(endpoint, 0.0) is not None, 5.0, "the drop was seen")
     lost = links.lost_for(endpoint, 0.0)
     assert lost is not None and 0 <= lost < 1                        # since the drop
     assert links.lost_for(endpoint, time.monotonic() + 10) == 0     # needed from later: 0
@@ -136,5 +127,5 @@ def test_a_link_that_never_connects_is_lost_after_the_heartbeat_bound(
     dead_end = "tcp://127.0.0.1:9"                                   # nothing listens there
     links.get(dead_end)
     assert links.lost_for(dead_end, 0.0) is None                    # still connecting
-    _until(lambda: links.lost_for(dead_end, 0.0) is not None, "never declared lost")
+    wait_until(lambda: links.lost_for(dead_end, 0.0) is not None, 5.0, "declared lost")
     assert not links.states[dead_end].was_up

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import zmq
+from waiting import wait_until
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import DType, TensorRef
 from zmq_rpc.worker.backends.numpy_backend import NumpyBackend
@@ -33,12 +34,19 @@ def _receive(links: PeerLinks, source: str, timeout_ms: int = 60_000) -> list[st
 
 
 def _expire_until(links: PeerLinks, outcomes: list[str | None], limit: float) -> float:
-    start = time.monotonic()
-    while not outcomes:
-        assert time.monotonic() - start < limit, "the receive was never failed"
+    """Run the backend thread's expiry chore until the receive is failed; the seconds it took."""
+    def failed() -> bool:
         links.expire(time.monotonic())
-        time.sleep(0.01)
-    return time.monotonic() - start
+        return bool(outcomes)
+    return wait_until(failed, limit, "the receive was failed")
+
+
+def _expire_until_up(links: PeerLinks, source: str, limit: float) -> None:
+    """Run the expiry chore (which reads the link's monitor) until the watch link is up."""
+    def up() -> bool:
+        links.expire(time.monotonic())
+        return links.links.states[source].up
+    wait_until(up, limit, "the watch link connected")
 
 
 def test_a_receive_fails_naming_the_link_once_the_senders_link_is_lost() -> None:
@@ -50,11 +58,7 @@ def test_a_receive_fails_naming_the_link_once_the_senders_link_is_lost() -> None
     try:
         outcomes = _receive(links, source)
         assert source in links.links                       # opened to watch the sender
-        deadline = time.monotonic() + 5
-        while not links.links.states[source].up:
-            assert time.monotonic() < deadline, "the watch link never connected"
-            links.expire(time.monotonic())
-            time.sleep(0.01)
+        _expire_until_up(links, source, 5)
         links.expire(time.monotonic() + 0.5)
         assert not outcomes                                 # the link is up: it waits
         sender.close(linger=0)                              # the sender is gone

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import WorkerProcess
+from waiting import wait_until
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.protocol import Cmd, DType
@@ -54,9 +55,15 @@ d.recv_multipart()
 ref = p.TensorRef(buffer=1, dtype=DType.UINT8, shape=(65536,), strides=(1,), offset=0)
 header = p.encode_request(Cmd.SET_TENSOR, 3, p.SetTensor(tensor=ref))
 print("flooding", flush=True)
-end, n = time.monotonic() + seconds, 0
+end, n, full = time.monotonic() + seconds, 0, False
 while time.monotonic() < end and n < 200_000:
-    d.send_multipart([header, bytes(65536)])
+    try:
+        d.send_multipart([header, bytes(65536)], flags=zmq.NOBLOCK)
+    except zmq.Again:               # the worker's queues and this socket's are full
+        if not full:
+            print("full", flush=True)
+            full = True
+        d.send_multipart([header, bytes(65536)])
     n += 1
 print("sent", n, flush=True)
 d.close(linger=0)
@@ -75,7 +82,7 @@ def ping_ms(client: Client, count: int) -> list[float]:
         start = time.perf_counter()
         client.ping()
         out.append((time.perf_counter() - start) * 1e3)
-        time.sleep(0.002)
+        time.sleep(0.002)           # a user's pace, not back to back: a measurement, not a wait
     return out
 
 
@@ -90,7 +97,7 @@ def test_flooding_session_does_not_starve_another(
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert flood.stdout is not None and flood.stdout.readline().startswith("flooding")
-        time.sleep(1.0)                                # the queues are full by now
+        assert flood.stdout.readline().startswith("full"), "the flooder never filled its queues"
         busy_samples = ping_ms(client, 300)
         rss = rss_mib(worker.proc.pid)
     finally:
@@ -126,8 +133,8 @@ end = time.monotonic() + seconds
 while time.monotonic() < end:       # never blocks: it closes on time, whatever the worker does
     try:
         d.send_multipart([header, bytes(4096)], flags=zmq.NOBLOCK)
-    except zmq.Again:
-        time.sleep(0.001)
+    except zmq.Again:               # full: wait until it takes more, or at most 1 ms
+        d.poll(1, zmq.POLLOUT)
 d.close(linger=0)
 ctx.term()
 """
@@ -157,10 +164,11 @@ def test_a_flooder_resetting_its_connection_does_not_kill_the_worker(
                                     stdout=subprocess.PIPE, text=True)
         try:
             assert resetter.stdout is not None and resetter.stdout.readline().startswith("flooding")
-            time.sleep(0.5)                               # its replies pile up unread
+            time.sleep(0.5)           # the scenario: the run starts mid-flood, so the reset
+                                      # comes while the backend is busy
             run = client.run_async(busy, fetch=[out])     # the backend is busy for ~3 s
             assert resetter.wait(30) == 0                 # closed with its pipe full: a reset
-            time.sleep(1.5)                               # past the old heartbeat interval
+            time.sleep(1.5)           # a real duration: past the old heartbeat interval (1 s)
             assert worker.proc.poll() is None, worker.proc.stderr.read() if worker.proc.stderr else ""
             assert run.result()[0][0] == n                # identity matrices: the sum is n
         finally:
@@ -231,14 +239,13 @@ def test_materialized_replies_count_in_memory(make_worker: Callable[..., WorkerS
     for _ in range(4):
         raw.send(Cmd.GET_TENSOR, p.GetTensor(tensor=zero_stride(1, 40 * MiB)))
     other = make_client(worker.endpoint)
-    time.sleep(2.0)
-    assert other.device_memory().free <= 24 * MiB             # one reply waits, counted
+    wait_until(lambda: other.device_memory().free <= 24 * MiB, 2.0,
+               "one 40 MiB reply waits for the client, counted in --mem")
     with pytest.raises(OutOfMemory):
         other.alloc_buffer(32 * MiB)
     raw.sock.close(linger=0)                                  # gone: its replies with it
-    deadline = time.monotonic() + 10
-    while other.device_memory().free < 64 * MiB - 64 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: other.device_memory().free >= 64 * MiB - 64, 10,
+               "the gone client's replies were given back")
     assert other.device_memory().free == 64 * MiB - 64        # all given back (but its buffer)
 
 
@@ -333,15 +340,15 @@ def test_silent_sessions_make_room_when_memory_is_short(
         raw.call(Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=1 * MiB))
         raw.sock.close(linger=0)
     c = make_client(worker.endpoint)
-    start = time.monotonic()
-    while True:
+
+    def allocated() -> bool:
         try:
             c.alloc_buffer(32 * MiB)
-            break
         except OutOfMemory:
-            assert time.monotonic() - start < 10, "still locked out"
-            time.sleep(0.5)
-    waited = time.monotonic() - start
+            return False
+        return True
+    waited = wait_until(allocated, 10, "the closed sessions' memory was given back",
+                        interval=0.05)
     print(f"locked out for {waited:.1f} s (the session timeout is 30 s)")
     assert waited < 8
 
@@ -385,14 +392,11 @@ def test_peer_send_to_a_dead_port_fails_at_once_and_holds_nothing(
                                                   endpoint=dead, timeout_ms=60_000))
     assert reply[0] == p.ErrorCode.PEER_UNREACHABLE, reply
     assert f"cannot reach worker {dead}" in str(reply[2])
-    deadline = time.monotonic() + 5       # the peer's ack connection into this worker is closed
-    while other.device_memory().free < 64 * MiB - 64 and time.monotonic() < deadline:
-        time.sleep(0.05)                  # (counted in --mem while open: worker/peer/queue.py)
+    wait_until(lambda: other.device_memory().free >= 64 * MiB - 64, 5,   # (counted in --mem
+               "the peer's ack connection into this worker closed")  # while open: peer/queue.py)
     assert other.device_memory().free == 64 * MiB - 64       # only the session's buffer
     raw.send(Cmd.GOODBYE, p.Empty())
-    deadline = time.monotonic() + 5
-    while other.device_memory().free < 64 * MiB and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: other.device_memory().free >= 64 * MiB, 5, "GOODBYE gave all back")
     assert other.device_memory().free == 64 * MiB
 
 
@@ -529,7 +533,7 @@ def test_a_greedy_clients_queue_does_not_hold_another_clients_reply(
     futures: list[Any] = []
     for _ in range(150):
         futures += [greedy.run_async(handle), greedy.alloc_buffer_async(4096)]
-    time.sleep(0.1)                                 # the worker is into them now
+    wait_until(lambda: any(f.done() for f in futures), 10, "the worker is into greedy's requests")
     before = polite.status().buffers
     polite.ping()
     during = polite.status().buffers - before
@@ -562,7 +566,7 @@ def test_a_polite_client_waits_for_no_turn_of_the_greedy_ones(
     for _ in range(30):
         for client, handle in zip(greedy, runs):
             futures += [client.run_async(handle), client.alloc_buffer_async(4096)]
-    time.sleep(0.1)                                 # the worker is into them now
+    wait_until(lambda: any(f.done() for f in futures), 10, "the worker is into greedy's requests")
     first = polite.status_async()
     pings = [polite.ping_async() for _ in range(10)]
     second = polite.status_async()

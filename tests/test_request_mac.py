@@ -25,6 +25,7 @@ import pytest
 import zmq
 from conftest import WorkerProcess
 from test_identity import Keys, _curve_dealer
+from waiting import wait_until
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import ConnectionLost, NotAuthentic
 from zmq_rpc.broker.protocol import Cmd, ErrorCode
@@ -228,13 +229,6 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
-def _until(check: Callable[[], bool], within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def _pings(client: Client) -> bool:
     try:
         client.ping()
@@ -254,7 +248,7 @@ def test_a_client_keeps_its_session_across_a_reconnect_and_a_stranger_gets_nothi
         client.set_tensor(buf.tensor(1024), SECRET)
         rid = client.connection.options.identity
         proxy.cut()
-        _until(lambda: not _pings(client), 15, "the client never saw its connection drop")
+        wait_until(lambda: not _pings(client), 15, "the client saw its connection drop")
         attacks = _attacks(buf.handle)
         sock, header = _take_over(ctx, proc.endpoint, rid, attacks[0][1])
         assert header[0] == ErrorCode.NOT_AUTHENTIC, f"read: {header}"
@@ -262,7 +256,7 @@ def test_a_client_keeps_its_session_across_a_reconnect_and_a_stranger_gets_nothi
             assert _ask(sock, frames)[0] == ErrorCode.NOT_AUTHENTIC, what
         sock.close(linger=0)                                   # the stranger leaves
         proxy.restore()
-        _until(lambda: _pings(client), 20, "the client never reconnected")
+        wait_until(lambda: _pings(client), 20, "the client reconnected")
         np.testing.assert_array_equal(client.get_tensor(buf.tensor(1024)), SECRET)
         client.free_buffer(buf)                                # its own requests still count
     finally:

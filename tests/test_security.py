@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import WorkerProcess
+from waiting import wait_until
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.keys import (
@@ -242,13 +243,13 @@ def test_a_malformed_key_file_is_refused_by_name_and_removals_still_apply(
     with caplog.at_level(logging.ERROR, logger="zmq_rpc.zap"):
         (clients / "typo.key").write_text("public-key = not a key\n")
         (clients / "bob.key").unlink()
-        time.sleep(RESCAN_S)
+        time.sleep(RESCAN_S)        # the stated bound: handshakes from then on see the change
         assert not _accepted(endpoint, str(bob)), "a removed key stayed accepted"
         assert _accepted(endpoint, keys.secret("alice"))
     assert any("typo.key" in r.getMessage() and "refusing key file" in r.getMessage()
                for r in caplog.records)
     (clients / "typo.key").unlink()
-    time.sleep(RESCAN_S)
+    time.sleep(RESCAN_S)            # the stated bound: handshakes from then on see the change
     assert _accepted(endpoint, keys.secret("alice"))
 
 
@@ -271,6 +272,7 @@ def test_curve_bytes_on_the_wire_are_encrypted(
     listener = socket.create_server(("127.0.0.1", 0))
     seen = bytearray()
     opened: list[socket.socket] = [listener]
+    ended: list[socket.socket] = []
 
     def relay() -> None:
         conn, _ = listener.accept()
@@ -287,6 +289,7 @@ def test_curve_bytes_on_the_wire_are_encrypted(
             dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+        ended.append(src)
 
     threading.Thread(target=relay, daemon=True).start()
     marker = b"SECRET-TENSOR-BYTES!" * 50
@@ -296,7 +299,7 @@ def test_curve_bytes_on_the_wire_are_encrypted(
     c.set_tensor(t, np.frombuffer(marker, np.uint8))
     assert c.get_tensor(t).tobytes() == marker
     c.close()
-    time.sleep(0.2)
+    wait_until(lambda: opened[1] in ended, 10, "the client's connection through the relay ended")
     for sock in opened:
         sock.close()
     assert len(seen) > 2 * len(marker) and b"SECRET-TENSOR" not in seen
@@ -447,9 +450,10 @@ def test_peer_port_refuses_unauthenticated_pushers(
             push.send(wire.encode_peer(wire.Probe(os.urandom(16),
                                                    acks.getsockopt_string(zmq.LAST_ENDPOINT))),
                       zmq.NOBLOCK)
-        time.sleep(0.5)
+        zap = server._zap
+        assert zap is not None
+        wait_until(lambda: zap.refused >= 2, 0.5, "both handshakes were refused")
     assert sum("zmq-rpc-peer" in r.getMessage() for r in caplog.records) == 1  # rate-limited
-    assert server._zap is not None and server._zap.refused >= 2
     assert not acks.poll(100)
 
 
@@ -480,7 +484,9 @@ def test_made_up_chunks_do_not_deny_peer_copies(make_worker: Callable[..., Worke
     for _ in range(1100):
         attacker.send_multipart([wire.encode_peer(wire.Chunk(os.urandom(16), 0, 1, 0, 16,
                                                               "tcp://127.0.0.1:9")), bytes(16)])
-    time.sleep(0.5)
+    peers = b_srv._backend_thread.peers                   # type: ignore[union-attr]
+    wait_until(lambda: len(peers.stash) >= 1024, 10,        # its share: MAX_STASHED_PER_SENDER
+               "the flood filled its sender's share of B's stash")
     a, b = make_client(a_srv.endpoint), make_client(b_srv.endpoint)   # default client settings
     src = a.alloc_buffer(16).tensor((16,), "uint8")
     dst = b.alloc_buffer(16).tensor((16,), "uint8")
@@ -491,14 +497,14 @@ def test_made_up_chunks_do_not_deny_peer_copies(make_worker: Callable[..., Worke
             token = os.urandom(16)
             send = a.connection.call(Cmd.PEER_SEND, wire.PeerSend(token=token, src=src.ref,
                                                         endpoint=b_peer, timeout_ms=5000))
-            time.sleep(0.05)
+            wait_until(lambda token=token: token in peers.stash.entries, 10,
+                       "A's chunk was stashed on B before its receive")
             recv = b.connection.call(Cmd.PEER_RECV, wire.PeerRecv(token=token, dst=dst.ref,
                                                         timeout_ms=5000))
             send.result(timeout=10)
             recv.result(timeout=10)
         a.copy_tensor(src, dst)
     np.testing.assert_array_equal(b.get_tensor(dst), np.arange(16, dtype=np.uint8))
-    peers = b_srv._backend_thread.peers                   # type: ignore[union-attr]
     assert len(peers.stash) <= 1024 + 4
 
 
@@ -526,7 +532,9 @@ def test_attacker_strings_in_worker_logs_are_escaped(
         push.connect(peer_ep)
         push.send(wire.encode_peer(wire.Probe(os.urandom(16), "tcp://\x00bad\nline:1")))
         push.send(b"\x00garbage\n")
-        time.sleep(0.5)
+        wait_until(lambda: any("dropping a bad peer message" in r.getMessage()
+                               for r in caplog.records), 0.5,
+                   "the garbage (sent last) was logged as a bad peer message")
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert text, "nothing was logged"
     assert "\x00" not in text and "\nINFO zmq_rpc.worker: forged" not in text
@@ -598,7 +606,7 @@ def test_unresolvable_peer_names_do_not_stall_the_worker(
         start = time.monotonic()
         c.ping()
         worst = max(worst, time.monotonic() - start)
-        time.sleep(0.05)
+        time.sleep(0.05)            # pings spread over a second: a stall would fall among them
     assert worst < 3.0, f"a ping took {worst:.1f} s: the I/O thread stalled"
 
 

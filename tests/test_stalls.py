@@ -21,6 +21,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import WorkerProcess
+from waiting import wait_until
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.errors import BadRequest
 from zmq_rpc.broker.files import MAX_READS
@@ -93,10 +94,7 @@ class Pinger:
         return self.worst_between(now, time.monotonic())[0]
 
     def wait_pings(self, n: int, timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.pings) < n:
-            assert time.monotonic() < deadline, "the good client's pings are not answered"
-            time.sleep(0.01)
+        wait_until(lambda: len(self.pings) >= n, timeout, f"the good client's ping #{n} answered")
 
     @contextmanager
     def running(self) -> Iterator[Pinger]:

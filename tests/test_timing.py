@@ -54,7 +54,7 @@ def test_a_worker_queue_wait_shows_up(make_worker: Callable[..., WorkerServer],
     handle = cb.register(g)
     link = hand_off(src, dst)
     waiting = cb.run_async(handle, receive=[link])        # issued first: it must wait
-    time.sleep(0.3)
+    time.sleep(0.3)                 # the queue wait the test measures (>= 0.25 s)
     ca.set_tensor(src, np.zeros(1024, np.float32))
     g_a = Graph()
     g_a.silu(src, out=src)

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 from conftest import WorkerProcess
+from waiting import wait_until
 from zmq_rpc.client import Client, ConnectionLost, RpcError
 from zmq_rpc.worker.cli import parse_size
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
@@ -23,15 +24,6 @@ from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_goodbye_frees_the_session(worker: WorkerServer,
@@ -42,7 +34,8 @@ def test_goodbye_frees_the_session(worker: WorkerServer,
     leaving.alloc_buffer(64 << 20)
     assert observer.device_memory().free == total - (64 << 20)
     leaving.close()
-    assert wait_for(lambda: observer.device_memory().free == total)
+    wait_until(lambda: observer.device_memory().free == total, 10.0,
+               "the closed client's buffer was freed")
 
 
 def test_killed_client_session_expires(make_worker: Callable[..., WorkerServer],
@@ -58,7 +51,8 @@ def test_killed_client_session_expires(make_worker: Callable[..., WorkerServer],
                              text=True, timeout=30)
         assert "allocated" in out.stdout, out.stderr
         assert observer.device_memory().free == (256 - 100) << 20
-        assert wait_for(lambda: observer.device_memory().free == 256 << 20, timeout=10)
+        wait_until(lambda: observer.device_memory().free == 256 << 20, 10,
+                   "the dead client's session expired and its buffer was freed")
     assert any("no message for" in r.getMessage() for r in caplog.records)
     again = make_client(worker.endpoint)
     again.alloc_buffer(180 << 20)   # the memory is reusable (3/4 of --mem: one session's share)
@@ -80,7 +74,7 @@ def test_silent_client_loses_its_session(make_worker: Callable[..., WorkerServer
     worker = make_worker(session_timeout=0.5)
     client = make_client(worker.endpoint, heartbeat=30.0)   # heartbeats too rare on purpose
     buf = client.alloc_buffer(1024)
-    time.sleep(1.6)
+    time.sleep(1.6)                      # silent, longer than the session timeout
     with pytest.raises(ConnectionLost, match="no session"):
         client.get_tensor(buf.tensor(4, "int32"))
 
@@ -208,7 +202,7 @@ while True:                           # it was frozen: new calls fail until it i
         if time.monotonic() > deadline:
             outcomes["ping " + type(exc).__name__] += 1
             break
-        time.sleep(0.1)
+        time.sleep(0.1)               # (in the child: polls until the worker is back)
 print(repr(dict(outcomes)), flush=True)
 client.close()
 """
@@ -293,7 +287,7 @@ def test_ten_thousand_sessions_leave_the_worker_as_it_was(
         run(200)
         before = rss_mib(proc.proc.pid)
         run(10_000)
-        time.sleep(1.0)
+        time.sleep(1.0)         # RSS settles (the allocator gives pages back): no event to wait on
         after = rss_mib(proc.proc.pid)
         with Client(proc.endpoint, ctx=ctx) as observer:
             memory = observer.device_memory()
@@ -338,7 +332,8 @@ def test_a_frozen_or_vanished_client_has_its_session_freed_within_the_session_ti
             assert observer.device_memory().free == total - size
             client.send_signal(fault)
             start = time.monotonic()
-            assert wait_for(lambda: observer.device_memory().free == total, timeout + 10)
+            wait_until(lambda: observer.device_memory().free == total, timeout + 10,
+                       "the vanished client's memory was freed")
             freed_after = time.monotonic() - start
             print(f"{fault.name}: session freed after {freed_after:.2f} s")
             assert freed_after <= timeout + 1.5
