@@ -140,7 +140,7 @@ def test_requests_of_other_threads_go_out_while_a_sync_call_waits(
 
     def other() -> None:
         first.wait(5)
-        engine.submit(Cmd.PING, p.Empty()).result(timeout=5)
+        engine.call(Cmd.PING, p.Empty()).result(timeout=5)
         order.append("other")
     helper = threading.Thread(target=other)
     helper.start()
