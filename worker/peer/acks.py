@@ -37,8 +37,8 @@ def link_lost(me: str, peer: str, after: float, what: str) -> LinkLost:
     """The failure of a transfer whose link from worker ``me`` to worker ``peer`` was lost,
     ``after`` seconds into it: names both ends of the link (docs/FAILURES.md)."""
     return LinkLost(f"worker {me or '(no peer endpoint)'} cannot reach worker {peer}: peer "
-                    f"link lost after {after:.1f} s ({what}; the link went down: no heartbeat "
-                    "answer, or no connection: the network between the two workers failed, or "
+                    f"link lost after {after:.1f} s ({what}; the link went down: unanswered "
+                    "keepalive or unacknowledged data, or no connection: the network between the two workers failed, or "
                     "that worker stopped)")
 
 

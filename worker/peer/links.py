@@ -59,7 +59,7 @@ log = logging.getLogger("zmq_rpc.worker.peer")
 
 RECEIVE_GRACE_S = 0.5
 """Once the link to a receive's sender is lost, how long its chunks may still land (what was on
-the wire before a heartbeat timeout, or before the sender's process ended, is in by then)."""
+the wire before the link was seen lost, or before the sender's process ended, is in by then)."""
 LINK_READ_S = 0.1
 """How often every push link's monitor is read (PushLinks.read_all): a link reconnecting at
 libzmq's 100 ms interval makes at most ~2 events in that time, its pipe holds 1,000."""
@@ -195,7 +195,7 @@ class PeerLinks:
         self.receives.start(token, dst, view, timeout_ms, owner, done, watched)
 
     def _watch_link(self, source: str) -> str:
-        """Open (or reuse) the link to ``source`` so that its heartbeat tells whether the
+        """Open (or reuse) the link to ``source`` so that its TCP keepalive tells whether the
         sender is still reachable; "" when it cannot be watched (not a peer endpoint this
         worker may connect to: the receive then ends at its deadline, as before 1.9)."""
         if not source or source == self.endpoint:
@@ -329,7 +329,7 @@ class PeerLinks:
 
     def _watch_receives(self, now: float) -> None:
         """Fail each receive whose sender's link has been lost for RECEIVE_GRACE_S with
-        PEER_UNREACHABLE: with the ZMTP heartbeat that is at most LINK_LOSS_S + 0.5 s after
+        PEER_UNREACHABLE: with the links' keepalive that is at most LINK_LOSS_S + 0.5 s after
         the link went down, whatever the sender did (an unacknowledged hand-off tells the
         sender nothing)."""
         self._next_watch = now + WATCH_INTERVAL_S

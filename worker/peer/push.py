@@ -26,21 +26,30 @@ from ...broker.wire import printable
 from .endpoints import PeerSecurity
 
 MAX_LINKS = 64
-HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 1000, 3000
-"""ZMTP heartbeats on every link: a peer host that vanishes without closing its connections
-(power, cable, a partition between the two workers) is seen as disconnected at most
-:data:`LINK_LOSS_S` after its last sign of life (a ping every second, 3 s for any answer), so
-that a transfer needing the link fails within the failure contract's 6 s (docs/FAILURES.md). Safe on a
-PUSH: it takes in no messages, so its input is never stopped by an HWM, the state in which libzmq
-4.3.5's heartbeat timer aborts the process (broker/broker.py says why the client-facing ROUTER has
-no heartbeat of its own). The peer's PULL answers the pings while it reads: only a peer with 256
-unread 4 MiB chunks queued (1 GiB) could miss one."""
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 1, 1, 3
+"""TCP keepalive on every link, the kernel's liveness check: a link whose peer host vanished
+without closing its connections (power, cable, a partition between the two workers) is probed
+after 1 s without traffic and dropped after 3 unanswered probes 1 s apart, :data:`LINK_LOSS_S`
+after the last packet from the peer. Probes go only while the link has nothing unacknowledged
+in flight: a link stuck behind a busy receiver (its window closed, its probes answered) is not
+lost, and a copy into a worker that computes for a while completes. During a partition the
+*receiver's* link back to the sender, which carries only acknowledgements and is idle by then,
+is the one that tells (worker/peer/links.py watches it), well within the failure contract's 6 s
+(docs/FAILURES.md). No TCP_USER_TIMEOUT: Linux applies it to a closed window too, and dropped a
+64 MiB copy into a worker busy for 9 s after 5.5 s.
+
+Why not ZMTP heartbeats: libzmq 4.3.5 (and its master) aborts the process that *receives* a
+PING when it decodes the PING from input it kept while that connection's input was stopped by an
+HWM and the peer reset the connection (``zmtp_engine_t::process_heartbeat_message`` calls
+``out_event``, which asserts ``!_io_error``). A peer port's PULL stops its input after
+``PEER_RCVHWM`` messages, so a sending worker's pings, a reset link (a session closed
+mid-transfer) and a busy receiver aborted the receiving worker (docs/SECURITY.md)."""
 RECONNECT_IVL_MS = 100
 """How long a link waits before it reconnects (libzmq's default, made explicit): a link to a
 port that accepts and drops connections makes two monitor events per reconnect."""
-LINK_LOSS_S = (HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS) / 1000
-"""The longest a lost link goes unnoticed: one heartbeat interval, then its timeout. A link that
-has not connected within this long after it opened is lost too."""
+LINK_LOSS_S = float(KEEPALIVE_IDLE_S + KEEPALIVE_PROBES * KEEPALIVE_INTERVAL_S)
+"""The longest an idle link to a vanished peer goes unnoticed: the keepalive idle time, then its
+probes. A link that has not connected within this long after it opened is lost too."""
 
 
 @dataclass
@@ -138,8 +147,10 @@ class PushLinks:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDTIMEO, 0)     # never block the backend thread (see send)
         sock.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
         sock.setsockopt(zmq.IPV6, needs_ipv6(address))
         keys = self.security.keys
         if keys is not None and server_key is not None:
