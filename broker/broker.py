@@ -56,7 +56,7 @@ CLIENT_RCVHWM = 1024
 """Requests libzmq holds per client connection before it stops reading that client's socket:
 more than zmq-rpc's client keeps in flight (512), so our clients never stop a connection's input.
 A stopped connection that receives a ZMTP PING (our clients send one every 0.5 s) and then a
-reset aborts the process in libzmq 4.3.5 (worker/peer_push.py, docs/SECURITY.md)."""
+reset aborts the process in libzmq 4.3.5 (worker/peer/push.py, docs/SECURITY.md)."""
 CLIENT_SNDHWM = 1024
 """Replies held per client connection; more than that to a client that does not read are dropped.
 zmq-rpc's client keeps at most 512 requests in flight; replies are copied into libzmq only below

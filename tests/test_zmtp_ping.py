@@ -19,9 +19,9 @@ import zmq
 from conftest import WorkerProcess
 from zmq_rpc.broker.broker import CLIENT_RCVHWM
 from zmq_rpc.client import Client, Graph, RegisteredGraph
-from zmq_rpc.client.engine import EngineOptions
-from zmq_rpc.worker.peer_endpoints import PeerSecurity
-from zmq_rpc.worker.peer_push import PushLinks
+from zmq_rpc.client.options import ConnectionOptions
+from zmq_rpc.worker.peer.endpoints import PeerSecurity
+from zmq_rpc.worker.peer.push import PushLinks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,7 +103,7 @@ def test_a_client_never_queues_enough_to_stop_the_routers_input() -> None:
     """Our client pings (ZMTP, every 0.5 s); the worker's ROUTER stops a connection's input only
     once its pipe holds CLIENT_RCVHWM requests, more than our client keeps in flight (its
     heartbeat calls included), so our pings never meet a stopped connection."""
-    assert CLIENT_RCVHWM > EngineOptions().window + 8
+    assert CLIENT_RCVHWM > ConnectionOptions().window + 8
 
 
 def slow_graph(client: Client) -> RegisteredGraph:
