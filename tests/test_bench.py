@@ -168,6 +168,18 @@ def test_results_compare_with_the_best_baseline() -> None:
     assert _row([1.0], [1.0], True, None).passed() is None
 
 
+def test_a_row_compared_with_named_baselines_ignores_the_others_for_its_ratio() -> None:
+    """Transfer rows' targets compare with raw pyzmq (issue 25.7); raw TCP, faster, is reported
+    beside it and does not set the ratio."""
+    row = _row([0.95], [1.0], True, bench.Target(0.9, higher_is_better=True))
+    row.baselines["tcp"] = [3.0]
+    assert row.best_baseline() == "tcp" and row.passed() is False
+    row.compared_with = ("slow", "fast")
+    assert row.best_baseline() == "fast"
+    assert row.ratio() == pytest.approx(0.95) and row.passed() is True
+    assert bench.PYZMQ_BULK == ("zmq-chunked", "zmq-whole")
+
+
 def test_table_shows_figures_ratio_and_mark() -> None:
     rows = [_row([1.0, 2.0, 3.0], [2.0, 2.0, 5.0], True, bench.Target(0.9, True)),
             _row([300.0], [100.0], False, bench.Target(1.5, False))]
