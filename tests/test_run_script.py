@@ -44,7 +44,7 @@ def test_the_setup_stamp_changes_only_with_what_the_install_depends_on(tree: Pat
     run = load_run_script(tree)
     key = run.setup_key()
     assert run.setup_key() == key                               # a second run: no reinstall
-    (tree / "worker" / "executor.py").write_text("# edited\n")
+    (tree / "worker" / "dispatch" / "executor.py").write_text("# edited\n")
     assert run.setup_key() == key                               # an edit: the editable sees it
     (tree / "README.md").write_text("docs\n")
     assert run.setup_key() == key
