@@ -27,7 +27,7 @@ straight to the loop when this thread drives it), sent by the loop's ``send_back
 ``send_now``, settled by its reply (``Loop._on_reply``), its deadline or a failure. Its outcome
 goes to its future, or, for :meth:`Connection.request` on the caller's thread, onto the call.
 
-Failure detection (the README's contract): a worker that dies, freezes or becomes unreachable
+Failure detection (docs/FAILURES.md): a worker that dies, freezes or becomes unreachable
 fails every request in flight and every new one with ``ConnectionLost`` once libzmq's heartbeat
 (``zmq_heartbeat_ms``/``zmq_heartbeat_timeout_ms``, 0.5 s/5 s) or the kernel (a closed socket)
 says so; while the connection is down new requests fail at once. A worker that answers but no
