@@ -68,22 +68,9 @@ class GraphCalls:
     def run(self, graph: RegisteredGraph, inputs: Inputs = None,
             fetch: Sequence[RemoteTensor] = (), *, receive: Sequence[HandOff] = (),
             send: Sequence[HandOff] = (), hold_reply: float = 0.0) -> RunResult:
-        """Rerun a registered graph with one small message.
-
-        ``inputs`` (pairs of RemoteTensor and array, or a dict) are written first, in the same
-        message; the arrays of the ``fetch`` tensors come back in the reply, after the run.
-        ``receive`` and ``send`` are hand-offs (:func:`zmq_rpc.client.hand_off`) from and to
-        other workers' runs: the run waits for the first and pushes the second, in the same one
-        message (issue the sending run before the receiving one).
-
-        ``hold_reply`` (seconds, at most 1) lets the worker keep a run's reply back that long
-        after pushing its sends, when what it fetches is small (<= 64 KiB; it goes out sooner
-        if another reply does): a client that pipelines runs and is not waiting on this one
-        keeps the reply's wake-ups (broker, network, this process) off the CPUs the hand-off
-        needs next. Workers without the ``held-replies`` capability reply at once.
-        """
-        return self.connection.result_of(self.run_async, graph, inputs, fetch, receive=receive, send=send,
-                              hold_reply=hold_reply)
+        """:meth:`zmq_rpc.client.Client.run`, which documents it."""
+        return self.connection.result_of(self.run_async, graph, inputs, fetch, receive=receive,
+                                         send=send, hold_reply=hold_reply)
 
     def run_async(self, graph: RegisteredGraph, inputs: Inputs = None,
                   fetch: Sequence[RemoteTensor] = (), *, receive: Sequence[HandOff] = (),
