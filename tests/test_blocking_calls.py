@@ -252,11 +252,14 @@ def test_acks_are_known_by_their_bytes_at_every_id_width(
     """The request goes out as encode_request writes it (a field-less header from its cached
     head), and its Ack is recognized by its bytes whatever the width of its id (none reaches
     the general reader); nothing is left in flight. The first wait is made long enough to
-    catch every reply: with the 2 ms slice, a reply that a loaded machine delays past it is read
-    the usual way (and this test failed under two CPU hogs)."""
+    catch every reply, and a caller waits as long as the I/O thread needs to finish its round:
+    with the 2 ms slice and the 2 ms finishing wait, a loaded machine sends a request or its
+    reply the usual way (this test failed under two CPU hogs, 3 of 4 and then 1 of 4 cases)."""
+    from zmq_rpc.client import connection as connection_module
     from zmq_rpc.client import link as link_module
     from zmq_rpc.client import loop as loop_module
     monkeypatch.setattr(link_module, "WAIT_SLICE_MS", 10_000)
+    monkeypatch.setattr(connection_module, "FINISHING_WAIT", 10.0)
     engine = Engine(silent_router.getsockopt_string(zmq.LAST_ENDPOINT))
     try:
         _acks_by_their_bytes(silent_router, engine, monkeypatch, first_id, loop_module)
