@@ -25,7 +25,7 @@ from .futures import then
 from .graph import Graph
 from .peer import HandOff, run_linked
 from .peer import receive as receive_hand_off
-from .remote import Inputs, Owner, RegisteredGraph, RemoteTensor, payload_array
+from .remote import Inputs, Owner, RegisteredGraph, RemoteTensor, owned_ref, payload_array
 from .session import Session
 
 
@@ -107,10 +107,7 @@ class GraphCalls:
                              f"not of {self.session.endpoint}")
 
     def _ref(self, tensor: RemoteTensor) -> TensorRef:
-        if tensor.buffer.client is not self.owner:
-            raise BadRequest(f"{tensor!r} lives on {tensor.client.endpoint}, "
-                             f"not on {self.session.endpoint}")
-        return tensor.ref
+        return owned_ref(self.owner, tensor, self.session.endpoint)
 
     def _graph_inputs(self, inputs: Inputs) -> tuple[list[TensorRef], list[np.ndarray]]:
         pairs = list(inputs.items()) if isinstance(inputs, dict) else list(inputs or ())

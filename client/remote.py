@@ -31,6 +31,14 @@ def as_dtype(dtype: DTypeLike) -> DType:
     return DType.from_name(np.dtype(dtype).name)
 
 
+def owned_ref(owner: object, tensor: RemoteTensor, endpoint: str) -> TensorRef:
+    """``tensor``'s reference, if it lives on the worker of ``owner`` (at ``endpoint``); else
+    BadRequest."""
+    if tensor.buffer.client is not owner:
+        raise BadRequest(f"{tensor!r} lives on {tensor.client.endpoint}, not on {endpoint}")
+    return tensor.ref
+
+
 class Owner(Protocol):
     """What a handle's ``client`` (a :class:`~zmq_rpc.client.Client`) offers to the handles and
     the call modules: its session, and the calls the handles' shortcuts and the cross-worker

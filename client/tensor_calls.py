@@ -23,7 +23,7 @@ from .arrays import from_bfloat16
 from .calls import OnReply, no_result
 from .futures import all_of, then
 from .peer import copy_between
-from .remote import Owner, RemoteBuffer, RemoteTensor, payload_array
+from .remote import Owner, RemoteBuffer, RemoteTensor, owned_ref, payload_array
 from .session import Session
 
 
@@ -49,9 +49,7 @@ class TensorCalls:
                              f"not on {self.session.endpoint}")
 
     def _own(self, tensor: RemoteTensor) -> None:
-        if tensor.buffer.client is not self.owner:
-            raise BadRequest(f"{tensor!r} lives on {tensor.client.endpoint}, "
-                             f"not on {self.session.endpoint}")
+        owned_ref(self.owner, tensor, self.session.endpoint)
 
     def alloc_buffer(self, size: int) -> RemoteBuffer:
         """Allocate ``size`` bytes on the worker (raises OutOfMemory beyond its limits)."""
