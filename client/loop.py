@@ -50,6 +50,9 @@ BLOCKED_POLL_MS = 50
 """While the window is full, how often the I/O thread looks at new requests (arming their
 timeouts) when no reply comes sooner."""
 
+READ_BATCH = 1024
+"""Replies read in one round at most."""
+
 REFILL_EVERY = 16
 """While reading a batch of replies, send from the backlog after this many (keeps the window,
 and so the worker, busy)."""
@@ -330,24 +333,50 @@ class Loop:
     # ------------------------------------------------------------------------ receiving
 
     def receive(self, calls: list[Call] | None = None) -> None:
-        """Take the replies that are in (up to 1024 at a time); with ``calls`` (a blocking
-        caller's), stop once they are done. Every ``REFILL_EVERY`` replies the window is topped
-        up from the backlog (read to the end first, and the worker would run dry meanwhile)."""
+        """Take the replies that are in (up to ``READ_BATCH`` at a time); with ``calls`` (a
+        blocking caller's), stop once they are done. Every ``REFILL_EVERY`` replies the window
+        is topped up from the backlog (settle them all first, and the worker would run dry
+        meanwhile).
+
+        The I/O thread reads what is in before it settles any of it: a thread waiting on these
+        futures then wakes once per batch, not once per reply (each receive lets go of the
+        GIL, and a woken waiter would take it between every two replies)."""
         self._read(calls)
 
     def _read(self, calls: list[Call] | None) -> None:
+        if calls is not None:
+            self._read_for(calls)
+            return
+        dealer, more, replies = self.dealer, zmq.NOBLOCK, []
+        for _ in range(READ_BATCH):
+            try:
+                frame = dealer.recv(more, copy=False)
+            except zmq.Again:
+                break
+            frames = [frame]
+            while frame.more:           # the rest of a message is there with its first part
+                frame = dealer.recv(more, copy=False)
+                frames.append(frame)
+            replies.append(frames)
+        for count, frames in enumerate(replies, 1):
+            self._on_reply(frames)
+            if not count % REFILL_EVERY and self.backlog:
+                self.send_backlog()
+
+    def _read_for(self, calls: list[Call]) -> None:
+        """A blocking caller's reading: each reply settled as it comes, until ``calls`` are."""
         dealer, more = self.dealer, zmq.NOBLOCK
-        for count in range(1, 1025):
+        for count in range(1, READ_BATCH + 1):
             try:
                 frame = dealer.recv(more, copy=False)
             except zmq.Again:
                 return
             frames = [frame]
-            while frame.more:           # the rest of a message is there with its first part
+            while frame.more:
                 frame = dealer.recv(more, copy=False)
                 frames.append(frame)
             self._on_reply(frames)
-            if calls is not None and all_done(calls):
+            if all_done(calls):
                 return
             if not count % REFILL_EVERY and self.backlog:
                 self.send_backlog()
@@ -367,6 +396,11 @@ class Loop:
         received = time.perf_counter_ns() if self.trace else 0
         call.settled = True
         try:
+            if len(header) == 2 and len(frames) == 1 and header[0] == STATUS_OK:
+                ack = _ACKS.get(call.cmd)     # what decode_reply would return, as is
+                if ack is not None:
+                    settle(call, call.on_reply(ack, []) if call.on_reply else ack, None)
+                    return
             result = p.decode_reply(call.cmd, header)
             if isinstance(result, RpcError):
                 settle(call, None, result)

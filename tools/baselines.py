@@ -308,29 +308,45 @@ def _check_ok(reply: bytes) -> None:
         raise RuntimeError(f"the worker answered a raw protocol PING with an error: {reply!r:.200}")
 
 
+def _unsigned(header: bytes) -> bytes:
+    return header
+
+
 class ProtocolDealer:
     """A bare DEALER speaking zmq-rpc's protocol to a worker: HELLO once (its session is open,
     checked), then PINGs with their own request ids, each reply checked for an OK status and
     otherwise matched by nothing but its count (what our client does, minus everything that
-    makes it a client)."""
+    makes it a client). ``signed``: HELLO offers the key exchange and every PING carries the
+    session's signature (protocol 1.10, ``broker/request_mac.py``), as our client's requests
+    do; unsigned, the worker skips that check."""
 
-    def __init__(self, ctx: ZmqContext, endpoint: str) -> None:
+    def __init__(self, ctx: ZmqContext, endpoint: str, signed: bool = False) -> None:
         from ..broker import protocol as p
+        from ..broker.request_mac import Signer, derive, new_exchange
 
-        self.sock = dealer(ctx, endpoint, routing_id=b"z" + os.urandom(15))
+        routing_id = b"z" + os.urandom(15)
+        self.sock = dealer(ctx, endpoint, routing_id=routing_id)
         self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
         major, minor = p.PROTOCOL_VERSION
-        self.sock.send(p.encode_request(p.Cmd.HELLO, 1, p.Hello(major=major, minor=minor,
-                                                                client="raw-protocol")))
+        public, secret = new_exchange() if signed else (b"", b"")
+        self.sock.send(p.encode_request(p.Cmd.HELLO, 1, p.Hello(
+            major=major, minor=minor, client="raw-protocol", exchange=public)))
         reply = p.decode_reply(p.Cmd.HELLO, p.unpack_header(self.sock.recv()))
         if isinstance(reply, Exception):
             raise RuntimeError(f"the raw protocol client's HELLO was refused: {reply}")
+        self._sign: Callable[[bytes], bytes] = _unsigned
+        if signed:
+            key = derive(secret, getattr(reply, "exchange", b""), routing_id, public,
+                         getattr(reply, "exchange", b""))
+            if key is None:
+                raise RuntimeError("the worker did not answer the raw client's key exchange")
+            self._sign = Signer(key).sign
         self._encode, self._ping, self._empty = p.encode_request, p.Cmd.PING, p.Empty()
         self._next = 2
 
     def ping(self) -> None:
         """One synchronous PING."""
-        self.sock.send(self._encode(self._ping, self._next, self._empty))
+        self.sock.send(self._sign(self._encode(self._ping, self._next, self._empty)))
         self._next += 1
         _check_ok(self.sock.recv())
 
@@ -338,9 +354,10 @@ class ProtocolDealer:
         """``count`` PINGs with up to ``window`` in flight, all from this thread."""
         sent = received = 0
         sock, encode, ping, empty = self.sock, self._encode, self._ping, self._empty
+        sign = self._sign
         while received < count:
             while sent < count and sent - received < window:
-                sock.send(encode(ping, self._next + sent, empty))
+                sock.send(sign(encode(ping, self._next + sent, empty)))
                 sent += 1
             _check_ok(sock.recv())
             received += 1

@@ -257,22 +257,27 @@ WINDOW = 512
 """Requests kept in flight by the pipelined baseline (the client's default window)."""
 
 
-def _raw_protocol(ctx: BenchContext) -> bl.ProtocolDealer:
-    """A bare DEALER speaking our protocol to the first worker, closed when the run ends."""
-    raw = bl.ProtocolDealer(ctx.zmq_ctx, ctx.client.endpoint)
+def _raw_protocol(ctx: BenchContext, signed: bool = True) -> bl.ProtocolDealer:
+    """A bare DEALER speaking our protocol to the first worker, closed when the run ends.
+    ``signed`` (the targets' baseline): its requests carry the session's signature, as our
+    client's do, so the worker does the same work for both; unsigned, it skips that check
+    (shown beside, without a target)."""
+    raw = bl.ProtocolDealer(ctx.zmq_ctx, ctx.client.endpoint, signed=signed)
     ctx.resources.callback(raw.close)
     return raw
 
 
 @register_case("rtt", "tiny request round trip (ping) vs a raw DEALER speaking our protocol to "
-               "the same worker, and vs a raw DEALER->ROUTER echo")
+               "the same worker (signed as ours, and unsigned), and vs a raw DEALER->ROUTER "
+               "echo")
 def case_rtt(ctx: BenchContext) -> list[CaseResult]:
     """Per-call latency in µs, ours, the raw protocol's and the echo's calls alternating."""
     client = ctx.client
     sock = ctx.baseline_socket("echo")
-    raw = _raw_protocol(ctx)
+    raw, unsigned = _raw_protocol(ctx), _raw_protocol(ctx, signed=False)
     runners = {"ours": lambda: elapsed(client.ping) * 1e6,
                "raw-protocol": lambda: elapsed(raw.ping) * 1e6,
+               "raw-unsigned": lambda: elapsed(unsigned.ping) * 1e6,
                "zmq-echo": lambda: elapsed(lambda: bl.echo_once(sock, TINY)) * 1e6}
     reps = ctx.reps(2000, 300)
     with ctx.progress(reps, "rtt") as bar:
@@ -280,7 +285,8 @@ def case_rtt(ctx: BenchContext) -> list[CaseResult]:
     rows = [("rtt", "median", "zmq-echo", Target(1.5, higher_is_better=False)),
             ("rtt p99", "p99", "zmq-echo", None),
             ("rtt vs raw protocol", "median", "raw-protocol", Target(1.2, higher_is_better=False)),
-            ("rtt p99 vs raw protocol", "p99", "raw-protocol", None)]
+            ("rtt p99 vs raw protocol", "p99", "raw-protocol", None),
+            ("rtt vs raw unsigned", "median", "raw-unsigned", None)]
     return [CaseResult("rtt", label, "µs", samples["ours"], {base: samples[base]},
                        target, higher_is_better=False, stat=stat)
             for label, stat, base, target in rows]
@@ -304,12 +310,14 @@ def case_pipelined(ctx: BenchContext) -> list[CaseResult]:
     (for the 5x check)."""
     client = ctx.client
     sock = ctx.baseline_socket("echo")
-    raw = _raw_protocol(ctx)
+    raw, unsigned = _raw_protocol(ctx), _raw_protocol(ctx, signed=False)
     count = ctx.reps(10_000, 2_000)
     sync_count = ctx.reps(1_000, 200)
     runners = {
         "ours": lambda: count / elapsed(lambda: _ours_pipelined(client, count)) / 1e3,
         "raw-protocol": lambda: count / elapsed(lambda: raw.pipelined(count, WINDOW)) / 1e3,
+        "raw-unsigned": lambda: count / elapsed(
+            lambda: unsigned.pipelined(count, WINDOW)) / 1e3,
         "zmq-echo": lambda: count / elapsed(
             lambda: bl.echo_pipelined(sock, count, WINDOW, TINY)) / 1e3,
         "ours-sync": lambda: sync_count / elapsed(lambda: _ours_sync(client, sync_count)) / 1e3,
@@ -324,6 +332,8 @@ def case_pipelined(ctx: BenchContext) -> list[CaseResult]:
         CaseResult("pipelined", "pipelined vs raw protocol", "kcalls/s", samples["ours"],
                    {"raw-protocol": samples["raw-protocol"]}, Target(0.6, higher_is_better=True),
                    higher_is_better=True),
+        CaseResult("pipelined", "pipelined vs raw unsigned", "kcalls/s", samples["ours"],
+                   {"raw-unsigned": samples["raw-unsigned"]}, None, higher_is_better=True),
         CaseResult("pipelined", "pipelined vs own sync", "kcalls/s", samples["ours"],
                    {"ours-sync": samples["ours-sync"]}, Target(5.0, higher_is_better=True),
                    higher_is_better=True),
