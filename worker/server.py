@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import zmq
@@ -32,6 +33,7 @@ from ..broker.protocol import ErrorCode
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .backends.base import Backend
 from .dispatch.executor import DRAIN_BATCH, Executor
+from .dispatch.frames import recv_message, send_message
 from .dispatch.inbox import READ_AHEAD_EVERY_NS, Inbox
 from .files.model_files import ModelFiles
 from .files.tensor_cache import TensorCache
@@ -231,7 +233,7 @@ class BackendThread(threading.Thread):
                                    advertise=self.peer_advertise,
                                    stash_limit=max(self.limits.memory_limit // 4, 64 << 20),
                                    security=self.peer_security)
-            self.executor = Executor(self.backend, self.limits, pair.send_multipart,
+            self.executor = Executor(self.backend, self.limits, partial(send_message, pair),
                                      self.server_name, self.peers, metrics=self.metrics,
                                      keys=self.client_keys)
             self.executor.serve_files(*self.disk)
@@ -322,7 +324,7 @@ class BackendThread(threading.Thread):
             taken = inbox.take()
             if taken is None:       # nothing read ahead: the PAIR's next message, handled as is
                 try:
-                    taken = pair.recv_multipart(zmq.NOBLOCK, copy=False), 0
+                    taken = recv_message(pair), 0
                 except zmq.Again:
                     return
             started = time.perf_counter_ns()
@@ -342,7 +344,7 @@ class BackendThread(threading.Thread):
         inbox = self.inbox
         while not inbox.full():
             try:
-                inbox.put(pair.recv_multipart(zmq.NOBLOCK, copy=False))
+                inbox.put(recv_message(pair))
             except zmq.Again:
                 return
 
