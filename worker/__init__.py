@@ -9,7 +9,8 @@ modules, and none imports anything on import:
 - ``dispatch``: the request path: ``inbox`` (requests read ahead from the PAIR, handed on one
   client at a time in turn), ``executor`` (sessions' queues and the ``Cmd -> Route`` dispatch
   table), ``self_report`` (HELLO's reply, STATUS, capabilities, the metrics' gauges), ``outbox``
-  (replies to the broker, zero-copy tracking, held replies first) (backend).
+  (replies to the broker, zero-copy tracking, held replies first), ``frames`` (whole messages in
+  and out of the PAIR) (backend).
 - ``sessions``: ``session`` (``Session``, ``Buffer``, ``WorkerLimits``, and the dispatch vocabulary:
   ``Request``, ``Route``, admissions and outcomes), ``views`` (checked views of
   buffers), ``table`` (HELLO, ``--max-sessions``, closing a session: what it frees and fails),
