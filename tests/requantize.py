@@ -130,7 +130,8 @@ def q4_k_m_types(i: int, n_layers: int) -> dict[str, GT]:
 
 
 MIXES: dict[str, Callable[[int, int], dict[str, GT]]] = {
-    "every-type": lambda i, n: layer_types(i), "q4_k_m": q4_k_m_types}
+    "every-type": lambda i, n: layer_types(i), "q4_k_m": q4_k_m_types,
+    "f16": lambda i, n: dict.fromkeys(layer_types(i), GT.F16)}
 """The layer mixes :func:`write_requantized` writes, by name."""
 
 
@@ -143,9 +144,9 @@ def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
         writer.add_key_value(name, field.contents(), vtype, sub)
 
 
-def write_requantized(src: Path, dst: Path, mix: str = "every-type") -> Path:
+def write_requantized(src: Path, dst: Path, mix: str = "every-type", embd: GT = GT.Q8_0) -> Path:
     """Write ``src`` (a llama GGUF) re-quantized per the layer mix ``mix`` (:data:`MIXES`) to
-    ``dst`` (atomically). ``token_embd`` becomes Q8_0 and norms stay float32;
+    ``dst`` (atomically). ``token_embd`` becomes ``embd`` and norms stay float32;
     ``general.file_type`` is copied unchanged (so it lies, as it does after llama.cpp requantizes:
     readers must trust each tensor's own type). Deterministic: the same ``src`` and ``mix`` give
     the same bytes."""
@@ -164,7 +165,7 @@ def write_requantized(src: Path, dst: Path, mix: str = "every-type") -> Path:
         elif t.name.startswith("blk."):
             qtype = types(int(parts[1]), n_layers)[parts[2]]
         else:
-            qtype = GT.Q8_0
+            qtype = embd
         data = quantize(values, qtype)
         if qtype in (GT.F32, GT.F16):
             writer.add_tensor(t.name, data)
