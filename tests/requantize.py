@@ -103,12 +103,16 @@ def quantize(values: np.ndarray, qtype: GT) -> np.ndarray:
 
 def layer_types(i: int) -> dict[str, GT]:
     """The mix the requantized SmolLM2 uses: every packed type appears (K-quants where K % 256 == 0,
-    i.e. ffn_down's 1536 inputs; Q/K/V and gate/up share one type within a layer)."""
+    i.e. ffn_down's 1536 inputs). Q/K/V share one type in even layers; in odd ones attn_k takes
+    another (F16 and BF16 among them), so q | k | v are three products, q and v of one type. Gate/up
+    differ in every third layer."""
     qkv = (GT.Q5_0, GT.Q5_1, GT.Q4_0, GT.Q8_0, GT.Q4_1)[i % 5]
+    k = (GT.F16, GT.Q5_1, GT.BF16, GT.Q4_0, GT.Q8_0, GT.Q4_1, GT.Q5_0)[i % 7] if i % 2 else qkv
     ffn = (GT.Q5_0, GT.Q4_0, GT.Q5_1, GT.Q8_0)[i % 4]
-    return {"attn_q": qkv, "attn_k": qkv, "attn_v": qkv,
+    up = (GT.Q5_0, GT.Q4_0, GT.Q5_1, GT.Q8_0)[(i + 1) % 4] if i % 3 == 0 else ffn
+    return {"attn_q": qkv, "attn_k": k, "attn_v": qkv,
             "attn_output": (GT.F16, GT.BF16, GT.Q5_0, GT.Q4_1, GT.Q8_0)[i % 5],
-            "ffn_gate": ffn, "ffn_up": ffn, "ffn_down": (GT.Q4_K, GT.Q6_K, GT.Q5_K)[i % 3]}
+            "ffn_gate": ffn, "ffn_up": up, "ffn_down": (GT.Q4_K, GT.Q6_K, GT.Q5_K)[i % 3]}
 
 
 def use_more_bits(i: int, n_layers: int) -> bool:
