@@ -68,6 +68,9 @@ TOLERANCES = {
     "smollm2_q4_k_m": Tolerance(typical=0.95, worst=3.8),   # measured 0.77 / 3.50
     "smollm2_f16": Tolerance(typical=0.03, worst=0.08),     # measured 0.014 / 0.048
 }
+N_CTX = 64
+"""Context of the models under test: the longest sequence compared is 49 tokens (attention reads
+all ``n_ctx`` cache rows at every step, so a small context keeps the suite quick)."""
 MARGIN = 0.5
 """llama.cpp's top-1/top-2 margin above which our top-1 must be its top-1. Measured: on the Q4_1
 and Q4_K_M files our top-1 differs only where that margin is at most 0.14 (7 of 202 positions);
@@ -191,22 +194,23 @@ class Differences:
         assert self.max_abs <= tolerance.worst, f"{what}: {self.worst}"
 
 
-def run_oracle(name: str, model: LlamaGGUF, clients: list[Client], workers: tuple[int, ...],
-               decode: int | None = None) -> None:
-    """Tokenization, then teacher-forced logits of every prompt against llama.cpp's, on each of
-    ``workers`` worker counts; ``decode``: on the last count also prompt ``decode`` through
+def run_oracle(name: str, model: LlamaGGUF, clients: list[Client],
+               runs: dict[int, tuple[int, ...]], decode: int | None = None) -> None:
+    """Tokenization of every prompt, then teacher-forced logits against llama.cpp's: ``runs``
+    maps a worker count to the prompts passed through it (a full pass costs ~1 s per 16 tokens
+    on a loaded 2-core machine); ``decode``: on the last count also prompt ``decode`` through
     prefill + one-token decode steps (the graphs a generation runs)."""
     oracle = load_oracle(name)
     model = checked_model(oracle, model)
     tok = load_tokenizer(model)
     for i, prompt in enumerate(oracle.prompts):
         assert tok.encode(prompt) == oracle.arrays[f"p{i}_prompt_ids"].tolist(), prompt
-    for n in workers:
+    for n, prompts in runs.items():
         found = Differences()
-        with LlamaModel.load(model, clients[:n]) as m:
-            for i in range(len(oracle.prompts)):
+        with LlamaModel.load(model, clients[:n], n_ctx=N_CTX) as m:
+            for i in prompts:
                 found.add(oracle, i, m.forward_full(oracle.ids(i)))
-            if decode is not None and n == workers[-1]:
+            if decode is not None and n == max(runs):
                 ids, n_prompt = oracle.ids(decode), oracle.arrays[f"p{decode}_prompt_ids"].size
                 m.reset()
                 found.add(oracle, decode, m.prefill(ids[:n_prompt])[None], n_prompt - 1)
@@ -219,20 +223,20 @@ def run_oracle(name: str, model: LlamaGGUF, clients: list[Client], workers: tupl
 def test_smollm2_q4_1_matches_llama_cpp(clients: list[Client]) -> None:
     """The GGUF the package ships (Q4_1 matrices, Q8_0 embeddings), teacher-forced full passes on
     one worker (two workers: the tests below)."""
-    run_oracle("smollm2_q4_1", load_gguf(require_model_path()), clients, workers=(1,))
+    run_oracle("smollm2_q4_1", load_gguf(require_model_path()), clients, {1: (0, 1, 2)})
 
 
 @pytest.mark.timeout(300)
 def test_q4_k_m_mixed_types_match_llama_cpp_on_1_and_2_workers(clients: list[Client]) -> None:
     """Every layer mixes types inside Q/K/V and gate/up (Q5_0 + Q8_0) with ffn_down Q4_K/Q6_K:
-    full passes, and on 2 workers the chat prompt through prefill + decode steps (the one-token
-    graphs rope and attend differently)."""
+    full passes (two prompts on 1 worker, all three on 2), and on 2 workers the chat prompt
+    through prefill + decode steps (the one-token graphs rope and attend differently)."""
     model = requantized("q4_k_m")
     kinds = {(t.name.split(".")[2], t.qtype) for t in model.tensors.values()
              if t.name.startswith("blk.0.")}
     assert {("attn_q", "q5_0"), ("attn_v", "q8_0"), ("ffn_gate", "q5_0"),
             ("ffn_up", "q8_0")} <= kinds
-    run_oracle("smollm2_q4_k_m", model, clients, workers=(1, 2), decode=1)
+    run_oracle("smollm2_q4_k_m", model, clients, {1: (0, 1), 2: (0, 1, 2)}, decode=1)
 
 
 @pytest.mark.timeout(300)
@@ -240,4 +244,4 @@ def test_f16_matches_llama_cpp_closely_on_2_workers(clients: list[Client]) -> No
     """F16 weights everywhere: llama.cpp rounds activations only to f16, so the graphs must agree
     to a few hundredths (a wrong rope, norm or attention detail shows here even where the 8-bit
     files' tolerance would hide it)."""
-    run_oracle("smollm2_f16", requantized("f16", embd="F16"), clients, workers=(2,))
+    run_oracle("smollm2_f16", requantized("f16", embd="F16"), clients, {2: (0, 1, 2)})
