@@ -506,7 +506,7 @@ def kquant_gguf(gguf: LlamaGGUF) -> LlamaGGUF:
     outside the repository and reused."""
     from requantize import cache_dir, write_requantized
     from zmq_rpc.client.gguf_model import load_gguf
-    path = cache_dir() / f"smollm2-mixed-{gguf.path.stat().st_size}-v1.gguf"
+    path = cache_dir() / f"smollm2-mixed-{gguf.path.stat().st_size}-v2.gguf"
     if not path.exists():
         write_requantized(gguf.path, path)
     return load_gguf(path)
@@ -517,9 +517,10 @@ def test_kquant_model_greedy_tokens_match_reference_on_1_and_2_worker_processes(
         kquant_gguf: LlamaGGUF, prompt_ids: list[int],
         spawn_worker: Callable[..., Any]) -> None:
     """A file with Q4_K, Q5_K, Q6_K, Q4_0, Q5_0, Q5_1, Q8_0, Q4_1, F16 and BF16 matrices (and a
-    ``general.file_type`` that says Q4_1 for all of them) on worker subprocesses, default
-    settings: greedy tokens identical to the numpy reference forward over gguf's dequantized
-    weights."""
+    ``general.file_type`` that says Q4_1 for all of them), mixed inside layers (q | k | v as
+    three products in half the layers, gate | up as two in a third), on worker subprocesses,
+    default settings: greedy tokens identical to the numpy reference forward over gguf's
+    dequantized weights; also with ``weights="f32"`` (any types stack into one f32 matrix)."""
     kinds = {t.qtype for t in kquant_gguf.tensors.values()}
     assert kinds == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
                      "q4_k", "q5_k", "q6_k"}
@@ -533,6 +534,8 @@ def test_kquant_model_greedy_tokens_match_reference_on_1_and_2_worker_processes(
                 assert m.generate(prompt_ids, N_NEW, stop_ids=()) == expected, f"{n} worker(s)"
                 assert m.load_stats is not None
                 assert m.load_stats.resident_bytes <= 1.3 * m.load_stats.weight_bytes
+        with LlamaModel.load(kquant_gguf, clients, weights="f32") as m:
+            assert m.generate(prompt_ids, N_NEW, stop_ids=()) == expected, "f32 weights"
     finally:
         for c in clients:
             c.close()

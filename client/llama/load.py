@@ -4,7 +4,8 @@ Loading sends the weights in their compact GGUF form (Q4_1 layers, Q8_0 ``token_
 as the file lays them out: each stage's tensors form a few contiguous ranges of the mapped file
 (:func:`file_runs`), sent zero-copy in chunk-sized messages into one staging buffer per worker. One
 graph per stage then lays them out there as the stage graphs read them (Q/K/V and gate/up
-stacked; in the form the :class:`~.weights.WeightFormat` says) and the staging buffer is freed.
+stacked where the :class:`~.weights.WeightFormat` can hold them as one matrix, in the form it
+says) and the staging buffer is freed.
 
 Nothing waits between those steps: a worker runs a session's requests in the order they were
 sent, so :meth:`WeightLoader.start` issues every stage's allocations, fills and build at once (the
@@ -33,7 +34,7 @@ from ..graph import Graph
 from .plan import FUSED, NORMS, Stage, head_tensor, layer_tensor, stage_sources, vocab_tables
 from .source import StageSource, WeightSource
 from .staged import Staged
-from .weights import LayerWeights, WeightFormat
+from .weights import LayerWeights, Product, StackedLinear, WeightFormat
 
 __all__ = ["ALIGN", "KERNEL_TIMEOUT", "Layout", "LoadStats", "PendingLoad", "Progress",
            "WeightLoader", "file_runs"]
@@ -302,14 +303,19 @@ class WeightLoader:
         placed = layout.bind(buffer)
         g = Graph()
         for name, sources in fills:
-            qtype = self.gguf.tensors[sources[0]].qtype
-            if qtype == "f32":                      # the norms
+            qtypes = [self.gguf.tensors[s].qtype for s in sources]
+            if qtypes[0] == "f32":                  # the norms
                 g.cpy(staged.tensors[sources[0]], placed[name])
             else:
-                self.fmt.fill(g, [staged.tensors[s] for s in sources], qtype, placed[name])
+                self.fmt.fill(g, [staged.tensors[s] for s in sources], qtypes, placed[name])
         built = stage.client.compute_async(g)
         self._bind_weights(stage, placed)
         return [built, staged.buffer.free_async()]
+
+    def _groups(self, layer: int, parts: Sequence[str]) -> list[list[GGUFTensor]]:
+        """The resident matrices of one fused linear: its GGUF tensors in runs the format
+        stacks as one (all of them, unless their types or row sizes differ)."""
+        return self.fmt.groups([layer_tensor(self.gguf, layer, p) for p in parts])
 
     def _resident_layout(self, stage: Stage) -> tuple[Layout, list[tuple[str, list[str]]]]:
         """Where each resident weight goes, and the GGUF tensors (stacked by rows) filling it."""
@@ -320,10 +326,10 @@ class WeightLoader:
                 layout.add(f"{i}.{norm}", (d,), "float32")
                 fills.append((f"{i}.{norm}", [f"blk.{i}.{norm}.weight"]))
             for name, parts in FUSED.items():
-                tensors = [layer_tensor(self.gguf, i, p) for p in parts]
-                rows = sum(t.data.shape[0] for t in tensors)
-                layout.add(f"{i}.{name}", fmt.resident_shape(tensors[0], rows), fmt.dtype)
-                fills.append((f"{i}.{name}", [t.name for t in tensors]))
+                for j, tensors in enumerate(self._groups(i, parts)):
+                    rows = sum(t.data.shape[0] for t in tensors)
+                    layout.add(f"{i}.{name}.{j}", fmt.resident_shape(tensors[0], rows), fmt.dtype)
+                    fills.append((f"{i}.{name}.{j}", [t.name for t in tensors]))
         if stage.last:
             for name in vocab_tables(self.gguf):
                 t = self.gguf.tensors[name]
@@ -336,8 +342,7 @@ class WeightLoader:
     def _bind_weights(self, stage: Stage, placed: dict[str, RemoteTensor]) -> None:
         fmt = self.fmt
         for i in stage.layers:
-            linear = {name: fmt.linear(placed[f"{i}.{name}"], self._fused_qtype(i, parts))
-                      for name, parts in FUSED.items()}
+            linear = {name: self._product(placed, i, name, parts) for name, parts in FUSED.items()}
             stage.weights.append(LayerWeights(placed[f"{i}.attn_norm"],
                                               placed[f"{i}.ffn_norm"], linear))
         if stage.last:
@@ -347,11 +352,10 @@ class WeightLoader:
             head = head_tensor(self.gguf)
             stage.lm_head = fmt.linear(placed[head.name], head.qtype)
 
-    def _fused_qtype(self, layer: int, parts: Sequence[str]) -> str:
-        """The one qtype of weights stacked into one matmul (Q/K/V, gate/up)."""
-        kinds = {(t.qtype, t.data.shape[1])
-                 for t in (layer_tensor(self.gguf, layer, p) for p in parts)}
-        if len(kinds) != 1:
-            raise ValueError(f"layer {layer}: {'/'.join(parts)} differ in qtype or row size "
-                             f"({sorted(kinds)}); they are multiplied as one stacked weight")
-        return kinds.pop()[0]
+    def _product(self, placed: dict[str, RemoteTensor], layer: int, name: str,
+                 parts: Sequence[str]) -> Product:
+        """Fused linear ``name`` of ``layer``: one matmul when its parts stack as one resident
+        matrix (the usual case: no cost), else one per run, their products concatenated."""
+        linears = tuple(self.fmt.linear(placed[f"{layer}.{name}.{j}"], tensors[0].qtype)
+                        for j, tensors in enumerate(self._groups(layer, parts)))
+        return linears[0] if len(linears) == 1 else StackedLinear(linears)

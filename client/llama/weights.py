@@ -13,13 +13,21 @@ graph multiplies by it (graph building). The rest of the model never looks at th
 - ``"f32"`` (:class:`F32Weights`): the blocks are dequantized once on the worker (``unpack`` of
   the packed form, or ``dequantize`` for Q8_0/Q4_1); every matmul reads f32 (~5x the memory).
 
+Weights the graphs use as one product (a layer's Q/K/V, its gate/up) are stacked by rows into one
+resident matrix wherever the format can hold them as one (:meth:`WeightFormat.groups`: f32 always,
+packed blocks only where the parts share a type and row size); a stack of several such groups is a
+:class:`StackedLinear`, whose product concatenates the groups' products, so the graphs see one
+(T, rows) result either way. llama.cpp's Q4_K_M files mix types inside a layer (``attn_v`` and
+``ffn_down`` one step up, Q5_0/Q8_0 where rows are not a multiple of 256): they load as two or
+three products per stack; files whose stacks agree keep one matmul each.
+
 A new mode is one subclass here and one entry in :data:`WEIGHT_FORMATS`. Plain data, no sockets:
 any thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,7 +37,7 @@ from ..gguf_model import GGUFTensor
 from ..graph import Graph, GraphTensor
 
 __all__ = ["MATMUL_QTYPES", "WEIGHT_FORMATS", "F32Weights", "LayerWeights", "Linear",
-           "PackedWeights", "WeightFormat", "WeightsMode", "weight_format"]
+           "PackedWeights", "Product", "StackedLinear", "WeightFormat", "WeightsMode", "weight_format"]
 
 WeightsMode = Literal["f32", "quantized"]
 
@@ -58,13 +66,31 @@ class Linear:
 
 
 @dataclass(frozen=True, slots=True)
+class StackedLinear:
+    """Weights stacked by rows that no one resident matrix holds (packed blocks of different
+    types or row sizes): each part is multiplied on its own and the products are concatenated
+    along the output axis, as one stacked matrix's product would lay them out."""
+
+    parts: tuple[Linear, ...]
+
+    def apply(self, g: Graph, x: GraphTensor, out: RemoteTensor | None = None) -> GraphTensor:
+        """``x @ [W_0; W_1; ...].T`` in graph ``g``: (T, sum of the parts' rows)."""
+        products = [part.apply(g, x) for part in self.parts]
+        return g.concat(*products, axis=1, out=out)
+
+
+Product = Linear | StackedLinear
+"""What a stage graph multiplies by: one resident matrix, or several stacked by their outputs."""
+
+
+@dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One transformer layer's weights on its worker: two norms and the fused linears
     (``qkv``, ``wo``, ``gate_up``, ``down``)."""
 
     attn_norm: RemoteTensor
     ffn_norm: RemoteTensor
-    linear: dict[str, Linear]
+    linear: dict[str, Product]
 
 
 class WeightFormat:
@@ -85,9 +111,26 @@ class WeightFormat:
     capability = ""
     """What each worker must advertise (HELLO capabilities) for this format; "" for nothing."""
 
-    def fill(self, g: Graph, sources: list[RemoteTensor], qtype: str, dst: RemoteTensor) -> None:
-        """Add to ``g`` the ops laying uploaded GGUF weights ``sources`` (of ``qtype``, stacked by
-        rows in this order) out in ``dst``."""
+    def groups(self, tensors: Sequence[GGUFTensor]) -> list[list[GGUFTensor]]:
+        """``tensors`` (weights stacked by rows, in order) cut into consecutive runs that each
+        fill one resident matrix: runs of one :meth:`stack_key`."""
+        runs: list[list[GGUFTensor]] = []
+        for t in tensors:
+            if runs and self.stack_key(runs[-1][-1]) == self.stack_key(t):
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        return runs
+
+    def stack_key(self, tensor: GGUFTensor) -> tuple[object, ...]:
+        """Weights stack into one resident matrix when their keys agree: by default, when they
+        share a type and row size."""
+        return tensor.qtype, tensor.shape[-1]
+
+    def fill(self, g: Graph, sources: list[RemoteTensor], qtypes: Sequence[str],
+             dst: RemoteTensor) -> None:
+        """Add to ``g`` the ops laying uploaded GGUF weights ``sources`` (of ``qtypes``, one per
+        source, stacked by rows in this order: one of :meth:`groups`' runs) out in ``dst``."""
         raise NotImplementedError
 
     def linear(self, tensor: RemoteTensor, qtype: str) -> Linear:
@@ -115,9 +158,14 @@ class F32Weights(WeightFormat):
     def resident_shape(self, tensor: GGUFTensor, rows: int) -> tuple[int, int]:
         return rows, tensor.shape[-1]
 
-    def fill(self, g: Graph, sources: list[RemoteTensor], qtype: str, dst: RemoteTensor) -> None:
+    def stack_key(self, tensor: GGUFTensor) -> tuple[object, ...]:
+        """Dequantized rows of any types stack into one f32 matrix (of one row size)."""
+        return (tensor.shape[-1],)
+
+    def fill(self, g: Graph, sources: list[RemoteTensor], qtypes: Sequence[str],
+             dst: RemoteTensor) -> None:
         row = 0
-        for src in sources:
+        for src, qtype in zip(sources, qtypes, strict=True):
             part = dst[row:row + src.shape[0]] if len(sources) > 1 else dst
             if qtype in QUANT_BLOCKS:
                 g.dequantize(src, qtype=qtype, out=part)
@@ -152,9 +200,12 @@ class PackedWeights(WeightFormat):
         per_block, _, packed_bytes = PACKED_BLOCKS[tensor.qtype]
         return tensor.shape[-1] // per_block * packed_bytes
 
-    def fill(self, g: Graph, sources: list[RemoteTensor], qtype: str, dst: RemoteTensor) -> None:
-        """Stacked weights are concatenated (in the graph's scratch) and packed as one: the packed
-        layout interleaves rows, so it cannot be filled a slice at a time."""
+    def fill(self, g: Graph, sources: list[RemoteTensor], qtypes: Sequence[str],
+             dst: RemoteTensor) -> None:
+        """Stacked weights (one type: :meth:`groups`) are concatenated (in the graph's scratch)
+        and packed as one: the packed layout interleaves rows, so it cannot be filled a slice at
+        a time."""
+        qtype = qtypes[0]
         stacked = g.concat(*sources, axis=0) if len(sources) > 1 else sources[0]
         g.pack(stacked, qtype=qtype, out=dst)
 
