@@ -217,6 +217,7 @@ class WeightLoader:
         machine; a warm one about a millisecond. Seconds until every worker is ready."""
         start = time.perf_counter()
         futures: list[Future[Any]] = []
+        buffers: list[RemoteBuffer] = []
         for stage in stages:
             samples: dict[str, GGUFTensor] = {}
             for t in stage_sources(self.gguf, stage):
@@ -234,9 +235,17 @@ class WeightLoader:
             g = Graph()
             for q, tensor in layout.bind(buffer).items():
                 g.pack(tensor, qtype=q)
-            futures += [stage.client.compute_async(g, timeout=KERNEL_TIMEOUT), buffer.free_async()]
-        for future in futures:
-            future.result()
+            futures.append(stage.client.compute_async(g, timeout=KERNEL_TIMEOUT))
+            buffers.append(buffer)
+        errors = [future.exception() for future in futures]
+        # Freed once the compiles are done: queued behind a compile, a free would meet its own
+        # request timeout first, and the load would fail on a machine's first compile.
+        frees = [buffer.free_async() for buffer in buffers]
+        for error in errors:
+            if error is not None:
+                raise error
+        for free in frees:
+            free.result()
         return time.perf_counter() - start if futures else 0.0
 
     def _fill(self, staged: Sequence[Staged], pending: PendingLoad) -> None:
