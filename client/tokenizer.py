@@ -239,6 +239,7 @@ class Tokenizer:
         eog_ids: frozenset[int],
         add_bos: bool,
         chat_template: ChatTemplate,
+        has_chat_template: bool,
         kind: str,
     ) -> None:
         """Wrap built parts (:func:`load_tokenizer` makes them from a GGUF)."""
@@ -249,6 +250,8 @@ class Tokenizer:
         self._bos_id, self._eos_id, self._add_bos = bos_id, eos_id, add_bos
         self._eog_ids = eog_ids
         self._chat = chat_template
+        self.has_chat_template = has_chat_template
+        """Whether the GGUF has its own ``tokenizer.chat_template`` (else ChatML is used)."""
         self.kind = kind
         """``model/pre``, e.g. ``gpt2/qwen2`` or ``llama/spm``."""
 
@@ -387,6 +390,7 @@ def load_tokenizer(model: LlamaGGUF | GGUFMetadata) -> Tokenizer:
         eog_ids=_eog_ids(meta, vocab, eos_id),
         add_bos=meta.get_bool("tokenizer.ggml.add_bos_token", spm or pre in _LLAMA3_NAMES),
         chat_template=_chat_template(meta, vocab, bos_id, eos_id),
+        has_chat_template="tokenizer.chat_template" in meta,
         kind=f"{vocab.model}/{pre}",
     )
 
