@@ -92,11 +92,20 @@ BPE_PRE_TOKENIZERS: Final[Mapping[str, tuple[str, ...]]] = {
 
 _LLAMA3_NAMES: Final = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
-# Token texts llama.cpp takes as end of generation (and forces to control type), from
-# llama_vocab::impl::load; the first group also names the EOT token when the GGUF has none.
-_EOT_NAMES: Final = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                     "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>")
-_EOG_NAMES: Final = frozenset({*_EOT_NAMES, "<|eom_id|>", "</s>", "<eos>"})
+# Token texts llama.cpp takes as end of generation and forces to control type
+# (llama_vocab::impl::load), and its fill-in-the-middle tokens, also end of generation there,
+# found by text when the GGUF does not give their ids.
+_EOG_NAMES: Final = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})
+_FIM_NAMES: Final[Mapping[str, frozenset[str]]] = {
+    "pad": frozenset({"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"}),
+    "rep": frozenset({"<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"}),
+    "sep": frozenset({"<|file_sep|>"}),
+}
 _C_SPACE: Final = " \t\n\v\f\r"    # C's isspace(), which llama.cpp's lstrip/rstrip use
 _PHI3_NAMES: Final = ("phi-3", "phi3")
 
@@ -417,7 +426,9 @@ class _Vocab:
         )
         if len(tokens) != len(types) or not tokens:
             raise GGUFModelError(f"{len(tokens)} tokens but {len(types)} token types")
-        types = [TOKEN_TYPE_CONTROL if t in _EOG_NAMES else k for t, k in zip(tokens, types)]
+        forced = _EOG_NAMES | {n for kind, names in _FIM_NAMES.items()
+                               if f"tokenizer.ggml.fim_{kind}_token_id" not in meta for n in names}
+        types = [TOKEN_TYPE_CONTROL if t in forced else k for t, k in zip(tokens, types)]
         return cls(model, tokens, types)
 
 
@@ -488,10 +499,15 @@ def _specials(meta: GGUFMetadata, vocab: _Vocab) -> list[_Special]:
 
 def _eog_ids(meta: GGUFMetadata, vocab: _Vocab, eos_id: int) -> frozenset[int]:
     eog = {i for i, t in enumerate(vocab.tokens) if t in _EOG_NAMES} | {eos_id}
-    for key in ("eot", "eom"):
+    for key in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep"):
         token_id = meta.get_int(f"tokenizer.ggml.{key}_token_id", -1)
         if 0 <= token_id < len(vocab.tokens):
             eog.add(token_id)
+    for kind, names in _FIM_NAMES.items():
+        if f"tokenizer.ggml.fim_{kind}_token_id" not in meta:
+            # llama.cpp takes the first it meets in a hash map: a vocabulary with two of these
+            # names (none we know) could differ
+            eog |= {i for i, t in enumerate(vocab.tokens) if t in names}
     return frozenset(eog)
 
 

@@ -65,10 +65,16 @@ def test_gguf_is_the_one_llama_cpp_read(ggufs: dict[str, tuple[Path, str]], name
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", VOCABS)
 def test_ids_and_text_match_llama_cpp(tokenizers: dict[str, Tokenizer], name: str) -> None:
-    tok = tokenizers[name]
-    for case in FIXTURE["vocabularies"][name]["cases"]:
-        assert tok.encode(case["text"]) == case["ids"], (name, case["text"])
-        assert tok.decode(case["ids"]) == case["decoded"], (name, case["text"])
+    _check_against(tokenizers[name], FIXTURE["vocabularies"][name])
+
+
+def _check_against(tok: Tokenizer, record: dict[str, Any]) -> None:
+    assert (tok.bos_id, tok.eos_id) == (record["bos"], record["eos"])
+    assert tok.eog_ids == frozenset(record["eog"])
+    for case in record["cases"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+        assert tok.decode(case["ids"]) == case["decoded"], case["text"]
+    assert tok.encode("")[:1] == ([tok.bos_id] if record["add_bos"] else [])
 
 
 @pytest.mark.timeout(60)
@@ -110,10 +116,7 @@ def test_downloaded_gguf_matches_llama_cpp(name: str) -> None:
     if path is None:
         pytest.skip(f"{record['file']} is not here (set ZMQ_RPC_GGUF_DIRS)")
     assert oracle.file_sha256(path) == record["sha256"], f"{path} is another file"
-    tok = read_tokenizer(path)
-    for case in record["cases"]:
-        assert tok.encode(case["text"]) == case["ids"], (name, case["text"])
-        assert tok.decode(case["ids"]) == case["decoded"], (name, case["text"])
+    _check_against(read_tokenizer(path), record)
 
 
 def _render(name: str, case: dict[str, Any]) -> str:

@@ -18,7 +18,8 @@ What it does:
   (llama.cpp strips whitespace after Phi-3's special tokens);
 - tokenizes :data:`TEXTS` with each (``Llama(path, vocab_only=True).tokenize(text,
   add_bos=True, special=True)``) and records the ids and the concatenated ``token_to_piece``
-  text (special tokens printed), with each GGUF's SHA-256;
+  text (special tokens printed), with each GGUF's SHA-256, its BOS/EOS ids, whether it adds BOS
+  and its end-of-generation ids;
 - with ``--real PATH`` (repeatable), does the same with downloaded model files (the test checks
   them where the same file is found, by name and SHA-256);
 - renders :data:`CHAT_CASES` with the real chat templates in :data:`TEMPLATES` through
@@ -77,6 +78,7 @@ _SPM_SPECIAL: Final = (
     ("<unk>", 2), ("<s>", 3), ("</s>", 3), ("<start_of_turn>", 4), ("<end_of_turn>", 3),
     ("<|user|>", 4), ("<|assistant|>", 4), ("<|end|>", 4), ("<|endoftext|>", 3),
     ("<start_of_turn>user", 4),   # holds another special token: llama.cpp cuts longest first
+    ("<|file_sep|>", 4),          # a fill-in-the-middle token: control and end of generation
 )
 # Appended to SmolLM2's vocabulary (whose digits never merge) so that the pre-tokenizers' digit
 # rules (\p{N} alone, {1,3}, +) give different ids, and a whole-word token no merge reaches
@@ -302,9 +304,22 @@ def load_templates(sdist_templates: Path | None) -> dict[str, str]:
 # ---- llama.cpp --------------------------------------------------------------------------------
 
 
-def _llama_tokenize(llama_cpp: Any, path: Path) -> list[dict[str, Any]]:
+def _llama_vocab(llama_cpp: Any, path: Path) -> dict[str, Any]:
+    """llama.cpp's special ids for the GGUF at ``path`` and its tokenization of :data:`TEXTS`."""
     llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    record = {
+        "bos": llama_cpp.llama_vocab_bos(vocab), "eos": llama_cpp.llama_vocab_eos(vocab),
+        "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+        "eog": [i for i in range(llama_cpp.llama_vocab_n_tokens(vocab))
+                if llama_cpp.llama_vocab_is_eog(vocab, i)],
+        "cases": _llama_tokenize(llama_cpp, llm, vocab),
+    }
+    llm.close()
+    return record
+
+
+def _llama_tokenize(llama_cpp: Any, llm: Any, vocab: Any) -> list[dict[str, Any]]:
     buf = (llama_cpp.ctypes.c_char * 256)()
     cases = []
     for text in TEXTS:
@@ -314,7 +329,6 @@ def _llama_tokenize(llama_cpp: Any, path: Path) -> list[dict[str, Any]]:
         )
         cases.append({"text": text, "ids": ids,
                       "decoded": pieces.decode("utf-8", errors="replace")})
-    llm.close()
     return cases
 
 
@@ -357,13 +371,13 @@ def build_fixture(llama_cpp: Any, work: Path, smollm2: Path | None,
                   sdist_templates: Path | None, real: Sequence[Path] = ()) -> dict[str, Any]:
     """Everything the fixture records."""
     vocabs = {
-        name: {"sha256": digest, "cases": _llama_tokenize(llama_cpp, path)}
+        name: {"sha256": digest, **_llama_vocab(llama_cpp, path)}
         for name, (path, digest) in vocab_ggufs(work, smollm2).items()
     }
     # downloaded model files: checked in CI only where the same file is found (by its hash)
     vocabs |= {
         f"file:{path.name}": {"sha256": file_sha256(path), "file": path.name,
-                              "cases": _llama_tokenize(llama_cpp, path)}
+                              **_llama_vocab(llama_cpp, path)}
         for path in real
     }
     templates: dict[str, Any] = {}
