@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from waiting import wait_until
@@ -204,3 +205,19 @@ def test_the_answer_ends_with_exactly_one_newline(written: list[str], tail: str,
     answer.end(tail)
     answer.end("ignored")
     assert out.getvalue() == shown
+
+
+@pytest.mark.timeout(60)
+def test_chat_template_applied_when_the_gguf_has_one(llama_gguf: Any) -> None:
+    """As llama.cpp's llama-cli: chat when the file has a template, --no-chat for plain text."""
+    from zmq_rpc.client.tokenizer import load_tokenizer
+    from zmq_rpc.tools.generate import build_parser, prompt_ids
+
+    tok = load_tokenizer(llama_gguf)
+    def ids(*flags: str) -> list[int]:
+        return prompt_ids(build_parser().parse_args(["--prompt", "Hi there", *flags]), tok)
+
+    chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi there"}]))
+    assert tok.has_chat_template and ids() == ids("--chat") == chat
+    assert chat[0] == tok.bos_id and tok.decode(chat).endswith("<|im_start|>assistant\n")
+    assert ids("--no-chat") == tok.encode("Hi there") and tok.bos_id not in ids("--no-chat")

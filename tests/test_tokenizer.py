@@ -11,8 +11,9 @@ import itertools
 from typing import Any
 
 import pytest
+from zmq_rpc.client.chat_template import CHATML_TEMPLATE, ChatTemplate
 from zmq_rpc.client.gguf_model import LlamaGGUF
-from zmq_rpc.client.tokenizer import ChatMLTemplate, Tokenizer, load_tokenizer
+from zmq_rpc.client.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world!",
@@ -203,9 +204,28 @@ def test_chat_prompt_tokens(tok: Tokenizer) -> None:
 
 @pytest.mark.timeout(60)
 def test_chat_template_errors() -> None:
-    with pytest.raises(ValueError, match="not ChatML"):
-        ChatMLTemplate.from_template(
-            "{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"
-        )
+    gemma_like = ChatTemplate(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="refused the conversation: System role not supported"):
+        gemma_like.render([{"role": "system", "content": "S"}])
     with pytest.raises(TypeError, match="'role'"):
-        ChatMLTemplate().render([{"content": "no role"}])
+        ChatTemplate(CHATML_TEMPLATE).render([{"content": "no role"}])
+    with pytest.raises(ValueError, match="does not parse"):
+        ChatTemplate("{% for m in messages %}")
+
+
+@pytest.mark.timeout(60)
+def test_chat_template_is_sandboxed() -> None:
+    """A downloaded GGUF's template cannot reach Python internals."""
+    hostile = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ValueError, match="unsafe|failed"):
+        hostile.render([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.timeout(60)
+def test_chatml_fallback_without_a_template() -> None:
+    rendered = ChatTemplate(CHATML_TEMPLATE).render([{"role": "user", "content": "Hi"}])
+    assert rendered == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -51,7 +51,13 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     """The command line of ``generate``."""
     ap = argparse.ArgumentParser(prog=prog, description=(
         "Load a llama GGUF across workers, stream an answer to the prompt, print its costs."))
-    ap.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
+    ap.add_argument("--prompt", required=True,
+                    help="the user message to answer (with --no-chat: the text to continue)")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="--chat: wrap --prompt as one user message in the model's chat template "
+                         "(the GGUF's tokenizer.chat_template; ChatML when it has none); "
+                         "--no-chat: plain text; default: --chat when the GGUF has a template, "
+                         "as llama.cpp's llama-cli does")
     ap.add_argument("--workers", type=endpoint_list, default=None,
                     help="comma-separated worker endpoints, one pipeline stage each "
                          "(default: start --local-workers local workers)")
@@ -273,14 +279,22 @@ def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
     return model
 
 
+def prompt_ids(args: argparse.Namespace, tok: Tokenizer) -> list[int]:
+    """The prompt's token ids: ``--prompt`` as one user message in the model's chat template
+    (``--chat``, the default when the GGUF has one), or as plain text (``--no-chat``)."""
+    if not (tok.has_chat_template if args.chat is None else args.chat):
+        return tok.encode(args.prompt)
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]))
+
+
 def _generate(args: argparse.Namespace, model: LlamaModel, tok: Tokenizer,
               answer: _Answer) -> list[int]:
-    prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
     decoder = tok.stream_decoder(skip_special_tokens=True)
     try:
-        ids = model.generate(tok.encode(prompt), args.max_new_tokens,
+        ids = model.generate(prompt_ids(args, tok), args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             seed=args.seed, stream=lambda t: answer.write(decoder.push(t)))
+                             seed=args.seed, stream=lambda t: answer.write(decoder.push(t)),
+                             stop_ids=tok.eog_ids)
     finally:
         answer.end(decoder.flush())
     return ids
