@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
@@ -230,7 +230,7 @@ async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T |
     return work.result() if work.done() and not work.cancelled() else None
 
 
-async def _disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def _disconnect(receive: Receive) -> None:
     """Returns when the client disconnects (the body has been read: nothing else comes)."""
     while (await receive())["type"] != "http.disconnect":
         pass

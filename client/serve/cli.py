@@ -104,8 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _terminated(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM (uvicorn re-raises it once it has shut down): unwind, stopping what we started."""
-    raise SystemExit(128 + signum)
+    """SIGTERM (uvicorn re-raises it once it has shut down): unwind, stopping what we started,
+    and exit 0: SIGTERM is how a server is meant to be stopped."""
+    raise SystemExit(0)
 
 
 def _serve(args: argparse.Namespace) -> None:

@@ -187,7 +187,7 @@ class Scheduler:
 
     def drain(self) -> list[Stream]:
         """Take every waiting stream off the queue (cancelled ones dropped)."""
-        streams = []
+        streams: list[Stream] = []
         while True:
             try:
                 stream = self.inbox.get_nowait()
