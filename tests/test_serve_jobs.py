@@ -15,6 +15,8 @@ from zmq_rpc.client.serve.text import StopText  # noqa: E402
 class Words:
     """A tokenizer of one id per character, with a ChatML-like template."""
 
+    vocab_size = 256
+
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
@@ -58,6 +60,8 @@ def test_a_completion_and_a_chat_are_read() -> None:
     ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "a", "stop": [""]}, "stop"),
     ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, 256]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
 ])

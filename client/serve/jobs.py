@@ -26,6 +26,9 @@ without it runs until the end of its turn or of the context."""
 class ChatTokenizer(Protocol):
     """What the requests need of :class:`zmq_rpc.client.tokenizer.Tokenizer`."""
 
+    @property
+    def vocab_size(self) -> int: ...
+
     def encode(self, text: str) -> list[int]: ...
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
@@ -131,6 +134,10 @@ def _completion_prompt(body: Mapping[str, Any], tokenizer: ChatTokenizer) -> lis
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        bad_ids = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad_ids:
+            raise bad("prompt", f"token ids {bad_ids[:5]} are outside the vocabulary of "
+                      f"{tokenizer.vocab_size}")
         return list(prompt)
     raise bad("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
 
