@@ -255,8 +255,10 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while not self._stopping and self._admit():
+            while not self._stopping:
                 self._reap()
+                if not self._admit():
+                    break
                 if self.scheduler.busy:
                     self._step()
         finally:
