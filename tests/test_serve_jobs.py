@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("starlette")
 from zmq_rpc.client.serve.jobs import APIError, parse_job  # noqa: E402
@@ -18,7 +20,7 @@ class Words:
     vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
+        return [min(ord(c), 255) for c in text]
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> str:
@@ -54,6 +56,8 @@ def test_a_completion_and_a_chat_are_read() -> None:
     ({"prompt": "a", "n": 2}, "n"),
     ({"prompt": "a", "temperature": 2.5}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "a", "top_p": float("inf")}, "top_p"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "max_tokens": "9"}, "max_tokens"),
     ({"prompt": "a", "seed": 1.5}, "seed"),
@@ -98,3 +102,27 @@ def test_held_text_that_is_no_stop_string_comes_out() -> None:
     assert stop.push("ND") == ""         # "<END" may still become "<END>"
     assert stop.push("?") == "<END?" and not stop.stopped
     assert stop.push("<EN") == "" and stop.flush() == "<EN"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 300) | st.floats(-3, 3)
+                    | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+FIELDS = st.sampled_from(["prompt", "messages", "max_tokens", "max_completion_tokens",
+                          "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+                          "stream_options", "model", "echo"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(FIELDS, JSON, max_size=6) | JSON,
+       kind=st.sampled_from(["completion", "chat"]))
+def test_any_json_is_a_job_or_a_400(body: object, kind: str) -> None:
+    """Decoding is validation: whatever JSON comes, a checked Job or an APIError 400, never
+    another exception (which would be a 500)."""
+    try:
+        done = job(body, kind)
+    except APIError as exc:
+        assert exc.status == 400
+        return
+    assert done.prompt_ids and all(0 <= t < Words.vocab_size for t in done.prompt_ids)
+    assert 1 <= done.sampling.max_tokens and 0 <= done.sampling.temperature <= 2

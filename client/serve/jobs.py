@@ -9,6 +9,7 @@ Runs on the event loop (:mod:`.app`); the tokenizer it encodes with is only read
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -202,7 +203,7 @@ def _get(body: Mapping[str, Any], name: str, kind: type[Any], default: Any) -> A
 def _number(body: Mapping[str, Any], name: str, kind: type[Any], default: Any, *,
             low: float, high: float | None = None, low_open: bool = False) -> Any:
     value = _get(body, name, kind, default)
-    if value < low or (low_open and value == low) or (high is not None and value > high):
+    if not math.isfinite(value) or value < low or (low_open and value == low) or (high is not None and value > high):
         where = f"{'(' if low_open else '['}{low:g}, {'inf' if high is None else f'{high:g}'}]"
         raise bad(name, f"{name} must be in {where}, got {value}")
     return value
