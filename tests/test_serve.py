@@ -255,6 +255,26 @@ def test_a_disconnect_frees_the_slot(idle: Server) -> None:
     assert done.usage.completion_tokens == 2
 
 
+def test_a_client_gone_before_its_json_answer_frees_the_slot(idle: Server) -> None:
+    """Without a stream too: the server watches the connection while the answer is made."""
+    asyncio.run(_leave_mid_answer(idle))
+
+
+async def _leave_mid_answer(server: Server) -> None:
+    cancelled = server.metric("zmq_rpc_serve_sequences_finished_total", reason="cancelled")
+    body = {"prompt": PROMPTS[1], "max_tokens": CTX, "temperature": 0}
+    async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
+        answer = asyncio.create_task(http.post("/v1/completions", json=body))
+        while server.metric("zmq_rpc_serve_generated_tokens_total") == 0 or \
+                server.metric("zmq_rpc_serve_slots_in_use") == 0:
+            assert not answer.done(), "it answered"
+            await asyncio.sleep(0.01)
+        answer.cancel()                            # closes its connection
+    await asyncio.to_thread(wait_until, lambda: server.metric(
+        "zmq_rpc_serve_sequences_finished_total", reason="cancelled") == cancelled + 1,
+        TIMEOUT, "the server cancelled the request")
+
+
 def test_a_full_queue_answers_429(idle: Server) -> None:
     asyncio.run(_fill_the_queue(idle))
     idle.idle()                             # the queued requests were cancelled with the holder
