@@ -32,7 +32,7 @@ from zmq_rpc.worker.launch import ServerProcess, local_workers, worker_argv  # n
 
 SERVE = str(Path(sys.executable).with_name("zmq-rpc-serve"))
 CTX = 128
-CHUNK = 16
+CHUNK = 8
 MAX_QUEUE = 3
 TIMEOUT = 60.0
 """Seconds any one HTTP request may take (a loaded CI machine decodes ~20 tokens/s)."""
@@ -237,6 +237,8 @@ def test_bad_requests_get_openai_errors(idle: Server) -> None:
     broken = idle.http.post("/v1/chat/completions", content=b"{not json")
     assert broken.status_code == 400
     assert set(broken.json()["error"]) == {"message", "type", "param", "code"}
+    huge = idle.http.post("/v1/completions", content=b" " * (16 << 20) + b"{}")
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "too_large"
     assert idle.http.get("/health").status_code == 200
 
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -37,6 +37,8 @@ __all__ = ["build_app"]
 T = TypeVar("T")
 CREATED = int(time.time())
 """The ``created`` time /v1/models gives the model: when this server started."""
+MAX_BODY = 16 << 20
+"""Bytes a request body may have: far more than any prompt that fits a context."""
 
 
 class EventStream(StreamingResponse):
@@ -102,11 +104,13 @@ class API:
             stream = self.engine.submit(job, asyncio.get_running_loop())
         except APIError as exc:
             return self._error(route, exc)
+        except ClientDisconnect:
+            return self._gone(route)
         handed_off = False
         try:
             first = await _unless_disconnected(request, stream.get())
             if first is None:
-                return Response(status_code=499)   # nobody reads it; nginx's "client closed"
+                return self._gone(route)
             if first.error is not None:
                 return self._error(route, first.error)
             if job.stream:
@@ -122,7 +126,7 @@ class API:
                     first: Event) -> Response:
         last = await _unless_disconnected(request, _last(stream, first, answer))
         if last is None:
-            return Response(status_code=499)
+            return self._gone(route)
         if last.error is not None:
             return self._error(route, last.error)
         self.metrics.answered(route, 200)
@@ -147,6 +151,11 @@ class API:
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()
+
+    def _gone(self, route: str) -> Response:
+        """The client went away: nobody reads this (499 is nginx's "client closed request")."""
+        self.metrics.answered(route, 499)
+        return Response(status_code=499)
 
     def _error(self, route: str, exc: APIError) -> Response:
         self.metrics.answered(route, exc.status)
@@ -212,10 +221,22 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 async def _json(request: Request) -> object:
+    """The body's JSON; 413 past :data:`MAX_BODY` bytes (read no further), 400 if not JSON."""
+    if int(request.headers.get("content-length") or 0) > MAX_BODY:
+        raise _too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise _too_large()
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad(None, f"the request body is not valid JSON: {exc}") from None
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"the request body is over {MAX_BODY >> 20} MiB", code="too_large")
 
 
 async def _unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T | None:
