@@ -24,6 +24,8 @@ from zmq_rpc.client.serve.metrics import ServeMetrics  # noqa: E402
 EOS = 1
 LOSE = 2
 """A prompt starting with this id makes the step fail as a lost worker does."""
+ENDS = 3
+"""A prompt starting with this id gets EOS after three letters."""
 TIMEOUT = 10.0
 
 
@@ -67,7 +69,8 @@ class TwoSlots:
         for slot, seq in busy.items():
             del seq.pending[:4]
             if not seq.pending:
-                out[slot] = ord("A") + len(seq.tokens)
+                ends = seq.job.prompt_ids[0] == ENDS and len(seq.tokens) == 3
+                out[slot] = EOS if ends else ord("A") + len(seq.tokens)
         return out
 
 
@@ -111,6 +114,15 @@ def test_requests_share_the_slots_and_each_gets_its_own_answer() -> None:
         assert (tc, ec.finish) == ("AB", "length")
         assert steps.busy_log[0] == (0,) and (0, 1) in steps.busy_log
         assert engine.metrics.finishes.labels("length")._value.get() == 2
+    run(body)
+
+
+def test_text_held_back_for_a_stop_string_comes_out_at_the_end_of_turn() -> None:
+    async def body(engine: Engine, steps: TwoSlots) -> None:
+        steps.go.set()
+        stream = engine.submit(job(10, prompt=(ENDS,), stop="CD"), asyncio.get_running_loop())
+        text, end = await read(stream)
+        assert (text, end.finish, end.completion_tokens) == ("ABC", "stop", 4)
     run(body)
 
 

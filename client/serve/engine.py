@@ -314,7 +314,7 @@ class Engine:
         text = "" if token in self.stop_ids else seq.text.push(token)
         finish = self._finish(seq, token)
         if finish is not None:
-            text += "" if token in self.stop_ids or seq.text.stopped else seq.text.flush()
+            text += seq.text.flush()      # what was held back for a stop string that never came
             del self.scheduler.busy[slot]
             self._end(seq.stream, Event(text=text, finish=finish,
                                         completion_tokens=len(seq.tokens)))
