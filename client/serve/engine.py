@@ -15,11 +15,11 @@ into text (:mod:`.text`) and handed to its stream. The step function is the seam
 :class:`SerialSteps` drives :class:`~zmq_rpc.client.llama.LlamaModel`, which holds one sequence
 (one slot); a batching step function holding many KV slots replaces it without touching the rest.
 
-A worker lost (an :class:`~zmq_rpc.client.RpcError` from a step) ends the busy streams with an
-error event and marks the engine unhealthy: later requests are refused (503), the thread keeps
-answering. The model and the scheduler are touched by the engine thread only; the event loop
-calls :meth:`Engine.submit`, :meth:`Stream.get`, :meth:`Stream.cancel` and the read-only
-properties.
+A worker lost (an :class:`~zmq_rpc.client.RpcError` from a step: a lost connection, or a failure
+that leaves the model's state unknown) ends the busy streams with an error event and marks the
+engine unhealthy: later requests are refused (503), the thread keeps answering. The model and
+the scheduler are touched by the engine thread only; the event loop calls :meth:`Engine.submit`,
+:meth:`Stream.get`, :meth:`Stream.cancel` and the read-only properties.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ...broker.errors import RpcError
+from ...broker.errors import ClientClosed, RpcError, TransportError
 from ..llama.sampling import sample_token
 from .jobs import APIError, Job
 from .metrics import ServeMetrics
@@ -334,7 +334,9 @@ class Engine:
         self.metrics.finished("error" if event.error is not None else event.finish or "?")
 
     def _lost(self, exc: RpcError) -> None:
-        self.problem = f"a worker is gone: {type(exc).__name__}: {exc}"
+        what = "a worker is gone" if isinstance(exc, (TransportError, ClientClosed)) else \
+            "a worker request failed (the model's state on the workers is unknown)"
+        self.problem = f"{what}: {type(exc).__name__}: {exc}"
         log.error("%s; the server stops taking requests", self.problem)
         self._end_all(unavailable(self.problem))
 
