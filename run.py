@@ -130,9 +130,11 @@ def optional_tools() -> None:
         step("could not install prometheus: tests/test_exporter.py will skip")
 
 
-PYTEST_PROCESSES = ["-n", "auto", "--maxprocesses", "4"]
+PYTEST_PROCESSES = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadgroup"]
 """The tests run on one pytest-xdist process per CPU, at most 4 (they spend most of their time
-waiting on worker subprocesses; every one picks its own ports and temporary directories)."""
+waiting on worker subprocesses; every one picks its own ports and temporary directories). Tests
+marked ``xdist_group`` run on one process together, so a module's costly fixture (a server and
+its workers: tests/test_serve.py) starts once; unmarked tests are spread as before."""
 
 
 def test(args: list[str]) -> int:

@@ -41,6 +41,7 @@ LOST_BOUND = 6.0 + 1.0
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fibonacci(n):"]
 
 pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.xdist_group("serve"),     # one server and one set of workers
               pytest.mark.skipif(not Path(SERVE).exists(), reason=f"{SERVE} is not installed")]
 
 
