@@ -338,3 +338,30 @@ def _kill_mid_stream(serve: Server, worker: ServerProcess) -> None:
         client.completions.create(model="any", prompt="hi", max_tokens=2)
     assert refused.value.status_code == 503
     assert serve.metric("zmq_rpc_serve_healthy") == 0
+
+
+# ------------------------------------------------------------------ its own workers, SIGTERM
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigterm_stops_the_server_and_its_local_workers() -> None:
+    serve = Server("--local-workers", "1")
+    workers = _children(serve.proc.proc.pid)
+    assert len(workers) == 1
+    done = serve.openai().completions.create(model="any", prompt="Hi", max_tokens=1)
+    assert done.usage.completion_tokens == 1
+    assert serve.stop() == 0
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+def _children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent``."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            pids.append(int(stat.parent.name))
+    return pids
