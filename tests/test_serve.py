@@ -1,0 +1,367 @@
+"""``zmq-rpc-serve`` as its users run it: a real server process on real workers, spoken to by
+clients nobody here wrote (the ``openai`` package, ``curl -N``, httpx).
+
+One server on two workers serves most tests; the reference answers come from a
+:class:`~zmq_rpc.client.llama.LlamaModel` loaded on the same two workers (its own sessions), with
+``generate`` as ``zmq-rpc-bench generate`` runs it. The worker-loss test has a server and a worker
+of its own. Every wait is on an event (a metric, a status, a line), with a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from waiting import wait_until
+
+pytest.importorskip("starlette")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("tokenizers")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from zmq_rpc.client import Client  # noqa: E402
+from zmq_rpc.worker.launch import ServerProcess, local_workers, worker_argv  # noqa: E402
+
+SERVE = str(Path(sys.executable).with_name("zmq-rpc-serve"))
+CTX = 128
+CHUNK = 8
+MAX_QUEUE = 3
+TIMEOUT = 60.0
+"""Seconds any one HTTP request may take (a loaded CI machine decodes ~20 tokens/s)."""
+LOST_BOUND = 6.0 + 1.0
+"""A killed worker's ConnectionLost bound (docs/FAILURES.md) + the step it interrupts."""
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fibonacci(n):"]
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.xdist_group("serve"),     # one server and one set of workers
+              pytest.mark.skipif(not Path(SERVE).exists(), reason=f"{SERVE} is not installed")]
+
+
+class Server:
+    """A ``zmq-rpc-serve`` subprocess on a free port."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = ServerProcess([SERVE, "--port", "0", "--ctx", str(CTX),
+                                   "--prefill-chunk", str(CHUNK), *args])
+        self.url = self.proc.wait_ready()
+        self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
+
+    def openai(self) -> Any:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=TIMEOUT)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of sample ``name`` with ``labels`` in /metrics (0 when absent)."""
+        text = self.http.get("/metrics").text
+        return sum(s.value for family in text_string_to_metric_families(text)
+                   for s in family.samples if s.name == name and s.labels == labels)
+
+    def idle(self) -> None:
+        """Wait until no request runs or waits (earlier tests' cancelled ones included)."""
+        wait_until(lambda: self.metric("zmq_rpc_serve_slots_in_use") == 0
+                   and self.metric("zmq_rpc_serve_queue_depth") == 0, TIMEOUT, "server idle")
+
+    def stop(self) -> int:
+        self.http.close()
+        return self.proc.stop()
+
+
+class Reference:
+    """The same model on the same workers, run as ``zmq-rpc-bench generate`` runs it."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model, self.tok = model, tokenizer
+
+    def chat_ids(self, content: str) -> list[int]:
+        ids: list[int] = self.tok.encode(self.tok.apply_chat_template(
+            [{"role": "user", "content": content}]))
+        return ids
+
+    def greedy(self, ids: list[int], max_tokens: int) -> tuple[str, str]:
+        """Text and finish reason of a greedy answer of at most ``max_tokens``."""
+        out = self.model.generate(ids, max_tokens)
+        text = "".join(self.tok.decode_stream(out, skip_special_tokens=True))
+        return text, "stop" if out[-1] == self.tok.eos_id else "length"
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[str]]:
+    with local_workers(2) as endpoints:
+        yield endpoints
+
+
+@pytest.fixture(scope="module")
+def server(workers: list[str]) -> Iterator[Server]:
+    serve = Server("--workers", ",".join(workers), "--max-queue", str(MAX_QUEUE))
+    yield serve
+    assert serve.stop() == 0, serve.proc.stderr()
+
+
+@pytest.fixture(scope="module")
+def reference(workers: list[str], llama_gguf: Any) -> Iterator[Reference]:
+    from zmq_rpc.client.llama import LlamaModel
+    from zmq_rpc.client.tokenizer import load_tokenizer
+    with Client(workers[0]) as a, Client(workers[1]) as b:
+        with LlamaModel.load(llama_gguf, [a, b], n_ctx=CTX, prefill_chunk=CHUNK) as model:
+            yield Reference(model, load_tokenizer(llama_gguf))
+
+
+@pytest.fixture
+def idle(server: Server) -> Server:
+    server.idle()
+    return server
+
+
+# ------------------------------------------------------------------------- the openai package
+
+
+def test_models_and_health(idle: Server) -> None:
+    models = idle.openai().models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+    health = idle.http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_is_generate_greedy(idle: Server, reference: Reference) -> None:
+    done = idle.openai().completions.create(model="any", prompt=PROMPTS[0], max_tokens=12,
+                                            temperature=0)
+    text, finish = reference.greedy(reference.tok.encode(PROMPTS[0]), 12)
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (text, finish)
+    assert done.usage.prompt_tokens == len(reference.tok.encode(PROMPTS[0]))
+    assert done.usage.completion_tokens == 12 or finish == "stop"
+
+
+def test_chat_streamed_and_whole_are_generate_greedy(idle: Server, reference: Reference) -> None:
+    question = "What is the capital of France?"
+    text, finish = reference.greedy(reference.chat_ids(question), 16)
+    client = idle.openai()
+    messages = [{"role": "user", "content": question}]
+    whole = client.chat.completions.create(model="any", messages=messages, max_tokens=16,
+                                           temperature=0)
+    assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (text, finish)
+    chunks = list(client.chat.completions.create(
+        model="any", messages=messages, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.usage.prompt_tokens == len(reference.chat_ids(question))
+
+
+def test_stop_string_cuts_the_answer(idle: Server, reference: Reference) -> None:
+    text, _ = reference.greedy(reference.tok.encode(PROMPTS[1]), 16)
+    words = text.split(" ")
+    stop = " " + words[len(words) // 2]          # a word in the middle, with its space
+    cut = text[:text.index(stop)]
+    client = idle.openai()
+    whole = client.completions.create(model="any", prompt=PROMPTS[1], max_tokens=16,
+                                      temperature=0, stop=[stop, "never said"])
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (cut, "stop")
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="any", prompt=PROMPTS[1], max_tokens=16, temperature=0, stop=stop, stream=True)]
+    assert "".join(pieces) == cut
+
+
+def test_seeded_sampling_repeats(idle: Server) -> None:
+    client = idle.openai()
+
+    def sample(seed: int) -> str:
+        return str(client.completions.create(
+            model="any", prompt=PROMPTS[2], max_tokens=10, temperature=1.0, top_p=0.95,
+            seed=seed, extra_body={"top_k": 50}).choices[0].text)
+    first = sample(7)
+    assert sample(7) == first
+
+
+def test_concurrent_requests_queue_and_each_is_as_alone(idle: Server,
+                                                        reference: Reference) -> None:
+    """One slot: the requests queue (FIFO) and every answer is the one it gets alone."""
+    client = idle.openai()
+    asks: list[dict[str, Any]] = [
+        {"prompt": p, "max_tokens": 4 + 3 * i, "temperature": 0} for i, p in enumerate(PROMPTS)]
+    asks[3].update(temperature=0.8, seed=11, top_p=0.9)
+
+    def ask(kwargs: dict[str, Any]) -> tuple[str, str]:
+        c = client.completions.create(model="any", **kwargs).choices[0]
+        return c.text, c.finish_reason
+    with ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(ask, asks))
+    for kwargs, answer in zip(asks[:3], together[:3]):
+        assert answer == reference.greedy(reference.tok.encode(kwargs["prompt"]),
+                                          kwargs["max_tokens"])
+    assert together[3] == ask(asks[3])
+    assert idle.metric("zmq_rpc_serve_requests_total", route="/v1/completions",
+                       status="200") >= len(asks)
+
+
+# ------------------------------------------------------------------------------ curl -N (SSE)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_reads_the_event_stream(idle: Server, reference: Reference) -> None:
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    out = subprocess.run(["curl", "-sS", "-N", "--max-time", str(TIMEOUT),
+                          "-H", "Content-Type: application/json", "-d", json.dumps(body),
+                          idle.url + "/v1/completions"],
+                         capture_output=True, text=True, check=True, timeout=TIMEOUT).stdout
+    events = [e for e in out.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == reference.greedy(reference.tok.encode(PROMPTS[0]), 6)[0]
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+# --------------------------------------------------------------------- refusals and departures
+
+
+def test_bad_requests_get_openai_errors(idle: Server) -> None:
+    client = idle.openai()
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="any", prompt="word " * CTX, max_tokens=4)
+    assert too_long.value.status_code == 400
+    assert too_long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as many:
+        client.completions.create(model="any", prompt="a", n=2)
+    assert many.value.param == "n"
+    broken = idle.http.post("/v1/chat/completions", content=b"{not json")
+    assert broken.status_code == 400
+    assert set(broken.json()["error"]) == {"message", "type", "param", "code"}
+    huge = idle.http.post("/v1/completions", content=b" " * (16 << 20) + b"{}")
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "too_large"
+    assert idle.http.get("/health").status_code == 200
+
+
+def test_a_disconnect_frees_the_slot(idle: Server) -> None:
+    cancelled = idle.metric("zmq_rpc_serve_sequences_finished_total", reason="cancelled")
+    body = {"prompt": PROMPTS[1], "max_tokens": CTX, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=idle.url, timeout=TIMEOUT) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert next(line for line in response.iter_lines() if line).startswith("data: ")
+    wait_until(lambda: idle.metric("zmq_rpc_serve_sequences_finished_total",
+                                   reason="cancelled") == cancelled + 1, TIMEOUT,
+               "the server cancelled the stream")
+    done = idle.openai().completions.create(model="any", prompt=PROMPTS[0], max_tokens=2,
+                                            temperature=0)
+    assert done.usage.completion_tokens == 2
+
+
+def test_a_client_gone_before_its_json_answer_frees_the_slot(idle: Server) -> None:
+    """Without a stream too: the server watches the connection while the answer is made."""
+    asyncio.run(_leave_mid_answer(idle))
+
+
+async def _leave_mid_answer(server: Server) -> None:
+    cancelled = server.metric("zmq_rpc_serve_sequences_finished_total", reason="cancelled")
+    body = {"prompt": PROMPTS[1], "max_tokens": CTX, "temperature": 0}
+    async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
+        answer = asyncio.create_task(http.post("/v1/completions", json=body))
+        while server.metric("zmq_rpc_serve_generated_tokens_total") == 0 or \
+                server.metric("zmq_rpc_serve_slots_in_use") == 0:
+            assert not answer.done(), "it answered"
+            await asyncio.sleep(0.01)
+        answer.cancel()                            # closes its connection
+    await asyncio.to_thread(wait_until, lambda: server.metric(
+        "zmq_rpc_serve_sequences_finished_total", reason="cancelled") == cancelled + 1,
+        TIMEOUT, "the server cancelled the request")
+
+
+def test_a_full_queue_answers_429(idle: Server) -> None:
+    asyncio.run(_fill_the_queue(idle))
+    idle.idle()                             # the queued requests were cancelled with the holder
+
+
+async def _fill_the_queue(server: Server) -> None:
+    long = {"prompt": PROMPTS[1], "max_tokens": CTX, "temperature": 0, "stream": True}
+    short = {"prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}
+    async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
+        async with http.stream("POST", "/v1/completions", json=long) as holder:
+            assert holder.status_code == 200          # headers come with its first token
+            waiting = [asyncio.create_task(http.post("/v1/completions", json=short))
+                       for _ in range(MAX_QUEUE)]
+            while server.metric("zmq_rpc_serve_queue_depth") < MAX_QUEUE:
+                assert not any(t.done() for t in waiting), "a queued request was answered"
+                await asyncio.sleep(0.01)
+            refused = await http.post("/v1/completions", json=short)
+            for task in waiting:
+                task.cancel()
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+
+
+# ----------------------------------------------------------------------------- a worker lost
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error() -> None:
+    worker = ServerProcess(worker_argv())
+    try:
+        serve = Server("--workers", worker.wait_ready())
+        try:
+            _kill_mid_stream(serve, worker)
+        finally:
+            assert serve.stop() == 0, serve.proc.stderr()
+    finally:
+        worker.stop()
+
+
+def _kill_mid_stream(serve: Server, worker: ServerProcess) -> None:
+    client = serve.openai()
+    stream = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=CTX, temperature=0, stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as ended:
+        for chunk in stream:
+            got.append(chunk.choices[0].delta.content)
+            if len(got) == 3:
+                worker.proc.kill()
+    assert "worker is gone" in str(ended.value.message)
+    assert len(got) < CTX
+    wait_until(lambda: serve.http.get("/health").status_code == 503, LOST_BOUND,
+               "/health says 503")
+    assert "worker is gone" in serve.http.get("/health").json()["error"]
+    assert serve.proc.proc.poll() is None                      # it stays up, and says so
+    assert serve.http.get("/v1/models").status_code == 200
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="any", prompt="hi", max_tokens=2)
+    assert refused.value.status_code == 503
+    assert serve.metric("zmq_rpc_serve_healthy") == 0
+
+
+# ------------------------------------------------------------------ its own workers, SIGTERM
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_sigterm_stops_the_server_and_its_local_workers() -> None:
+    serve = Server("--local-workers", "1")
+    workers = _children(serve.proc.proc.pid)
+    assert len(workers) == 1
+    done = serve.openai().completions.create(model="any", prompt="Hi", max_tokens=1)
+    assert done.usage.completion_tokens == 1
+    assert serve.stop() == 0
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+def _children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent``."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            pids.append(int(stat.parent.name))
+    return pids
