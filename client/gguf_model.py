@@ -529,7 +529,15 @@ def _typed_view(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarr
 
 
 def _check_shapes(config: LlamaConfig, tensors: Mapping[str, GGUFTensor]) -> None:
-    for name, shape in config.expected_shapes().items():
+    """Every tensor the architecture reads is there with its shape, and nothing else is: a tensor
+    we would not read (an output bias, LongRoPE factors ...) means a model we would compute
+    wrongly, so it is refused (llama.cpp refuses unused tensors too)."""
+    expected = config.expected_shapes()
+    unread = sorted(set(tensors) - set(expected))
+    if unread:
+        raise GGUFModelError(f"{config.arch} GGUF has {len(unread)} tensor(s) this loader does "
+                             f"not read: {', '.join(unread[:5])}")
+    for name, shape in expected.items():
         tensor = tensors.get(name)
         if tensor is None:
             raise GGUFModelError(f"{config.arch} GGUF lacks tensor {name!r}")

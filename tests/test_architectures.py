@@ -4,11 +4,15 @@ client/gguf_model.py: each read as llama.cpp reads it (``src/models/*.cpp``,
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
+from synthetic_models import synthetic_path
 from zmq_rpc.client.architectures import ARCHITECTURES
-from zmq_rpc.client.gguf_model import GGUFMetadata, GGUFModelError, LlamaConfig
+from zmq_rpc.client.gguf_model import GGUFMetadata, GGUFModelError, LlamaConfig, load_gguf
 
 
 def config(arch: str, tensors: tuple[str, ...] = (), **keys: Any) -> LlamaConfig:
@@ -97,3 +101,24 @@ def test_gemma3_and_qwen3_norm_tensors() -> None:
     assert gemma["blk.0.attn_q_norm.weight"] == gemma["blk.0.attn_k_norm.weight"] == (256,)
     qwen3 = config("qwen3").expected_shapes()
     assert qwen3["blk.0.attn_k_norm.weight"] == (256,) and "blk.0.post_ffw_norm.weight" not in qwen3
+
+
+def test_a_tensor_the_loader_would_not_read_is_refused(tmp_path: Path) -> None:
+    """An output bias (or LongRoPE factors ...) ignored would compute another model: refused,
+    naming it, as llama.cpp refuses unused tensors."""
+    src = gguf.GGUFReader(synthetic_path("qwen3"))
+    path = tmp_path / "qwen3-output-bias.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3")
+    for name, field in src.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub)
+    for t in src.tensors:
+        writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    writer.add_tensor("output.bias", np.zeros(49152, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFModelError, match="1 tensor.s. this loader does not read: output.bias"):
+        load_gguf(path)
