@@ -10,7 +10,8 @@ family; the real families' tokenizers are another matter (client/tokenizer.py).
 Weights are N(0, 1) scaled by 1/sqrt(fan-in) (so every layer's output has about the size of its
 input), norms 1 + N(0, 0.1), embeddings N(0, 0.15) (logits of a few units, with clear top-1s in
 most positions); the family-specific parts are sized to matter: Qwen2's biases N(0, 0.5),
-Gemma's window of 8 tokens and Llama 3's rope factors from an original context of 64 tokens.
+Gemma's window of 8 tokens and softcap of 20 (its top logits reach ~28) and Llama 3's rope
+factors from an original context of 64 tokens.
 Deterministic: the same family gives the same bytes (seeded generator, gguf's writer).
 """
 
@@ -30,7 +31,7 @@ from requantize import cache_dir, quantize
 __all__ = ["FAMILIES", "Family", "synthetic_path", "write_synthetic"]
 
 D_MODEL, N_HEADS, HEAD_DIM, D_FF = 256, 4, 64, 512
-VERSION = 2
+VERSION = 3
 """Bumped whenever what a family writes changes (the cached file's name carries it)."""
 
 Types = dict[str, GT]
@@ -92,7 +93,7 @@ FAMILIES: dict[str, Family] = {
     "llama3": Family("llama", 2, rope_base=10000.0, rope_freqs=llama3_rope_factors),
     "gemma3": Family("gemma3", 6, n_kv_heads=1, head_norms=True, rope_base=1e6,
                      extra_norms=("post_attention_norm", "post_ffw_norm"),
-                     meta={"attention.sliding_window": 8}),
+                     meta={"attention.sliding_window": 8, "final_logit_softcapping": 20.0}),
     "phi3": Family("phi3", 2, tied=False, attn_parts=("attn_qkv",), ffn_parts=("ffn_up",),
                    rope_dims=48, meta={"attention.sliding_window": 2047}),
 }
