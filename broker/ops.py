@@ -401,7 +401,10 @@ def _soft_max(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
 
 
 def _rope(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
-    x, pos = ins
+    """x (..., T, H, D), pos (T,) and, from protocol 1.11 (capability ``rope-factors``), an
+    optional freq_factors (n_dims / 2,) dividing each frequency (ggml_rope_ext's ``c``: Llama 3.x
+    rope scaling)."""
+    x, pos = ins[:2]
     _need_dtype(x, FLOAT_DTYPES, "x")
     _need_rank(x, 3, MAX_RANK, "x (..., T, H, D)")
     _need_dtype(pos, INDEX_DTYPES, "pos")
@@ -410,6 +413,11 @@ def _rope(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     n_dims = p["n_dims"]
     if not isinstance(n_dims, int) or n_dims % 2 or n_dims > x.shape[-1]:
         raise OpError(f"n_dims {n_dims} must be even and <= head size {x.shape[-1]}")
+    if len(ins) > 2:
+        _need_dtype(ins[2], FLOAT_DTYPES, "freq_factors")
+        if ins[2].shape != (n_dims // 2,):
+            raise OpError(f"freq_factors shape {ins[2].shape} must be (n_dims / 2,) = "
+                          f"({n_dims // 2},)")
     return TensorMeta(x.shape, "float32")
 
 
@@ -677,7 +685,7 @@ _SPECS = [
     _spec("rms_norm", _COMPUTE, (1, 1), _float_unary, {"eps": _EPS}),
     _spec("layer_norm", _COMPUTE, (1, 3), _layer_norm, {"eps": _EPS}),
     _spec("soft_max", _COMPUTE, (1, 2), _soft_max, {"scale": (_float(), 1.0)}),
-    _spec("rope", _COMPUTE, (2, 2), _rope, {
+    _spec("rope", _COMPUTE, (2, 3), _rope, {
         "n_dims": (_int(2, MAX_DIM), REQUIRED),
         "mode": (_choice("normal", "neox"), "normal"),
         "freq_base": (_float(positive=True), 10000.0),

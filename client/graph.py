@@ -289,11 +289,20 @@ class Graph:
         extra = [] if mask is None else [mask]
         return self.op("soft_max", x, *extra, scale=float(scale), out=out)
 
-    def rope(self, x: Any, pos: Any, *, n_dims: int, mode: str = "normal",
-             freq_base: float = 10000.0, freq_scale: float = 1.0, out: Any = None) -> GraphTensor:
-        """Rotary embedding of x (..., T, H, D) at positions pos (T,) int32."""
-        return self.op("rope", x, pos, n_dims=n_dims, mode=mode, freq_base=float(freq_base),
-                       freq_scale=float(freq_scale), out=out)
+    def rope(self, x: Any, pos: Any, freq_factors: Any = None, *, n_dims: int,
+             mode: str = "normal", freq_base: float = 10000.0, freq_scale: float = 1.0,
+             out: Any = None) -> GraphTensor:
+        """Rotary embedding of x (..., T, H, D) at positions pos (T,) int32; ``freq_factors``
+        (n_dims / 2,) divide the frequencies (Llama 3.x; needs ``rope-factors``, protocol
+        1.11)."""
+        extra = []
+        if freq_factors is not None:
+            if self.client is not None and "rope-factors" not in self.client.info.capabilities:
+                raise OpError(f"{self.client.endpoint} predates protocol 1.11: its rope op "
+                              "takes no freq_factors; upgrade the worker")
+            extra.append(freq_factors)
+        return self.op("rope", x, pos, *extra, n_dims=n_dims, mode=mode,
+                       freq_base=float(freq_base), freq_scale=float(freq_scale), out=out)
 
     def attention(self, q: Any, k: Any, v: Any, mask: Any = None, *, scale: float = 1.0,
                   out: Any = None) -> GraphTensor:

@@ -586,11 +586,15 @@ def test_swiglu_rules_and_work() -> None:
 # ---------------------------------------------------------------------------------------------- rope
 
 
-def rope_ref(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: str, base: float, scale: float) -> np.ndarray:
-    """ggml's definition, one feature pair at a time."""
+def rope_ref(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: str, base: float, scale: float,
+             factors: np.ndarray | None = None) -> np.ndarray:
+    """ggml's definition, one feature pair at a time (``factors``: ggml_rope_ext's freq factors,
+    dividing each frequency)."""
     out = x.astype(np.float64).copy()
     for i in range(n_dims // 2):
         theta = pos.astype(np.float64) * scale * base ** (-2.0 * i / n_dims)  # (T,)
+        if factors is not None:
+            theta = theta / float(factors[i])
         c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]  # broadcast over heads
         j0, j1 = (i, i + n_dims // 2) if mode == "neox" else (2 * i, 2 * i + 1)
         x0, x1 = x[..., j0].astype(np.float64), x[..., j1].astype(np.float64)
@@ -620,6 +624,35 @@ def test_rope_modes_differ_and_pass_through_the_rest() -> None:
     assert not np.allclose(normal, neox)
     np.testing.assert_array_equal(normal[..., 4:], x[..., 4:])
     close(normal[0, 0, :2], [0 * math.cos(3) - 1 * math.sin(3), 0 * math.sin(3) + 1 * math.cos(3)])
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("shape", [(5, 2, 8), (2, 5, 3, 8)])
+def test_rope_freq_factors_divide_the_frequencies(mode: str, shape: tuple[int, ...]) -> None:
+    """Protocol 1.11 (``rope-factors``): a third input (n_dims / 2,) divides each frequency, as
+    ggml_rope_ext's freq factors (Llama 3.x's ``rope_freqs``); partial rotary keeps the rest.
+    Rank 3 float32 runs the numba kernel on the host, rank 4 the numpy composition."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(shape).astype(np.float32)
+    pos = np.array([0, 3, 17, 40, 511][:shape[-3]], np.int32)
+    factors = np.array([1.0, 2.5, 8.0], np.float32)
+    params = {"n_dims": 6, "mode": mode, "freq_base": 500.0, "freq_scale": 0.5}
+    got = run("rope", [x, pos, factors], params)
+    close(got, rope_ref(x, pos, 6, mode, 500.0, 0.5, factors), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, run("rope", [x, pos], params), atol=1e-3)
+    close(run("rope", [x, pos, np.ones(3, np.float32)], params), run("rope", [x, pos], params),
+          rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("factors,message", [
+    (TensorMeta((4,), "float32"), r"freq_factors shape \(4,\) must be \(n_dims / 2,\) = \(3,\)"),
+    (TensorMeta((3,), "int32"), r"freq_factors dtype int32 is not allowed"),
+])
+def test_rope_freq_factors_rules(factors: TensorMeta, message: str) -> None:
+    x, pos = TensorMeta((3, 2, 8), "float32"), TensorMeta((3,), "int32")
+    assert infer("rope", [x, pos, TensorMeta((3,), "float16")], {"n_dims": 6})[0].shape == (3, 2, 8)
+    with pytest.raises(OpError, match=message):
+        infer("rope", [x, pos, factors], {"n_dims": 6})
 
 
 @pytest.mark.parametrize("x_shape,pos,params,message", [

@@ -156,10 +156,12 @@ def test_error_message_is_capped() -> None:
 #      the error code PEER_UNREACHABLE (only to sessions whose HELLO said 1.9+).
 # 1.10: HELLO's and its reply's exchange, NOT_AUTHENTIC (16), the signed trailer after a signed
 #       session's headers (tests/test_request_mac.py pins it).
+# 1.11: the rope op's optional third input freq_factors (capability rope-factors; the encoding
+#       is unchanged).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 10)
+    assert p.PROTOCOL_VERSION == (1, 11)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value

@@ -1,4 +1,4 @@
-"""``zmq-rpc-bench generate``: load a llama GGUF across workers, stream an answer, print its costs.
+"""``zmq-rpc-bench generate``: load a GGUF across workers, stream an answer, print its costs.
 
 What the screen shows, in order (status on stderr, the answer alone on stdout): a line per start-up
 phase as it begins (starting local workers, connecting, opening the model), a tqdm bar for the
@@ -50,7 +50,7 @@ MIB = 1 << 20
 def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParser:
     """The command line of ``generate``."""
     ap = argparse.ArgumentParser(prog=prog, description=(
-        "Load a llama GGUF across workers, stream an answer to the prompt, print its costs."))
+        "Load a GGUF across workers, stream an answer to the prompt, print its costs."))
     ap.add_argument("--prompt", required=True,
                     help="the user message to answer (with --no-chat: the text to continue)")
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -71,7 +71,8 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
                     help="nucleus sampling mass (default %(default)s: no cut)")
     ap.add_argument("--seed", type=int, default=None,
                     help="sampling seed (default: a fresh one each run)")
-    ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="GGUF path: a llama, qwen2, qwen3, gemma3 or phi3 model "
+                                                       "(default: SmolLM2-135M-Instruct)")
     ap.add_argument("--weights", choices=["quantized", "f32"], default="quantized",
                     help="quantized (default): keep the blocks, repacked once on the workers for "
                          "their numba kernels; f32: dequantize once on the workers (~5x memory)")

@@ -20,7 +20,7 @@ positions of 3 prompts would be ~19 MiB): at every position the :data:`TOP_K` la
 the logits of a fixed sample of ids (every :data:`STRIDE`-th id, the tail of the distribution
 where no top-k looks), both float32; plus the full vocabulary row, float16 (its rounding,
 < 0.016 for logits under 32, is far below the comparison's tolerance), at the last prompt position
-of the first prompt. The file also records the model's SHA-256, the prompts, the versions and the
+of the first prompt (``--no-full-row``: none; ``--stride``: another sample). The file also records the model's SHA-256, the prompts, the versions and the
 command line, so that a test can refuse a different file. The arrays are all deterministic (one
 thread: llama.cpp's CPU sums run in a fixed order).
 """
@@ -80,9 +80,10 @@ def _teacher_forced(llm: Any, ids: list[int]) -> np.ndarray:
     return np.array(llm.scores[:len(ids)], dtype=np.float32)
 
 
-def record(llm: Any, prompts: tuple[str, ...], vocab: int) -> dict[str, np.ndarray]:
+def record(llm: Any, prompts: tuple[str, ...], vocab: int, stride: int = STRIDE,
+           full_row: bool = True) -> dict[str, np.ndarray]:
     """The fixture's arrays for ``prompts`` (see the module docstring)."""
-    arrays: dict[str, np.ndarray] = {"sample_ids": np.arange(0, vocab, STRIDE, dtype=np.int32)}
+    arrays: dict[str, np.ndarray] = {"sample_ids": np.arange(0, vocab, stride, dtype=np.int32)}
     for i, prompt in enumerate(prompts):
         prompt_ids = [int(t) for t in llm.tokenize(prompt.encode(), add_bos=True, special=True)]
         greedy = _greedy(llm, prompt_ids, N_PREDICT)
@@ -93,7 +94,7 @@ def record(llm: Any, prompts: tuple[str, ...], vocab: int) -> dict[str, np.ndarr
         arrays[f"p{i}_top_ids"] = top
         arrays[f"p{i}_top_logits"] = np.take_along_axis(logits, top, axis=1)
         arrays[f"p{i}_sample_logits"] = logits[:, arrays["sample_ids"]]
-        if i == 0:
+        if i == 0 and full_row:
             arrays["p0_full_pos"] = np.array([len(prompt_ids) - 1], np.int32)
             arrays["p0_full_logits"] = logits[len(prompt_ids) - 1:len(prompt_ids)].astype(np.float16)
     return arrays
@@ -104,18 +105,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", type=Path, help="the GGUF to run llama.cpp on")
     parser.add_argument("out", type=Path, help="the .npz fixture to write")
     parser.add_argument("--name", default="", help="how tests name the model (recorded)")
+    parser.add_argument("--stride", type=int, default=STRIDE,
+                        help="record every STRIDE-th id's logit (random-weight models' logits "
+                             "compress poorly: a larger stride keeps their fixtures small)")
+    parser.add_argument("--no-full-row", action="store_true",
+                        help="keep no full vocabulary row (a 262k vocabulary's is 512 KiB)")
     args = parser.parse_args(argv)
     import llama_cpp  # type: ignore[import-not-found]  # the oracle's own environment only
 
     llm = llama_cpp.Llama(str(args.model), n_threads=1, n_threads_batch=1, logits_all=True,
                           n_ctx=N_CTX, n_batch=N_CTX, seed=0, verbose=False)
-    arrays = record(llm, PROMPTS, llm.n_vocab())
+    arrays = record(llm, PROMPTS, llm.n_vocab(), args.stride, not args.no_full_row)
     meta = {
         "model_name": args.name or args.model.name,
         "model_sha256": sha256_file(args.model),
         "model_bytes": args.model.stat().st_size,
         "prompts": list(PROMPTS),
-        "n_predict": N_PREDICT, "top_k": TOP_K, "stride": STRIDE, "n_ctx": N_CTX,
+        "n_predict": N_PREDICT, "top_k": TOP_K, "stride": args.stride,
+        "full_row": not args.no_full_row, "n_ctx": N_CTX,
         "llama_cpp_python": llama_cpp.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
         "command": shlex.join(["python", "tools/llama_oracle.py", *(argv or sys.argv[1:])]),

@@ -1,4 +1,8 @@
-"""A llama GGUF run across zmq-rpc workers: a pipeline of contiguous layer ranges.
+"""A GGUF model run across zmq-rpc workers: a pipeline of contiguous layer ranges.
+
+Any architecture :mod:`~zmq_rpc.client.architectures` describes (llama, qwen2, qwen3, gemma3,
+phi3): ``LlamaModel`` keeps the llama family's name and loads them all, its graphs switching on
+the architecture's options (``general.architecture`` picks them).
 
 ``LlamaModel.load(path, clients)`` splits the layers into stages (one per
 :class:`~zmq_rpc.client.Client`, balanced by resident weight bytes), uploads the weights in their

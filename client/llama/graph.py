@@ -1,4 +1,4 @@
-"""Building a llama's forward graphs: per stage one registered graph per mode.
+"""Building a model's forward graphs: per stage one registered graph per mode.
 
 ``decode`` runs 1 token, ``prefill`` and ``full`` a fixed chunk of T tokens. Each stage's graph
 reads its step inputs (embeddings or the previous stage's activations, positions, the additive
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Literal
 
 from ..client import RegisteredGraph, RemoteTensor
@@ -78,6 +79,8 @@ class StageGraphs:
         wanted: dict[str, tuple[tuple[int, ...], str]] = {
             "pos": ((T,), "int32"), "mask": ((T, self.n_ctx), "float32"),
             "x_in": ((T, d), "float32")}
+        if any(self.config.is_swa(i) for i in stage.layers):
+            wanted["mask_swa"] = ((T, self.n_ctx), "float32")
         if not stage.last:
             wanted["x_out"] = ((T, d), "float32")
         else:
@@ -98,72 +101,90 @@ class StageGraphs:
         """The graph of ``stage`` for ``mode``, reading and writing ``io``'s tensors."""
         g = Graph()
         x: GraphTensor = g.input(need(io.x_in))
+        if stage.first and self.config.spec.embed_scale:     # Gemma: in float32, as llama.cpp
+            x = g.scale(x, s=math.sqrt(self.config.d_model))
         n = len(stage.weights)
         fused = "fused-ops" in stage.client.info.capabilities
         for k, (layer, kv) in enumerate(zip(stage.weights, stage.kv)):
-            x = self._block(g, x, layer, kv, io, self.chunk(mode),
+            at = _Layer(stage.layers[k], layer, kv, stage.rope_freqs)
+            x = self._block(g, x, at, io, self.chunk(mode),
                             out=io.x_out if k == n - 1 else None, fused=fused)
         if stage.last:
             self._head(g, x, stage, mode, io)
         return g
 
-    def _block(self, g: Graph, x: GraphTensor, w: LayerWeights,
-               kv: tuple[RemoteTensor, RemoteTensor], io: ModeIO, T: int,
+    def _block(self, g: Graph, x: GraphTensor, at: _Layer, io: ModeIO, T: int,
                out: RemoteTensor | None, fused: bool) -> GraphTensor:
-        """One transformer layer: x + attention(norm(x)), then + ffn(norm(.)). ``fused``: the
-        worker has the ``attention`` and ``swiglu`` ops (``fused-ops``)."""
-        eps = self.config.norm_eps
+        """One transformer layer: x + attention(norm(x)), then + ffn(norm(.)), each sub-layer's
+        output normed again where the architecture says so (Gemma). ``fused``: the worker has
+        the ``attention`` and ``swiglu`` ops (``fused-ops``)."""
+        eps, w = self.config.norm_eps, at.weights
         h = g.mul(g.rms_norm(x, eps=eps), w.attn_norm)
-        x = g.add(x, self._attention(g, h, w, kv, io, T, fused))
+        x = g.add(x, self._post_norm(g, self._attention(g, h, at, io, T, fused), w,
+                                     "post_attention_norm"))
         h = g.mul(g.rms_norm(x, eps=eps), w.ffn_norm)
-        return g.add(x, self._ffn(g, h, w, fused), out=out)
+        return g.add(x, self._post_norm(g, self._ffn(g, h, w, fused), w, "post_ffw_norm"),
+                     out=out)
 
-    def _attention(self, g: Graph, h: GraphTensor, w: LayerWeights,
-                   kv: tuple[RemoteTensor, RemoteTensor], io: ModeIO, T: int,
+    def _post_norm(self, g: Graph, y: GraphTensor, w: LayerWeights, name: str) -> GraphTensor:
+        weight = w.extra.get(name)
+        return y if weight is None else g.mul(g.rms_norm(y, eps=self.config.norm_eps), weight)
+
+    def _attention(self, g: Graph, h: GraphTensor, at: _Layer, io: ModeIO, T: int,
                    fused: bool) -> GraphTensor:
         """A decode step (T = 1) ropes q and k in one node (neighbours in the QKV product, and
-        a one-row q stays contiguous) and, on a worker with ``fused-ops``, attends in one
-        ``attention`` node; longer chunks go through the matmul / soft_max / matmul
-        composition (BLAS does their products faster than the fused loop)."""
-        cfg, n_ctx = self.config, self.n_ctx
+        a one-row q stays contiguous) where nothing sits between the product and the rope, and,
+        on a worker with ``fused-ops``, attends in one ``attention`` node; longer chunks go
+        through the matmul / soft_max / matmul composition (BLAS does their products faster
+        than the fused loop). Sliding-window layers read the step's window mask."""
+        cfg, n_ctx, w = self.config, self.n_ctx, at.weights
         n_h, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = w.linear["qkv"].apply(g, h)                       # (T, (n_h + 2 n_kv) hd)
+        if "qkv_bias" in w.extra:
+            qkv = g.add(qkv, w.extra["qkv_bias"])
         row = qkv.shape[1] * 4
-        q, k = self._rope_qk(g, qkv, io, T)
+        q, k = self._rope_qk(g, qkv, at, io, T)
         v = g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), (n_h + n_kv) * hd * 4)
-        k_cache, v_cache = kv
+        k_cache, v_cache = at.kv
         g.set_rows(k_cache, k, io.pos)
         g.set_rows(v_cache, v, io.pos)
+        mask = io.mask_swa if cfg.is_swa(at.index) else io.mask
         if fused and T == 1:
-            att = g.attention(q, k_cache[:n_ctx], v_cache[:n_ctx], io.mask,
-                              scale=1.0 / math.sqrt(hd))
+            att = g.attention(q, k_cache[:n_ctx], v_cache[:n_ctx], mask, scale=cfg.kq_scale)
             return w.linear["wo"].apply(g, g.reshape(att, (T, n_h * hd)))
         scores = g.matmul(self._by_kv_head(g, q, T), _heads_first(k_cache[:n_ctx]),
                           transpose_b=True)                     # (n_kv, G T, n_ctx)
-        probs = g.soft_max(g.reshape(scores, (n_kv, cfg.gqa_group, T, n_ctx)), io.mask,
-                           scale=1.0 / math.sqrt(hd))
+        probs = g.soft_max(g.reshape(scores, (n_kv, cfg.gqa_group, T, n_ctx)), mask,
+                           scale=cfg.kq_scale)
         att = g.matmul(g.reshape(probs, (n_kv, cfg.gqa_group * T, n_ctx)),
                        _heads_first(v_cache[:n_ctx]))          # (n_kv, G T, hd)
         return w.linear["wo"].apply(g, self._by_token(g, att, T))
 
-    def _rope_qk(self, g: Graph, qkv: GraphTensor, io: ModeIO,
+    def _rope_qk(self, g: Graph, qkv: GraphTensor, at: _Layer, io: ModeIO,
                  T: int) -> tuple[GraphTensor, GraphTensor]:
-        """q (T, n_h, hd) and k (T, n_kv, hd) of the QKV product, roped."""
-        cfg = self.config
+        """q (T, n_h, hd) and k (T, n_kv, hd) of the QKV product, each RMS-normed per head
+        first where the architecture has those norms (Qwen3, Gemma), then roped with the
+        layer's base and scale (and the file's frequency factors)."""
+        cfg, w = self.config, at.weights
         n_h, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         row = qkv.shape[1] * 4
+        base, scale = cfg.layer_rope(at.index)
 
         def rope(x: GraphTensor) -> GraphTensor:
-            return g.rope(x, io.pos, n_dims=cfg.rope_dims, mode=cfg.rope_mode,
-                          freq_base=cfg.rope_base)
+            return g.rope(x, io.pos, at.rope_freqs, n_dims=cfg.rope_dims, mode=cfg.rope_mode,
+                          freq_base=base, freq_scale=scale)
 
-        if T == 1:
+        if T == 1 and "attn_q_norm" not in w.extra:
             qk = rope(g.view(qkv, (T, n_h + n_kv, hd), (row, hd * 4, 4)))
             qk_row = (n_h + n_kv) * hd * 4
             return (g.view(qk, (T, n_h, hd), (qk_row, hd * 4, 4)),
                     g.view(qk, (T, n_kv, hd), (qk_row, hd * 4, 4), n_h * hd * 4))
         q = g.view(qkv, (T, n_h, hd), (row, hd * 4, 4))
         k = g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), n_h * hd * 4)
+        if "attn_q_norm" in w.extra:
+            eps = cfg.norm_eps
+            q = g.mul(g.rms_norm(q, eps=eps), w.extra["attn_q_norm"])
+            k = g.mul(g.rms_norm(k, eps=eps), w.extra["attn_k_norm"])
         return rope(q), rope(k)
 
     def _by_kv_head(self, g: Graph, q: GraphTensor, T: int) -> GraphTensor:
@@ -183,14 +204,17 @@ class StageGraphs:
         return g.reshape(g.cont(tokens_first), (T, n_kv * group * hd))
 
     def _ffn(self, g: Graph, h: GraphTensor, w: LayerWeights, fused: bool) -> GraphTensor:
-        d_ff = self.config.d_ff
+        """down(act(gate) * up): SwiGLU (one ``swiglu`` node on a ``fused-ops`` worker), or
+        GeGLU with tanh GELU (Gemma)."""
+        d_ff, gelu = self.config.d_ff, self.config.spec.ffn_activation == "gelu"
         gate_up = w.linear["gate_up"].apply(g, h)               # (T, 2 d_ff)
-        if fused:
+        if fused and not gelu:
             return w.linear["down"].apply(g, g.swiglu(gate_up))
         T, row = gate_up.shape[0], gate_up.shape[1] * 4
         gate = g.view(gate_up, (T, d_ff), (row, 4))
         up = g.view(gate_up, (T, d_ff), (row, 4), d_ff * 4)
-        return w.linear["down"].apply(g, g.mul(g.silu(gate), up))
+        act = g.gelu(gate, approximate="tanh") if gelu else g.silu(gate)
+        return w.linear["down"].apply(g, g.mul(act, up))
 
     def _head(self, g: Graph, x: GraphTensor, stage: Stage, mode: str, io: ModeIO) -> None:
         """Final norm, LM head into ``io.logits``; then, but for "full", the argmax into
@@ -202,10 +226,24 @@ class StageGraphs:
         if mode == "prefill":
             x = g.get_rows(x, io.last_idx)
         h = g.mul(g.rms_norm(x, eps=self.config.norm_eps), need(stage.out_norm))
-        logits = stage.lm_head.apply(g, h, out=io.logits)
+        cap = self.config.logit_softcap
+        logits = stage.lm_head.apply(g, h, out=None if cap else io.logits)
+        if cap:                                     # cap * tanh(logits / cap), as llama.cpp
+            logits = g.scale(g.tanh(g.scale(logits, s=1.0 / cap)), s=cap, out=io.logits)
         if mode != "full":
             token = g.argmax(logits, out=io.token)
             stage.embd.rows(g, token, out=io.x_next)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """What one layer's part of a graph reads: its index in the model, weights, KV cache and
+    the stage's rope factors (None for most files)."""
+
+    index: int
+    weights: LayerWeights
+    kv: tuple[RemoteTensor, RemoteTensor]
+    rope_freqs: RemoteTensor | None
 
 
 def _heads_first(cache: RemoteTensor) -> RemoteTensor:

@@ -31,7 +31,14 @@ import numpy as np
 from ..client import RemoteBuffer, RemoteTensor
 from ..gguf_model import GGUFTensor, LlamaGGUF
 from ..graph import Graph
-from .plan import FUSED, NORMS, Stage, head_tensor, layer_tensor, stage_sources, vocab_tables
+from .plan import (
+    Stage,
+    head_tensor,
+    layer_small_tensors,
+    layer_tensor,
+    stage_sources,
+    vocab_tables,
+)
 from .source import StageSource, WeightSource
 from .staged import Staged
 from .weights import LayerWeights, Product, StackedLinear, WeightFormat
@@ -313,13 +320,22 @@ class WeightLoader:
         g = Graph()
         for name, sources in fills:
             qtypes = [self.gguf.tensors[s].qtype for s in sources]
-            if qtypes[0] == "f32":                  # the norms
-                g.cpy(staged.tensors[sources[0]], placed[name])
+            if qtypes[0] == "f32":                  # norms, biases (stacked), rope factors
+                self._fill_vectors(g, [staged.tensors[s] for s in sources], placed[name])
             else:
                 self.fmt.fill(g, [staged.tensors[s] for s in sources], qtypes, placed[name])
         built = stage.client.compute_async(g)
         self._bind_weights(stage, placed)
         return [built, staged.buffer.free_async()]
+
+    @staticmethod
+    def _fill_vectors(g: Graph, sources: list[RemoteTensor], dst: RemoteTensor) -> None:
+        """float32 vectors copied one after another into ``dst``."""
+        at = 0
+        for src in sources:
+            n = src.shape[0]
+            g.cpy(src, dst[at:at + n] if len(sources) > 1 else dst)
+            at += n
 
     def _groups(self, layer: int, parts: Sequence[str]) -> list[list[GGUFTensor]]:
         """The resident matrices of one fused linear: its GGUF tensors in runs the format
@@ -327,33 +343,51 @@ class WeightLoader:
         return self.fmt.groups([layer_tensor(self.gguf, layer, p) for p in parts])
 
     def _resident_layout(self, stage: Stage) -> tuple[Layout, list[tuple[str, list[str]]]]:
-        """Where each resident weight goes, and the GGUF tensors (stacked by rows) filling it."""
-        d, fmt = self.gguf.config.d_model, self.fmt
+        """Where each resident weight goes, and the GGUF tensors (stacked by rows) filling it:
+        per layer its float32 vectors (norms; the Q/K/V biases stacked as one), then its
+        products' matrices; on the last stage the vocabulary tables and the output norm."""
+        cfg, fmt = self.gguf.config, self.fmt
         layout, fills = Layout(), []
         for i in stage.layers:
-            for norm in NORMS:
-                layout.add(f"{i}.{norm}", (d,), "float32")
-                fills.append((f"{i}.{norm}", [f"blk.{i}.{norm}.weight"]))
-            for name, parts in FUSED.items():
+            vectors = layer_small_tensors(cfg)
+            biases = [v for v in vectors if v.endswith(".bias")]
+            for v in (v for v in vectors if v.endswith(".weight")):
+                name = f"{i}.{v.removesuffix('.weight')}"
+                layout.add(name, self.gguf.tensors[f"blk.{i}.{v}"].shape, "float32")
+                fills.append((name, [f"blk.{i}.{v}"]))
+            if biases:
+                sources = [f"blk.{i}.{b}" for b in biases]
+                rows = sum(self.gguf.tensors[b].shape[0] for b in sources)
+                layout.add(f"{i}.qkv_bias", (rows,), "float32")
+                fills.append((f"{i}.qkv_bias", sources))
+            for name, parts in cfg.spec.fused.items():
                 for j, tensors in enumerate(self._groups(i, parts)):
                     rows = sum(t.data.shape[0] for t in tensors)
                     layout.add(f"{i}.{name}.{j}", fmt.resident_shape(tensors[0], rows), fmt.dtype)
                     fills.append((f"{i}.{name}.{j}", [t.name for t in tensors]))
+        if cfg.rope_freqs:
+            layout.add("rope_freqs", (cfg.rope_dims // 2,), "float32")
+            fills.append(("rope_freqs", ["rope_freqs.weight"]))
         if stage.last:
             for name in vocab_tables(self.gguf):
                 t = self.gguf.tensors[name]
                 layout.add(name, fmt.resident_shape(t, t.data.shape[0]), fmt.dtype)
                 fills.append((name, [name]))
-            layout.add("output_norm", (d,), "float32")
+            layout.add("output_norm", (cfg.d_model,), "float32")
             fills.append(("output_norm", ["output_norm.weight"]))
         return layout, fills
 
     def _bind_weights(self, stage: Stage, placed: dict[str, RemoteTensor]) -> None:
-        fmt = self.fmt
+        fmt, cfg = self.fmt, self.gguf.config
+        vectors = [v.removesuffix(".weight") for v in layer_small_tensors(cfg)
+                   if v.endswith(".weight")] + (["qkv_bias"] if cfg.qkv_bias else [])
         for i in stage.layers:
-            linear = {name: self._product(placed, i, name, parts) for name, parts in FUSED.items()}
-            stage.weights.append(LayerWeights(placed[f"{i}.attn_norm"],
-                                              placed[f"{i}.ffn_norm"], linear))
+            linear = {name: self._product(placed, i, name, parts)
+                      for name, parts in cfg.spec.fused.items()}
+            extra = {v: placed[f"{i}.{v}"] for v in vectors}
+            stage.weights.append(LayerWeights(extra.pop("attn_norm"), extra.pop("ffn_norm"),
+                                              linear, extra))
+        stage.rope_freqs = placed.get("rope_freqs")
         if stage.last:
             embd = self.gguf.tensors["token_embd.weight"]
             stage.embd = fmt.linear(placed["token_embd.weight"], embd.qtype)

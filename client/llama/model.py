@@ -1,4 +1,5 @@
-""":class:`LlamaModel`: a llama GGUF placed on a list of workers as a pipeline, one stage each.
+""":class:`LlamaModel`: a GGUF model (any of :data:`~zmq_rpc.client.architectures.ARCHITECTURES`)
+placed on a list of workers as a pipeline, one stage each.
 
 The model composes the parts, each in its own module: planning the stages (:mod:`.plan`), the
 weights mode (:mod:`.weights`), loading (:mod:`.load`), the forward graphs (:mod:`.graph`), the KV

@@ -1,4 +1,4 @@
-"""Planning a llama across workers: which layers and GGUF tensors each pipeline stage holds.
+"""Planning a model across workers: which layers and GGUF tensors each pipeline stage holds.
 
 One stage per :class:`~zmq_rpc.client.Client`, in order: contiguous layer ranges balanced by the
 bytes each stage will hold in the weights mode (:func:`plan_stages`); the last stage also holds the
@@ -18,15 +18,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..client import Client, RegisteredGraph, RemoteBuffer, RemoteTensor
-from ..gguf_model import GGUFTensor, LlamaGGUF
+from ..gguf_model import GGUFTensor, LlamaConfig, LlamaGGUF
 from .weights import MATMUL_QTYPES, LayerWeights, Linear, WeightFormat
 
-__all__ = ["FUSED", "NORMS", "ModeIO", "Stage", "make_stages", "plan_stages", "stage_sources"]
+__all__ = ["ModeIO", "Stage", "layer_small_tensors", "make_stages", "plan_stages",
+           "stage_sources"]
 
-FUSED = {"qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
-         "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
-"""Per layer: the fused linear weights and the GGUF tensors stacked (by rows) into each."""
-NORMS = ("attn_norm", "ffn_norm")
+
+def layer_small_tensors(config: LlamaConfig) -> list[str]:
+    """A layer's float32 vectors, as ``{part}.{weight|bias}``: its norms (d_model, then the
+    per-head ones) and its Q/K/V biases where the file has them."""
+    spec = config.spec
+    names = [f"{n}.weight" for n in (*spec.layer_norm_names(), *spec.head_norms)]
+    return names + ([f"{p}.bias" for p in spec.fused["qkv"]] if config.qkv_bias else [])
 
 
 @dataclass
@@ -35,6 +39,8 @@ class ModeIO:
 
     pos: RemoteTensor | None = None
     mask: RemoteTensor | None = None
+    mask_swa: RemoteTensor | None = None
+    """The sliding-window layers' mask (stages holding one of them)."""
     last_idx: RemoteTensor | None = None
     x_in: RemoteTensor | None = None
     x_out: RemoteTensor | None = None
@@ -58,6 +64,8 @@ class Stage:
     embd: Linear | None = None
     out_norm: RemoteTensor | None = None
     lm_head: Linear | None = None
+    rope_freqs: RemoteTensor | None = None
+    """The rope frequency factors (Llama 3.x), on every stage of a file that has them."""
     kv: list[tuple[RemoteTensor, RemoteTensor]] = field(default_factory=list)
     kv_buffer: RemoteBuffer | None = None
     io: dict[str, ModeIO] = field(default_factory=dict)
@@ -83,8 +91,12 @@ def head_tensor(gguf: LlamaGGUF) -> GGUFTensor:
 def stage_sources(gguf: LlamaGGUF, stage: Stage) -> list[GGUFTensor]:
     """The GGUF tensors a stage holds: its layers', and the head's on the last stage (with
     ``token_embd``, which also embeds the token it picked, for chained decoding)."""
-    names = [f"blk.{i}.{part}.weight" for i in stage.layers
-             for part in (*NORMS, *(p for parts in FUSED.values() for p in parts))]
+    cfg = gguf.config
+    matrices = [f"{p}.weight" for parts in cfg.spec.fused.values() for p in parts]
+    names = [f"blk.{i}.{part}" for i in stage.layers
+             for part in (*layer_small_tensors(cfg), *matrices)]
+    if cfg.rope_freqs:
+        names.append("rope_freqs.weight")
     if stage.last:
         names += [*vocab_tables(gguf), "output_norm.weight"]
     return [gguf.tensors[name] for name in names]
@@ -106,8 +118,9 @@ def make_stages(gguf: LlamaGGUF, fmt: WeightFormat, clients: Sequence[Client]) -
                              f"not {t.qtype}")
         return fmt.resident_bytes(t)
 
-    layer_bytes = [sum(resident(layer_tensor(gguf, i, n)) for names in FUSED.values()
-                       for n in names) for i in range(gguf.config.n_layers)]
+    layer_bytes = [sum(resident(layer_tensor(gguf, i, n)) for names in
+                       gguf.config.spec.fused.values() for n in names)
+                   for i in range(gguf.config.n_layers)]
     tables = sum(resident(gguf.tensors[n]) for n in vocab_tables(gguf))
     ranges = plan_stages(layer_bytes, 0, tables, len(clients))
     return [Stage(i, c, r, first=i == 0, last=i == len(clients) - 1)

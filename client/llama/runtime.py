@@ -185,12 +185,17 @@ class StepRunner:
         pos[:n] = np.arange(start, start + n, dtype=np.int32)
         mask = np.full((T, n_ctx), -np.inf, np.float32)
         mask[:n][np.arange(n_ctx)[None, :] <= pos[:n, None]] = 0.0
+        window = self.cache.config.swa_window
+        mask_swa = mask.copy() if window else None
+        if mask_swa is not None:    # llama.cpp hides key p0 from query p1 when p1 - p0 >= window
+            mask_swa[:n][pos[:n, None] - np.arange(n_ctx)[None, :] >= window] = -np.inf
         x = None
         if chunk is not None:
             tokens = np.zeros(T, np.int32)
             tokens[:n] = chunk
             x = self.embed(tokens)
-        return [self._stage_run(s, mode, pos, mask, x, n, fetch) for s in self.stages]
+        return [self._stage_run(s, mode, pos, (mask, mask_swa), x, n, fetch)
+                for s in self.stages]
 
     def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """The input embeddings (T, d_model) float32 of ``token_ids``, read here from the mapped
@@ -205,10 +210,13 @@ class StepRunner:
             return rows.astype(np.float32)
         return dequantize_rows(rows, table.qtype)
 
-    def _stage_run(self, stage: Stage, mode: Mode, pos: np.ndarray, mask: np.ndarray,
-                   x: np.ndarray | None, n: int, fetch: str) -> LinkedRun:
+    def _stage_run(self, stage: Stage, mode: Mode, pos: np.ndarray,
+                   masks: tuple[np.ndarray, np.ndarray | None], x: np.ndarray | None, n: int,
+                   fetch: str) -> LinkedRun:
         io = stage.io[mode]
-        inputs = [(io.pos, pos), (io.mask, mask)]
+        inputs = [(io.pos, pos), (io.mask, masks[0])]
+        if io.mask_swa is not None and masks[1] is not None:
+            inputs.append((io.mask_swa, masks[1]))
         if stage.first and x is not None:
             inputs.append((io.x_in, x))
         if io.last_idx is not None:

@@ -28,7 +28,7 @@ any thread.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ...broker.ops import PACKED_BLOCKS, QUANT_BLOCKS
@@ -85,12 +85,15 @@ Product = Linear | StackedLinear
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """One transformer layer's weights on its worker: two norms and the fused linears
-    (``qkv``, ``wo``, ``gate_up``, ``down``)."""
+    """One transformer layer's weights on its worker: two norms, the fused linears (``qkv``,
+    ``wo``, ``gate_up``, ``down``) and the vectors only some architectures have (``extra``:
+    ``post_attention_norm``, ``post_ffw_norm``, ``attn_q_norm``, ``attn_k_norm``,
+    ``qkv_bias``)."""
 
     attn_norm: RemoteTensor
     ffn_norm: RemoteTensor
     linear: dict[str, Product]
+    extra: dict[str, RemoteTensor] = field(default_factory=dict)
 
 
 class WeightFormat:

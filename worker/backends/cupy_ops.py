@@ -106,6 +106,8 @@ class CupyKernels:
         if half == 0:
             return
         inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * cp.arange(half) / n_dims)
+        if len(xs) > 2:                     # freq factors (protocol 1.11)
+            inv_freq = inv_freq / K.as_float32(xs[2], ms[2].dtype).astype(np.float64)
         theta = xs[1].astype(np.float64)[:, None] * inv_freq
         cos_t = cp.ascontiguousarray(cp.cos(theta).astype(np.float32)).reshape(-1)
         sin_t = cp.ascontiguousarray(cp.sin(theta).astype(np.float32)).reshape(-1)

@@ -484,8 +484,9 @@ def _rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np
     """Rotate feature pairs of each head by theta_i = pos * freq_scale * freq_base ** (-2i / n_dims).
 
     x is (..., T, H, D); "normal" pairs (2i, 2i+1), "neox" pairs (i, i + n_dims/2); features past n_dims
-    pass through. Angles are computed in float64 (ggml accumulates them in float32, so it differs by a few
-    ulps of the angle). Allocates two temporaries of half the rotated part.
+    pass through; a third input (n_dims/2,) divides the frequencies (ggml's freq factors). Angles are
+    computed in float64 (ggml accumulates them in float32, so it differs by a few ulps of the angle).
+    Allocates two temporaries of half the rotated part.
     """
     n_dims = int(p["n_dims"])
     if _fused_rope(xs, ms, p, out, n_dims):
@@ -494,6 +495,8 @@ def _rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np
     xp = namespace(out)
     half = n_dims // 2
     inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * xp.arange(half) / n_dims)
+    if len(xs) > 2:
+        inv_freq = inv_freq / as_float32(xs[2], ms[2].dtype).astype(np.float64)
     theta = xs[1].astype(np.float64)[:, None] * inv_freq  # (T, half)
     cos, sin = xp.cos(theta).astype(_F32)[:, None, :], xp.sin(theta).astype(_F32)[:, None, :]
     if p["mode"] == "neox":
@@ -526,6 +529,8 @@ def _fused_rope(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, o
         inv_freq = p["freq_scale"] * p["freq_base"] ** (-2.0 * np.arange(n_dims // 2) / n_dims)
         if len(_INV_FREQ) < 64:
             _INV_FREQ[key] = inv_freq
+    if len(xs) > 2:    # the factors are a tensor, read at every run (not cached)
+        inv_freq = inv_freq / as_float32(xs[2], ms[2].dtype).astype(np.float64)
     return _compiled(fused.rope, x, pos, inv_freq, p["mode"] == "neox", n_dims, out)
 
 
