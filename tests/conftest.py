@@ -20,7 +20,7 @@ import pytest
 import zmq
 from waiting import wait_until
 from zmq_rpc.client import Client
-from zmq_rpc.worker.launch import LISTENING, worker_argv
+from zmq_rpc.worker.launch import LISTENING, local_workers, worker_argv
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -228,3 +228,15 @@ def scrape(address: str) -> Samples:
 def sample(samples: Samples, name: str, **labels: str) -> float:
     """One sample's value (0 when the page does not have it)."""
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def worker_processes() -> Iterator[list[Client]]:
+    """Clients of two worker processes from the package's launcher, shared by a test module."""
+    with local_workers(2) as endpoints:
+        opened = [Client(e) for e in endpoints]
+        try:
+            yield opened
+        finally:
+            for c in opened:
+                c.close()

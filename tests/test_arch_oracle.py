@@ -11,8 +11,6 @@ wherever its margin is clear, and our logits are within the family's :data:`TOLE
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 from synthetic_models import synthetic_path
@@ -20,7 +18,6 @@ from test_llama_oracle import MARGIN, N_CTX, Tolerance, load_oracle, run_oracle
 from zmq_rpc.client import Client
 from zmq_rpc.client.gguf_model import LlamaGGUF, load_gguf
 from zmq_rpc.client.llama import LlamaModel
-from zmq_rpc.worker.launch import local_workers
 
 TOLERANCES = {
     "gemma3": Tolerance(typical=0.18, worst=0.3),    # measured 0.124 / 0.207
@@ -38,26 +35,15 @@ our side's rounding across CPUs. A family-specific detail left out moves them by
 (docs/MODELS.md: Qwen2's biases skipped, Gemma's embedding scale or softcap dropped ...)."""
 
 
-@pytest.fixture(scope="module")
-def clients() -> Iterator[list[Client]]:
-    """Two worker processes from the package's launcher, shared by the module."""
-    with local_workers(2) as endpoints:
-        opened = [Client(e) for e in endpoints]
-        try:
-            yield opened
-        finally:
-            for c in opened:
-                c.close()
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", sorted(TOLERANCES))
-def test_family_matches_llama_cpp_on_1_and_2_workers(family: str, clients: list[Client]) -> None:
+def test_family_matches_llama_cpp_on_1_and_2_workers(family: str,
+                                                     worker_processes: list[Client]) -> None:
     """Full passes of the plain and the mixed-text prompts on 1 worker and of the chat prompt
     on 2, and the chat prompt through prefill + decode steps on 2 (the one-token graphs rope,
     norm and attend by other paths; 27 positions, past Gemma's window of 8)."""
     model = load_gguf(synthetic_path(family))
-    run_oracle(f"synthetic_{family}", model, clients, {1: (0, 2), 2: (1,)}, decode=1,
+    run_oracle(f"synthetic_{family}", model, worker_processes, {1: (0, 2), 2: (1,)}, decode=1,
                tolerance=TOLERANCES[family])
 
 
@@ -77,19 +63,19 @@ def real_gemma3_270m() -> LlamaGGUF:
 
 
 @pytest.mark.timeout(600)
-def test_real_gemma3_270m_matches_llama_cpp(clients: list[Client]) -> None:
+def test_real_gemma3_270m_matches_llama_cpp(worker_processes: list[Client]) -> None:
     """The real file (262,144-token vocabulary, 18 layers, SWA 512, Q5_0/Q8_0/Q4_K/Q6_K with
     Q/K and V of different types in a layer): full passes on 1 worker (two prompts) and 2 (the
     third), the plain prompt through prefill + decode on 2, and its greedy answer is
     llama.cpp's. Its tokenizer (SentencePiece) is not read here yet: llama.cpp's tokens are
     fed."""
     model = real_gemma3_270m()
-    run_oracle("gemma3_270m_q4_k_m", model, clients, {1: (0, 2), 2: (1,)}, decode=0,
+    run_oracle("gemma3_270m_q4_k_m", model, worker_processes, {1: (0, 2), 2: (1,)}, decode=0,
                tolerance=GEMMA3_270M, check_tokens=False)
     oracle = load_oracle("gemma3_270m_q4_k_m")
     a = oracle.arrays
     prompt, greedy = a["p0_prompt_ids"].tolist(), a["p0_greedy"].tolist()
-    with LlamaModel.load(model, clients, n_ctx=N_CTX) as m:
+    with LlamaModel.load(model, worker_processes, n_ctx=N_CTX) as m:
         ours = m.generate(prompt, len(greedy), stop_ids=())
     assert_follows(ours, greedy, a["p0_top_ids"][len(prompt) - 1:],
                    a["p0_top_logits"][len(prompt) - 1:])

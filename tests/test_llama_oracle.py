@@ -21,9 +21,7 @@ continuation) and compared at every position, teacher-forced:
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ from zmq_rpc.client import Client
 from zmq_rpc.client.gguf_model import LlamaGGUF, load_gguf
 from zmq_rpc.client.llama import LlamaModel
 from zmq_rpc.client.tokenizer import load_tokenizer
-from zmq_rpc.worker.launch import local_workers
+from zmq_rpc.tools.llama_oracle import sha256_file
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -101,14 +99,6 @@ def load_oracle(name: str) -> Oracle:
     return Oracle(meta, arrays)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while piece := f.read(1 << 20):
-            digest.update(piece)
-    return digest.hexdigest()
-
-
 def checked_model(oracle: Oracle, model: LlamaGGUF) -> LlamaGGUF:
     """``model``, refused unless its file is the one the fixture was recorded on."""
     path = model.path
@@ -119,18 +109,6 @@ def checked_model(oracle: Oracle, model: LlamaGGUF) -> LlamaGGUF:
                     f"{oracle.meta['model_sha256'][:16]}): regenerate the fixture "
                     "(docs/MODELS.md, 'Checked against llama.cpp')")
     return model
-
-
-@pytest.fixture(scope="module")
-def clients() -> Iterator[list[Client]]:
-    """Two worker processes from the package's launcher, shared by the module."""
-    with local_workers(2) as endpoints:
-        opened = [Client(e) for e in endpoints]
-        try:
-            yield opened
-        finally:
-            for c in opened:
-                c.close()
 
 
 def requantized(mix: str, embd: str = "Q8_0") -> LlamaGGUF:
@@ -226,14 +204,16 @@ def run_oracle(name: str, model: LlamaGGUF, clients: list[Client],
 
 
 @pytest.mark.timeout(300)
-def test_smollm2_q4_1_matches_llama_cpp(clients: list[Client]) -> None:
+def test_smollm2_q4_1_matches_llama_cpp(worker_processes: list[Client]) -> None:
     """The GGUF the package ships (Q4_1 matrices, Q8_0 embeddings), teacher-forced full passes on
     one worker (two workers: the tests below)."""
-    run_oracle("smollm2_q4_1", load_gguf(require_model_path()), clients, {1: (0, 1, 2)})
+    run_oracle("smollm2_q4_1", load_gguf(require_model_path()), worker_processes,
+               {1: (0, 1, 2)})
 
 
 @pytest.mark.timeout(300)
-def test_q4_k_m_mixed_types_match_llama_cpp_on_1_and_2_workers(clients: list[Client]) -> None:
+def test_q4_k_m_mixed_types_match_llama_cpp_on_1_and_2_workers(
+        worker_processes: list[Client]) -> None:
     """Every layer mixes types inside Q/K/V and gate/up (Q5_0 + Q8_0) with ffn_down Q4_K/Q6_K:
     full passes (two prompts on 1 worker, all three on 2), and on 2 workers the chat prompt
     through prefill + decode steps (the one-token graphs rope and attend differently)."""
@@ -242,12 +222,14 @@ def test_q4_k_m_mixed_types_match_llama_cpp_on_1_and_2_workers(clients: list[Cli
              if t.name.startswith("blk.0.")}
     assert {("attn_q", "q5_0"), ("attn_v", "q8_0"), ("ffn_gate", "q5_0"),
             ("ffn_up", "q8_0")} <= kinds
-    run_oracle("smollm2_q4_k_m", model, clients, {1: (0, 1), 2: (0, 1, 2)}, decode=1)
+    run_oracle("smollm2_q4_k_m", model, worker_processes, {1: (0, 1), 2: (0, 1, 2)},
+               decode=1)
 
 
 @pytest.mark.timeout(300)
-def test_f16_matches_llama_cpp_closely_on_2_workers(clients: list[Client]) -> None:
+def test_f16_matches_llama_cpp_closely_on_2_workers(worker_processes: list[Client]) -> None:
     """F16 weights everywhere: llama.cpp rounds activations only to f16, so the graphs must agree
     to a few hundredths (a wrong rope, norm or attention detail shows here even where the 8-bit
     files' tolerance would hide it)."""
-    run_oracle("smollm2_f16", requantized("f16", embd="F16"), clients, {2: (0, 1, 2)})
+    run_oracle("smollm2_f16", requantized("f16", embd="F16"), worker_processes,
+               {2: (0, 1, 2)})

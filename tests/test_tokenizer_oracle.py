@@ -23,6 +23,7 @@ from zmq_rpc.client.gguf_file import read_gguf
 from zmq_rpc.client.gguf_model import GGUFMetadata, GGUFModelError
 from zmq_rpc.client.tokenizer import Tokenizer, load_tokenizer, read_tokenizer
 from zmq_rpc.tools import tokenizer_oracle as oracle
+from zmq_rpc.tools.llama_oracle import sha256_file
 
 FIXTURE: dict[str, Any] = json.loads(oracle.FIXTURE.read_text())
 VOCABS = sorted(n for n in FIXTURE["vocabularies"] if not n.startswith("file:"))
@@ -115,7 +116,7 @@ def test_downloaded_gguf_matches_llama_cpp(name: str) -> None:
     path = _find_model_file(record["file"])
     if path is None:
         pytest.skip(f"{record['file']} is not here (set ZMQ_RPC_GGUF_DIRS)")
-    assert oracle.file_sha256(path) == record["sha256"], f"{path} is another file"
+    assert sha256_file(path) == record["sha256"], f"{path} is another file"
     _check_against(read_tokenizer(path), record)
 
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from .llama_oracle import sha256_file
+
 ROOT: Final = Path(__file__).resolve().parent.parent
 FIXTURE: Final = ROOT / "tests" / "fixtures" / "tokenizer_oracle.json"
 SPACE_MARK: Final = "\u2581"
@@ -358,15 +360,6 @@ def default_smollm2() -> Path | None:
     return found[0] if found else None
 
 
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a (possibly large) file, read in 16 MiB pieces."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while piece := f.read(16 << 20):
-            digest.update(piece)
-    return digest.hexdigest()
-
-
 def build_fixture(llama_cpp: Any, work: Path, smollm2: Path | None,
                   sdist_templates: Path | None, real: Sequence[Path] = ()) -> dict[str, Any]:
     """Everything the fixture records."""
@@ -376,7 +369,7 @@ def build_fixture(llama_cpp: Any, work: Path, smollm2: Path | None,
     }
     # downloaded model files: checked in CI only where the same file is found (by its hash)
     vocabs |= {
-        f"file:{path.name}": {"sha256": file_sha256(path), "file": path.name,
+        f"file:{path.name}": {"sha256": sha256_file(path), "file": path.name,
                               **_llama_vocab(llama_cpp, path)}
         for path in real
     }
