@@ -175,6 +175,11 @@ def write_requantized(src: Path, dst: Path, mix: str = "every-type", embd: GT = 
             writer.add_tensor(t.name, data)
         else:
             writer.add_tensor(t.name, data, raw_dtype=qtype)
+    return finish(writer, tmp, dst)
+
+
+def finish(writer: gguf.GGUFWriter, tmp: Path, dst: Path) -> Path:
+    """Write out ``writer``'s file at ``tmp`` and move it to ``dst`` (whole or not at all)."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -28,7 +28,7 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as GT
-from requantize import cache_dir, quantize
+from requantize import cache_dir, finish, quantize
 
 __all__ = ["FAMILIES", "Family", "synthetic_path", "write_synthetic"]
 
@@ -212,9 +212,4 @@ def write_synthetic(name: str, dst: Path) -> Path:
             writer.add_tensor(tname, data)
         else:
             writer.add_tensor(tname, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(dst)
-    return dst
+    return finish(writer, tmp, dst)
