@@ -330,8 +330,9 @@ class Engine:
         return None
 
     def _end(self, stream: Stream, event: Event) -> None:
-        stream.put(event)
+        # Counted first: a client that has seen its stream end finds it in /metrics.
         self.metrics.finished("error" if event.error is not None else event.finish or "?")
+        stream.put(event)
 
     def _lost(self, exc: RpcError) -> None:
         what = "a worker is gone" if isinstance(exc, (TransportError, ClientClosed)) else \
