@@ -41,8 +41,8 @@ import zmq
 from tqdm import tqdm
 
 from ..client import Client
-from ..worker.cli import endpoint, parse_size
-from ..worker.launch import ServerProcess, local_workers, worker_argv
+from ..worker.cli import parse_size
+from ..worker.launch import ServerProcess, endpoint_list, local_workers, worker_argv
 from . import baselines as bl
 from .units import fmt, format_size
 
@@ -546,11 +546,6 @@ def bench(args: argparse.Namespace, endpoints: list[str]) -> tuple[list[CaseResu
 
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def endpoint_list(text: str) -> list[str]:
-    """``--workers``: comma-separated ``tcp://HOST:PORT`` / ``ipc://PATH``, each checked."""
-    return [endpoint(part, wildcard_port=False) for part in _csv(text)]
 
 
 def _case_list(text: str) -> list[str]:

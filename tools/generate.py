@@ -34,8 +34,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ..client import Client, RpcError
-from ..worker.launch import local_workers
-from .bench import endpoint_list
+from ..worker.launch import add_worker_options, local_workers
 
 if TYPE_CHECKING:   # imported when used: the first status line does not wait for them
     from ..client.gguf_model import LlamaGGUF
@@ -58,11 +57,7 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
                          "(the GGUF's tokenizer.chat_template; ChatML when it has none); "
                          "--no-chat: plain text; default: --chat when the GGUF has a template, "
                          "as llama.cpp's llama-cli does")
-    ap.add_argument("--workers", type=endpoint_list, default=None,
-                    help="comma-separated worker endpoints, one pipeline stage each "
-                         "(default: start --local-workers local workers)")
-    ap.add_argument("--local-workers", type=int, default=2,
-                    help="workers to start when --workers is not given (default %(default)s)")
+    add_worker_options(ap)
     ap.add_argument("--max-new-tokens", type=int, default=64,
                     help="tokens to generate at most (default %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

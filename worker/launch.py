@@ -13,6 +13,7 @@ waits (SIGKILL after its timeout).
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -21,7 +22,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-__all__ = ["LISTENING", "ServerProcess", "local_workers", "worker_argv"]
+__all__ = ["LISTENING", "ServerProcess", "add_worker_options", "endpoint_list", "local_workers",
+           "worker_argv"]
 
 LISTENING = "listening on"
 """What a server's first stdout line says before its endpoint."""
@@ -102,3 +104,23 @@ def local_workers(count: int, *extra: str, own_session: bool = False) -> Iterato
         codes = [proc.stop() for proc in procs]
         if any(codes):
             print(f"zmq-rpc-bench: worker exit codes {codes}", file=sys.stderr)
+
+
+def endpoint_list(text: str) -> list[str]:
+    """``--workers``: comma-separated ``tcp://HOST:PORT`` / ``ipc://PATH``, each checked as a
+    worker's CLI checks what it binds (no wildcard port)."""
+    from .cli import endpoint  # here, not at the top: a client given no --workers skips it
+
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("give at least one endpoint")
+    return [endpoint(part, wildcard_port=False) for part in parts]
+
+
+def add_worker_options(ap: argparse.ArgumentParser) -> None:
+    """``--workers`` and ``--local-workers``, as every command that runs a model takes them."""
+    ap.add_argument("--workers", type=endpoint_list, default=None,
+                    help="comma-separated worker endpoints, one pipeline stage each "
+                         "(default: start --local-workers local workers)")
+    ap.add_argument("--local-workers", type=int, default=2,
+                    help="workers to start when --workers is not given (default %(default)s)")

@@ -25,7 +25,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from ...broker.errors import RpcError
-from ...worker.launch import LISTENING, local_workers
+from ...worker.launch import LISTENING, add_worker_options, local_workers
 from ..client import Client
 
 if TYPE_CHECKING:
@@ -44,11 +44,7 @@ def build_parser(prog: str = "zmq-rpc-serve") -> argparse.ArgumentParser:
     ap.add_argument("--model-id", default=None,
                     help="the name /v1/models gives the model (default: the file's stem); "
                          "requests may name any model, this one answers")
-    ap.add_argument("--workers", type=_endpoints, default=None,
-                    help="comma-separated worker endpoints, one pipeline stage each "
-                         "(default: start --local-workers local workers)")
-    ap.add_argument("--local-workers", type=int, default=2,
-                    help="workers to start when --workers is not given (default %(default)s)")
+    add_worker_options(ap)
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to listen on (default %(default)s: this machine only)")
     ap.add_argument("--port", type=int, default=8000,
@@ -67,13 +63,6 @@ def build_parser(prog: str = "zmq-rpc-serve") -> argparse.ArgumentParser:
                     choices=["debug", "info", "warning", "error"],
                     help="uvicorn's and the server's log level (default %(default)s)")
     return ap
-
-
-def _endpoints(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError("give at least one endpoint")
-    return parts
 
 
 def _status(line: str) -> None:
