@@ -34,9 +34,13 @@ import struct
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
+
+if TYPE_CHECKING:
+    from ..broker.protocol import Cmd, Message
 
 from ..broker.keys import KeyPair, load_keypair
 from ..worker.launch import LISTENING
@@ -305,7 +309,7 @@ def dealer(ctx: ZmqContext, endpoint: str,
 def _check_ok(reply: bytes) -> None:
     """Raise unless ``reply``'s header says OK (msgpack ``[status, req_id, ...]``, status 0)."""
     if reply[1] != 0:
-        raise RuntimeError(f"the worker answered a raw protocol PING with an error: {reply!r:.200}")
+        raise RuntimeError(f"the worker answered a raw protocol request with an error: {reply!r:.200}")
 
 
 def _unsigned(header: bytes) -> bytes:
@@ -343,6 +347,15 @@ class ProtocolDealer:
             self._sign = Signer(key).sign
         self._encode, self._ping, self._empty = p.encode_request, p.Cmd.PING, p.Empty()
         self._next = 2
+
+    def call(self, cmd: Cmd, message: Message, *frames: bytes) -> bytes:
+        """One synchronous request (``message``: the command's request dataclass, ``frames``
+        its payload); the reply's header, checked for an OK status."""
+        self.sock.send_multipart([self._sign(self._encode(cmd, self._next, message)), *frames])
+        self._next += 1
+        reply = self.sock.recv_multipart()
+        _check_ok(reply[0])
+        return reply[0]
 
     def ping(self) -> None:
         """One synchronous PING."""
