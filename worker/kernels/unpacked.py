@@ -50,7 +50,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .intdot import HI, _at, _declare, _dot4, _splat
+from .intdot import HI, _at, _declare, _dots, _splat
 
 __all__ = ["KINDS", "TB", "gemm_unpacked", "unpack_rows"]
 
@@ -189,6 +189,7 @@ def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
     the first activation row, ``xstride`` the bytes between rows; ``dx``, ``sq``, ``sx`` per sub-block
     of the first activation row, and their row stride in bytes; ``n``."""
     width = 4 * groups
+    top = 63 if groups == 4 else 31           # q6_k's 6-bit codes; q5_x's and q4_k/q5_k's 5-bit
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         y, ystride, codes, sv, mv, xw1, xw2, xstride, dx, sq, sx, sstride, n = args
@@ -206,11 +207,15 @@ def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
             s4 = builder.mul(s, ir.Constant(_I64, 4))
             sw = builder.mul(s, ir.Constant(_I64, width))
             xos = [builder.add(builder.mul(xstride, ir.Constant(_I64, t)), sw) for t in range(tb)]
-            accs = [[zero, zero] for _ in range(tb)]
-            for c, t in [(c, t) for c in range(groups) for t in range(tb)]:
-                wo = builder.add(xos[t], ir.Constant(_I64, 4 * c))
-                xs = [_splat(builder, builder.load(_at(builder, xw, wo, _I32), align=4), _V16I) for xw in (xw1, xw2)]
-                accs[t] = [_dot4(builder, a, vecs[c], xv) for a, xv in zip(accs[t], xs)]
+            accs = []
+            for t in range(tb):
+                pairs: list[list[tuple[ir.Value, ir.Value]]] = [[], []]
+                for c in range(groups):
+                    wo = builder.add(xos[t], ir.Constant(_I64, 4 * c))
+                    for level, xw in enumerate((xw1, xw2)):
+                        xv = _splat(builder, builder.load(_at(builder, xw, wo, _I32), align=4), _V16I)
+                        pairs[level].append((vecs[c], xv))
+                accs.append([_dots(builder, zero, pl, top) for pl in pairs])
             for t in range(tb):
                 so = builder.add(builder.mul(sstride, ir.Constant(_I64, t)), s4)
                 isum = accs[t][1]
