@@ -242,13 +242,14 @@ def extreme_weight(rng: np.random.Generator, qtype: str, rows: int, k: int) -> n
     return data
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)     # the first run compiles every integer kernel for the other CPU (minutes)
 @pytest.mark.parametrize("path", sorted(PATH_TARGETS))
 def test_integer_paths_give_bit_identical_products(path: str, tmp_path: Path) -> None:
-    """Compiled for another CPU (numba told to, its own cache), the integer kernels take that CPU's
-    path (AVX2's ``vpmaddubsw`` sums, or the portable vector IR) and give bit-identical products to
-    this process's path (VNNI, AVX2 or portable), decode and prefill of every block type, on
-    codes and inputs at the 16-bit sums' bounds. Skipped where both are the same path or this CPU
+    """Compiled for another CPU (numba told to; its cache kept beside the kernels' own, so only the
+    first run compiles), the integer kernels take that CPU's path (AVX2's ``vpmaddubsw`` sums, or
+    the portable vector IR) and give bit-identical products to this process's path (VNNI, AVX2 or
+    portable), decode and prefill of every block type, on codes and inputs at the 16-bit sums'
+    bounds. Skipped where both are the same path or this CPU
     cannot run the target's code."""
     here_path = "vnni" if intdot.VNNI else "avx2" if intdot.AVX2 else "portable"
     cpu, features = PATH_TARGETS[path]
@@ -261,9 +262,9 @@ def test_integer_paths_give_bit_identical_products(path: str, tmp_path: Path) ->
     x = extreme_inputs(rng, intgemm.TB + 3, 512)
     np.savez(tmp_path / "in.npz", x=x, **weights)
     env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features,
-           "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+           "NUMBA_CACHE_DIR": str(Path(intdot.__file__).parent / "__pycache__" / f"cpu-{path}")}
     subprocess.run([sys.executable, "-c", PATHS_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"), path],
-                   env=env, check=True, timeout=390)
+                   env=env, check=True, timeout=590)
     there = np.load(tmp_path / "out.npz")
     for qtype, data in weights.items():
         for n in (1, x.shape[0]) if qtype in INTERLEAVED else (x.shape[0],):

@@ -29,6 +29,9 @@ of the ~260 instructions of a 6-row pass's sub-block are ``vpdpbusd``; it beats 
 SmolLM2's shapes (``zmq-rpc-bench --cases kernels``; figures in docs/DESIGN.md). llama.cpp's one
 level would halve the ``vpdpbusd`` but changed greedy tokens (:mod:`.intdot`).
 
+Without VNNI the sums are AVX2's ``vpmaddubsw`` + ``vpmaddwd`` (:func:`.intdot._dots`, exact, bit-identical
+products; q8_0's codes multiplied signed, so its ``-128 sum xq`` term is gone there).
+
 Precision: the decode kernels' (the error is the rounding of the inputs, at most ``dx / 2 = max|x| /
 64516`` per input; the tests hold these kernels to that bound for every row).
 """
