@@ -39,9 +39,11 @@ a cached kernel always matches the CPU. Rows past the last multiple of 16 go thr
 AVX2 without VNNI (:data:`AVX2`; most consumer and many server CPUs) has llama.cpp's instructions
 instead: ``vpmaddubsw`` (32 unsigned bytes times 32 signed bytes, adjacent products summed into 16
 int16, *saturating*) and ``vpmaddwd`` by ones (adjacent int16 summed into 8 int32: the four bytes
-of a lane, as ``vpdpbusd`` groups them). :func:`_dots` does a row group's whole sum for one input
-level: each 64-byte vector as two 32-byte halves, the ``vpmaddubsw`` results of several code vectors
-added in int16 before one ``vpmaddwd``. Exact, because no int16 can reach 2^15: an input code is at
+of a lane, as ``vpdpbusd`` groups them). :func:`_dots` does a row group's whole sums, for every
+input level and activation row at once: each 64-byte vector as two 32-byte halves, code by code
+(the code vector in a register meets every input, the int16 sums stay in registers: 16 ymm,
+against VNNI's 32 zmm), the ``vpmaddubsw`` results of several code vectors added in int16 before one
+``vpmaddwd``. Exact, because no int16 can reach 2^15: an input code is at
 most :data:`XMAX` = 127 in magnitude (both levels), so a product pair of codes ``0..top`` is at
 most ``2 top 127`` and ``32767 // (2 top 127)`` of them are summed (q4 codes 8, q5 codes 4, q6_k's
 6-bit codes 2). q8_0's codes are signed: made unsigned by +128 a pair could reach ``2 255 127``, so
@@ -50,7 +52,7 @@ instead ``vpsignb`` takes ``|q|`` and moves ``q``'s sign onto the input (a pair 
 int32 sums are the same integers on every path, and the float work after them the same IR, so the
 products are bit-identical (tests/test_kernels.py compiles the other paths and compares bitwise).
 On SmolLM2 Q4_1 (Zen 3, one thread, hot) the AVX2 sums made a token's products ~10x faster than the
-portable IR, prefill ~12x (docs/DESIGN.md).
+portable IR, prefill ~20x (docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -175,42 +177,48 @@ def _avx2(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) 
     return builder.call(fn, args)
 
 
-def _dots(builder: ir.IRBuilder, acc: ir.Value, pairs: list[tuple[ir.Value, ir.Value]], top: int,
-          signed: bool = False) -> ir.Value:
-    """``acc[i] += sum_j a.u8[4i + j] * b.i8[4i + j]`` summed over the ``(a, b)`` in ``pairs`` (16
-    int32 lanes; ``b`` an input's codes, ``|b| <= XMAX``; ``a`` codes ``0..top``, or with ``signed``
-    int8 codes, ``top`` then 128). VNNI: a chain of ``vpdpbusd``; AVX2: per 32-byte half,
-    ``vpmaddubsw`` (u8 x s8, adjacent pairs summed to int16, saturating) of each pair, as many int16
-    results added as cannot reach 2^15 (``2 top XMAX`` each), then one ``vpmaddwd`` by ones (int16
-    pairs summed to int32: the four bytes of a lane), exact; ``signed`` codes first go through
-    ``vpsignb`` (``|a|`` times ``b`` with ``a``'s sign, ``|a| <= 128``: a pair at most 2 128 127 =
-    32512). Elsewhere the portable IR of :func:`_dot4` (a signed ``a`` made unsigned by +128: the
-    caller takes back :data:`Q8_OFFSET` times the input's code sum)."""
+def _dots(builder: ir.IRBuilder, codes: list[ir.Value], inputs: list[list[ir.Value]], top: int,
+          signed: bool = False) -> list[ir.Value]:
+    """Integer sums over 16 int32 lanes, one per list ``xs`` in ``inputs``: ``sum_c sum_j a_c.u8[4i + j]
+    * xs[c].i8[4i + j]`` for the ``a_c`` in ``codes`` (codes ``0..top``, or with ``signed`` int8
+    codes, ``|a| <= 128``; the inputs' codes ``|x| <= XMAX``). VNNI: ``vpdpbusd`` chains, code by
+    code, the chains side by side; AVX2: per 32-byte half and code, ``vpmaddubsw`` (u8 x s8,
+    adjacent pairs summed to int16, saturating) against each input, as many int16 results added as
+    cannot reach 2^15 (``2 top XMAX`` each), then one ``vpmaddwd`` by ones (int16 pairs summed to
+    int32: the four bytes of a lane), exact; ``signed`` codes first go through ``vpsignb`` (``|a|``
+    times ``x`` with ``a``'s sign: a pair at most 2 128 127 = 32512). Elsewhere the portable IR of
+    :func:`_dot4` (VNNI and portable make a signed ``a`` unsigned by +128: the caller takes back
+    :data:`Q8_OFFSET` times the input's code sum)."""
+    zero = ir.Constant(_V16I, [0] * 16)
     if not AVX2:
         sign = ir.Constant(_V16I, [-0x7F7F7F80] * 16)      # 0x80808080: flips each byte's sign bit
-        for a, b in pairs:
-            acc = _dot4(builder, acc, builder.xor(a, sign) if signed else a, b)
-        return acc
+        accs = [zero] * len(inputs)
+        for c, a in enumerate(codes):
+            a = builder.xor(a, sign) if signed else a
+            accs = [_dot4(builder, acc, a, xs[c]) for acc, xs in zip(accs, inputs)]
+        return accs
     chunk = max(1, (2 ** 15 - 1) // (2 * (128 if signed else top) * XMAX))
     ones = ir.Constant(_V16S, [1] * 16)
-    split = [(_halves(builder, a), _halves(builder, b)) for a, b in pairs]
-    out = []
+    halves = []
     for h in range(2):
-        total = None
-        for c0 in range(0, len(split), chunk):
-            part = None
-            for ahs, bhs in split[c0:c0 + chunk]:
-                ah, bh = ahs[h], bhs[h]
-                if signed:
-                    ah, bh = (_avx2(builder, "llvm.x86.avx2.psign.b", _V32B, [ah, ah]),
-                              _avx2(builder, "llvm.x86.avx2.psign.b", _V32B, [bh, ah]))
-                prod = _avx2(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, [ah, bh])
-                part = prod if part is None else builder.add(part, prod)
-            wide = _avx2(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [part, ones])
-            total = wide if total is None else builder.add(total, wide)
-        out.append(total)
-    both = builder.shuffle_vector(out[0], out[1], ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
-    return builder.add(acc, both)
+        totals: list[Any] = [None] * len(inputs)
+        for c0 in range(0, len(codes), chunk):
+            parts: list[Any] = [None] * len(inputs)
+            for c in range(c0, min(c0 + chunk, len(codes))):
+                a = _halves(builder, codes[c])[h]
+                au = _avx2(builder, "llvm.x86.avx2.psign.b", _V32B, [a, a]) if signed else a
+                for j, xs in enumerate(inputs):
+                    x = _halves(builder, xs[c])[h]
+                    if signed:
+                        x = _avx2(builder, "llvm.x86.avx2.psign.b", _V32B, [x, a])
+                    prod = _avx2(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, [au, x])
+                    parts[j] = prod if parts[j] is None else builder.add(parts[j], prod)
+            for j in range(len(inputs)):
+                wide = _avx2(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [parts[j], ones])
+                totals[j] = wide if totals[j] is None else builder.add(totals[j], wide)
+        halves.append(totals)
+    join = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+    return [builder.shuffle_vector(lo, hi, join) for lo, hi in zip(*halves)]
 
 
 def _at(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, vtype: ir.Type) -> ir.Value:
@@ -242,17 +250,15 @@ def _sweep_codegen(groups: int, nibbles: bool) -> Any:
         with cgutils.for_range_slice(builder, start, n, step, intp=_I64) as (i, _):
             off4 = builder.mul(i, ir.Constant(_I64, 4))
             off2 = builder.mul(i, ir.Constant(_I64, 2))
-            pairs: list[list[tuple[ir.Value, ir.Value]]] = [[], []]
+            codes, order = [], []
             for g in range(groups):
                 at = builder.add(builder.mul(gstride, ir.Constant(_I64, g)), off4)
                 _prefetch(builder, p, builder.add(at, pf))       # the same stream, ``pf`` bytes on
                 v = builder.load(_at(builder, p, at, _V16I), align=1)
-                codes = [builder.and_(v, low), builder.and_(builder.lshr(v, four), low)] if nibbles else [v]
-                for h, c in enumerate(codes):
-                    for level, x in enumerate(xs):
-                        pairs[level].append((c, x[h * groups + g]))
-            zero = ir.Constant(_V16I, [0] * 16)
-            acc = [_dots(builder, zero, pl, 15, signed=not nibbles) for pl in pairs]
+                group = [builder.and_(v, low), builder.and_(builder.lshr(v, four), low)] if nibbles else [v]
+                codes += group
+                order += [h * groups + g for h in range(len(group))]
+            acc = _dots(builder, codes, [[x[k] for k in order] for x in xs], 15, signed=not nibbles)
             isum = builder.add(builder.add(builder.mul(acc[0], hi_scale), acc[1]), ioffv)
             t = builder.fmul(builder.fmul(builder.sitofp(isum, _V16F), fxv),
                              _load_halves(builder, d, off2))

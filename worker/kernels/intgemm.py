@@ -121,16 +121,13 @@ def _gemm_codegen(kind: int, tb: int) -> Any:
             s4 = builder.mul(s, ir.Constant(_I64, 4))
             s32 = builder.mul(s, ir.Constant(_I64, 32))
             xos = [builder.add(builder.mul(xstride, ir.Constant(_I64, t)), s32) for t in range(tb)]
-            zero = ir.Constant(_V16I, [0] * 16)
-            accs = []
+            inputs = []                           # per activation row, per level: its input words
             for t in range(tb):
-                pairs: list[list[tuple[ir.Value, ir.Value]]] = [[], []]
-                for c, code in enumerate(codes):
-                    wo = builder.add(xos[t], ir.Constant(_I64, 4 * c))
-                    for level, xw in enumerate((xw1, xw2)):
-                        xv = _splat(builder, builder.load(_at(builder, xw, wo, _I32), align=4), _V16I)
-                        pairs[level].append((code, xv))
-                accs.append([_dots(builder, zero, pl, 15, signed=kind == 2) for pl in pairs])
+                for xw in (xw1, xw2):
+                    inputs.append([_splat(builder, builder.load(_at(builder, xw, builder.add(
+                        xos[t], ir.Constant(_I64, 4 * c)), _I32), align=4), _V16I) for c in range(len(codes))])
+            sums = _dots(builder, codes, inputs, 15, signed=kind == 2)
+            accs = [sums[2 * t:2 * t + 2] for t in range(tb)]
             for t in range(tb):
                 acc = accs[t]
                 isum = builder.add(builder.mul(acc[0], hi_scale), acc[1])

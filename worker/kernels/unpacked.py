@@ -195,7 +195,6 @@ def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
         y, ystride, codes, sv, mv, xw1, xw2, xstride, dx, sq, sx, sstride, n = args
         facc = [_alloca(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(tb)]
         hi_scale, hi_float = _words(HI), ir.Constant(_V16F, [float(HI)] * 16)
-        zero = _words(0)
         with cgutils.for_range(builder, n, intp=_I64) as loop:
             s = loop.index
             base = builder.mul(s, ir.Constant(_I64, 64 * groups))
@@ -207,15 +206,13 @@ def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
             s4 = builder.mul(s, ir.Constant(_I64, 4))
             sw = builder.mul(s, ir.Constant(_I64, width))
             xos = [builder.add(builder.mul(xstride, ir.Constant(_I64, t)), sw) for t in range(tb)]
-            accs = []
+            inputs = []                           # per activation row, per level: its input words
             for t in range(tb):
-                pairs: list[list[tuple[ir.Value, ir.Value]]] = [[], []]
-                for c in range(groups):
-                    wo = builder.add(xos[t], ir.Constant(_I64, 4 * c))
-                    for level, xw in enumerate((xw1, xw2)):
-                        xv = _splat(builder, builder.load(_at(builder, xw, wo, _I32), align=4), _V16I)
-                        pairs[level].append((vecs[c], xv))
-                accs.append([_dots(builder, zero, pl, top) for pl in pairs])
+                for xw in (xw1, xw2):
+                    inputs.append([_splat(builder, builder.load(_at(builder, xw, builder.add(
+                        xos[t], ir.Constant(_I64, 4 * c)), _I32), align=4), _V16I) for c in range(groups)])
+            sums = _dots(builder, vecs, inputs, top)
+            accs = [sums[2 * t:2 * t + 2] for t in range(tb)]
             for t in range(tb):
                 so = builder.add(builder.mul(sstride, ir.Constant(_I64, t)), s4)
                 isum = accs[t][1]
