@@ -52,7 +52,7 @@ instead ``vpsignb`` takes ``|q|`` and moves ``q``'s sign onto the input (a pair 
 int32 sums are the same integers on every path, and the float work after them the same IR, so the
 products are bit-identical (tests/test_kernels.py compiles the other paths and compares bitwise).
 On SmolLM2 Q4_1 (Zen 3, one thread, hot) the AVX2 sums made a token's products ~10x faster than the
-portable IR, prefill ~20x (docs/DESIGN.md).
+portable IR, prefill 12-17x (docs/DESIGN.md).
 """
 
 from __future__ import annotations
