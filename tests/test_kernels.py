@@ -192,47 +192,85 @@ def test_matvec_matches_float_product_of_gguf_weights(qtype: str) -> None:
             close_product(out, x, w)
 
 
-PORTABLE_SCRIPT = """
+PATHS_SCRIPT = """
 import sys
 import numpy as np
 from zmq_rpc.worker import kernels
 from zmq_rpc.worker.kernels import intdot
-assert not intdot.VNNI, "expected the portable sums"
+path = "vnni" if intdot.VNNI else "avx2" if intdot.AVX2 else "portable"
+assert path == sys.argv[3], f"compiled for {path}, expected {sys.argv[3]}"
 data = np.load(sys.argv[1])
 out = {}
-for qtype in ("q4_0", "q4_1", "q8_0", "q5_1", "q6_k"):
+for qtype in sorted(kernels.INTEGER_GEMM):
     for n in (1, data["x"].shape[0]):
-        if qtype[1] in "56" and n == 1:
+        if qtype not in ("q4_0", "q4_1", "q8_0") and n == 1:
             continue                         # float decode kernels: not the integer sums
         y = np.full((n, data[qtype].shape[0]), np.nan, np.float32)
         kernels.matmul(data["x"][:n], kernels.pack(data[qtype], qtype), qtype, y)
         out[f"{qtype}_{n}"] = y
 np.savez(sys.argv[2], **out)
 """
+PATH_TARGETS = {     # numba told to compile for a CPU: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
+    "avx2": ("haswell", "+avx,+avx2,+bmi,+bmi2,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,"
+                        "+sse4.2,+ssse3"),
+    "portable": ("ivybridge", "+avx,+cx16,+f16c,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3"),
+}
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.skipif(not intdot.VNNI, reason="this CPU has no AVX512-VNNI: its kernels are the "
-                    "portable ones, which every other test here checks")
-def test_portable_integer_sums_match_the_vnni_ones(tmp_path: Path) -> None:
-    """Compiled for a CPU without AVX512-VNNI (numba told to compile for an AVX2 Haswell, its own
-    cache), the integer kernels (decode and prefill; q5_1 and q6_k: the unpacked prefill, its
-    64-byte shuffles legalized for AVX2) take the portable vector IR and give the same products."""
-    rng = np.random.default_rng(21)
-    weights = {q: random_weight(rng, q, 35, 256) for q in ("q4_0", "q4_1", "q8_0", "q5_1", "q6_k")}
-    x = rng.standard_normal((intgemm.TB + 3, 256)).astype(np.float32)
+def extreme_inputs(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """Activation rows whose int8 codes reach +-127 on both levels (the bound of AVX2's 16-bit
+    sums): whole blocks at +-amax (first level), blocks of half steps (second level), random rows."""
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    x[0] = np.where(np.arange(k) % 64 < 32, 1.0, -1.0)
+    half_steps = (np.arange(31) + 0.5) / 127
+    x[1] = np.tile(np.concatenate([[1.0], half_steps]), k // 32)
+    x[2] = -x[1]
+    return x
+
+
+def extreme_weight(rng: np.random.Generator, qtype: str, rows: int, k: int) -> np.ndarray:
+    """:func:`random_weight` with the first rows' codes at their largest (every code bit set) and the
+    next rows' at 0x80 bytes (q8_0: -128, whose magnitude AVX2's sign trick must keep)."""
+    data = random_weight(rng, qtype, rows, k)
+    per_block, block_bytes, _ = PACKED_BLOCKS[qtype]
+    blocks = data.reshape(rows, -1, block_bytes)
+    keep = np.zeros(block_bytes, bool)
+    for offset in SCALE_FIELDS[qtype]:
+        keep[offset:offset + 2] = True
+    blocks[:4, :, ~keep] = 0xFF
+    blocks[4:8, :, ~keep] = 0x80
+    return data
+
+
+@pytest.mark.timeout(600)     # the first run compiles every integer kernel for the other CPU (minutes)
+@pytest.mark.parametrize("path", sorted(PATH_TARGETS))
+def test_integer_paths_give_bit_identical_products(path: str, tmp_path: Path) -> None:
+    """Compiled for another CPU (numba told to; its cache kept beside the kernels' own, so only the
+    first run compiles), the integer kernels take that CPU's path (AVX2's ``vpmaddubsw`` sums, or
+    the portable vector IR) and give bit-identical products to this process's path (VNNI, AVX2 or
+    portable), decode and prefill of every block type, on codes and inputs at the 16-bit sums'
+    bounds. Skipped where both are the same path or this CPU
+    cannot run the target's code."""
+    here_path = "vnni" if intdot.VNNI else "avx2" if intdot.AVX2 else "portable"
+    cpu, features = PATH_TARGETS[path]
+    if path == here_path:
+        pytest.skip(f"this process's kernels are the {path} ones")
+    if not set(features.split(",")) <= intdot._numba_cpu_features():
+        pytest.skip(f"this CPU cannot run {cpu} code")
+    rng = np.random.default_rng(23)
+    weights = {q: extreme_weight(rng, q, 35, 512) for q in sorted(kernels.INTEGER_GEMM)}
+    x = extreme_inputs(rng, intgemm.TB + 3, 512)
     np.savez(tmp_path / "in.npz", x=x, **weights)
-    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx,+avx2,+f16c,+fma",
-           "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    subprocess.run([sys.executable, "-c", PORTABLE_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                   env=env, check=True, timeout=170)
-    portable = np.load(tmp_path / "out.npz")
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features,
+           "NUMBA_CACHE_DIR": str(Path(intdot.__file__).parent / "__pycache__" / f"cpu-{path}")}
+    subprocess.run([sys.executable, "-c", PATHS_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"), path],
+                   env=env, check=True, timeout=590)
+    there = np.load(tmp_path / "out.npz")
     for qtype, data in weights.items():
         for n in (1, x.shape[0]) if qtype in INTERLEAVED else (x.shape[0],):
-            here = np.empty((n, 35), np.float32)
+            here = np.full((n, 35), np.nan, np.float32)
             kernels.matmul(x[:n], kernels.pack(data, qtype), qtype, here)
-            close_int8_product(portable[f"{qtype}_{n}"], x[:n], qtype, data)
-            np.testing.assert_allclose(portable[f"{qtype}_{n}"], here, rtol=1e-6, atol=1e-6 * np.abs(here).max())
+            np.testing.assert_array_equal(there[f"{qtype}_{n}"], here, err_msg=f"{qtype} {n} rows")
 
 
 @pytest.mark.parametrize("qtype", ["f16", "bf16", "q6_k"])

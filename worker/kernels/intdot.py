@@ -35,6 +35,24 @@ compile for another CPU, ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``) the same sum
 IR (widen, multiply, add the four products of each lane), which any LLVM target compiles; the
 choice depends only on the CPU features numba compiles for, which are part of numba's cache key, so
 a cached kernel always matches the CPU. Rows past the last multiple of 16 go through a scalar loop.
+
+AVX2 without VNNI (:data:`AVX2`; most consumer and many server CPUs) has llama.cpp's instructions
+instead: ``vpmaddubsw`` (32 unsigned bytes times 32 signed bytes, adjacent products summed into 16
+int16, *saturating*) and ``vpmaddwd`` by ones (adjacent int16 summed into 8 int32: the four bytes
+of a lane, as ``vpdpbusd`` groups them). :func:`_dots` does a row group's whole sums, for every
+input level and activation row at once: each 64-byte vector as two 32-byte halves, code by code
+(the code vector in a register meets every input, the int16 sums stay in registers: 16 ymm,
+against VNNI's 32 zmm), the ``vpmaddubsw`` results of several code vectors added in int16 before one
+``vpmaddwd``. Exact, because no int16 can reach 2^15: an input code is at
+most :data:`XMAX` = 127 in magnitude (both levels), so a product pair of codes ``0..top`` is at
+most ``2 top 127`` and ``32767 // (2 top 127)`` of them are summed (q4 codes 8, q5 codes 4, q6_k's
+6-bit codes 2). q8_0's codes are signed: made unsigned by +128 a pair could reach ``2 255 127``, so
+instead ``vpsignb`` takes ``|q|`` and moves ``q``'s sign onto the input (a pair at most ``2 128 127
+= 32512``, one product per ``vpmaddwd``), and the +128 offset (:data:`Q8_OFFSET`) disappears. The
+int32 sums are the same integers on every path, and the float work after them the same IR, so the
+products are bit-identical (tests/test_kernels.py compiles the other paths and compares bitwise).
+On SmolLM2 Q4_1 (Zen 3, one thread, hot) the AVX2 sums made a token's products ~10x faster than the
+portable IR, prefill 12-17x (docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -48,7 +66,7 @@ from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-__all__ = ["HI", "TILE", "VNNI", "mv_q4", "mv_q8_0", "quantize_x"]
+__all__ = ["AVX2", "HI", "Q8_OFFSET", "TILE", "VNNI", "XMAX", "mv_q4", "mv_q8_0", "quantize_x"]
 
 TILE = 4096
 """Rows per output tile (16 KiB of float32 accumulators, in L1 while the sub-blocks sweep them)."""
@@ -67,7 +85,16 @@ def _numba_cpu_features() -> set[str]:
 
 
 VNNI = {"+avx512f", "+avx512bw", "+avx512vnni"} <= _numba_cpu_features()
-"""Whether the sweeps use ``vpdpbusd`` (else the portable vector IR: same sums, slower)."""
+"""Whether the sweeps use ``vpdpbusd``."""
+AVX2 = not VNNI and "+avx2" in _numba_cpu_features()
+"""Whether the sweeps use AVX2's ``vpmaddubsw`` + ``vpmaddwd`` (else, without VNNI, the portable
+vector IR: same sums, slower)."""
+XMAX = 127
+"""The largest ``|code|`` of either input level (:func:`quantize_x`: ``|x / e| <= 127`` rounds to at
+most 127, ``xq2`` is clamped to it; a NaN block's codes are 0): what bounds AVX2's 16-bit sums."""
+Q8_OFFSET = 0 if AVX2 else -128
+"""Times the input's code sum that q8_0's integer sums take back: -128 where the codes go in
+unsigned (+128, for ``vpdpbusd``), 0 where AVX2 multiplies them signed (``vpsignb``)."""
 
 _I32, _I64, _F = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(_F, 16)
@@ -117,7 +144,8 @@ _declare: Any = cgutils.get_or_insert_function
 
 
 def _dot4(builder: ir.IRBuilder, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
-    """``acc[i] += sum_j a.u8[4i + j] * b.i8[4i + j]`` over 16 int32 lanes (``vpdpbusd``)."""
+    """``acc[i] += sum_j a.u8[4i + j] * b.i8[4i + j]`` over 16 int32 lanes (``vpdpbusd``; the
+    portable IR elsewhere: no AVX2 path here, :func:`_dots` has it)."""
     if VNNI:
         fnty = ir.FunctionType(_V16I, [_V16I, _V16I, _V16I])
         dp = _declare(builder.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
@@ -130,6 +158,67 @@ def _dot4(builder: ir.IRBuilder, acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.
         lanes = ir.Constant(ir.VectorType(_I32, 16), [4 * i + j for i in range(16)])
         acc = builder.add(acc, builder.shuffle_vector(prod, undef, lanes))
     return acc
+
+
+_V32B, _V16S, _V8I = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
+_V64B = ir.VectorType(ir.IntType(8), 64)
+
+
+def _halves(builder: ir.IRBuilder, v: ir.Value) -> list[ir.Value]:
+    """The two 32-byte halves of a 64-byte vector (two ymm registers: no instruction)."""
+    b = builder.bitcast(v, _V64B)
+    undef = ir.Constant(_V64B, ir.Undefined)
+    return [builder.shuffle_vector(b, undef, ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32))))
+            for h in range(2)]
+
+
+def _avx2(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    fn = _declare(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _dots(builder: ir.IRBuilder, codes: list[ir.Value], inputs: list[list[ir.Value]], top: int,
+          signed: bool = False) -> list[ir.Value]:
+    """Integer sums over 16 int32 lanes, one per list ``xs`` in ``inputs``: ``sum_c sum_j a_c.u8[4i + j]
+    * xs[c].i8[4i + j]`` for the ``a_c`` in ``codes`` (codes ``0..top``, or with ``signed`` int8
+    codes, ``|a| <= 128``; the inputs' codes ``|x| <= XMAX``). VNNI: ``vpdpbusd`` chains, code by
+    code, the chains side by side; AVX2: per 32-byte half and code, ``vpmaddubsw`` (u8 x s8,
+    adjacent pairs summed to int16, saturating) against each input, as many int16 results added as
+    cannot reach 2^15 (``2 top XMAX`` each), then one ``vpmaddwd`` by ones (int16 pairs summed to
+    int32: the four bytes of a lane), exact; ``signed`` codes first go through ``vpsignb`` (``|a|``
+    times ``x`` with ``a``'s sign: a pair at most 2 128 127 = 32512). Elsewhere the portable IR of
+    :func:`_dot4` (VNNI and portable make a signed ``a`` unsigned by +128: the caller takes back
+    :data:`Q8_OFFSET` times the input's code sum)."""
+    zero = ir.Constant(_V16I, [0] * 16)
+    if not AVX2:
+        sign = ir.Constant(_V16I, [-0x7F7F7F80] * 16)      # 0x80808080: flips each byte's sign bit
+        accs = [zero] * len(inputs)
+        for c, a in enumerate(codes):
+            a = builder.xor(a, sign) if signed else a
+            accs = [_dot4(builder, acc, a, xs[c]) for acc, xs in zip(accs, inputs)]
+        return accs
+    chunk = max(1, (2 ** 15 - 1) // (2 * (128 if signed else top) * XMAX))
+    ones = ir.Constant(_V16S, [1] * 16)
+    halves = []
+    for h in range(2):
+        totals: list[Any] = [None] * len(inputs)
+        for c0 in range(0, len(codes), chunk):
+            parts: list[Any] = [None] * len(inputs)
+            for c in range(c0, min(c0 + chunk, len(codes))):
+                a = _halves(builder, codes[c])[h]
+                au = _avx2(builder, "llvm.x86.avx2.psign.b", _V32B, [a, a]) if signed else a
+                for j, xs in enumerate(inputs):
+                    x = _halves(builder, xs[c])[h]
+                    if signed:
+                        x = _avx2(builder, "llvm.x86.avx2.psign.b", _V32B, [x, a])
+                    prod = _avx2(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, [au, x])
+                    parts[j] = prod if parts[j] is None else builder.add(parts[j], prod)
+            for j in range(len(inputs)):
+                wide = _avx2(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [parts[j], ones])
+                totals[j] = wide if totals[j] is None else builder.add(totals[j], wide)
+        halves.append(totals)
+    join = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+    return [builder.shuffle_vector(lo, hi, join) for lo, hi in zip(*halves)]
 
 
 def _at(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, vtype: ir.Type) -> ir.Value:
@@ -146,7 +235,7 @@ def _sweep_codegen(groups: int, nibbles: bool) -> Any:
     of row ``i``, held in ``groups`` int32 words (word ``g`` at byte ``p + g * gstride + 4 i``), and the
     input codes at ``xw1``, ``xw2`` (int8, one int32 word per 4): with ``nibbles`` each word holds 8
     codes (low nibbles for inputs ``4g..4g+3``, high for ``16+4g..``; ``m`` is read), else 4 signed
-    codes (made unsigned by +128, which ``ioff`` takes back; ``m`` unused). All pointers are
+    codes (:func:`_dots`: ``ioff`` takes back :data:`Q8_OFFSET` times the code sum; ``m`` unused). All pointers are
     addresses (int64), the arrays being kept alive by the caller."""
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         y, p, gstride, d, m, xw1, xw2, fx, c1, ioff, n, pf = args
@@ -157,20 +246,19 @@ def _sweep_codegen(groups: int, nibbles: bool) -> Any:
         fxv, c1v, ioffv = _splat(builder, fx, _V16F), _splat(builder, c1, _V16F), _splat(builder, ioff, _V16I)
         low = ir.Constant(_V16I, [0x0F0F0F0F] * 16)
         four = ir.Constant(_V16I, [4] * 16)
-        sign = ir.Constant(_V16I, [-0x7F7F7F80] * 16)      # 0x80808080: flips each byte's sign bit
         start, step = ir.Constant(_I64, 0), ir.Constant(_I64, 16)
         with cgutils.for_range_slice(builder, start, n, step, intp=_I64) as (i, _):
             off4 = builder.mul(i, ir.Constant(_I64, 4))
             off2 = builder.mul(i, ir.Constant(_I64, 2))
-            acc = [ir.Constant(_V16I, [0] * 16)] * 2
+            codes, order = [], []
             for g in range(groups):
                 at = builder.add(builder.mul(gstride, ir.Constant(_I64, g)), off4)
                 _prefetch(builder, p, builder.add(at, pf))       # the same stream, ``pf`` bytes on
                 v = builder.load(_at(builder, p, at, _V16I), align=1)
-                codes = ([builder.and_(v, low), builder.and_(builder.lshr(v, four), low)] if nibbles
-                         else [builder.xor(v, sign)])
-                for h, c in enumerate(codes):
-                    acc = [_dot4(builder, a, c, x[h * groups + g]) for a, x in zip(acc, xs)]
+                group = [builder.and_(v, low), builder.and_(builder.lshr(v, four), low)] if nibbles else [v]
+                codes += group
+                order += [h * groups + g for h in range(len(group))]
+            acc = _dots(builder, codes, [[x[k] for k in order] for x in xs], 15, signed=not nibbles)
             isum = builder.add(builder.add(builder.mul(acc[0], hi_scale), acc[1]), ioffv)
             t = builder.fmul(builder.fmul(builder.sitofp(isum, _V16F), fxv),
                              _load_halves(builder, d, off2))
@@ -303,7 +391,7 @@ def mv_q8_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
             ds, fx = d[s][t0:t1], dx[s]
             _sweep_q8(yt.ctypes.data, words[8 * s][t0:t1].ctypes.data, 4 * R, ds.ctypes.data, ds.ctypes.data,
                       xw1[8 * s:8 * s + 8].ctypes.data, xw2[8 * s:8 * s + 8].ctypes.data, fx, _F32(0),
-                      np.int32(-128 * sq[s]), n16, PREFETCH)
+                      np.int32(Q8_OFFSET * sq[s]), n16, PREFETCH)
             for i in range(n16, n):
                 acc = 0
                 for g in range(8):

@@ -29,6 +29,9 @@ of the ~260 instructions of a 6-row pass's sub-block are ``vpdpbusd``; it beats 
 SmolLM2's shapes (``zmq-rpc-bench --cases kernels``; figures in docs/DESIGN.md). llama.cpp's one
 level would halve the ``vpdpbusd`` but changed greedy tokens (:mod:`.intdot`).
 
+Without VNNI the sums are AVX2's ``vpmaddubsw`` + ``vpmaddwd`` (:func:`.intdot._dots`, exact, bit-identical
+products; q8_0's codes multiplied signed, so its ``-128 sum xq`` term is gone there).
+
 Precision: the decode kernels' (the error is the rounding of the inputs, at most ``dx / 2 = max|x| /
 64516`` per input; the tests hold these kernels to that bound for every row).
 """
@@ -43,7 +46,18 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .intdot import HI, _at, _code, _declare, _dot4, _half, _load_halves, _prefetch, _splat
+from .intdot import (
+    HI,
+    Q8_OFFSET,
+    _at,
+    _code,
+    _declare,
+    _dots,
+    _half,
+    _load_halves,
+    _prefetch,
+    _splat,
+)
 from .unpacked import KINDS, gemm_unpacked
 
 __all__ = ["GEMM", "TB", "empty_rows", "gemm_q4", "gemm_q8_0", "quantize_rows", "quantize_rows_into"]
@@ -89,7 +103,6 @@ def _gemm_codegen(kind: int, tb: int) -> Any:
         y, ystride, p, gstride, d, m, dstride, xw1, xw2, xstride, dx, sq, sx, sstride, ns, pf = args
         facc = [_alloca(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(tb)]
         low, four = ir.Constant(_V16I, [0x0F0F0F0F] * 16), ir.Constant(_V16I, [4] * 16)
-        sign = ir.Constant(_V16I, [-0x7F7F7F80] * 16)      # 0x80808080: flips each byte's sign bit
         hi_scale = ir.Constant(_V16I, [HI] * 16)
         sub = builder.mul(gstride, ir.Constant(_I64, groups))
         with cgutils.for_range(builder, ns, intp=_I64) as loop:
@@ -100,7 +113,7 @@ def _gemm_codegen(kind: int, tb: int) -> Any:
                 at = builder.add(base, builder.mul(gstride, ir.Constant(_I64, g)))
                 _prefetch(builder, p, builder.add(at, pf))
                 words.append(builder.load(_at(builder, p, at, _V16I), align=1))
-            codes = ([builder.xor(v, sign) for v in words] if kind == 2 else
+            codes = (words if kind == 2 else
                      [builder.and_(v, low) for v in words] + [builder.and_(builder.lshr(v, four), low) for v in words])
             soff = builder.mul(s, dstride)
             dv = _load_halves(builder, d, soff)
@@ -108,19 +121,20 @@ def _gemm_codegen(kind: int, tb: int) -> Any:
             s4 = builder.mul(s, ir.Constant(_I64, 4))
             s32 = builder.mul(s, ir.Constant(_I64, 32))
             xos = [builder.add(builder.mul(xstride, ir.Constant(_I64, t)), s32) for t in range(tb)]
-            zero = ir.Constant(_V16I, [0] * 16)
-            accs = [[zero, zero] for _ in range(tb)]
-            for c, t in [(c, t) for c in range(len(codes)) for t in range(tb)]:    # 2 tb chains side by side
-                wo = builder.add(xos[t], ir.Constant(_I64, 4 * c))
-                xs = [_splat(builder, builder.load(_at(builder, xw, wo, _I32), align=4), _V16I) for xw in (xw1, xw2)]
-                accs[t] = [_dot4(builder, a, codes[c], xv) for a, xv in zip(accs[t], xs)]
+            inputs = []                           # per activation row, per level: its input words
+            for t in range(tb):
+                for xw in (xw1, xw2):
+                    inputs.append([_splat(builder, builder.load(_at(builder, xw, builder.add(
+                        xos[t], ir.Constant(_I64, 4 * c)), _I32), align=4), _V16I) for c in range(len(codes))])
+            sums = _dots(builder, codes, inputs, 15, signed=kind == 2)
+            accs = [sums[2 * t:2 * t + 2] for t in range(tb)]
             for t in range(tb):
                 acc = accs[t]
                 isum = builder.add(builder.mul(acc[0], hi_scale), acc[1])
                 so = builder.add(builder.mul(sstride, ir.Constant(_I64, t)), s4)
-                if kind != 1:
+                if kind == 0 or (kind == 2 and Q8_OFFSET):
                     sqt = builder.load(_at(builder, sq, so, _I32), align=4)
-                    ioff = builder.mul(sqt, ir.Constant(_I32, -8 if kind == 0 else -128))
+                    ioff = builder.mul(sqt, ir.Constant(_I32, -8 if kind == 0 else Q8_OFFSET))
                     isum = builder.add(isum, _splat(builder, ioff, _V16I))
                 fx = builder.load(_at(builder, dx, so, ir.FloatType()), align=4)
                 scale = builder.fmul(dv, _splat(builder, fx, _V16F))

@@ -50,7 +50,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .intdot import HI, _at, _declare, _dot4, _splat
+from .intdot import HI, _at, _declare, _dots, _splat
 
 __all__ = ["KINDS", "TB", "gemm_unpacked", "unpack_rows"]
 
@@ -189,12 +189,12 @@ def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
     the first activation row, ``xstride`` the bytes between rows; ``dx``, ``sq``, ``sx`` per sub-block
     of the first activation row, and their row stride in bytes; ``n``."""
     width = 4 * groups
+    top = 63 if groups == 4 else 31           # q6_k's 6-bit codes; q5_x's and q4_k/q5_k's 5-bit
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         y, ystride, codes, sv, mv, xw1, xw2, xstride, dx, sq, sx, sstride, n = args
         facc = [_alloca(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(tb)]
         hi_scale, hi_float = _words(HI), ir.Constant(_V16F, [float(HI)] * 16)
-        zero = _words(0)
         with cgutils.for_range(builder, n, intp=_I64) as loop:
             s = loop.index
             base = builder.mul(s, ir.Constant(_I64, 64 * groups))
@@ -206,11 +206,13 @@ def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
             s4 = builder.mul(s, ir.Constant(_I64, 4))
             sw = builder.mul(s, ir.Constant(_I64, width))
             xos = [builder.add(builder.mul(xstride, ir.Constant(_I64, t)), sw) for t in range(tb)]
-            accs = [[zero, zero] for _ in range(tb)]
-            for c, t in [(c, t) for c in range(groups) for t in range(tb)]:
-                wo = builder.add(xos[t], ir.Constant(_I64, 4 * c))
-                xs = [_splat(builder, builder.load(_at(builder, xw, wo, _I32), align=4), _V16I) for xw in (xw1, xw2)]
-                accs[t] = [_dot4(builder, a, vecs[c], xv) for a, xv in zip(accs[t], xs)]
+            inputs = []                           # per activation row, per level: its input words
+            for t in range(tb):
+                for xw in (xw1, xw2):
+                    inputs.append([_splat(builder, builder.load(_at(builder, xw, builder.add(
+                        xos[t], ir.Constant(_I64, 4 * c)), _I32), align=4), _V16I) for c in range(groups)])
+            sums = _dots(builder, vecs, inputs, top)
+            accs = [sums[2 * t:2 * t + 2] for t in range(tb)]
             for t in range(tb):
                 so = builder.add(builder.mul(sstride, ir.Constant(_I64, t)), s4)
                 isum = accs[t][1]
