@@ -328,5 +328,11 @@ def _warm_fused(module: ModuleType) -> None:
         module.rope(q, np.zeros(1, dtype), np.ones(2), False, 4, out)
     module.swiglu(np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32))
     module.rms_norm(np.zeros((1, 4), np.float32), np.float32(1e-5), np.zeros((1, 4), np.float32))
-    for kernel in (module.attention, module.rope, module.swiglu, module.rms_norm):
+    rows, table = np.zeros(1, np.int32), np.zeros(1, np.float32)
+    for cache in (kv, np.zeros(kv.shape, np.uint16)):      # float32 caches, float16 ones as bits
+        module.attend_rows(q, cache, cache, rows, rows, np.float32(0.5), 0, table, out)
+    ints, floats = np.zeros(1, np.int32), np.ones(1, np.float32)
+    module.sample_rows(np.zeros((1, 4), np.float32), floats, ints, floats, np.zeros(1, np.uint32), ints, ints)
+    for kernel in (module.attention, module.attend_rows, module.rope, module.sample_rows, module.swiglu,
+                   module.rms_norm):
         kernel.disable_compile()
