@@ -29,6 +29,11 @@ of the ~260 instructions of a 6-row pass's sub-block are ``vpdpbusd``; it beats 
 SmolLM2's shapes (``zmq-rpc-bench --cases kernels``; figures in docs/DESIGN.md). llama.cpp's one
 level would halve the ``vpdpbusd`` but changed greedy tokens (:mod:`.intdot`).
 
+Batch invariance: an output depends on its activation row alone (rows are rounded one by one, and
+the ``TB``-row and one-row passes apply the scales with the same FMAs in the same sub-block order),
+and the decode kernels of q4_0/q4_1/q8_0 round as these do (:mod:`.intdot`), so a row's result is
+the same bits at any batch size.
+
 Precision: the decode kernels' (the error is the rounding of the inputs, at most ``dx / 2 = max|x| /
 64516`` per input; the tests hold these kernels to that bound for every row).
 """
