@@ -443,6 +443,52 @@ def _attention(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     return TensorMeta(q.shape, "float32")
 
 
+def _attend_rows(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """q (B, H, D) float32, k_cache and v_cache (R, H_kv, D) float32 or float16 with H a multiple
+    of H_kv, pos (B,) and base (B,) int32 -> float32 (B, H, D) (protocol 1.12, capability
+    ``row-attention``). Row b attends to the cache rows ``base[b] + j`` for ``j`` in
+    ``[max(0, pos[b] - window + 1) if window else 0, pos[b]]``; ``pos[b] < 0`` is a padding row
+    (zeros). The worker checks ``0 <= base[b]`` and ``base[b] + pos[b] < R`` when it runs."""
+    q, k, v, pos, base = ins
+    _need_dtype(q, frozenset({"float32"}), "q")
+    _need_rank(q, 3, 3, "q (rows, heads, head size)")
+    for meta, name in ((k, "k_cache"), (v, "v_cache")):
+        _need_dtype(meta, frozenset({"float32", "float16"}), name)
+        _need_rank(meta, 3, 3, f"{name} (cache rows, kv heads, head size)")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise OpError(f"k_cache {k.shape} {k.dtype} != v_cache {v.shape} {v.dtype}")
+    if k.shape[2] != q.shape[2]:
+        raise OpError(f"head size of q {q.shape} != that of k_cache {k.shape}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise OpError(f"q heads {q.shape[1]} must be a multiple of k_cache heads {k.shape[1]} (>= 1)")
+    for meta, name in ((pos, "pos"), (base, "base")):
+        _need_dtype(meta, frozenset({"int32"}), name)
+        if meta.shape != q.shape[:1]:
+            raise OpError(f"{name} shape {meta.shape} must be (B,) = {q.shape[:1]} for q {q.shape}")
+    return TensorMeta(q.shape, "float32")
+
+
+def _sample_rows(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """logits (B, V) float32, temperature (B,) float32, top_k (B,) int32, top_p (B,) float32,
+    seed (B,) uint32, counter (B,) int32 -> int32 (B,) token ids (protocol 1.12, capability
+    ``row-attention``; the draw is specified in ``worker/backends/numpy_ops.py``'s
+    ``_sample_rows``)."""
+    logits = ins[0]
+    _need_dtype(logits, frozenset({"float32"}), "logits")
+    _need_rank(logits, 2, 2, "logits (rows, vocabulary)")
+    if not 0 < logits.shape[1] < 2**31:
+        raise OpError(f"vocabulary size must be in [1, 2**31), got {logits.shape[1]}")
+    for meta, (name, dtype) in zip(ins[1:], _SAMPLE_INPUTS, strict=True):
+        _need_dtype(meta, frozenset({dtype}), name)
+        if meta.shape != logits.shape[:1]:
+            raise OpError(f"{name} shape {meta.shape} must be (B,) = {logits.shape[:1]}")
+    return TensorMeta(logits.shape[:1], "int32")
+
+
+_SAMPLE_INPUTS: Final = (("temperature", "float32"), ("top_k", "int32"), ("top_p", "float32"),
+                         ("seed", "uint32"), ("counter", "int32"))
+
+
 def _swiglu(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     """x (..., 2n) -> float32 (..., n): silu of the first half times the second (protocol 1.7)."""
     x = ins[0]
@@ -693,6 +739,11 @@ _SPECS = [
     }),
     _spec("attention", _COMPUTE, (3, 4), _attention, {"scale": (_float(), 1.0)}),
     _spec("swiglu", _COMPUTE, (1, 1), _swiglu),
+    _spec("attend_rows", _COMPUTE, (5, 5), _attend_rows, {
+        "scale": (_float(), 1.0),
+        "window": (_int(0, MAX_DIM), 0),
+    }),
+    _spec("sample_rows", _COMPUTE, (6, 6), _sample_rows),
     _spec("cont", _COMPUTE, (1, 1), _cont),
     _spec("concat", _COMPUTE, (1, MAX_INPUTS), _concat, {"axis": (_int(-MAX_RANK, MAX_RANK - 1), REQUIRED)}),
     _spec("sum", _COMPUTE, (1, 1), _reduce, {"axis": (_axes, REQUIRED), "keepdims": (_bool, False)}),
@@ -786,6 +837,8 @@ def _data_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
         return out.numel + inputs[1].numel
     if op == "set_rows":
         return 2 * inputs[1].numel + inputs[2].numel
+    if op in ("attend_rows", "sample_rows"):
+        return _row_work(op, inputs, out)
     work = out.numel + sum(m.numel for m in inputs)
     if op in ("matmul", "mul_mat_q", "mul_mat_packed"):
         work += out.numel * inputs[0].shape[-1] // MAC_WEIGHT
@@ -793,3 +846,18 @@ def _data_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
         scores = out.shape[0] * out.shape[1] * inputs[1].shape[0]
         work += 2 * scores * out.shape[2] // MAC_WEIGHT + scores
     return work
+
+
+def _row_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
+    """attend_rows: the cache rows each query row can reach (at most all R of them: the params'
+    window and the positions are not known here), read for each KV head, and two products per
+    head and row over them; not the whole cache per row. sample_rows: the logits, and a sort's
+    ``V log V`` per row (the nucleus of a flat distribution)."""
+    if op == "sample_rows":
+        rows, vocab = inputs[0].shape
+        return out.numel + sum(m.numel for m in inputs) + rows * vocab * max(1, vocab.bit_length())
+    rows, heads, dim = out.shape
+    reach = rows * inputs[1].shape[0]                     # (query row, cache row) pairs
+    scores = reach * heads
+    return (2 * out.numel + 2 * rows + 2 * reach * inputs[1].shape[1] * dim
+            + 2 * scores * dim // MAC_WEIGHT + scores)

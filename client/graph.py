@@ -320,6 +320,34 @@ class Graph:
         self._need_fused("swiglu")
         return self.op("swiglu", x, out=out)
 
+    def attend_rows(self, q: Any, k_cache: Any, v_cache: Any, pos: Any, base: Any, *,
+                    scale: float = 1.0, window: int = 0, out: Any = None) -> GraphTensor:
+        """Attention for rows of many sequences at once: row b of q (B, H, D) float32 attends
+        to the cache rows ``base[b] + j`` of k_cache and v_cache (R, H_kv, D) (float32 or
+        float16) for ``j`` from ``max(0, pos[b] - window + 1)`` (0 when ``window`` is 0) to
+        ``pos[b]``; pos and base (B,) int32; ``pos[b] < 0`` is a padding row (zeros). The
+        worker builds the causal mask from pos (none crosses the wire) and checks that every
+        row stays inside the cache. Batch-invariant: a row's result does not depend on the
+        other rows. Needs ``row-attention`` (protocol 1.12)."""
+        self._need_rows("attend_rows")
+        return self.op("attend_rows", q, k_cache, v_cache, pos, base, scale=float(scale),
+                       window=int(window), out=out)
+
+    def sample_rows(self, logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any,
+                    counter: Any, *, out: Any = None) -> GraphTensor:
+        """One token id (int32) per row of logits (B, V) float32, drawn on the worker:
+        temperature (B,) float32 (<= 0: argmax), top_k (B,) int32 (0: all; 1: argmax), top_p
+        (B,) float32, seed (B,) uint32 and counter (B,) int32 (the sequence's step: a row's
+        token depends only on its logits, seed and counter). The exact rule is the worker's
+        ``numpy_ops._sample_rows``. Needs ``row-attention`` (protocol 1.12)."""
+        self._need_rows("sample_rows")
+        return self.op("sample_rows", logits, temperature, top_k, top_p, seed, counter, out=out)
+
+    def _need_rows(self, op: str) -> None:
+        if self.client is not None and "row-attention" not in self.client.info.capabilities:
+            raise OpError(f"{self.client.endpoint} predates protocol 1.12: it has no {op} op; "
+                          "upgrade the worker")
+
     def _need_fused(self, op: str) -> None:
         if self.client is not None and "fused-ops" not in self.client.info.capabilities:
             raise OpError(f"{self.client.endpoint} predates protocol 1.7: it has no {op} op; "

@@ -186,3 +186,44 @@ def test_graphs_match_a_numpy_worker_and_the_cuda_kernels_are_the_overrides(
     with pytest.raises(RemoteError, match="fake cupy runs no CUDA kernel .zmq_rpc_rope."):
         gpu.compute(g)                                      # cupy's table: the CUDA rope
     gpu.ping()
+
+
+def _row_graph(client: Client) -> tuple[Graph, dict[str, object]]:
+    """attend_rows over a float16 cache (three sequences, a padding row, a window) and
+    sample_rows (greedy, top-k, nucleus rows) on the worker's arrays."""
+    rng = np.random.default_rng(8)
+    buf = client.alloc_buffer(1 << 20)
+    t = {name: buf.tensor(shape, dtype, offset=i << 14) for i, (name, shape, dtype) in enumerate((
+        ("q", (5, 4, 8), "float32"), ("k", (20, 2, 8), "float16"), ("v", (20, 2, 8), "float16"),
+        ("pos", 5, "int32"), ("base", 5, "int32"), ("att", (5, 4, 8), "float32"),
+        ("logits", (5, 300), "float32"), ("temperature", 5, "float32"), ("top_k", 5, "int32"),
+        ("top_p", 5, "float32"), ("seed", 5, "uint32"), ("counter", 5, "int32"), ("tokens", 5, "int32")))}
+    values = {"q": rng.normal(size=(5, 4, 8)), "k": rng.normal(size=(20, 2, 8)),
+              "v": rng.normal(size=(20, 2, 8)), "pos": [0, 4, -1, 6, 2], "base": [0, 0, 99, 8, 15],
+              "logits": rng.normal(size=(5, 300)) * 3, "temperature": [0, 0.8, 1.0, 1.2, 0.5],
+              "top_k": [0, 0, 40, 1, 5], "top_p": [1, 0.9, 1, 0.5, 0.7], "seed": [1, 2, 3, 4, 5],
+              "counter": [0, 10, 20, 30, 40]}
+    for name, value in values.items():
+        client.set_tensor(t[name], np.asarray(value, t[name].dtype))
+    g = Graph()
+    g.attend_rows(t["q"], t["k"], t["v"], t["pos"], t["base"], scale=0.3, window=3, out=t["att"])
+    g.sample_rows(*(t[n] for n in ("logits", "temperature", "top_k", "top_p", "seed", "counter")),
+                  out=t["tokens"])
+    return g, {"att": t["att"], "tokens": t["tokens"]}
+
+
+def test_row_ops_on_a_cuda_worker_match_a_numpy_worker(fake_cuda: Callable[[], Client],
+                                                        cpu: Client) -> None:
+    """The cupy backend runs attend_rows as one shared attention per row and sample_rows as the
+    whole-array composition: the same rows (to float rounding) and the same tokens as the CPU's
+    numba loops; the padding row is zeros on both."""
+    gpu = fake_cuda()
+    assert "row-attention" in gpu.info.capabilities
+    results = []
+    for client in (gpu, cpu):
+        g, tensors = _row_graph(client)
+        client.compute(g)
+        results.append({name: client.get_tensor(tensor) for name, tensor in tensors.items()})
+    np.testing.assert_allclose(results[0]["att"], results[1]["att"], rtol=1e-5, atol=1e-6)
+    assert not results[0]["att"][2].any() and not results[1]["att"][2].any()
+    assert results[0]["tokens"].tolist() == results[1]["tokens"].tolist()

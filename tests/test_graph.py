@@ -166,6 +166,14 @@ def attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | 
     return out
 
 
+def _rows_mask(pos: int, base: int, window: int, rows: int) -> np.ndarray:
+    """The attention mask of one attend_rows row: every key -inf for a padding row."""
+    mask = np.full((1, rows), -np.inf, F32)
+    if pos >= 0:
+        mask[0, base + max(0, pos - window + 1):base + pos + 1] = 0
+    return mask
+
+
 def softmax64(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
@@ -349,6 +357,16 @@ OP_CASES: list[OpCase] = [
            lambda q, k, v, m: attention64(q, k, v, m, 0.35)),
     OpCase("attention-nomask", (_f(_normal(3, 2, 4)), _f(_normal(6, 2, 4)), _f(_normal(6, 2, 4))),
            lambda g, q, k, v: g.attention(q, k, v), lambda q, k, v: attention64(q, k, v)),
+    OpCase("attend_rows", (_f(_normal(3, 4, 8)), _f(_normal(6, 2, 8)), _f(_normal(6, 2, 8)),
+                           _f(np.array([2, -1, 1], np.int32)), _f(np.array([0, 0, 3], np.int32))),
+           lambda g, q, k, v, pos, base: g.attend_rows(q, k, v, pos, base, scale=0.35, window=2),
+           lambda q, k, v, pos, base: np.concatenate([
+               attention64(q[b:b + 1], k, v, _rows_mask(int(pos[b]), int(base[b]), 2, 6), 0.35)
+               for b in range(3)])),
+    OpCase("sample_rows", (_f(_normal(3, 10)), _f(np.array([0.0, 1.0, 0.5], F32)),
+                           _f(np.array([0, 1, 1], np.int32)), _f(np.array([1.0, 0.9, 0.5], F32)),
+                           _f(np.array([1, 2, 3], np.uint32)), _f(np.array([0, 7, 9], np.int32))),
+           lambda g, *xs: g.sample_rows(*xs), lambda x, *rest: np.argmax(x, axis=-1), atol=0),
     OpCase("swiglu", (_f(_normal(3, 8)),), lambda g, a: g.swiglu(a),
            lambda a: a[:, :4] * sigmoid64(a[:, :4]) * a[:, 4:]),
     OpCase("cont", (_f(_X),), lambda g, a: g.cont(g.transpose(a)), lambda a: a.T),
@@ -1275,3 +1293,20 @@ def test_arena_planning_is_linear_in_nodes() -> None:
     # sides keeps a collection inside one run out of it.
     ratio = min(seconds(big) for _ in range(3)) / min(seconds(small) for _ in range(5))
     assert ratio < 30, f"8x the nodes took {ratio:.0f}x the time"   # linear ~8x, quadratic ~64x
+
+
+def test_row_ops_are_advertised_and_refused_here_for_a_worker_without_them(
+        worker: WorkerServer, make_client: MakeClient) -> None:
+    """A 1.12 worker says ``row-attention``; for an older one (its HELLO without it) the builder
+    refuses attend_rows and sample_rows instead of the worker failing the graph."""
+    old = make_client(worker.endpoint)
+    assert "row-attention" in old.info.capabilities and old.info.minor >= 12
+    old.info = dataclasses.replace(old.info, capabilities=tuple(
+        c for c in old.info.capabilities if c != "row-attention"))       # as a 1.11 worker says
+    g = Graph()
+    q, kv = g.input(put(old, _normal(1, 2, 4))), g.input(put(old, _normal(3, 1, 4)))
+    ints = g.input(put(old, np.zeros(1, np.int32)))
+    with pytest.raises(OpError, match="predates protocol 1.12: it has no attend_rows op"):
+        g.attend_rows(q, kv, kv, ints, ints)
+    with pytest.raises(OpError, match="predates protocol 1.12: it has no sample_rows op"):
+        g.sample_rows(q, q, ints, q, ints, ints)

@@ -583,6 +583,237 @@ def test_swiglu_rules_and_work() -> None:
     assert node_work("attention", [q, kv, kv], out) > 2 * 9 * 512 * 64 // MAC_WEIGHT
 
 
+# ------------------------------------------------------------------------- rows of many sequences
+
+
+def rows_case(rng: np.random.Generator, dtype: str, window: int) -> dict[str, Any]:
+    """Three sequences in one cache of 40 rows (bases 0, 13, 27), and 9 query rows among them: a
+    prefill chunk of the first (consecutive positions), decode rows of the others, one padding
+    row (pos -1, base out of range: it must read nothing)."""
+    H, H_kv, D = 6, 2, 8
+    k, v = (stored(rng.standard_normal((40, H_kv, D)), dtype) for _ in range(2))
+    pos = np.array([0, 1, 2, 3, 12, -1, 5, 9, 11], np.int32)
+    base = np.array([0, 0, 0, 0, 13, 999, 27, 27, 27], np.int32)
+    q = rng.standard_normal((pos.size, H, D)).astype(np.float32)
+    return {"q": q, "k": k, "v": v, "pos": pos, "base": base, "dtype": dtype,
+            "params": {"scale": 0.35, "window": window}}
+
+
+def attend(case: Mapping[str, Any], rows: Any = slice(None)) -> np.ndarray:
+    c = case
+    return run("attend_rows", [c["q"][rows], c["k"], c["v"], c["pos"][rows], c["base"][rows]],
+               c["params"], [None, c["dtype"], c["dtype"], None, None])
+
+
+def equivalent_mask(pos: int, base: int, window: int, rows: int) -> np.ndarray:
+    """The (1, R) mask that makes ``attention`` attend exactly where ``attend_rows`` row does."""
+    first = max(0, pos - window + 1) if window else 0
+    mask = np.full((1, rows), -np.inf, np.float32)
+    mask[0, base + first:base + pos + 1] = 0
+    return mask
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("window", [0, 3])
+def test_attend_rows_matches_attention_with_the_equivalent_mask(dtype: str, window: int) -> None:
+    case = rows_case(np.random.default_rng(11), dtype, window)
+    got = attend(case)
+    for b, (p, base) in enumerate(zip(case["pos"].tolist(), case["base"].tolist(), strict=True)):
+        if p < 0:
+            assert not got[b].any(), "a padding row must come out as zeros"
+            continue
+        mask = equivalent_mask(p, base, window, case["k"].shape[0])
+        want = run("attention", [case["q"][b:b + 1], case["k"], case["v"], mask], {"scale": 0.35},
+                   [None, dtype, dtype, None])
+        close(got[b:b + 1], want, rtol=1e-5, atol=1e-6)
+        close(got[b:b + 1], attention_ref(case["q"][b:b + 1].astype(np.float64), values(case["k"], dtype),
+                                          values(case["v"], dtype), mask, 0.35), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_attend_rows_is_batch_invariant_bit_for_bit(dtype: str) -> None:
+    """One query row gives the same bits alone, in any batch of 2 to 33 rows and at any place
+    in it, whatever the other rows hold (other sequences, other positions, padding)."""
+    rng = np.random.default_rng(12)
+    case = rows_case(rng, dtype, 4)
+    alone = attend({**case, "q": case["q"][6:7], "pos": case["pos"][6:7], "base": case["base"][6:7]})
+    for batch in (2, 3, 7, 16, 33):
+        pick = rng.integers(0, case["pos"].size, batch)
+        at = int(rng.integers(0, batch))
+        pick[at] = 6
+        mixed = {**case, "q": rng.standard_normal((batch, 6, 8)).astype(np.float32),
+                 "pos": case["pos"][pick], "base": case["base"][pick]}
+        mixed["q"][at] = case["q"][6]
+        got = attend(mixed)
+        assert np.array_equal(got[at], alone[0]), f"row at {at} of {batch} differs from the row alone"
+
+
+def test_attend_rows_refuses_rows_outside_the_cache_and_reads_nothing_for_padding() -> None:
+    case = rows_case(np.random.default_rng(13), "float32", 0)
+    for pos, base in ((12, 28), (0, 40), (0, -1)):
+        bad = {**case, "pos": np.array([3, pos], np.int32), "base": np.array([0, base], np.int32),
+               "q": case["q"][:2]}
+        with pytest.raises(OpRuntimeError, match=r"attend_rows: row 1 reads cache rows .* outside \[0, 40\)"):
+            attend(bad)
+    padding = {**case, "pos": np.array([-1, -7], np.int32), "base": np.array([2**31 - 1, -5], np.int32),
+               "q": case["q"][:2]}
+    assert not attend(padding).any()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"q": TensorMeta((2, 6, 8), "float16")}, r"q dtype float16"),
+    ({"k": TensorMeta((40, 2, 8), "bfloat16")}, r"k_cache dtype bfloat16"),
+    ({"v": TensorMeta((40, 2, 8), "float16")}, r"k_cache \(40, 2, 8\) float32 != v_cache"),
+    ({"k": TensorMeta((40, 4, 8), "float32"), "v": TensorMeta((40, 4, 8), "float32")},
+     r"q heads 6 must be a multiple of k_cache heads 4"),
+    ({"k": TensorMeta((40, 2, 4), "float32"), "v": TensorMeta((40, 2, 4), "float32")}, r"head size"),
+    ({"pos": TensorMeta((2,), "int64")}, r"pos dtype int64"),
+    ({"base": TensorMeta((3,), "int32")}, r"base shape \(3,\) must be \(B,\) = \(2,\)"),
+])
+def test_attend_rows_rules(change: dict[str, TensorMeta], message: str) -> None:
+    metas = {"q": TensorMeta((2, 6, 8), "float32"), "k": TensorMeta((40, 2, 8), "float32"),
+             "v": TensorMeta((40, 2, 8), "float32"), "pos": TensorMeta((2,), "int32"),
+             "base": TensorMeta((2,), "int32")}
+    out, params = infer("attend_rows", list(metas.values()), {"scale": 0.5})
+    assert out == TensorMeta((2, 6, 8), "float32") and params == {"scale": 0.5, "window": 0}
+    with pytest.raises(OpError, match=message):
+        infer("attend_rows", list({**metas, **change}.values()), {"scale": 0.5})
+    with pytest.raises(OpError, match=r"window.*must be in \[0"):
+        infer("attend_rows", list(metas.values()), {"window": -1})
+
+
+def test_attend_rows_work_counts_the_rows_reached_not_the_cache_per_head() -> None:
+    """Each query row may reach all R cache rows: its work is ~ B R H_kv D reads, bounded from
+    the shapes (the max-graph-work guard), and grows linearly in B and in R."""
+    def work(b: int, r: int) -> int:
+        metas = [TensorMeta((b, 32, 64), "float32"), TensorMeta((r, 8, 64), "float16"),
+                 TensorMeta((r, 8, 64), "float16"), TensorMeta((b,), "int32"), TensorMeta((b,), "int32")]
+        return node_work("attend_rows", metas, infer("attend_rows", metas, {})[0])
+    reads = 2 * 16 * 4096 * 8 * 64
+    assert reads <= work(16, 4096) <= 2 * reads
+    assert work(32, 4096) - work(16, 4096) > reads // 2 and work(16, 8192) - work(16, 4096) > reads // 2
+
+
+# ------------------------------------------------------------------------------------- sampling
+
+
+def splitmix_uniform(seed: int, counter: int) -> float:
+    """The specified draw, in Python integers (the reference for both kernels)."""
+    mask = (1 << 64) - 1
+    z = ((seed << 32) | (counter & 0xFFFFFFFF)) + 0x9E3779B97F4A7C15 & mask
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & mask
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & mask
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
+def sample(logits: np.ndarray, temperature: Any, top_k: Any, top_p: Any, seed: Any, counter: Any) -> np.ndarray:
+    b = logits.shape[0]
+    vec = [np.broadcast_to(np.asarray(x, dtype), (b,)).copy() for x, dtype in (
+        (temperature, np.float32), (top_k, np.int32), (top_p, np.float32), (seed, np.uint32),
+        (counter, np.int32))]
+    return run("sample_rows", [np.ascontiguousarray(logits, np.float32), *vec])
+
+
+def restricted_softmax(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """float64 reference of the distribution a row draws from."""
+    s = logits.astype(np.float32) / np.float32(temperature)
+    order = np.argsort(-s, kind="stable")
+    e = np.exp(s.astype(np.float64) - s.max())
+    keep = order[:top_k] if 0 < top_k < s.size else order
+    if top_p < 1:
+        running = np.cumsum(e[keep])
+        keep = keep[:int(np.searchsorted(running, top_p * e[keep].sum())) + 1]
+    probs = np.zeros(s.size)
+    probs[keep] = e[keep] / e[keep].sum()
+    return probs
+
+
+def test_sample_rows_uniform_is_the_specified_splitmix64() -> None:
+    fused = numpy_ops.kernels.fused_kernels()
+    seeds = np.array([0, 1, 2**32 - 1, 123456789, 42], np.uint32)
+    counters = np.array([0, -1, 2**31 - 1, 7, -(2**31)], np.int32)
+    want = [splitmix_uniform(int(s), int(c)) for s, c in zip(seeds, counters, strict=True)]
+    assert numpy_ops._splitmix_uniform(seeds, counters).tolist() == want
+    if fused is not None:
+        assert [fused.uniform(s, c) for s, c in zip(seeds, counters, strict=True)] == want
+
+
+def test_sample_rows_greedy_rows_take_the_argmax() -> None:
+    """temperature <= 0 (or NaN), and top_k == 1 at any temperature, give argmax: the lowest
+    index among equal maxima."""
+    rng = np.random.default_rng(21)
+    logits = rng.standard_normal((6, 50)).astype(np.float32)
+    logits[0, [3, 30]] = 9.0                       # a tie: 3 wins
+    got = sample(logits, [0.0, -1.0, np.nan, 0.8, 1.5, 0.0], [0, 0, 0, 1, 1, 5], 0.9, 7, 3)
+    assert got.tolist() == np.argmax(logits, axis=-1).tolist() and got[0] == 3
+
+
+def test_sample_rows_fixed_seed_and_counter_give_one_token_in_any_batch() -> None:
+    """A row's token depends only on its logits, seed and counter: the same alone, across calls,
+    and at any place in batches of 2 to 33 rows of other settings."""
+    rng = np.random.default_rng(22)
+    row = rng.standard_normal(300).astype(np.float32) * 3
+    settings_ = (1.0, 40, 0.95, 1234, 17)
+    alone = sample(row[None], *settings_)
+    assert sample(row[None], *settings_).tolist() == alone.tolist()
+    for batch in (2, 3, 7, 16, 33):
+        logits = rng.standard_normal((batch, 300)).astype(np.float32)
+        at = int(rng.integers(0, batch))
+        logits[at] = row
+        cols = [rng.uniform(0.1, 2, batch), rng.integers(0, 60, batch), rng.uniform(0.5, 1, batch),
+                rng.integers(0, 2**32, batch), rng.integers(0, 1000, batch)]
+        for col, value in zip(cols, settings_, strict=True):
+            col[at] = value
+        assert sample(logits, *cols)[at] == alone[0], f"row at {at} of {batch} drew another token"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 5, 0.9), (1.3, 0, 1.0), (1.0, 0, 0.6), (2.0, 3, 1.0)])
+def test_sample_rows_draws_follow_the_restricted_softmax(temperature: float, top_k: int, top_p: float) -> None:
+    """4000 draws (counters 0..3999) of one row: no token outside the kept set, and a chi-square
+    statistic below the 0.1 % critical value of its degrees of freedom."""
+    logits = np.array([2.0, 1.5, 1.5, 0.3, -0.5, 1.0, -2.0, 0.9], np.float32)
+    draws = 4000
+    tokens = sample(np.tile(logits, (draws, 1)), temperature, top_k, top_p, 99, np.arange(draws))
+    probs = restricted_softmax(logits, temperature, top_k, top_p)
+    counts = np.bincount(tokens, minlength=logits.size)
+    assert not counts[probs == 0].any(), f"drew outside the kept set: {counts} for {probs}"
+    kept = probs > 0
+    chi2 = (((counts[kept] - draws * probs[kept]) ** 2) / (draws * probs[kept])).sum()
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}[int(kept.sum()) - 1]
+    assert chi2 < critical, f"chi-square {chi2:.1f} >= {critical} (counts {counts}, probs {probs.round(3)})"
+
+
+def test_sample_rows_numba_and_composition_draw_the_same_tokens() -> None:
+    """The numba loop and the whole-array composition (a GPU's) on a large vocabulary, every
+    kind of row: greedy, top-k, nucleus (with its pruning), both."""
+    fused = numpy_ops.kernels.fused_kernels()
+    if fused is None or _DEVICE["name"] != "cpu":
+        pytest.skip("compares the host's numba loop with the composition")
+    rng = np.random.default_rng(23)
+    b, vocab = 24, 5000
+    logits = (rng.standard_normal((b, vocab)) * rng.choice([0.5, 3.0, 8.0], (b, 1))).astype(np.float32)
+    cols = [np.where(rng.random(b) < 0.2, 0, rng.uniform(0.3, 1.5, b)).astype(np.float32),
+            rng.choice([0, 1, 5, 50, 4999], b).astype(np.int32), rng.choice([1.0, 0.9, 0.5, 0.99], b).astype(np.float32),
+            rng.integers(0, 2**32, b).astype(np.uint32), rng.integers(-5, 10**6, b).astype(np.int32)]
+    numba_out, composed = np.empty(b, np.int32), np.empty(b, np.int32)
+    fused.sample_rows(logits, *cols, numba_out)
+    numpy_ops._sample_rows_composed([logits, *cols], composed)
+    assert numba_out.tolist() == composed.tolist()
+
+
+def test_sample_rows_rules() -> None:
+    metas = [TensorMeta((3, 10), "float32"), TensorMeta((3,), "float32"), TensorMeta((3,), "int32"),
+             TensorMeta((3,), "float32"), TensorMeta((3,), "uint32"), TensorMeta((3,), "int32")]
+    assert infer("sample_rows", metas, {})[0] == TensorMeta((3,), "int32")
+    with pytest.raises(OpError, match=r"seed dtype int64"):
+        infer("sample_rows", [*metas[:4], TensorMeta((3,), "int64"), metas[5]], {})
+    with pytest.raises(OpError, match=r"top_k shape \(2,\) must be \(B,\)"):
+        infer("sample_rows", [metas[0], metas[1], TensorMeta((2,), "int32"), *metas[3:]], {})
+    with pytest.raises(OpError, match=r"logits \(rows, vocabulary\) must have rank 2"):
+        infer("sample_rows", [TensorMeta((10,), "float32"), *metas[1:]], {})
+
+
 # ---------------------------------------------------------------------------------------------- rope
 
 

@@ -592,6 +592,143 @@ def _attention_composed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: P
         out[t0:t0 + rows, h0:h1] = xp.swapaxes(xp.matmul(scores, v[:, kh]), 0, 1)
 
 
+def _attend_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Per query row, attention over that row's own cache rows (``ops._attend_rows``): q (B, H,
+    D), k and v (R, H_kv, D) float32 or float16, pos and base (B,) int32; row b reads the cache
+    rows ``base[b] + j`` for ``j`` from ``max(0, pos[b] - window + 1)`` (0 without a window) to
+    ``pos[b]``, the causal (and sliding-window) mask built here from pos, so no mask crosses
+    the wire; ``pos[b] < 0`` is a padding row: zeros, nothing read.
+
+    Batch-invariant, bit for bit: every row is computed from its own inputs alone, by the same
+    arithmetic whatever else is in the batch. On the host with numba: one loop
+    (``kernels.fused.attend_rows``) that reads float16 caches through an exact table. Otherwise
+    (a GPU, or no numba), one call per row of :func:`_attention_composed` on that row's slice
+    of the cache: the arithmetic of the ``attention`` op with a mask that admits exactly those
+    rows."""
+    q, k, v, pos, base = xs
+    pos_h, base_h = _host_ints(pos), _host_ints(base)
+    _check_rows(pos_h, base_h, k.shape[0])
+    fused = kernels.fused_kernels()
+    if fused is not None and type(out) is np.ndarray:
+        k16 = ms[1].dtype == "float16"
+        kk, vv = ((k.view(np.uint16), v.view(np.uint16)) if k16 else (k, v))
+        q, kk, vv = (np.ascontiguousarray(a) for a in (q, kk, vv))
+        if _compiled(fused.attend_rows, q, kk, vv, np.ascontiguousarray(pos_h), np.ascontiguousarray(base_h),
+                     _F32(p["scale"]), int(p["window"]), _HALF_VALUES if k16 else _NO_TABLE, out):
+            return
+    _attend_rows_composed(xs, ms, p, out, pos_h, base_h)
+
+
+_HALF_VALUES: Final = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+"""Every float16 bit pattern's float32 value (exact): how the numba loop reads float16 caches."""
+_NO_TABLE: Final = np.zeros(1, np.float32)
+
+
+def _host_ints(arr: Any) -> npt.NDArray[Any]:
+    """A small index vector on the host (a device array is downloaded: B int32s)."""
+    if type(arr) is np.ndarray:
+        return arr
+    download = getattr(namespace(arr), "asnumpy", None)    # cupy's; a host stand-in has none
+    return np.asarray(arr if download is None else download(arr))
+
+
+def _check_rows(pos: np.ndarray, base: np.ndarray, rows: int) -> None:
+    """Every row that reads (pos >= 0) stays inside the cache: 0 <= base and base + pos < rows."""
+    live = pos >= 0
+    if not live.any():
+        return
+    first, last = base[live].astype(np.int64), base[live].astype(np.int64) + pos[live]
+    if first.min() < 0 or last.max() >= rows:
+        bad = int(np.flatnonzero(live)[np.argmax((first < 0) | (last >= rows))])
+        raise OpRuntimeError(f"attend_rows: row {bad} reads cache rows from base {int(base[bad])} to "
+                             f"base + pos = {int(base[bad]) + int(pos[bad])}, outside [0, {rows})")
+
+
+def _attend_rows_composed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray,
+                          pos: np.ndarray, base: np.ndarray) -> None:
+    """One :func:`_attention_composed` per row, on that row's query and cache rows alone."""
+    q, k, v = xs[:3]
+    window = int(p["window"])
+    for b in range(q.shape[0]):
+        if pos[b] < 0:
+            out[b] = 0
+            continue
+        first = max(0, int(pos[b]) - window + 1) if window else 0
+        lo, hi = int(base[b]) + first, int(base[b]) + int(pos[b]) + 1
+        _attention_composed([q[b:b + 1], k[lo:hi], v[lo:hi]], ms[:3], p, out[b:b + 1])
+
+
+def _sample_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """One token per row of logits (B, V), drawn from that row's inputs alone (batch-invariant):
+
+    1. ``temperature <= 0`` (or NaN) or ``top_k == 1``: the argmax of the logits (the first maximum; a NaN
+       counts as the maximum, as ``argmax`` does). So is a row whose ``s`` below has a peak that is
+       not finite.
+    2. Else ``s = float32(logits / temperature)``, ``e = exp(float64(s) - max s)`` (float64).
+       Order the tokens by descending ``s``, ties by ascending index. Keep the first
+       ``K = top_k`` (if ``0 < top_k < V``, else all ``V``). If ``top_p < 1``: with ``T`` the sum of
+       the kept ``e`` in index order, keep only the first ``n`` of that order, ``n`` the smallest
+       count whose running sum (in that order) is ``>= top_p * T`` (``K`` if none is).
+    3. ``u = (splitmix64(seed << 32 | (counter mod 2**32)) >> 11) * 2**-53``, in [0, 1), with
+       splitmix64(x): ``z = x + 0x9E3779B97F4A7C15; z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9;
+       z = (z ^ z >> 27) * 0x94D049BB133111EB; z ^ z >> 31`` (mod 2**64). seed is uint32, counter
+       int32 (the sequence's step).
+    4. The token is the first kept index, in index order, whose running sum of ``e`` (float64, in
+       index order) exceeds ``u`` times the kept total (the last kept index if rounding leaves
+       none).
+
+    Every sum above is sequential, in the order stated, so the numba loop
+    (``kernels.fused.sample_rows``) and this composition (any namespace) give the same token;
+    a device whose ``exp`` rounds differently can differ only where ``u`` lands within float64
+    rounding of a boundary."""
+    fused = kernels.fused_kernels()
+    if fused is not None and type(out) is np.ndarray:
+        args = [np.ascontiguousarray(x) for x in xs]
+        if _compiled(fused.sample_rows, *args, out):
+            return
+    _sample_rows_composed(xs, out)
+
+
+def _splitmix_uniform(seed: Any, counter: Any) -> Any:
+    """Step 3 of :func:`_sample_rows` over vectors (uint64 arithmetic wraps, as it should)."""
+    xp = namespace(seed)
+    z = (seed.astype(np.uint64) << np.uint64(32)) | counter.astype(np.uint32).astype(np.uint64)
+    z += np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * xp.float64(2.0**-53)
+
+
+def _sample_rows_composed(xs: Sequence[Any], out: Any) -> None:
+    """:func:`_sample_rows` with whole-array operations (a GPU, or no numba)."""
+    logits, temperature, top_k, top_p, seed, counter = xs
+    xp = namespace(out)
+    n = logits.shape[1]
+    greedy = xp.argmax(logits, axis=-1)
+    s = logits / xp.where(temperature > 0, temperature, _F32(1))[:, None]
+    peak = xp.max(s, axis=-1)
+    e = xp.exp(s.astype(np.float64) - xp.where(xp.isfinite(peak), peak, 0).astype(np.float64)[:, None])
+    order = xp.argsort(-s, axis=-1, kind="stable")
+    rank = xp.empty_like(order)
+    rank[xp.arange(order.shape[0])[:, None], order] = xp.arange(n)[None, :]
+    count = xp.where((top_k > 0) & (top_k < n), top_k, n).astype(np.int64)[:, None]
+    in_k = rank < count
+    total = xp.cumsum(xp.where(in_k, e, 0.0), axis=-1)[:, -1:]
+    running = xp.cumsum(xp.take_along_axis(e, order, axis=-1), axis=-1)
+    short = xp.sum((running < top_p.astype(np.float64)[:, None] * total)
+                   & (xp.arange(n)[None, :] < count), axis=-1)[:, None]
+    keep = xp.where(top_p[:, None] < 1, xp.minimum(short + 1, count), count)
+    kept = rank < keep
+    cdf = xp.cumsum(xp.where(kept, e, 0.0), axis=-1)
+    target = _splitmix_uniform(seed, counter)[:, None] * cdf[:, -1:]
+    passed = kept & (cdf > target)
+    last = n - 1 - xp.argmax(kept[:, ::-1], axis=-1)
+    drawn = xp.where(passed.any(axis=-1), xp.argmax(passed, axis=-1), last)
+    use_greedy = ~(temperature > 0) | (top_k == 1) | ~xp.isfinite(peak)
+    xp.copyto(out, xp.where(use_greedy, greedy, drawn), casting="unsafe")
+
+
 _ATTENTION_BLOCK: Final = 1 << 20
 """float32 scores the composed attention holds at once (4 MiB), unless one row of one head
 needs more (that many keys are in memory, or charged as temporaries, already)."""
@@ -671,7 +808,8 @@ _COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
     "matmul": _matmul, "mul_mat_q": _mul_mat_q, "pack": _pack, "mul_mat_packed": _mul_mat_packed,
     "unpack": _unpack, "get_rows_packed": _get_rows_packed, "dequantize": _dequantize, "get_rows": _get_rows,
     "rms_norm": _rms_norm, "layer_norm": _layer_norm, "soft_max": _soft_max, "rope": _rope,
-    "diag_mask_inf": _diag_mask_inf, "attention": _attention, "swiglu": _swiglu, "cont": _cont, "concat": _concat,
+    "diag_mask_inf": _diag_mask_inf, "attention": _attention, "attend_rows": _attend_rows,
+    "sample_rows": _sample_rows, "swiglu": _swiglu, "cont": _cont, "concat": _concat,
     "sum": _sum, "mean": _mean, "argmax": _argmax,
 }
 
@@ -696,7 +834,7 @@ def run_compute(op: str, inputs: Sequence[np.ndarray], metas: Sequence[TensorMet
         _COMPUTE_KERNELS[op](inputs, metas, params, out)
 
 
-NUMBA_OPS: Final = frozenset({"attention", "rms_norm", "rope", "swiglu"})
+NUMBA_OPS: Final = frozenset({"attention", "attend_rows", "rms_norm", "rope", "sample_rows", "swiglu"})
 """Ops whose host kernels are numba loops (:mod:`~zmq_rpc.worker.kernels.fused`) where numba
 imports."""
 

@@ -30,6 +30,26 @@ pool's idle spin delaying the other's start; that hand-off is also why the f16/b
 rows like the integer ones rather than go through tiles + BLAS (docs/DESIGN.md, "Threads per
 product").
 
+Batch invariance (continuous batching: a sequence's logits must not depend on what shares its
+batch, issue 27): each kernel computes an output from its activation row alone (rows are rounded
+to int8 one by one; threads split the *weight* rows, on multiples of 16, so the per-output order
+is fixed), so the question is only whether the one-row path (``B <= MATVEC_ROWS``) rounds like the
+many-row one. :func:`batch_invariant` says where it does, and ``tests/test_kernels_batch.py``
+checks every type at B = 1, 2, 3, 7, 16, 33 and every place of the row:
+
+- q4_0, q4_1, q8_0: yes. :mod:`.intdot` rounds the activation block and its float sum as
+  :func:`.intgemm.quantize_rows_into` does, and applies the scales per sub-block in the GEMM's
+  order (``y = fma(float(isum), d * dx, y)``, then ``fma(m, sum x, y)``; the scalar tails as the
+  GEMM's), so a decode row and the same row in a prefill are the same bits.
+- f16, bf16 without AMX: yes; both kernels are one FMA per weight and input, in input order.
+  With AMX (:mod:`.amxgemm`, three bf16 levels), no.
+- q5_0, q5_1, q4_k, q5_k, q6_k: no. Decode runs the float matvec of :mod:`.jit` (float32
+  activations), prefill the integer GEMM of :mod:`.unpacked` (int8 activations); the GEMM's one-row
+  pass costs 6-20x the matvec on one row. Making them invariant needs an integer matvec for these
+  types (as :mod:`.intdot` for q4/q8) that rounds like the GEMM.
+- float32 weights (the ``matmul`` op, BLAS): no guarantee; BLAS picks kernels and blockings by
+  shape (and threads), so a row's sums may be ordered differently at another B.
+
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.
 """
@@ -63,6 +83,7 @@ __all__ = [
     "TILE_BYTES",
     "KernelUnavailable",
     "available",
+    "batch_invariant",
     "dequantize",
     "fused_kernels",
     "gguf_row_bytes",
@@ -84,6 +105,8 @@ TILE_BYTES: Final = 1 << 20
 INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
 """Types whose prefill products run the integer GEMM of :mod:`.intgemm` / :mod:`.unpacked` (the
 others: tiles + BLAS)."""
+INVARIANT_INTEGER: Final = frozenset({"q4_0", "q4_1", "q8_0"})
+"""Block types whose decode kernels (:mod:`.intdot`) round like their GEMM (:mod:`.intgemm`)."""
 HALF_GEMM: Final = frozenset({"f16", "bf16"})
 """Types whose prefill products run :mod:`.amxgemm` (AMX tiles) or, on a CPU without AMX,
 :mod:`.halfgemm` (FMA)."""
@@ -138,16 +161,29 @@ def _intgemm() -> ModuleType:
     return intgemm
 
 
-def _half_gemm(x: np.ndarray, w: np.ndarray, qtype: str,
-               out: np.ndarray) -> tuple[Callable[..., None], tuple[Any, ...], tuple[Any, ...]]:
-    """(kernel, head, tail) of an f16/bf16 prefill product: AMX where this process may use it (asked
-    once), else the FMA kernel."""
+def _amx_module() -> ModuleType | None:
+    """:mod:`.amxgemm` where this process may use AMX (asked once), else None."""
     _jit()
     if not _amx:
         from . import amxgemm
         _amx.append(amxgemm if amxgemm.available() else None)
+    return _amx[0]
+
+
+def batch_invariant(qtype: str) -> bool:
+    """Whether :func:`matmul` gives row ``i`` of ``X @ W.T`` bit for bit the same whatever the
+    other rows of ``X`` and however many (module docstring, "Batch invariance")."""
+    if qtype in INVARIANT_INTEGER:
+        return True
+    return qtype in HALF_GEMM and _amx_module() is None
+
+
+def _half_gemm(x: np.ndarray, w: np.ndarray, qtype: str,
+               out: np.ndarray) -> tuple[Callable[..., None], tuple[Any, ...], tuple[Any, ...]]:
+    """(kernel, head, tail) of an f16/bf16 prefill product: AMX where this process may use it (asked
+    once), else the FMA kernel."""
     bf16 = qtype == "bf16"
-    if (amx := _amx[0]) is not None:
+    if (amx := _amx_module()) is not None:
         return amx.gemm_amx, (w, amx.split_rows(x), out), (bf16, amx.CONFIG)
     from . import halfgemm
     return halfgemm.gemm_u16, (w, x, out), (bf16,)
@@ -328,5 +364,11 @@ def _warm_fused(module: ModuleType) -> None:
         module.rope(q, np.zeros(1, dtype), np.ones(2), False, 4, out)
     module.swiglu(np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32))
     module.rms_norm(np.zeros((1, 4), np.float32), np.float32(1e-5), np.zeros((1, 4), np.float32))
-    for kernel in (module.attention, module.rope, module.swiglu, module.rms_norm):
+    rows, table = np.zeros(1, np.int32), np.zeros(1, np.float32)
+    for cache in (kv, np.zeros(kv.shape, np.uint16)):      # float32 caches, float16 ones as bits
+        module.attend_rows(q, cache, cache, rows, rows, np.float32(0.5), 0, table, out)
+    ints, floats = np.zeros(1, np.int32), np.ones(1, np.float32)
+    module.sample_rows(np.zeros((1, 4), np.float32), floats, ints, floats, np.zeros(1, np.uint32), ints, ints)
+    for kernel in (module.attention, module.attend_rows, module.rope, module.sample_rows, module.swiglu,
+                   module.rms_norm):
         kernel.disable_compile()

@@ -18,7 +18,10 @@ multiply-adds; the scales are applied once per 32-weight block and row::
     q4_1   y += d * dx * isum + m * sum x             (w = d * q + m; ``sum x`` in float32)
     q8_0   y += d * dx * (isum' - 128 * sum xq)       (isum' over q + 128: the unsigned operand)
 
-(``sum xq = HI * sum xq1 + sum xq2``). The error this adds is the rounding of the inputs: at most
+(``sum xq = HI * sum xq1 + sum xq2``), each term added as :mod:`.intgemm` adds it:
+``y = fma(float(isum'), d * dx, y)``, then ``y = fma(m, sum x, y)``, with ``sum x`` in the same four
+partial sums (:func:`_block_sum`), so that a row gives the same bits here as in the GEMM, whatever
+else is in the batch (``kernels``, "Batch invariance"). The error this adds is the rounding of the inputs: at most
 ``dx / 2 = max|x| / 64516`` per input, so at most ``sum dx / 2 * |d q|`` per output (the tests hold
 the kernels to that bound). llama.cpp stops at one level (``max|x| / 254`` per input): on SmolLM2 that
 changed the 11th greedy token against the float32 reference; two levels keep the tokens, at little cost
@@ -229,9 +232,15 @@ _SWEEP_SIG = types.void(types.intp, types.intp, types.intp, types.intp, types.in
                         types.float32, types.float32, types.int32, types.intp, types.intp)
 
 
+def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    """``a * b + c`` over 16 float32 lanes, rounded once (``llvm.fma``: one ``vfmadd``)."""
+    fn = _declare(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
 def _sweep_codegen(groups: int, nibbles: bool) -> Any:
-    """IR of one sub-block's sweep over ``n`` rows (a multiple of 16): ``y[i] += (float(isum_i + ioff)
-    * fx) * d[i] + m[i] * c1`` (``d``, ``m`` float16), where ``isum_i = HI * (q_i . xq1) + q_i . xq2`` over the codes ``q_i``
+    """IR of one sub-block's sweep over ``n`` rows (a multiple of 16): ``y[i] = fma(m[i], c1,
+    fma(float(isum_i + ioff), d[i] * fx, y[i]))`` (``d``, ``m`` float16), where ``isum_i = HI * (q_i . xq1) + q_i . xq2`` over the codes ``q_i``
     of row ``i``, held in ``groups`` int32 words (word ``g`` at byte ``p + g * gstride + 4 i``), and the
     input codes at ``xw1``, ``xw2`` (int8, one int32 word per 4): with ``nibbles`` each word holds 8
     codes (low nibbles for inputs ``4g..4g+3``, high for ``16+4g..``; ``m`` is read), else 4 signed
@@ -260,12 +269,12 @@ def _sweep_codegen(groups: int, nibbles: bool) -> Any:
                 order += [h * groups + g for h in range(len(group))]
             acc = _dots(builder, codes, [[x[k] for k in order] for x in xs], 15, signed=not nibbles)
             isum = builder.add(builder.add(builder.mul(acc[0], hi_scale), acc[1]), ioffv)
-            t = builder.fmul(builder.fmul(builder.sitofp(isum, _V16F), fxv),
-                             _load_halves(builder, d, off2))
+            yp = _at(builder, y, off4, _V16F)       # the GEMM's roundings (module docstring)
+            scale = builder.fmul(_load_halves(builder, d, off2), fxv)
+            t = _fma(builder, builder.sitofp(isum, _V16F), scale, builder.load(yp, align=4))
             if nibbles:
-                t = builder.fadd(t, builder.fmul(_load_halves(builder, m, off2), c1v))
-            yp = _at(builder, y, off4, _V16F)
-            builder.store(builder.fadd(builder.load(yp, align=4), t), yp, align=4)
+                t = _fma(builder, _load_halves(builder, m, off2), c1v, t)
+            builder.store(t, yp, align=4)
         return context.get_dummy_value()
     return codegen
 
@@ -293,6 +302,19 @@ def _code(xq1: Any, xq2: Any, k: int) -> Any:
     return HI * np.int64(xq1[k]) + np.int64(xq2[k])
 
 
+@njit(inline="always")
+def _block_sum(x: Any, o: int) -> Any:
+    """The float32 sum of ``x[o:o + 32]`` in four partial sums, as ``intgemm.quantize_rows`` adds
+    a row's block (the same roundings: a row's q4_1 min term is the same in both kernels)."""
+    s0, s1, s2, s3 = _F32(0), _F32(0), _F32(0), _F32(0)
+    for j in range(0, 32, 4):
+        s0 += x[o + j]
+        s1 += x[o + j + 1]
+        s2 += x[o + j + 2]
+        s3 += x[o + j + 3]
+    return (s0 + s1) + (s2 + s3)
+
+
 @njit(cache=True, nogil=True)
 def quantize_x(x: Any) -> tuple[Any, Any, Any, Any, Any]:
     """``x`` (K,) float32 in int8 blocks of 32, two levels: ``(xq1, xq2, dx, sq, sx)``, ``x ~ dx * (HI xq1
@@ -304,15 +326,14 @@ def quantize_x(x: Any) -> tuple[Any, Any, Any, Any, Any]:
     xq1, xq2 = np.zeros(x.shape[0], np.int8), np.zeros(x.shape[0], np.int8)
     dx, sq, sx = np.empty(ns, np.float32), np.zeros(ns, np.int32), np.empty(ns, np.float32)
     for s in range(ns):
-        amax, total, bad = _F32(0), _F32(0), False
+        amax, bad = _F32(0), False
         for j in range(32):
             v = x[32 * s + j]
             a = abs(v)
-            total += v
             bad |= not a <= _FMAX
             if a > amax:
                 amax = a
-        sx[s] = total
+        sx[s] = _block_sum(x, 32 * s)
         if bad:
             dx[s] = np.float32(np.nan)
             continue
@@ -364,7 +385,7 @@ def mv_q4(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool) -> None:
                         byte = (word >> (8 * b)) & 255
                         acc += (byte & 15) * _code(xq1, xq2, 32 * s + 4 * g + b)
                         acc += (byte >> 4) * _code(xq1, xq2, 32 * s + 16 + 4 * g + b)
-                t = (_F32(np.int32(acc + ioff)) * fx) * _half(ds[i])
+                t = _F32(np.int32(acc + ioff)) * (_half(ds[i]) * fx)
                 if has_min:
                     t += _half(ms[i]) * c1
                 yt[i] += t
@@ -397,4 +418,4 @@ def mv_q8_0(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
                 for g in range(8):
                     for b in range(4):
                         acc += np.int64(codes[8 * s + g][4 * (t0 + i) + b]) * _code(xq1, xq2, 32 * s + 4 * g + b)
-                yt[i] += (_F32(np.int32(acc)) * fx) * _half(ds[i])
+                yt[i] += _F32(np.int32(acc)) * (_half(ds[i]) * fx)

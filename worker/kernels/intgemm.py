@@ -32,6 +32,11 @@ level would halve the ``vpdpbusd`` but changed greedy tokens (:mod:`.intdot`).
 Without VNNI the sums are AVX2's ``vpmaddubsw`` + ``vpmaddwd`` (:func:`.intdot._dots`, exact, bit-identical
 products; q8_0's codes multiplied signed, so its ``-128 sum xq`` term is gone there).
 
+Batch invariance: an output depends on its activation row alone (rows are rounded one by one, and
+the ``TB``-row and one-row passes apply the scales with the same FMAs in the same sub-block order),
+and the decode kernels of q4_0/q4_1/q8_0 round as these do (:mod:`.intdot`), so a row's result is
+the same bits at any batch size.
+
 Precision: the decode kernels' (the error is the rounding of the inputs, at most ``dx / 2 = max|x| /
 64516`` per input; the tests hold these kernels to that bound for every row).
 """

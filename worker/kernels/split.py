@@ -34,7 +34,9 @@ of :mod:`.jit`, :mod:`.intdot` and :mod:`.intgemm` here; a new kernel adds its o
 (``cache=True``: compiled once, loaded in milliseconds after). numba keys each cached
 function on its own file's time stamp only: a wrapper here holds the kernel it calls, so after
 editing a kernel in place (a developer's checkout; an install rewrites every file) clear the
-``__pycache__`` beside these files, or the wrappers keep running the old kernel.
+``__pycache__`` beside these files, or the wrappers keep running the old kernel. A split changes
+no output bit: each output's arithmetic is its kernel's, whichever thread runs it (the products'
+batch invariance, ``kernels/__init__``).
 """
 
 from __future__ import annotations
