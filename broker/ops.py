@@ -443,6 +443,49 @@ def _attention(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     return TensorMeta(q.shape, "float32")
 
 
+def _attend_rows(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """q (B, H, D), k_cache and v_cache (R, H_kv, D) with H a multiple of H_kv, pos (B,) and
+    base (B,) integers -> float32 (B, H, D): row b attends to the cache rows ``base[b] + j`` for j
+    in [lo, pos[b]] (lo = max(0, pos[b] - window + 1) with a ``window``, else 0), the causal mask
+    built here; pos[b] < 0 is a padding row (zeros). Each row reads only its own keys, so its
+    result does not depend on the other rows (protocol 1.12, capability ``row-attention``)."""
+    q, k, v, pos, base = ins
+    for meta, name in ((q, "q"), (k, "k_cache"), (v, "v_cache")):
+        _need_dtype(meta, FLOAT_DTYPES, name)
+        _need_rank(meta, 3, 3, f"{name} (rows, heads, head size)")
+    if k.shape != v.shape:
+        raise OpError(f"k_cache shape {k.shape} != v_cache shape {v.shape}")
+    if k.shape[2] != q.shape[2]:
+        raise OpError(f"head size of q {q.shape} != that of k_cache {k.shape}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise OpError(f"q heads {q.shape[1]} must be a multiple of cache heads {k.shape[1]} (>= 1)")
+    for meta, name in ((pos, "pos"), (base, "base")):
+        _need_dtype(meta, INDEX_DTYPES, name)
+        if meta.shape != q.shape[:1]:
+            raise OpError(f"{name} shape {meta.shape} must be (B,) = {q.shape[:1]}")
+    return TensorMeta(q.shape, "float32")
+
+
+def _sample_rows(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """logits (B, V), temperature (B,) float, top_k (B,) int, top_p (B,) float, seed (B,) int,
+    counter (B,) int -> int32 (B,): per row the argmax where temperature <= 0, else a token drawn
+    from the softmax of logits / temperature cut to the top_k best (0: all) and the smallest set
+    reaching top_p, with the uniform number a hash of (seed, counter) (protocol 1.12,
+    capability ``row-attention``)."""
+    logits = ins[0]
+    _need_dtype(logits, FLOAT_DTYPES, "logits")
+    _need_rank(logits, 2, 2, "logits (rows, vocab)")
+    if logits.shape[1] == 0:
+        raise OpError("logits need at least one column")
+    kinds = (FLOAT_DTYPES, INDEX_DTYPES, FLOAT_DTYPES, INDEX_DTYPES, INDEX_DTYPES)
+    names = ("temperature", "top_k", "top_p", "seed", "counter")
+    for meta, name, dtypes in zip(ins[1:], names, kinds, strict=True):
+        _need_dtype(meta, dtypes, name)
+        if meta.shape != logits.shape[:1]:
+            raise OpError(f"{name} shape {meta.shape} must be (B,) = {logits.shape[:1]}")
+    return TensorMeta(logits.shape[:1], "int32")
+
+
 def _swiglu(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     """x (..., 2n) -> float32 (..., n): silu of the first half times the second (protocol 1.7)."""
     x = ins[0]
@@ -693,6 +736,9 @@ _SPECS = [
     }),
     _spec("attention", _COMPUTE, (3, 4), _attention, {"scale": (_float(), 1.0)}),
     _spec("swiglu", _COMPUTE, (1, 1), _swiglu),
+    _spec("attend_rows", _COMPUTE, (5, 5), _attend_rows,
+          {"scale": (_float(), 1.0), "window": (_int(0, MAX_DIM), 0)}),
+    _spec("sample_rows", _COMPUTE, (6, 6), _sample_rows),
     _spec("cont", _COMPUTE, (1, 1), _cont),
     _spec("concat", _COMPUTE, (1, MAX_INPUTS), _concat, {"axis": (_int(-MAX_RANK, MAX_RANK - 1), REQUIRED)}),
     _spec("sum", _COMPUTE, (1, 1), _reduce, {"axis": (_axes, REQUIRED), "keepdims": (_bool, False)}),
@@ -792,4 +838,9 @@ def _data_work(op: str, inputs: Sequence[TensorMeta], out: TensorMeta) -> int:
     if op == "attention":   # two products over every key: q k^T and p v
         scores = out.shape[0] * out.shape[1] * inputs[1].shape[0]
         work += 2 * scores * out.shape[2] // MAC_WEIGHT + scores
+    if op == "attend_rows":   # at most every cache row per query row: q k^T and p v
+        scores = out.shape[0] * out.shape[1] * inputs[1].shape[0]
+        work += 2 * scores * out.shape[2] // MAC_WEIGHT + scores
+    if op == "sample_rows":   # a sort of each row's logits
+        work += 16 * inputs[0].numel
     return work

@@ -114,7 +114,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 11)
+PROTOCOL_VERSION = (1, 12)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -132,7 +132,10 @@ counts quotas by and binds the session to; see :mod:`.identity`); 1.9 PEER_RECV'
 own link to it) and the error code PEER_UNREACHABLE (``peer-link-watch``); 1.10 HELLO's and its reply's
 ``exchange`` and a signature after every later request's header (``request-mac``: the session
 is the client's that opened it; see :mod:`.request_mac`); 1.11 the ``rope`` op's optional third
-input ``freq_factors`` (``rope-factors``: Llama 3.x rope scaling; the encoding is unchanged)."""
+input ``freq_factors`` (``rope-factors``: Llama 3.x rope scaling; the encoding is unchanged); 1.12 the graph ops
+``attend_rows`` (each row of a batch attends to its own rows of a KV cache, the causal mask built
+on the worker) and ``sample_rows`` (per-row greedy or seeded top-k/top-p sampling)
+(``row-attention``: continuous batching; the encoding is unchanged)."""
 
 
 class Cmd(enum.IntEnum):

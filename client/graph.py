@@ -320,6 +320,29 @@ class Graph:
         self._need_fused("swiglu")
         return self.op("swiglu", x, out=out)
 
+    def attend_rows(self, q: Any, k_cache: Any, v_cache: Any, pos: Any, base: Any, *,
+                    scale: float = 1.0, window: int = 0, out: Any = None) -> GraphTensor:
+        """Each row b of q (B, H, D) attends to the cache rows ``base[b] + j`` for j in [lo,
+        pos[b]] (lo = max(0, pos[b] - window + 1) with a ``window``, else 0) of k_cache and
+        v_cache (R, H_kv, D), GQA-grouped; pos[b] < 0: a padding row (zeros). float32 (B, H, D).
+        The mask is built on the worker. Needs ``row-attention`` (protocol 1.12)."""
+        self._need_rows("attend_rows")
+        return self.op("attend_rows", q, k_cache, v_cache, pos, base, scale=float(scale),
+                       window=int(window), out=out)
+
+    def sample_rows(self, logits: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any,
+                    counter: Any, *, out: Any = None) -> GraphTensor:
+        """Per row of logits (B, V): the argmax where temperature <= 0, else a top-k / top-p
+        draw from softmax(logits / temperature) with a uniform number hashed from (seed,
+        counter); int32 (B,). Needs ``row-attention`` (protocol 1.12)."""
+        self._need_rows("sample_rows")
+        return self.op("sample_rows", logits, temperature, top_k, top_p, seed, counter, out=out)
+
+    def _need_rows(self, op: str) -> None:
+        if self.client is not None and "row-attention" not in self.client.info.capabilities:
+            raise OpError(f"{self.client.endpoint} predates protocol 1.12: it has no {op} op; "
+                          "upgrade the worker")
+
     def _need_fused(self, op: str) -> None:
         if self.client is not None and "fused-ops" not in self.client.info.capabilities:
             raise OpError(f"{self.client.endpoint} predates protocol 1.7: it has no {op} op; "

@@ -166,6 +166,15 @@ def attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | 
     return out
 
 
+def _row_mask(pos: np.ndarray, base: np.ndarray, rows: int, window: int = 0) -> np.ndarray:
+    """The additive mask attend_rows builds on the worker: row b sees base[b] + [lo, pos[b]]."""
+    mask = np.full((pos.size, rows), -np.inf)
+    for b, (at, first) in enumerate(zip(pos.tolist(), base.tolist())):
+        if at >= 0:
+            mask[b, first + (max(0, at - window + 1) if window else 0):first + at + 1] = 0.0
+    return mask
+
+
 def softmax64(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
@@ -349,6 +358,22 @@ OP_CASES: list[OpCase] = [
            lambda q, k, v, m: attention64(q, k, v, m, 0.35)),
     OpCase("attention-nomask", (_f(_normal(3, 2, 4)), _f(_normal(6, 2, 4)), _f(_normal(6, 2, 4))),
            lambda g, q, k, v: g.attention(q, k, v), lambda q, k, v: attention64(q, k, v)),
+    OpCase("attend_rows", (_f(_normal(3, 4, 8)), _f(_normal(10, 2, 8)), _f(_normal(10, 2, 8)),
+                           _f(np.array([2, -1, 3], np.int32)), _f(np.array([0, 0, 5], np.int32))),
+           lambda g, q, k, v, pos, base: g.attend_rows(q, k, v, pos, base, scale=0.35),
+           lambda q, k, v, pos, base: attention64(q, k, v, _row_mask(pos, base, 10), 0.35)),
+    OpCase("attend_rows-window", (_f(_normal(3, 4, 8)), _f(_normal(10, 2, 8)),
+                                  _f(_normal(10, 2, 8)), _f(np.array([4, 0, 3], np.int32)),
+                                  _f(np.array([5, 2, 0], np.int32))),
+           lambda g, q, k, v, pos, base: g.attend_rows(q, k, v, pos, base, window=2),
+           lambda q, k, v, pos, base: attention64(q, k, v, _row_mask(pos, base, 10, 2))),
+    OpCase("sample_rows", (_f(_normal(4, 6)), _f(np.array([0, 0.7, 1.0, -1], F32)),
+                           _f(np.array([0, 1, 0, 3], np.int32)),
+                           _f(np.array([1, 1, 1e-6, 0.5], F32)),
+                           _f(np.array([1, 2, -3, 1 << 40], np.int64)),
+                           _f(np.array([0, 5, 9, 2], np.int32))),
+           lambda g, x, t, k, p, s, c: g.sample_rows(x, t, k, p, s, c),
+           lambda x, *rest: np.argmax(x, axis=-1), atol=0),   # each row's cut leaves its argmax
     OpCase("swiglu", (_f(_normal(3, 8)),), lambda g, a: g.swiglu(a),
            lambda a: a[:, :4] * sigmoid64(a[:, :4]) * a[:, 4:]),
     OpCase("cont", (_f(_X),), lambda g, a: g.cont(g.transpose(a)), lambda a: a.T),

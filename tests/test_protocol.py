@@ -158,10 +158,12 @@ def test_error_message_is_capped() -> None:
 #       session's headers (tests/test_request_mac.py pins it).
 # 1.11: the rope op's optional third input freq_factors (capability rope-factors; the encoding
 #       is unchanged).
+# 1.12: the graph ops attend_rows and sample_rows (capability row-attention; the encoding is
+#       unchanged).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 11)
+    assert p.PROTOCOL_VERSION == (1, 12)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value

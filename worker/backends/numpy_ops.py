@@ -659,6 +659,81 @@ def _argmax(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: 
     xp.copyto(out, xp.argmax(x, axis=-1), casting="unsafe")
 
 
+# ---------------------------------------------------------------------------------- row batches
+
+
+def _attend_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Each row's attention over its own slice of the cache (``ops._attend_rows``): the fused
+    kernel (or the numpy composition) on that row and its keys alone, so a row's result is the
+    same whatever the other rows hold."""
+    q, k, v = xs[:3]
+    pos, base = (np.asarray(_host(x)).astype(np.int64) for x in xs[3:5])
+    window, rows = int(p["window"]), k.shape[0]
+    lo = np.maximum(0, pos - window + 1) if window else np.zeros_like(pos)
+    real = np.flatnonzero(pos >= 0)
+    if real.size and (int((base[real] + lo[real]).min()) < 0
+                      or int((base[real] + pos[real]).max()) >= rows):
+        raise OpRuntimeError(f"attend_rows: base + pos outside the cache's {rows} rows")
+    out[...] = 0
+    fused = kernels.fused_kernels()
+    host = (fused is not None and type(out) is np.ndarray
+            and all(m.dtype == "float32" for m in ms[:3]))
+    scale = _F32(p["scale"])
+    for b in real.tolist():
+        first, stop = int(base[b] + lo[b]), int(base[b] + pos[b] + 1)
+        row = [np.ascontiguousarray(q[b:b + 1]) if host else q[b:b + 1], k[first:stop],
+               v[first:stop]]
+        if not (fused is not None and host and _compiled(
+                fused.attention, *row, np.zeros((1, stop - first), np.float32), scale,
+                out[b:b + 1])):
+            _attention_composed(row, ms[:3], p, out[b:b + 1])
+
+
+def _host(x: Any) -> np.ndarray:
+    """A small index or parameter array on the host (a device array is copied back)."""
+    return x if isinstance(x, np.ndarray) else np.asarray(x.get() if hasattr(x, "get") else x)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _uniform(seed: int, counter: int) -> float:
+    """A uniform number in [0, 1) from (seed, counter): splitmix64's finalizer over both, so a
+    sequence's n-th draw depends on its seed and n only (not on the other rows of its batch)."""
+    x = (seed * 0x9E3779B97F4A7C15 + counter * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return ((x ^ (x >> 31)) >> 11) / float(1 << 53)
+
+
+def _sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                u: float) -> int:
+    """One row of ``sample_rows``: inverse CDF at ``u`` over the cut softmax (float64)."""
+    if not temperature > 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if 0 < top_k < z.size:
+        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
+    probs = np.exp(z - z.max())
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        probs[order[before >= top_p * probs.sum()]] = 0.0
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), z.size - 1))
+
+
+def _sample_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """Per row: argmax or a seeded draw (``ops._sample_rows``); rows are independent."""
+    logits = np.asarray(_host(as_float32(xs[0], ms[0].dtype)))
+    temperature, top_k, top_p, seed, counter = (_host(x) for x in xs[1:])
+    picked = [_sample_row(logits[b], float(temperature[b]), int(top_k[b]), float(top_p[b]),
+                          _uniform(int(seed[b]), int(counter[b])))
+              for b in range(logits.shape[0])]
+    out[...] = np.asarray(picked, np.int32) if type(out) is np.ndarray else \
+        namespace(out).asarray(picked, dtype=np.int32)
+
+
 # ------------------------------------------------------------------------------------ dispatch
 
 _COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
@@ -673,6 +748,7 @@ _COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
     "rms_norm": _rms_norm, "layer_norm": _layer_norm, "soft_max": _soft_max, "rope": _rope,
     "diag_mask_inf": _diag_mask_inf, "attention": _attention, "swiglu": _swiglu, "cont": _cont, "concat": _concat,
     "sum": _sum, "mean": _mean, "argmax": _argmax,
+    "attend_rows": _attend_rows, "sample_rows": _sample_rows,
 }
 
 
