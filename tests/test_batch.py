@@ -154,7 +154,9 @@ def test_a_cancelled_sequence_leaves_its_slot_clean(
     follower = PROMPTS[4]
     reference = alone(model, 2, follower)
     long = Sampling(max_tokens=40, temperature=0.0)
-    plan: Plan = {0: [(2, PROMPTS[3], long), (0, PROMPTS[0], long)], 14: [(2, follower, GREEDY)]}
+    # On 2 workers slot 1 is in the other lane, so that at step 14 slot 2's lane has a step in
+    # flight with a token for the cancelled sequence: it must not reach the one joining.
+    plan: Plan = {0: [(2, PROMPTS[3], long), (1, PROMPTS[0], long)], 14: [(2, follower, GREEDY)]}
     runs = drive(BatchedSteps(model, prefill_chunk=CHUNK, keep_logits=True), plan,
                  cancel={14: [2]})
     cancelled, joined = runs[2, 0], runs[2, 14]
