@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ SERVE = str(Path(sys.executable).with_name("zmq-rpc-serve"))
 CTX = 128
 CHUNK = 8
 MAX_QUEUE = 3
+SLOTS = 2
+"""The shared server's KV slots (sequences at once)."""
 TIMEOUT = 60.0
 """Seconds any one HTTP request may take (a loaded CI machine decodes ~20 tokens/s)."""
 LOST_BOUND = 6.0 + 1.0
@@ -100,7 +103,8 @@ def workers() -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 def server(workers: list[str]) -> Iterator[Server]:
-    serve = Server("--workers", ",".join(workers), "--max-queue", str(MAX_QUEUE))
+    serve = Server("--workers", ",".join(workers), "--max-queue", str(MAX_QUEUE),
+                   "--slots", str(SLOTS))
     yield serve
     assert serve.stop() == 0, serve.proc.stderr()
 
@@ -185,7 +189,7 @@ def test_seeded_sampling_repeats(idle: Server) -> None:
 
 def test_concurrent_requests_queue_and_each_is_as_alone(idle: Server,
                                                         reference: Reference) -> None:
-    """One slot: the requests queue (FIFO) and every answer is the one it gets alone."""
+    """More requests than slots: they queue (FIFO) and every answer is the one it gets alone."""
     client = idle.openai()
     asks: list[dict[str, Any]] = [
         {"prompt": p, "max_tokens": 4 + 3 * i, "temperature": 0} for i, p in enumerate(PROMPTS)]
@@ -203,6 +207,45 @@ def test_concurrent_requests_queue_and_each_is_as_alone(idle: Server,
     assert idle.metric("zmq_rpc_serve_requests_total", route="/v1/completions",
                        status="200") >= len(asks)
 
+
+# ------------------------------------------------------------------ continuous batching, 32 streams
+
+
+def test_32_concurrent_streams_each_greedy_one_as_alone(workers: list[str]) -> None:
+    """A tiny model served with 16 slots: 32 streams of different lengths and sampling settings
+    at once (16 run, 16 wait, joining as others leave); every greedy answer is the one the same
+    prompt gets alone, every seeded one the one it gets alone with its seed."""
+    from synthetic_models import synthetic_path
+    serve = Server("--model", str(synthetic_path("llama3")), "--workers", ",".join(workers),
+                   "--slots", "16", "--max-queue", "64")
+    try:
+        client = serve.openai()
+        asks: list[dict[str, Any]] = []
+        for i in range(32):
+            ask: dict[str, Any] = {"prompt": f"{PROMPTS[i % 4]} {i} " * (1 + i % 5),
+                                   "max_tokens": 3 + (7 * i) % 23, "temperature": 0,
+                                   "stream": i % 2 == 0}
+            if i % 4 == 3:
+                ask.update(temperature=0.9, top_p=0.9, seed=100 + i, extra_body={"top_k": 40})
+            asks.append(ask)
+
+        def run(kwargs: dict[str, Any]) -> tuple[str, str | None]:
+            if kwargs["stream"]:
+                text, finish = "", None
+                for chunk in client.completions.create(model="any", **kwargs):
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+                return text, finish
+            c = client.completions.create(model="any", **kwargs).choices[0]
+            return c.text, c.finish_reason
+        with ThreadPoolExecutor(len(asks)) as pool:
+            together = list(pool.map(run, asks))
+        assert serve.metric("zmq_rpc_serve_requests_total", route="/v1/completions",
+                            status="200") == len(asks)
+        for kwargs, answer in zip(asks, together):
+            assert answer == run(kwargs), kwargs
+    finally:
+        assert serve.stop() == 0, serve.proc.stderr()
 
 # ------------------------------------------------------------------------------ curl -N (SSE)
 
@@ -287,8 +330,11 @@ async def _fill_the_queue(server: Server) -> None:
     long = {"prompt": PROMPTS[1], "max_tokens": CTX, "temperature": 0, "stream": True}
     short = {"prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}
     async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
-        async with http.stream("POST", "/v1/completions", json=long) as holder:
-            assert holder.status_code == 200          # headers come with its first token
+        async with AsyncExitStack() as holders:       # every slot taken
+            for _ in range(SLOTS):
+                holder = await holders.enter_async_context(
+                    http.stream("POST", "/v1/completions", json=long))
+                assert holder.status_code == 200      # headers come with its first token
             waiting = [asyncio.create_task(http.post("/v1/completions", json=short))
                        for _ in range(MAX_QUEUE)]
             while server.metric("zmq_rpc_serve_queue_depth") < MAX_QUEUE:

@@ -14,7 +14,7 @@ the caller's thread and :meth:`StageGraphs.collect` waits for them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -26,10 +26,10 @@ from .load import Layout
 from .plan import ModeIO, Stage, need
 from .weights import LayerWeights
 
-__all__ = ["Mode", "Registrations", "StageGraphs"]
+__all__ = ["Layer", "Mode", "Registrations", "StageGraphs"]
 
 Mode = Literal["decode", "prefill", "full"]
-Registrations = dict[tuple[Stage, Mode], Future[RegisteredGraph]]
+Registrations = dict[tuple[Stage, str], Future[RegisteredGraph]]
 """Each stage's and mode's registration in flight."""
 
 
@@ -99,6 +99,12 @@ class StageGraphs:
 
     def build(self, stage: Stage, mode: str, io: ModeIO) -> Graph:
         """The graph of ``stage`` for ``mode``, reading and writing ``io``'s tensors."""
+        return self.build_layers(stage, io, self.chunk(mode),
+                                 lambda g, x: self._head(g, x, stage, mode, io))
+
+    def build_layers(self, stage: Stage, io: ModeIO, T: int,
+                     head: Callable[[Graph, GraphTensor], None]) -> Graph:
+        """``stage``'s layers over T rows of ``io``; on the last stage, ``head(g, x)`` after."""
         g = Graph()
         x: GraphTensor = g.input(need(io.x_in))
         if stage.first and self.config.spec.embed_scale:     # Gemma: in float32, as llama.cpp
@@ -106,14 +112,13 @@ class StageGraphs:
         n = len(stage.weights)
         fused = "fused-ops" in stage.client.info.capabilities
         for k, (layer, kv) in enumerate(zip(stage.weights, stage.kv)):
-            at = _Layer(stage.layers[k], layer, kv, stage.rope_freqs)
-            x = self._block(g, x, at, io, self.chunk(mode),
-                            out=io.x_out if k == n - 1 else None, fused=fused)
+            at = Layer(stage.layers[k], layer, kv, stage.rope_freqs)
+            x = self._block(g, x, at, io, T, out=io.x_out if k == n - 1 else None, fused=fused)
         if stage.last:
-            self._head(g, x, stage, mode, io)
+            head(g, x)
         return g
 
-    def _block(self, g: Graph, x: GraphTensor, at: _Layer, io: ModeIO, T: int,
+    def _block(self, g: Graph, x: GraphTensor, at: Layer, io: ModeIO, T: int,
                out: RemoteTensor | None, fused: bool) -> GraphTensor:
         """One transformer layer: x + attention(norm(x)), then + ffn(norm(.)), each sub-layer's
         output normed again where the architecture says so (Gemma). ``fused``: the worker has
@@ -130,7 +135,7 @@ class StageGraphs:
         weight = w.extra.get(name)
         return y if weight is None else g.mul(g.rms_norm(y, eps=self.config.norm_eps), weight)
 
-    def _attention(self, g: Graph, h: GraphTensor, at: _Layer, io: ModeIO, T: int,
+    def _attention(self, g: Graph, h: GraphTensor, at: Layer, io: ModeIO, T: int,
                    fused: bool) -> GraphTensor:
         """A decode step (T = 1) ropes q and k in one node (neighbours in the QKV product, and
         a one-row q stays contiguous) where nothing sits between the product and the rope, and,
@@ -139,12 +144,7 @@ class StageGraphs:
         than the fused loop). Sliding-window layers read the step's window mask."""
         cfg, n_ctx, w = self.config, self.n_ctx, at.weights
         n_h, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = w.linear["qkv"].apply(g, h)                       # (T, (n_h + 2 n_kv) hd)
-        if "qkv_bias" in w.extra:
-            qkv = g.add(qkv, w.extra["qkv_bias"])
-        row = qkv.shape[1] * 4
-        q, k = self._rope_qk(g, qkv, at, io, T)
-        v = g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), (n_h + n_kv) * hd * 4)
+        q, k, v = self._qkv(g, h, at, io, T)
         k_cache, v_cache = at.kv
         g.set_rows(k_cache, k, io.pos)
         g.set_rows(v_cache, v, io.pos)
@@ -160,7 +160,20 @@ class StageGraphs:
                        _heads_first(v_cache[:n_ctx]))          # (n_kv, G T, hd)
         return w.linear["wo"].apply(g, self._by_token(g, att, T))
 
-    def _rope_qk(self, g: Graph, qkv: GraphTensor, at: _Layer, io: ModeIO,
+    def _qkv(self, g: Graph, h: GraphTensor, at: Layer, io: ModeIO,
+             T: int) -> tuple[GraphTensor, GraphTensor, GraphTensor]:
+        """q (T, n_h, hd) and k (T, n_kv, hd) roped at ``io.pos``, and v (T, n_kv, hd), of the
+        layer's QKV product (with its biases)."""
+        cfg, w = self.config, at.weights
+        n_h, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = w.linear["qkv"].apply(g, h)                       # (T, (n_h + 2 n_kv) hd)
+        if "qkv_bias" in w.extra:
+            qkv = g.add(qkv, w.extra["qkv_bias"])
+        row = qkv.shape[1] * 4
+        q, k = self._rope_qk(g, qkv, at, io, T)
+        return q, k, g.view(qkv, (T, n_kv, hd), (row, hd * 4, 4), (n_h + n_kv) * hd * 4)
+
+    def _rope_qk(self, g: Graph, qkv: GraphTensor, at: Layer, io: ModeIO,
                  T: int) -> tuple[GraphTensor, GraphTensor]:
         """q (T, n_h, hd) and k (T, n_kv, hd) of the QKV product, each RMS-normed per head
         first where the architecture has those norms (Qwen3, Gemma), then roped with the
@@ -225,18 +238,26 @@ class StageGraphs:
             raise RuntimeError("the last stage has no LM head")
         if mode == "prefill":
             x = g.get_rows(x, io.last_idx)
+        logits = self.logits(g, x, stage, io)
+        if mode != "full":
+            token = g.argmax(logits, out=io.token)
+            stage.embd.rows(g, token, out=io.x_next)
+
+    def logits(self, g: Graph, x: GraphTensor, stage: Stage, io: ModeIO) -> GraphTensor:
+        """Final norm and LM head of rows ``x`` into ``io.logits`` (soft-capped where the
+        architecture says so)."""
+        if stage.lm_head is None:
+            raise RuntimeError("the last stage has no LM head")
         h = g.mul(g.rms_norm(x, eps=self.config.norm_eps), need(stage.out_norm))
         cap = self.config.logit_softcap
         logits = stage.lm_head.apply(g, h, out=None if cap else io.logits)
         if cap:                                     # cap * tanh(logits / cap), as llama.cpp
             logits = g.scale(g.tanh(g.scale(logits, s=1.0 / cap)), s=cap, out=io.logits)
-        if mode != "full":
-            token = g.argmax(logits, out=io.token)
-            stage.embd.rows(g, token, out=io.x_next)
+        return logits
 
 
 @dataclass(frozen=True, slots=True)
-class _Layer:
+class Layer:
     """What one layer's part of a graph reads: its index in the model, weights, KV cache and
     the stage's rope factors (None for most files)."""
 

@@ -32,7 +32,7 @@ from .runtime import KVCache, StepRunner, StepStat
 from .source import SourceChoice, WeightSource
 from .weights import WeightsMode, weight_format
 
-__all__ = ["KVDType", "LlamaModel"]
+__all__ = ["KVDType", "LlamaModel", "Status", "free_stages"]
 
 log = logging.getLogger("zmq_rpc.client.llama")
 
@@ -248,17 +248,7 @@ class LlamaModel:
         if self._closed:
             return
         self._closed = True
-        frees: list[Future[None]] = []
-        for stage in self.stages:
-            if stage.client.closed:
-                continue
-            frees += [graph.free_async() for graph in stage.graphs.values()]
-            frees += [b.free_async() for b in [*stage.buffers, stage.kv_buffer] if b is not None]
-        for future in frees:
-            try:
-                future.result()
-            except RpcError as exc:   # a buffer whose allocation failed, or a worker gone
-                log.debug("freeing model state: %s", exc)
+        free_stages(self.stages)
 
     def __enter__(self) -> LlamaModel:
         return self
@@ -270,3 +260,19 @@ class LlamaModel:
         layers = ", ".join(f"{s.client.endpoint}: layers {s.layers.start}-{s.layers.stop - 1}"
                            for s in self.stages)
         return f"LlamaModel({self.weights}, n_ctx={self.n_ctx}, [{layers}])"
+
+
+def free_stages(stages: Sequence[Stage]) -> None:
+    """Free the stages' graphs and buffers on their workers (those still connected), waiting
+    for each; failures are logged (a buffer whose allocation failed, a worker gone)."""
+    frees: list[Future[None]] = []
+    for stage in stages:
+        if stage.client.closed:
+            continue
+        frees += [graph.free_async() for graph in stage.graphs.values()]
+        frees += [b.free_async() for b in [*stage.buffers, stage.kv_buffer] if b is not None]
+    for future in frees:
+        try:
+            future.result()
+        except RpcError as exc:
+            log.debug("freeing model state: %s", exc)

@@ -38,7 +38,7 @@ from .graph import Mode, StageGraphs
 from .load import Layout
 from .plan import Stage, need
 
-__all__ = ["KVCache", "Step", "StepRunner", "StepStat"]
+__all__ = ["KVCache", "Step", "StepRunner", "StepStat", "embed_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,17 +198,8 @@ class StepRunner:
                 for s in self.stages]
 
     def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The input embeddings (T, d_model) float32 of ``token_ids``, read here from the mapped
-        GGUF: only the rows asked for are dequantized."""
-        table = self.gguf.tensors["token_embd.weight"]
-        rows = np.take(table.data, np.asarray(token_ids, np.intp), axis=0)
-        if table.qtype in QUANT_BLOCKS:
-            return quant.dequantize(rows, table.qtype)
-        if table.qtype == "bf16":
-            return (rows.astype(np.uint32) << 16).view(np.float32)
-        if table.qtype in ("f32", "f16"):
-            return rows.astype(np.float32)
-        return dequantize_rows(rows, table.qtype)
+        """The input embeddings (T, d_model) float32 of ``token_ids`` (:func:`embed_tokens`)."""
+        return embed_tokens(self.gguf, token_ids)
 
     def _stage_run(self, stage: Stage, mode: Mode, pos: np.ndarray,
                    masks: tuple[np.ndarray, np.ndarray | None], x: np.ndarray | None, n: int,
@@ -224,3 +215,17 @@ class StepRunner:
         wanted = {"logits": io.logits, "token": io.token}.get(fetch) if stage.last else None
         return LinkedRun(stage.graphs[mode], [(need(t), a) for t, a in inputs if t is not None],
                          [wanted] if wanted is not None else [], x=io.x_in, y=io.x_out)
+
+
+def embed_tokens(gguf: LlamaGGUF, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The input embeddings (T, d_model) float32 of ``token_ids``, read here from the mapped
+    GGUF: only the rows asked for are dequantized."""
+    table = gguf.tensors["token_embd.weight"]
+    rows = np.take(table.data, np.asarray(token_ids, np.intp), axis=0)
+    if table.qtype in QUANT_BLOCKS:
+        return quant.dequantize(rows, table.qtype)
+    if table.qtype == "bf16":
+        return (rows.astype(np.uint32) << 16).view(np.float32)
+    if table.qtype in ("f32", "f16"):
+        return rows.astype(np.float32)
+    return dequantize_rows(rows, table.qtype)

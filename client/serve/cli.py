@@ -55,8 +55,15 @@ def build_parser(prog: str = "zmq-rpc-serve") -> argparse.ArgumentParser:
                     help="context length in tokens, prompt and answer (default %(default)s)")
     ap.add_argument("--weights", choices=["quantized", "f32"], default="quantized",
                     help="weights on the workers (default %(default)s)")
+    ap.add_argument("--slots", "--parallel", type=int, default=8,
+                    help="sequences served at once (continuous batching: each has its own KV slot "
+                         "of --ctx tokens on the workers and one row in every step; default "
+                         "%(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=32,
-                    help="prompt tokens per prefill step (default %(default)s)")
+                    help="prompt tokens per prefill step and sequence (default %(default)s)")
+    ap.add_argument("--serial", action="store_true",
+                    help="one sequence at a time, sampled here (the engine before batching; "
+                         "for comparisons)")
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="seconds to wait for each worker request (default %(default)s)")
     ap.add_argument("--log-level", default="warning",
@@ -72,9 +79,10 @@ def _status(line: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``zmq-rpc-serve``; returns the exit code."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.max_queue < 1 or args.ctx < 2 or (args.workers is None and args.local_workers < 1):
-        print("zmq-rpc-serve: --max-queue and --local-workers must be >= 1, --ctx >= 2",
-              file=sys.stderr)
+    if (args.max_queue < 1 or args.ctx < 2 or args.slots < 1 or args.prefill_chunk < 1
+            or (args.workers is None and args.local_workers < 1)):
+        print("zmq-rpc-serve: --max-queue, --slots, --prefill-chunk and --local-workers must be "
+              ">= 1, --ctx >= 2", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     previous = signal.signal(signal.SIGTERM, _terminated)
@@ -101,8 +109,9 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from ..gguf_model import default_model_path, load_gguf
     from ..llama import LlamaModel
+    from ..llama.batch import BatchedModel
     from ..tokenizer import load_tokenizer
-    from .engine import Engine, SerialSteps
+    from .engine import BatchedSteps, Engine, SerialSteps, StepFunction
     from .metrics import ServeMetrics
 
     with ExitStack() as stack:
@@ -113,14 +122,29 @@ def _serve(args: argparse.Namespace) -> None:
         path = Path(args.model or default_model_path())
         _status(f"loading {path.name}")
         gguf = load_gguf(path)
-        model = LlamaModel.load(gguf, clients, n_ctx=args.ctx, weights=args.weights,
-                                prefill_chunk=args.prefill_chunk, status=_status)
-        stack.callback(model.close)
-        engine = Engine(SerialSteps(model), load_tokenizer(gguf), max_queue=args.max_queue,
+        steps: StepFunction
+        if args.serial:
+            model = LlamaModel.load(gguf, clients, n_ctx=args.ctx, weights=args.weights,
+                                    prefill_chunk=args.prefill_chunk, status=_status)
+            stack.callback(model.close)
+            steps = SerialSteps(model)
+        else:
+            batched = BatchedModel.load(gguf, clients, n_ctx=args.ctx, slots=args.slots,
+                                        weights=args.weights, status=_status,
+                                        rows=_lane_rows(args.slots, len(clients),
+                                                        args.prefill_chunk))
+            stack.callback(batched.close)
+            steps = BatchedSteps(batched, prefill_chunk=args.prefill_chunk)
+        engine = Engine(steps, load_tokenizer(gguf), max_queue=args.max_queue,
                         metrics=ServeMetrics())
         engine.start()
         stack.callback(engine.close)
         _run_http(args, engine, args.model_id or path.stem)
+
+
+def _lane_rows(slots: int, stages: int, chunk: int) -> int:
+    """Rows of a lane step: one per slot of the lane (one lane per stage) and a prompt chunk."""
+    return -(-slots // min(slots, stages)) + chunk
 
 
 @contextmanager

@@ -27,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ...broker.errors import ClientClosed, RpcError, TransportError
+from ..llama.batch import LaneStep, Rows, RowSampling
 from ..llama.sampling import sample_token
 from .jobs import APIError, Job
 from .metrics import ServeMetrics
@@ -43,9 +46,11 @@ from .text import TextStream
 
 if TYPE_CHECKING:
     from ..llama import LlamaModel
+    from ..llama.batch import BatchedModel
     from ..tokenizer import Tokenizer
 
-__all__ = ["Engine", "Event", "Running", "Scheduler", "SerialSteps", "StepFunction", "Stream"]
+__all__ = ["BatchedSteps", "Engine", "Event", "Running", "Scheduler", "SerialSteps", "StepFunction",
+           "Stream"]
 
 log = logging.getLogger("zmq_rpc.client.serve")
 
@@ -160,6 +165,83 @@ class SerialSteps:
         s = seq.job.sampling
         return sample_token(logits, s.temperature, s.top_k, s.top_p, seq.rng)
 
+
+class BatchedSteps:
+    """The step function on :class:`~zmq_rpc.client.llama.batch.BatchedModel`: one slot per
+    KV slot, its lanes (micro-batches) kept in flight, tokens sampled on the last worker.
+
+    Each call issues a step for every lane that has none in flight and work to do (every decoding
+    sequence of the lane gets one row, then the prompts waiting are fed in chunks into the rows
+    left), then waits for the oldest lane step in flight and returns its tokens. So with S lanes
+    over S stages, every worker has a lane to compute while the engine hands out the tokens of
+    another. A token of a sequence that left its slot meanwhile (cancelled) is dropped: each
+    slot's sequence has a generation number, bumped by :meth:`start`."""
+
+    def __init__(self, model: BatchedModel, *, prefill_chunk: int = 32,
+                 keep_logits: bool = False) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model
+        self.slots = model.slots
+        self.n_ctx = model.n_ctx
+        self.prefill_chunk = prefill_chunk
+        self._n_past = [0] * model.slots
+        self._generation = [0] * model.slots
+        self._seeds: dict[int, int] = {}
+        self._in_flight: deque[tuple[int, LaneStep, dict[int, int]]] = deque()
+        self.keep_logits = keep_logits
+        self.last_logits: dict[int, np.ndarray] = {}
+        """With ``keep_logits``: the logits of each token the last step returned (tests)."""
+
+    def start(self, slot: int) -> None:
+        self._generation[slot] += 1
+        self._n_past[slot] = 0
+        self._seeds.pop(slot, None)
+
+    def step(self, busy: Mapping[int, Running]) -> dict[int, int]:
+        flying = {lane for lane, _, _ in self._in_flight}
+        for lane in range(self.model.lanes):
+            if lane not in flying:
+                self._launch(lane, busy)
+        if not self._in_flight:
+            return {}
+        _, step, owners = self._in_flight.popleft()
+        tokens, self.last_logits = step.result()
+        return {slot: token for slot, token in tokens.items()
+                if slot in busy and owners[slot] == self._generation[slot]}
+
+    def _launch(self, lane: int, busy: Mapping[int, Running]) -> None:
+        parts = self._plan(lane, busy)
+        if not parts:
+            return
+        step = self.model.launch(lane, parts, logits=self.keep_logits)
+        owners = {p.slot: self._generation[p.slot] for p in parts}
+        self._in_flight.append((lane, step, owners))
+
+    def _plan(self, lane: int, busy: Mapping[int, Running]) -> list[Rows]:
+        """Decode rows first (one per running sequence), then prompt chunks in the rows left."""
+        mine = [(slot, busy[slot]) for slot in self.model.lane_slots[lane] if slot in busy]
+        parts = [self._rows(slot, seq, [seq.tokens[-1]], True)
+                 for slot, seq in mine if not seq.pending and seq.tokens]
+        room = self.model.rows - len(parts)
+        for slot, seq in mine:
+            if not seq.pending or room <= 0:
+                continue
+            chunk = seq.pending[:min(room, self.prefill_chunk)]
+            del seq.pending[:len(chunk)]
+            parts.append(self._rows(slot, seq, chunk, not seq.pending))
+            room -= len(chunk)
+        return parts
+
+    def _rows(self, slot: int, seq: Running, tokens: list[int], sample: bool) -> Rows:
+        start = self._n_past[slot]
+        self._n_past[slot] += len(tokens)
+        if not sample:
+            return Rows(slot, tokens, start)
+        s = seq.job.sampling
+        seed = self._seeds.setdefault(slot, secrets.randbits(32) if s.seed is None else s.seed)
+        return Rows(slot, tokens, start, RowSampling(s.temperature, s.top_k, s.top_p, seed,
+                                                      len(seq.tokens)))
 
 class Scheduler:
     """The slots and the waiting requests (engine thread; the inbox is the only thing the event

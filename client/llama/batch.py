@@ -1,0 +1,395 @@
+"""Continuous batching on a GGUF model: many sequences in KV slots, stepped together.
+
+:class:`BatchedModel` loads a model (any architecture :class:`~.model.LlamaModel` loads, with the
+same planning, loading and graph building blocks) for ``slots`` sequences at once::
+
+    lane 0: rows of slots 0, 2, 4, ...  ──> stage 0 ──> stage 1 ──> token ids
+    lane 1: rows of slots 1, 3, 5, ...  ──> stage 0 ──> stage 1 ──> token ids
+            (lane 1 runs on stage 0 while lane 0 runs on stage 1)
+
+**KV slots.** Each layer's cache holds ``slots * n_ctx`` rows (slot s at rows ``[s n_ctx,
+(s + 1) n_ctx)``) and one scratch row that padding rows write.
+
+**Rows.** A lane step runs B rows (the smallest of the lane's registered sizes that fits, padded
+with position -1); each row carries its own input embedding, position, cache row and slot base.
+``set_rows`` writes each row's K and V at base + pos, ``attend_rows`` attends each row to its own
+slot's rows up to its position (the causal and sliding-window masks are built on the worker, none
+is sent), and the last stage keeps the rows that produce a token (``out_idx``: each sequence's
+last row), applies the head and ``sample_rows`` with each row's temperature, top-k, top-p, seed
+and counter. Only the int32 token ids come back. A sequence's prompt is fed in chunks, in the
+same step as other sequences' decode rows.
+
+**Micro-batches.** With S stages the slots are split over S lanes, each with its own step
+tensors and graphs on every stage (S x S x sizes registrations): the lanes' steps are issued
+without waiting, and a worker runs its requests in order, so while one lane's rows are on stage 1
+the next lane's are on stage 0. Stage hand-offs go worker to worker (:func:`~..pipeline.run_chain`).
+
+**Batch invariance.** A sequence's logits do not depend on the other rows of its step: every op
+computes a row from that row alone (products, norms, rope; ``attend_rows`` reads only the row's
+own slot; ``sample_rows`` draws from a hash of the row's seed and counter), and a row's result is
+the same at any position of the batch and in any of the registered sizes: every product takes the
+workers' integer GEMM path, which rounds each row to int8 on its own and sums each row's blocks in
+the same order whatever the other rows (:data:`MIN_ROWS`; checked by the tests).
+
+Threads: the caller's thread builds and launches steps and blocks only on a lane step's result.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..client import Client, RegisteredGraph, RemoteTensor, RunResult
+from ..futures import settled_by
+from ..gguf_model import LlamaConfig, LlamaGGUF, default_model_path, load_gguf
+from ..graph import Graph, GraphTensor
+from ..pipeline import LinkedRun, run_chain
+from .graph import Layer, StageGraphs
+from .load import Layout, LoadStats, Progress, WeightLoader
+from .model import KVDType, Status, free_stages
+from .plan import ModeIO, Stage, make_stages, need
+from .runtime import KVCache, embed_tokens
+from .source import SourceChoice, WeightSource
+from .weights import WeightsMode, weight_format
+
+__all__ = ["MIN_ROWS", "BatchedModel", "LaneStep", "RowIO", "RowSampling", "Rows"]
+
+MIN_ROWS = 3
+"""Rows of the smallest step graph. The workers' packed products run a matrix-vector pass per row
+up to 2 rows (``worker.kernels.MATVEC_ROWS``, float32 activations) and the integer GEMM from 3
+(each row rounded to int8 on its own): the two differ in the last bits, so every step runs 3 rows
+or more, and a row's products are the same whatever the step's size."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """How a row picks its token: greedy when ``temperature <= 0``; else the ``counter``-th draw
+    of the sequence seeded ``seed``."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    counter: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """One sequence's part of a lane step: ``tokens`` at positions ``start``, ``start + 1``, ...
+    of ``slot``; ``sample`` None: no token wanted (a prompt chunk before its last)."""
+
+    slot: int
+    tokens: Sequence[int]
+    start: int
+    sample: RowSampling | None = None
+
+
+@dataclass(eq=False)
+class RowIO(ModeIO):
+    """One stage's step tensors for one lane and row count (``pos`` is -1 on padding rows)."""
+
+    kv_idx: RemoteTensor | None = None
+    """The cache row each row writes (the scratch row for padding)."""
+    base: RemoteTensor | None = None
+    """Each row's slot's first cache row."""
+    out_idx: RemoteTensor | None = None
+    temperature: RemoteTensor | None = None
+    top_k: RemoteTensor | None = None
+    top_p: RemoteTensor | None = None
+    seed: RemoteTensor | None = None
+    counter: RemoteTensor | None = None
+
+
+class LaneStep:
+    """A lane step in flight: :meth:`result` waits for it and maps its rows back to slots."""
+
+    def __init__(self, future: Future[RunResult], producers: list[int], logits: bool) -> None:
+        self.future = future
+        self.producers = producers
+        self.logits = logits
+
+    def result(self) -> tuple[dict[int, int], dict[int, np.ndarray]]:
+        """The token each producing slot got, and (when asked) its logits row."""
+        fetched = self.future.result()
+        tokens = fetched[0].reshape(-1)
+        picked = {slot: int(tokens[k]) for k, slot in enumerate(self.producers)}
+        rows = {slot: fetched[1][k] for k, slot in enumerate(self.producers)} if self.logits \
+            else {}
+        return picked, rows
+
+
+class BatchGraphs(StageGraphs):
+    """The row-batched step graphs: :class:`StageGraphs`' layers with per-row attention over the
+    slots' cache and a sampling head."""
+
+    def __init__(self, config: LlamaConfig, n_ctx: int, slots: int) -> None:
+        super().__init__(config, n_ctx, prefill_chunk=1)
+        self.slots = slots
+        self.scratch = slots * n_ctx
+        """The cache row padding rows write."""
+
+    def make_row_io(self, stage: Stage, rows: int, outs: int) -> RowIO:
+        """One small buffer of ``stage``'s step tensors for ``rows`` rows, ``outs`` sampled."""
+        d, vocab = self.config.d_model, self.config.vocab_size
+        wanted: dict[str, tuple[tuple[int, ...], str]] = {
+            "pos": ((rows,), "int32"), "kv_idx": ((rows,), "int32"), "base": ((rows,), "int32"),
+            "x_in": ((rows, d), "float32")}
+        if not stage.last:
+            wanted["x_out"] = ((rows, d), "float32")
+        else:
+            wanted |= {"out_idx": ((outs,), "int32"), "logits": ((outs, vocab), "float32"),
+                       "token": ((outs,), "int32"), "temperature": ((outs,), "float32"),
+                       "top_k": ((outs,), "int32"), "top_p": ((outs,), "float32"),
+                       "seed": ((outs,), "uint32"), "counter": ((outs,), "int32")}
+        layout = Layout()
+        for name, (shape, dtype) in wanted.items():
+            layout.add(name, shape, dtype)
+        buffer = stage.client.alloc_buffer_nowait(layout.size)
+        stage.buffers.append(buffer)
+        return RowIO(**layout.bind(buffer))
+
+    def build_rows(self, stage: Stage, io: RowIO, rows: int) -> Graph:
+        """``stage``'s graph over ``rows`` rows reading and writing ``io``."""
+        return self.build_layers(stage, io, rows, lambda g, x: self._sample_head(g, x, stage, io))
+
+    def _attention(self, g: Graph, h: GraphTensor, at: Layer, io: ModeIO, T: int,
+                   fused: bool) -> GraphTensor:
+        """Each row's K and V into its slot's cache row, then ``attend_rows``."""
+        if not isinstance(io, RowIO):
+            raise TypeError("row graphs need a RowIO")
+        cfg = self.config
+        q, k, v = self._qkv(g, h, at, io, T)
+        k_cache, v_cache = at.kv
+        g.set_rows(k_cache, k, need(io.kv_idx))
+        g.set_rows(v_cache, v, need(io.kv_idx))
+        window = cfg.swa_window if cfg.is_swa(at.index) else 0
+        att = g.attend_rows(q, k_cache, v_cache, need(io.pos), need(io.base),
+                            scale=cfg.kq_scale, window=window)
+        return at.weights.linear["wo"].apply(g, g.reshape(att, (T, cfg.n_heads * cfg.head_dim)))
+
+    def _sample_head(self, g: Graph, x: GraphTensor, stage: Stage, io: RowIO) -> None:
+        logits = self.logits(g, g.get_rows(x, need(io.out_idx)), stage, io)
+        g.sample_rows(logits, need(io.temperature), need(io.top_k), need(io.top_p),
+                      need(io.seed), need(io.counter), out=need(io.token))
+
+
+class BatchedModel:
+    """A GGUF model on a list of workers (one pipeline stage each) holding ``slots`` sequences.
+
+    Build it with :meth:`load`; :meth:`launch` issues one lane step; :meth:`close` (or ``with``)
+    frees its worker state. The clients stay open and belong to the caller.
+    """
+
+    def __init__(self, gguf: LlamaGGUF, clients: Sequence[Client], *, n_ctx: int, slots: int,
+                 rows: int, weights: WeightsMode, kv_dtype: KVDType,
+                 lanes: int | None = None) -> None:
+        cfg = gguf.config
+        if not 1 <= n_ctx <= cfg.context_length:
+            raise ValueError(f"n_ctx {n_ctx} must be in [1, {cfg.context_length}]")
+        if kv_dtype not in ("float32", "float16"):
+            raise ValueError(f"kv_dtype must be 'float32' or 'float16', got {kv_dtype!r}")
+        self.gguf = gguf
+        self.config = cfg
+        self.format = weight_format(weights)
+        self.stages = make_stages(gguf, self.format, list(clients))
+        n_lanes = lanes or len(self.stages)
+        if not 1 <= n_lanes <= slots:
+            raise ValueError(f"{slots} slot(s) over {n_lanes} lane(s): need 1 <= lanes <= slots")
+        self.slots = slots
+        self.n_ctx = n_ctx
+        self.lane_slots = [list(range(lane, slots, n_lanes)) for lane in range(n_lanes)]
+        self.outs = len(self.lane_slots[0])
+        """Rows a lane step samples at most: one per slot of the lane."""
+        if rows < self.outs:
+            raise ValueError(f"rows {rows} must be >= the {self.outs} slot(s) of a lane")
+        self.rows = rows
+        """Rows one lane step runs at most (its decode rows and prompt chunks)."""
+        if rows < MIN_ROWS:
+            raise ValueError(f"rows {rows} must be >= {MIN_ROWS}")
+        self.sizes = sorted({max(MIN_ROWS, n) for n in
+                             (*(1 << i for i in range(self.outs.bit_length())), self.outs, rows)})
+        """The row counts each lane has graphs for (a step runs the smallest that fits)."""
+        self.cache = KVCache(gguf, slots * n_ctx, kv_dtype)
+        self.graphs = BatchGraphs(cfg, n_ctx, slots)
+        self.load_stats: LoadStats | None = None
+        self.bytes_sent = 0
+        self._closed = False
+
+    @classmethod
+    def load(cls, path: str | Path | LlamaGGUF | None, clients: Sequence[Client], *,
+             n_ctx: int = 512, slots: int = 8, rows: int | None = None,
+             weights: WeightsMode = "quantized", kv_dtype: KVDType = "float32",
+             lanes: int | None = None, progress: Progress | None = None,
+             status: Status | None = None, sources: SourceChoice = "auto",
+             worker_path: str | None = None) -> BatchedModel:
+        """Load the GGUF at ``path`` onto ``clients`` as :meth:`LlamaModel.load
+        <.model.LlamaModel.load>` does, for ``slots`` sequences of up to ``n_ctx`` tokens.
+
+        ``rows``: rows one lane step runs at most (default: the lane's slots plus 32 prompt
+        tokens); ``lanes``: micro-batches (default: one per stage)."""
+        if not clients:
+            raise ValueError("need at least one client")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        gguf = path if isinstance(path, LlamaGGUF) else load_gguf(
+            path if path is not None else default_model_path())
+        n_lanes = lanes or len(clients)
+        default_rows = math.ceil(slots / max(1, min(n_lanes, slots))) + 32
+        model = cls(gguf, clients, n_ctx=n_ctx, slots=slots, rows=rows or default_rows,
+                    weights=weights, kv_dtype=kv_dtype, lanes=lanes)
+        try:
+            model._load(progress, status or (lambda line: None),
+                        WeightSource(gguf, sources, worker_path))
+        except BaseException:
+            model.close()
+            raise
+        return model
+
+    def _load(self, progress: Progress | None, status: Status, source: WeightSource) -> None:
+        """As :meth:`LlamaModel._load <.model.LlamaModel._load>`: everything issued at once,
+        waited for once; the lanes' graphs registered while the workers lay out the weights."""
+        start = time.perf_counter()
+        pending = WeightLoader(self.gguf, self.format, source).start(self.stages, status)
+        for stage in self.stages:
+            self.cache.allocate(stage)
+        pending.wait_fills(progress, status)
+        registrations = self._register()
+        try:
+            loaded = pending.wait_builds()
+        except Exception:
+            self.graphs.collect(registrations, strict=False)
+            raise
+        status(f"registering {len(registrations)} step graphs on {len(self.stages)} worker(s)")
+        self.graphs.collect(registrations)
+        self.load_stats = LoadStats(
+            weight_bytes=self.gguf.tensor_data_bytes, upload_bytes=loaded.upload_bytes,
+            resident_bytes=sum(b.size for s in self.stages for b in s.buffers),
+            kv_bytes=sum(s.kv_buffer.size for s in self.stages if s.kv_buffer is not None),
+            upload_seconds=loaded.upload_seconds, build_seconds=loaded.build_seconds,
+            total_seconds=time.perf_counter() - start, sources=loaded.sources,
+            kernel_seconds=loaded.kernel_seconds)
+
+    def _register(self) -> dict[tuple[Stage, str], Future[RegisteredGraph]]:
+        """Per stage, lane and size: its step tensors and graph (issued, not waited for)."""
+        futures: dict[tuple[Stage, str], Future[RegisteredGraph]] = {}
+        for stage in self.stages:
+            for lane in range(len(self.lane_slots)):
+                for rows in self.sizes:
+                    key = _key(lane, rows)
+                    io = self.graphs.make_row_io(stage, rows, min(rows, self.outs))
+                    stage.io[key] = io
+                    futures[stage, key] = stage.client.register_async(
+                        self.graphs.build_rows(stage, io, rows))
+        return futures
+
+    # ------------------------------------------------------------------------------- steps
+
+    @property
+    def lanes(self) -> int:
+        return len(self.lane_slots)
+
+    def lane_of(self, slot: int) -> int:
+        return slot % self.lanes
+
+    def launch(self, lane: int, parts: Sequence[Rows], *, logits: bool = False) -> LaneStep:
+        """Issue one step of ``lane`` running ``parts`` (their slots in the lane, at most
+        :attr:`rows` tokens in all); nothing waits. ``logits``: also fetch each sampled row's
+        logits (tests)."""
+        if self._closed:
+            raise RuntimeError("the model is closed")
+        used = sum(len(p.tokens) for p in parts)
+        samples = sum(p.sample is not None for p in parts)
+        if not 1 <= used <= self.rows:
+            raise ValueError(f"a lane step runs 1 to {self.rows} rows, not {used}")
+        rows = next(n for n in self.sizes if n >= used and min(n, self.outs) >= samples)
+        inputs = self._inputs(lane, parts, rows)
+        key = _key(lane, rows)
+        runs = []
+        for stage in self.stages:
+            io = stage.io[key]
+            assert isinstance(io, RowIO)
+            sent = [(need(io.pos), inputs["pos"]), (need(io.kv_idx), inputs["kv_idx"]),
+                    (need(io.base), inputs["base"])]
+            if stage.first:
+                sent.append((need(io.x_in), inputs["x_in"]))
+            fetch = []
+            if stage.last:
+                sent += [(need(getattr(io, name)), inputs[name]) for name in _SAMPLING]
+                fetch = [need(io.token)] + ([need(io.logits)] if logits else [])
+            self.bytes_sent += sum(a.nbytes for _, a in sent)
+            runs.append(LinkedRun(stage.graphs[key], sent, fetch, x=io.x_in, y=io.x_out))
+        chain = run_chain(runs)
+        producers = [p.slot for p in parts if p.sample is not None]
+        return LaneStep(settled_by(chain.runs[-1], chain.runs), producers, logits)
+
+    def _inputs(self, lane: int, parts: Sequence[Rows], rows: int) -> dict[str, np.ndarray]:
+        """The step's row arrays: padding rows at position -1 writing the scratch row."""
+        outs = min(rows, self.outs)
+        tokens = np.zeros(rows, np.int32)
+        pos = np.full(rows, -1, np.int32)
+        base = np.zeros(rows, np.int32)
+        arrays: dict[str, np.ndarray] = {
+            "out_idx": np.zeros(outs, np.int32), "temperature": np.zeros(outs, np.float32),
+            "top_k": np.zeros(outs, np.int32), "top_p": np.ones(outs, np.float32),
+            "seed": np.zeros(outs, np.uint32), "counter": np.zeros(outs, np.int32)}
+        row = out = 0
+        for part in parts:
+            self._check(lane, part)
+            n = len(part.tokens)
+            tokens[row:row + n] = part.tokens
+            pos[row:row + n] = np.arange(part.start, part.start + n)
+            base[row:row + n] = part.slot * self.n_ctx
+            if part.sample is not None:
+                s = part.sample
+                arrays["out_idx"][out] = row + n - 1
+                for name in _SAMPLING[1:]:
+                    arrays[name][out] = getattr(s, name) if name != "seed" else s.seed % (1 << 32)
+                out += 1
+            row += n
+        kv_idx = np.where(pos >= 0, base + pos, self.graphs.scratch).astype(np.int32)
+        return {**arrays, "pos": pos, "base": base, "kv_idx": kv_idx,
+                "x_in": embed_tokens(self.gguf, tokens)}
+
+    def _check(self, lane: int, part: Rows) -> None:
+        if part.slot not in self.lane_slots[lane]:
+            raise ValueError(f"slot {part.slot} is not in lane {lane}")
+        if not part.tokens or part.start < 0 or part.start + len(part.tokens) > self.n_ctx:
+            raise ValueError(f"{len(part.tokens)} token(s) at position {part.start} do not fit "
+                             f"a slot of {self.n_ctx}")
+        bad = [t for t in part.tokens if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the vocabulary of "
+                             f"{self.config.vocab_size}")
+
+    # ---------------------------------------------------------------------------- lifecycle
+
+    @property
+    def registrations(self) -> int:
+        """Step graphs registered on the workers (stages x lanes x sizes)."""
+        return sum(len(s.graphs) for s in self.stages)
+
+    def close(self) -> None:
+        """Free this model's graphs and buffers on every worker (clients stay open). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        free_stages(self.stages)
+
+    def __enter__(self) -> BatchedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_SAMPLING = ("out_idx", "temperature", "top_k", "top_p", "seed", "counter")
+
+
+def _key(lane: int, rows: int) -> str:
+    return f"lane{lane}.rows{rows}"
