@@ -4,7 +4,8 @@ No thread of its own: every function here attaches done-callbacks, which run on 
 resolves the parts (usually a client I/O thread, so they never block). Each returned future is
 already running (``set_running_or_notify_cancel``) and is settled exactly once: never cancelled,
 never left pending while a part is pending forever (the connection settles every part in bounded
-time). They are stock futures (public API only): a request's future is ``new_future()``.
+time). They are stock futures (public API only): a request's future is made as in
+``new_future()`` (``Connection.call`` does it inline).
 
 - :func:`resolved` / :func:`failed`: a future that is already done.
 - :func:`then`: ``fn(result)`` of one future (its error passes through).

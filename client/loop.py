@@ -243,17 +243,37 @@ class Loop:
     # ------------------------------------------------------------------------- sending
 
     def _take_inbox(self) -> bool:
-        """Move submitted calls to the backlog; False when close() was asked for."""
+        """Take what was submitted: a call goes out at once while nothing waits ahead of it and
+        the window has room (no stop in the backlog on the way: each is a few Python calls per
+        request of a pipelining caller), the rest to the backlog; False when close() was asked
+        for."""
         if self.closing:
             return False
-        inbox = self.mailbox.inbox
+        inbox, link, in_flight, backlog = self.mailbox.inbox, self.link, self.in_flight, \
+            self.backlog
+        watch = self.deadlines.watch
+        window, window_bytes, trace = self.options.window, self.options.window_bytes, self.trace
+        up = not link.down      # nothing in this loop changes the link's state
+        sent = False
         while not inbox.empty():            # one consumer: what empty() says holds
             item = inbox.get_nowait()
             if item is None:
                 self.link.goodbye()
                 self.closing = True
                 return False
-            self.admit(item)
+            if not up or type(item) is not Call:
+                self.admit(item)
+            elif not backlog and (not in_flight or (
+                    len(in_flight) < window and
+                    self.in_flight_bytes + item.nbytes <= window_bytes)):
+                self.send(item, trace)
+                watch(item)
+                sent = True
+            else:                           # admit(item), inline: the window is full
+                backlog.append(item)
+                watch(item)
+        if sent:
+            link.last_sent = time.monotonic()
         return True
 
     def admit(self, item: Call | Reservation) -> None:
@@ -358,8 +378,10 @@ class Loop:
                 frame = dealer.recv(more, copy=False)
                 frames.append(frame)
             replies.append(frames)
+        settle_ack, on_reply = self._settle_ack, self._on_reply
         for count, frames in enumerate(replies, 1):
-            self._on_reply(frames)
+            if len(frames) != 1 or not settle_ack(frames[0].bytes):
+                on_reply(frames)
             if not count % REFILL_EVERY and self.backlog:
                 self.send_backlog()
 
@@ -375,13 +397,15 @@ class Loop:
             while frame.more:
                 frame = dealer.recv(more, copy=False)
                 frames.append(frame)
-            self._on_reply(frames)
+            if len(frames) != 1 or not self._settle_ack(frames[0].bytes):
+                self._on_reply(frames)
             if all_done(calls):
                 return
             if not count % REFILL_EVERY and self.backlog:
                 self.send_backlog()
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
+        """Settle the call that ``frames`` answer (an Ack is :meth:`_settle_ack`'s first)."""
         try:
             header = p.unpack_header(frames[0])
         except RpcError as exc:
@@ -412,6 +436,35 @@ class Loop:
                     self.timings.append(timing(call, result, received))
         except BaseException as exc:
             fail_call(call, exc)
+
+    def _settle_ack(self, data: bytes) -> bool:
+        """Settle the call that ``data`` answers if it is that call's Ack (its bytes
+        ``protocol.BARE_REPLY_HEAD`` and the id, for a command whose reply is an Ack): the id
+        read from its bytes, no header to parse, no reply to build. False, and nothing done,
+        for anything else (:meth:`_on_reply` reads it as any reply)."""
+        if data[:2] != _ACK_HEAD or len(data) < 3:
+            return False
+        tag = data[2]         # the id: a positive fixint, or 0xcc-0xcf and its bytes
+        req_id = int.from_bytes(data[3:], "big") if tag >= 0xcc else tag
+        call = self.in_flight.get(req_id)
+        if call is None:
+            return False
+        ack = _ACKS.get(call.cmd)
+        if ack is None or data != _ACK_HEAD + p.pack_id(req_id):
+            return False
+        del self.in_flight[req_id]
+        self.in_flight_bytes -= call.nbytes
+        call.settled = True
+        try:
+            value = call.on_reply(ack, []) if call.on_reply else ack
+            future = call.future
+            if future is None:
+                call.value = value
+            else:
+                future.set_result(value)
+        except BaseException as exc:
+            fail_call(call, exc)
+        return True
 
     # ------------------------------------------------------------------------ timing out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import itertools
 import threading
 import time
 import warnings
@@ -422,3 +423,32 @@ def test_async_face_matches_the_sync_face() -> None:
             assert list(params) == list(inspect.signature(s).parameters), f"{name}_async"
     for name in twins:
         assert name[:-len("_async")] in sync, f"{name} has no blocking twin"
+
+
+@pytest.mark.parametrize("first_id", [1, 200, 70_000, 1 << 33])
+def test_acks_read_by_their_bytes_settle_the_right_calls(
+        silent_router: zmq.Socket[bytes], first_id: int) -> None:
+    """A bare success reply settles its call by the id in its bytes (``Loop._settle_ack``) at
+    every msgpack width of the id; what is not exactly an Ack's bytes (an id written wider than
+    msgpack writes it, an Ack for a command whose reply has fields, an unknown id) is read as any
+    reply."""
+    engine = Engine(_endpoint(silent_router))
+    try:
+        engine._ids = itertools.count(first_id)       # ids of this width from the start
+        pings = [engine.call(Cmd.PING, p.Empty()) for _ in range(3)]
+        status = engine.call(Cmd.STATUS, p.Empty())
+        requests = [silent_router.recv_multipart() for _ in range(4)]
+        who = requests[0][0]
+        ids = [p.unpack_header(r[1])[1] for r in requests]      # no HELLO: unsigned
+        assert ids == list(range(first_id, first_id + 4))
+        wide = p.BARE_REPLY_HEAD + b"\xcf" + ids[1].to_bytes(8, "big")
+        for reply in (p.BARE_REPLY_HEAD + p.pack_id(ids[0] + 1000),     # nobody's: dropped
+                      p.BARE_REPLY_HEAD + p.pack_id(ids[2]), wide,
+                      p.BARE_REPLY_HEAD + p.pack_id(ids[3]),           # STATUS has fields
+                      p.BARE_REPLY_HEAD + p.pack_id(ids[0])):
+            silent_router.send_multipart([who, reply])
+        assert [f.result(timeout=5) for f in pings] == [p.Ack()] * 3
+        with pytest.raises(RpcError):
+            status.result(timeout=5)
+    finally:
+        engine.close()
