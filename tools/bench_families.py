@@ -27,7 +27,7 @@ import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +69,19 @@ class FamilyRun:
     llama_prefill: list[float] = field(default_factory=list)
     llama_local: list[float] = field(default_factory=list)
     head_seconds: list[float] = field(default_factory=list)
-    head_share_bytes: float = 0.0
+    head_bytes: int = 0
+    read_bytes: int = 0
+    """Weight bytes a decoded token reads: every matrix, the embedding table only as the head."""
+
+    @property
+    def head_share_bytes(self) -> float:
+        return self.head_bytes / self.read_bytes if self.read_bytes else float("nan")
+
+    def rates(self) -> tuple[float, float]:
+        """GB/s of weights read by the head alone and by the rest of the token (medians)."""
+        head, token = statistics.median(self.head_seconds), statistics.median(self.token_compute)
+        rest = (self.read_bytes - self.head_bytes) / max(token - head, 1e-9)
+        return self.head_bytes / head / 1e9, rest / 1e9
 
 
 # ----------------------------------------------------------------------------------- files
@@ -225,26 +237,26 @@ def _round(model: Any, run: FamilyRun, n_gen: int) -> None:
     model.reset()
 
 
-def head_seconds(model: Any, reps: int) -> list[float]:
-    """The LM head alone (final norm, head product, argmax) on the last worker: its compute
-    seconds per run, as the worker reports them."""
+@contextmanager
+def head_runner(model: Any) -> Iterator[Callable[[], float]]:
+    """The LM head alone (final norm, head product, argmax) registered on the last worker; a
+    call runs it once and gives its compute seconds as the worker reports them."""
     stage = model.stages[-1]
     graph = stage.client.register(model.graphs.head_graph(stage))
     try:
-        return [stage.client.run(graph).compute_seconds for _ in range(reps)]
+        yield lambda: float(stage.client.run(graph).compute_seconds)
     finally:
         stage.client.free_graph(graph)
 
 
-def head_share_bytes(model: Any) -> float:
-    """The head's share of the weight bytes one decoded token reads (every matrix, and the
+def read_bytes(model: Any) -> tuple[int, int]:
+    """(the head's bytes, the weight bytes one decoded token reads: every matrix, and the
     embedding table only when it is the head)."""
     gguf = model.gguf
     tensors = gguf.tensors
     tied = gguf.config.tied_output
     head = tensors["token_embd.weight" if tied else "output.weight"].nbytes
-    read = gguf.tensor_data_bytes - (0 if tied else tensors["token_embd.weight"].nbytes)
-    return float(head / read)
+    return head, gguf.tensor_data_bytes - (0 if tied else tensors["token_embd.weight"].nbytes)
 
 
 def measure_family(ctx: BenchContext, model_file: ModelFile, clients: Sequence[Client],
@@ -258,12 +270,15 @@ def measure_family(ctx: BenchContext, model_file: ModelFile, clients: Sequence[C
     n_gen = ctx.reps(DECODE_TOKENS, 4)
     with ExitStack() as stack:
         rpc = stack.enter_context(rpc_servers(folder, len(clients))) if folder else []
-        with LlamaModel.load(gguf, clients) as model:
+        with LlamaModel.load(gguf, clients) as model, head_runner(model) as head:
             stats = model.load_stats
             assert stats is not None
             run.load_seconds, run.resident_bytes = stats.total_seconds, stats.resident_bytes
+            run.head_bytes, run.read_bytes = read_bytes(model)
             for _ in range(ctx.reps(3, 1)):
                 _round(model, run, n_gen)
+                if len(clients) == 1:    # beside the decode it is compared with, same load
+                    run.head_seconds += [head() for _ in range(ctx.reps(3, 2))]
                 if folder is not None:
                     decode, prefill = llama_bench(folder, model_file.path, rpc, n_gen, len(PROMPT))
                     run.llama_decode.append(decode)
@@ -271,9 +286,6 @@ def measure_family(ctx: BenchContext, model_file: ModelFile, clients: Sequence[C
                     if len(clients) == 1:
                         run.llama_local.append(
                             llama_bench(folder, model_file.path, (), n_gen, len(PROMPT))[0])
-            if len(clients) == 1:
-                run.head_seconds = head_seconds(model, ctx.reps(10, 2))
-                run.head_share_bytes = head_share_bytes(model)
     return run
 
 
@@ -287,8 +299,9 @@ def _summary(run: FamilyRun) -> str:
             return "-"
         return f"{statistics.median(samples):.3g} [{min(samples):.3g}-{max(samples):.3g}]"
     head = (f"; head {fig([s * 1e3 for s in run.head_seconds])} ms of token compute "
-            f"{fig([s * 1e3 for s in run.token_compute])} ms, "
-            f"{run.head_share_bytes:.0%} of its bytes" if run.head_seconds else "")
+            f"{fig([s * 1e3 for s in run.token_compute])} ms, {run.head_share_bytes:.0%} of its "
+            "bytes; head {:.2f} GB/s, rest {:.2f} GB/s".format(*run.rates())
+            if run.head_seconds else "")
     return (f"decode {fig(run.decode)} tok/s, llama.cpp rpc {fig(run.llama_decode)}, local "
             f"{fig(run.llama_local)}; prefill {fig(run.prefill)}, llama.cpp "
             f"{fig(run.llama_prefill)}; load {run.load_seconds:.2f} s; resident "
@@ -323,7 +336,8 @@ def family_rows(run: FamilyRun) -> list[CaseResult]:
             [s * 1e3 for s in run.head_seconds],
             {"token compute": [t * 1e3 for t in run.token_compute]}, None, False,
             note=f"the head's share of a token's weight bytes {run.head_share_bytes:.0%}, of its "
-                 f"compute {statistics.median(run.head_seconds) / token:.0%}"))
+                 f"compute {statistics.median(run.head_seconds) / token:.0%}; weights read at "
+                 "{:.2f} GB/s by the head, {:.2f} by the rest".format(*run.rates())))
     return out
 
 
