@@ -184,6 +184,8 @@ class BenchContext:
     """``--link RATE``: the rate of the shaped links of the ``links`` case (default 1gbit)."""
     llama_bin: str = ""
     """``--llama-bin DIR``: llama.cpp's binaries, the ``llm-families`` case's baseline."""
+    llama_python: str = ""
+    """``--llama-python PY``: a Python with ``llama_cpp``, the local baseline without llama-bench."""
     families: list[str] = field(default_factory=list)
     """``--families``: the ``llm-families`` case's families (default: all)."""
     resources: ExitStack = field(default_factory=ExitStack)
@@ -539,7 +541,7 @@ def bench(args: argparse.Namespace, endpoints: list[str]) -> tuple[list[CaseResu
             ctx = BenchContext(endpoints, clients, args.quick, args.sizes, baselines, zctx,
                                show_progress=not args.no_progress, link=args.link,
                                synthetic=args.synthetic_model, llama_bin=args.llama_bin,
-                               families=args.families)
+                               llama_python=args.llama_python, families=args.families)
             with ctx.resources:
                 return run_cases(ctx, args.cases)
     finally:
@@ -595,6 +597,9 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
                     help="llama.cpp's binaries (llama-bench, rpc-server): the llm-families case's "
                          "baseline on the same files (default $ZMQ_RPC_LLAMA_BIN; without: no "
                          "baseline, said so)")
+    ap.add_argument("--llama-python", metavar="PY", default="",
+                    help="a Python with llama-cpp-python: llm-families' local llama.cpp baseline "
+                         "where llama-bench is not built (default $ZMQ_RPC_LLAMA_PYTHON)")
     ap.add_argument("--families", type=_csv, default=[],
                     help="the llm-families case's families (llama, llama3, qwen2, qwen3, gemma3, "
                          "phi3; default: all)")

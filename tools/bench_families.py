@@ -68,6 +68,7 @@ class FamilyRun:
     llama_decode: list[float] = field(default_factory=list)
     llama_prefill: list[float] = field(default_factory=list)
     llama_local: list[float] = field(default_factory=list)
+    llama_local_prefill: list[float] = field(default_factory=list)
     head_seconds: list[float] = field(default_factory=list)
     head_bytes: int = 0
     read_bytes: int = 0
@@ -220,6 +221,42 @@ def parse_llama_bench(stdout: str) -> tuple[float, float]:
     return decode, prefill
 
 
+LLAMA_CPP_PYTHON_ENV = "ZMQ_RPC_LLAMA_PYTHON"
+LLAMA_CPP_CHILD = """
+import json, sys, time
+from llama_cpp import Llama
+path, n_prompt, n_gen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_threads=1, n_threads_batch=1, n_ctx=256, n_batch=n_prompt,
+            verbose=False)
+start = time.perf_counter()
+llm.eval(list(range(300, 300 + n_prompt)))
+prefill = n_prompt / (time.perf_counter() - start)
+seconds = []
+for i in range(n_gen + 2):
+    start = time.perf_counter()
+    llm.eval([400 + i])
+    seconds.append(time.perf_counter() - start)
+print(json.dumps([len(seconds[2:]) / sum(seconds[2:]), prefill]))
+"""
+"""One local llama.cpp round through llama-cpp-python (one thread): the same 32-token prompt
+as ours, then ``n_gen`` decode steps past two warm-up ones (their tokens do not change the work)."""
+
+
+def llama_python(ctx: BenchContext) -> str:
+    """A Python with ``llama_cpp`` (``--llama-python`` or ``$ZMQ_RPC_LLAMA_PYTHON``), or ""."""
+    return ctx.llama_python or os.environ.get(LLAMA_CPP_PYTHON_ENV, "")
+
+
+def llama_cpp_python_round(python: str, path: Path, n_gen: int, n_prompt: int) -> tuple[float, float]:
+    """One llama-cpp-python round on one thread: (decode tok/s, prefill tok/s)."""
+    child = subprocess.run([python, "-c", LLAMA_CPP_CHILD, str(path), str(n_prompt), str(n_gen)],
+                           capture_output=True, text=True, timeout=600)
+    if child.returncode != 0:
+        raise RuntimeError(f"llama-cpp-python failed ({child.returncode}): {child.stderr[-1500:]}")
+    decode, prefill = json.loads(child.stdout.strip().splitlines()[-1])
+    return float(decode), float(prefill)
+
+
 # ------------------------------------------------------------------------------------ ours
 
 
@@ -260,8 +297,9 @@ def read_bytes(model: Any) -> tuple[int, int]:
 
 
 def measure_family(ctx: BenchContext, model_file: ModelFile, clients: Sequence[Client],
-                   folder: Path | None) -> FamilyRun:
-    """Load on ``clients``, then rounds alternating ours with llama.cpp's (local too on 1)."""
+                   folder: Path | None, python: str = "") -> FamilyRun:
+    """Load on ``clients``, then rounds alternating ours with llama.cpp's (local too on 1:
+    llama-bench, or llama-cpp-python in ``python`` where given)."""
     from ..client.gguf_model import load_gguf
     from ..client.llama import LlamaModel
 
@@ -284,8 +322,15 @@ def measure_family(ctx: BenchContext, model_file: ModelFile, clients: Sequence[C
                     run.llama_decode.append(decode)
                     run.llama_prefill.append(prefill)
                     if len(clients) == 1:
-                        run.llama_local.append(
-                            llama_bench(folder, model_file.path, (), n_gen, len(PROMPT))[0])
+                        decode, prefill = llama_bench(folder, model_file.path, (), n_gen,
+                                                      len(PROMPT))
+                        run.llama_local.append(decode)
+                        run.llama_local_prefill.append(prefill)
+                if python and len(clients) == 1:
+                    decode, prefill = llama_cpp_python_round(python, model_file.path, n_gen,
+                                                             len(PROMPT))
+                    run.llama_local.append(decode)
+                    run.llama_local_prefill.append(prefill)
     return run
 
 
@@ -315,14 +360,17 @@ def family_rows(run: FamilyRun) -> list[CaseResult]:
     """The rows of one family on one placement (without llama.cpp, a NaN baseline named so)."""
     where = f"{run.model.family} {run.workers} worker{'s' if run.workers > 1 else ''}"
     nan = [float("nan")]
-    decode = {"llama.cpp rpc-server": run.llama_decode} if run.llama_decode else {NO_BASELINE: nan}
+    decode = {"llama.cpp rpc-server": run.llama_decode} if run.llama_decode else {}
     if run.llama_local:
         decode["llama.cpp local -t 1"] = run.llama_local
-    prefill = {"llama.cpp rpc-server": run.llama_prefill} if run.llama_prefill else {
-        NO_BASELINE: nan}
+    prefill = {"llama.cpp rpc-server": run.llama_prefill} if run.llama_prefill else {}
+    if run.llama_local_prefill:
+        prefill["llama.cpp local -t 1"] = run.llama_local_prefill
+    decode, prefill = decode or {NO_BASELINE: nan}, prefill or {NO_BASELINE: nan}
     out = [
         CaseResult("llm-families", f"families decode {where}", "tok/s", run.decode, decode, None,
-                   True, note=run.model.about, compared_with=("llama.cpp rpc-server",)),
+                   True, note=run.model.about,
+                   compared_with=("llama.cpp rpc-server",) if run.llama_decode else ()),
         CaseResult("llm-families", f"families prefill {where}", "tok/s", run.prefill, prefill,
                    None, True, note=f"{len(PROMPT)} tokens"),
         CaseResult("llm-families", f"families resident bytes {where}", "MB",
@@ -350,13 +398,14 @@ def case_llm_families(ctx: BenchContext) -> list[CaseResult]:
         print(f"llm-families: skipped ({exc})")
         return []
     folder = llama_bin(ctx)
-    if folder is None:
+    if folder is None and not llama_python(ctx):
         print("llm-families: no llama.cpp baseline (give --llama-bin DIR or "
               f"${LLAMA_BIN_ENV}: a folder with llama-bench and rpc-server)")
+    python = llama_python(ctx)
     out: list[CaseResult] = []
     for model_file in files:
         for n in (1, 2):
-            run = measure_family(ctx, model_file, ctx.workers(n), folder)
+            run = measure_family(ctx, model_file, ctx.workers(n), folder, python)
             print(f"llm-families: {model_file.family} on {n}: {_summary(run)}", flush=True)
             out += family_rows(run)
     return out
