@@ -26,6 +26,7 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -81,7 +82,7 @@ class FamilyRun:
     def rates(self) -> tuple[float, float]:
         """GB/s of weights read by the head alone and by the rest of the token (medians)."""
         head, token = statistics.median(self.head_seconds), statistics.median(self.token_compute)
-        rest = (self.read_bytes - self.head_bytes) / max(token - head, 1e-9)
+        rest = (self.read_bytes - self.head_bytes) / (token - head) if token > head else float("nan")
         return self.head_bytes / head / 1e9, rest / 1e9
 
 
@@ -403,9 +404,18 @@ def case_llm_families(ctx: BenchContext) -> list[CaseResult]:
               f"${LLAMA_BIN_ENV}: a folder with llama-bench and rpc-server)")
     python = llama_python(ctx)
     out: list[CaseResult] = []
+    errors: list[str] = []
     for model_file in files:
         for n in (1, 2):
-            run = measure_family(ctx, model_file, ctx.workers(n), folder, python)
+            try:
+                run = measure_family(ctx, model_file, ctx.workers(n), folder, python)
+            except Exception as exc:  # noqa: BLE001 - one family's failure must not cost the others
+                errors.append(f"{model_file.family} on {n}: {type(exc).__name__}: {exc}")
+                print(f"llm-families: {errors[-1]}", flush=True)
+                continue
             print(f"llm-families: {model_file.family} on {n}: {_summary(run)}", flush=True)
             out += family_rows(run)
+    if errors:     # the others' rows still count: said here, not raised (that would drop them)
+        print(f"llm-families: {len(errors)} placement(s) failed: {'; '.join(errors)}",
+              file=sys.stderr, flush=True)
     return out
