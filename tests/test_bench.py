@@ -359,6 +359,8 @@ def test_llm_families_case_rows_without_llama_cpp(
     --llama-bin without llama.cpp's binaries is said so, and the rows carry no baseline."""
     from zmq_rpc.tools import synthetic_gguf as sg
     monkeypatch.setenv("ZMQ_RPC_BENCH_CACHE", str(tmp_path))
+    for var in ("ZMQ_RPC_LLAMA_BIN", "ZMQ_RPC_LLAMA_PYTHON"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(sg, "REALISTIC", {"qwen3": sg.FAMILIES["qwen3"]})
     out = tmp_path / "bench.json"
     code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "llm-families",
