@@ -144,11 +144,20 @@ def llama_bin(ctx: BenchContext) -> Path | None:
     if not text:
         return None
     folder = Path(text)
-    missing = [n for n in ("llama-bench", "rpc-server") if not (folder / n).is_file()]
+    missing = [n for n in ("llama-bench", "rpc-server") if rpc_server(folder, n) is None]
     if missing:
         print(f"llm-families: no llama.cpp baseline: {folder} lacks {missing}")
         return None
     return folder
+
+
+def rpc_server(folder: Path, name: str = "rpc-server") -> Path | None:
+    """``folder``'s binary ``name``; ``rpc-server`` is also found as ``ggml-rpc-server`` (the
+    name ggml's own CMake target gives it)."""
+    for candidate in (name, f"ggml-{name}") if name == "rpc-server" else (name,):
+        if (folder / candidate).is_file():
+            return folder / candidate
+    return None
 
 
 def _free_port() -> int:
@@ -167,7 +176,7 @@ def rpc_servers(folder: Path, count: int) -> Iterator[list[str]]:
         addresses = []
         for _ in range(count):
             port = _free_port()
-            proc = subprocess.Popen([str(folder / "rpc-server"), "-H", "127.0.0.1", "-p",
+            proc = subprocess.Popen([str(rpc_server(folder)), "-H", "127.0.0.1", "-p",
                                      str(port), "-t", "1"], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
             stack.callback(_stop, proc)
