@@ -335,3 +335,47 @@ def test_workers_without_a_scheme_are_refused_with_the_fix(command: list[str]) -
     assert out.returncode == 2
     assert "'127.0.0.1:50053' has no scheme: write tcp://127.0.0.1:50053" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+LLAMA_BENCH_JSON = """[
+  {"build_commit": "x", "model_type": "qwen3 ?B Q4_K - Medium", "n_threads": 1,
+   "n_prompt": 32, "n_gen": 0, "avg_ts": 41.5, "stddev_ts": 0.0, "samples_ts": [41.5]},
+  {"build_commit": "x", "model_type": "qwen3 ?B Q4_K - Medium", "n_threads": 1,
+   "n_prompt": 0, "n_gen": 16, "avg_ts": 9.25, "stddev_ts": 0.0, "samples_ts": [9.25]}
+]"""
+"""``llama-bench -o json``'s output, trimmed to the fields read (a prefill test, then decode)."""
+
+
+def test_llama_bench_json_gives_decode_and_prefill_rates() -> None:
+    from zmq_rpc.tools.bench_families import parse_llama_bench
+    assert parse_llama_bench(LLAMA_BENCH_JSON) == (9.25, 41.5)
+
+
+@pytest.mark.timeout(300)
+def test_llm_families_case_rows_without_llama_cpp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The llm-families case end to end (--quick) on the toy qwen3 in place of the benchmark's
+    model: decode, prefill and resident rows on 1 and 2 workers, the head row on 1; a
+    --llama-bin without llama.cpp's binaries is said so, and the rows carry no baseline."""
+    from zmq_rpc.tools import synthetic_gguf as sg
+    monkeypatch.setenv("ZMQ_RPC_BENCH_CACHE", str(tmp_path))
+    for var in ("ZMQ_RPC_LLAMA_BIN", "ZMQ_RPC_LLAMA_PYTHON"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sg, "REALISTIC", {"qwen3": sg.FAMILIES["qwen3"]})
+    out = tmp_path / "bench.json"
+    code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "llm-families",
+                       "--families", "qwen3", "--llama-bin", str(tmp_path)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["errors"] == []
+    rows = {r["label"]: r for r in doc["results"]}
+    assert list(rows) == [f"families {what} qwen3 {n}" for n in ("1 worker", "2 workers")
+                          for what in ("decode", "prefill", "resident bytes")][:3] + [
+        "families head qwen3"] + [f"families {what} qwen3 2 workers"
+                                  for what in ("decode", "prefill", "resident bytes")]
+    for label, row in rows.items():
+        assert row["ours"] and all(v > 0 for v in row["ours"]), label
+    assert set(rows["families decode qwen3 1 worker"]["baselines"]) == {"no llama.cpp"}
+    file_mb = (tmp_path / "bench-qwen3-v1.gguf").stat().st_size / 1e6
+    assert rows["families resident bytes qwen3 2 workers"]["baselines"]["file"] == [file_mb]
+    assert "lacks ['llama-bench', 'rpc-server']" in capsys.readouterr().out

@@ -127,7 +127,8 @@ CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.ben
                                  "zmq_rpc.tools.bench_llm", "zmq_rpc.tools.bench_kernels",
                                  "zmq_rpc.tools.bench_links", "zmq_rpc.tools.bench_security",
                                  "zmq_rpc.tools.bench_faults", "zmq_rpc.tools.bench_weights",
-                                 "zmq_rpc.tools.bench_observe", "zmq_rpc.tools.bench_gpu")
+                                 "zmq_rpc.tools.bench_observe", "zmq_rpc.tools.bench_gpu",
+                                 "zmq_rpc.tools.bench_families")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)
@@ -181,6 +182,12 @@ class BenchContext:
     synthetic: int = 0
     """``--synthetic-model SIZE``: the ``links`` case also loads a synthetic GGUF this big."""
     """``--link RATE``: the rate of the shaped links of the ``links`` case (default 1gbit)."""
+    llama_bin: str = ""
+    """``--llama-bin DIR``: llama.cpp's binaries, the ``llm-families`` case's baseline."""
+    llama_python: str = ""
+    """``--llama-python PY``: a Python with ``llama_cpp``, the local baseline without llama-bench."""
+    families: list[str] = field(default_factory=list)
+    """``--families``: the ``llm-families`` case's families (default: all)."""
     resources: ExitStack = field(default_factory=ExitStack)
 
     @property
@@ -533,7 +540,8 @@ def bench(args: argparse.Namespace, endpoints: list[str]) -> tuple[list[CaseResu
             clients = [stack.enter_context(Client(ep)) for ep in endpoints]
             ctx = BenchContext(endpoints, clients, args.quick, args.sizes, baselines, zctx,
                                show_progress=not args.no_progress, link=args.link,
-                               synthetic=args.synthetic_model)
+                               synthetic=args.synthetic_model, llama_bin=args.llama_bin,
+                               llama_python=args.llama_python, families=args.families)
             with ctx.resources:
                 return run_cases(ctx, args.cases)
     finally:
@@ -585,6 +593,16 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
     ap.add_argument("--synthetic-model", type=parse_size, default=0, metavar="SIZE",
                     help="the links case also loads a synthetic GGUF of random quantized blocks "
                          "this big (e.g. 2GiB; written to a temporary directory, deleted after)")
+    ap.add_argument("--llama-bin", metavar="DIR", default="",
+                    help="llama.cpp's binaries (llama-bench, rpc-server): the llm-families case's "
+                         "baseline on the same files (default $ZMQ_RPC_LLAMA_BIN; without: no "
+                         "baseline, said so)")
+    ap.add_argument("--llama-python", metavar="PY", default="",
+                    help="a Python with llama-cpp-python: llm-families' local llama.cpp baseline "
+                         "where llama-bench is not built (default $ZMQ_RPC_LLAMA_PYTHON)")
+    ap.add_argument("--families", type=_csv, default=[],
+                    help="the llm-families case's families (llama, llama3, qwen2, qwen3, gemma3, "
+                         "phi3; default: all)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
     ap.add_argument("--json", metavar="FILE", help="write every sample to FILE")
     ap.add_argument("--report", metavar="DIR",

@@ -118,6 +118,16 @@ class StageGraphs:
             head(g, x)
         return g
 
+    def head_graph(self, stage: Stage) -> Graph:
+        """The last stage's decode head alone (final norm, LM head, argmax and its embedding),
+        reading the decode ``x_in`` and writing the decode outputs, as the decode graph's end
+        does: for timing the head apart from the layers (``zmq-rpc-bench --cases
+        llm-families``). Run it only between steps: it overwrites the decode outputs."""
+        io = stage.io["decode"]
+        g = Graph()
+        self._head(g, g.input(need(io.x_in)), stage, "decode", io)
+        return g
+
     def _block(self, g: Graph, x: GraphTensor, at: Layer, io: ModeIO, T: int,
                out: RemoteTensor | None, fused: bool) -> GraphTensor:
         """One transformer layer: x + attention(norm(x)), then + ffn(norm(.)), each sub-layer's
