@@ -81,6 +81,17 @@ def test_baseline_server_round_trip_and_clean_stop(kind: str) -> None:
     assert code == 0
 
 
+@pytest.mark.timeout(60)
+def test_a_server_that_dies_before_listening_is_reported_with_its_stderr_and_code() -> None:
+    """A failed start says why: the server's exit code and what it wrote to stderr (which the
+    launcher used to drop by closing its stderr file before reading it)."""
+    server = ServerProcess([sys.executable, "-c",
+                            "import sys; sys.stderr.write('boom: no model'); sys.exit(3)"])
+    with pytest.raises(RuntimeError, match=r"(?s)exit code 3.*boom: no model"):
+        server.wait_ready()
+    assert "boom" in server.stderr()
+
+
 def _exercise(kind: str, endpoint: str) -> None:
     data = np.arange(300_000, dtype=np.uint32).view(np.uint8)
     if kind == "bulk-tcp":
@@ -243,6 +254,9 @@ def test_first_byte_stops_a_program_that_ignores_sigint(monkeypatch: pytest.Monk
 
 
 def test_cases_and_commands_can_be_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every case module first: one imported for the first time under the copies below would
+    # register into them, and its cases would be gone for the rest of the process.
+    bench.load_case_modules()
     monkeypatch.setattr(bench, "CASES", dict(bench.CASES))
     monkeypatch.setattr(bench, "COMMANDS", dict(bench.COMMANDS))
 

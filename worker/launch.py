@@ -46,21 +46,23 @@ class ServerProcess:
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                      start_new_session=own_session)
         self.endpoint = ""
+        self._said = ""
 
     def wait_ready(self) -> str:
         """Read the announcement line; the endpoint, or RuntimeError with the server's stderr."""
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if LISTENING not in line:
-            self.stop(timeout=5)
-            raise RuntimeError(f"{' '.join(self.argv)} did not start: {line!r}\n{self.stderr()}")
+            code = self.stop(timeout=5)
+            raise RuntimeError(f"{' '.join(self.argv)} did not start (exit code {code}): "
+                               f"{line!r}\n{self._said}")
         self.endpoint = line.rsplit(" ", 1)[1].strip()
         return self.endpoint
 
     def stderr(self) -> str:
         """What the server wrote to stderr so far."""
         if self._stderr.closed:
-            return ""
+            return self._said
         self._stderr.seek(0)
         return self._stderr.read().decode(errors="replace")
 
@@ -76,7 +78,9 @@ class ServerProcess:
             code = self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        self._stderr.close()
+        if not self._stderr.closed:
+            self._said = self.stderr()      # kept: a failed start reports it after the stop
+            self._stderr.close()
         return code
 
 
