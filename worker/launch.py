@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 __all__ = ["LISTENING", "ServerProcess", "add_worker_options", "endpoint_list", "local_workers",
            "worker_argv"]
@@ -101,13 +102,27 @@ def local_workers(count: int, *extra: str, own_session: bool = False) -> Iterato
     ``own_session``: each in its own session, out of reach of a terminal's Ctrl-C (see
     :class:`ServerProcess`)."""
     procs: list[ServerProcess] = []
+    failed = False
     try:
         procs.extend(ServerProcess(worker_argv(*extra), own_session) for _ in range(count))
         yield [proc.wait_ready() for proc in procs]
+    except Exception:               # not Ctrl-C or SIGTERM: the user stopped those
+        failed = True
+        raise
     finally:
         codes = [proc.stop() for proc in procs]
         if any(codes):
-            print(f"zmq-rpc-bench: worker exit codes {codes}", file=sys.stderr)
+            print(f"{Path(sys.argv[0]).name}: worker exit codes {codes}", file=sys.stderr)
+        if failed or any(codes):     # what the workers said can explain the failure
+            for proc in procs:
+                _show_stderr(proc)
+
+
+def _show_stderr(proc: ServerProcess, lines: int = 20) -> None:
+    said = proc.stderr().strip().splitlines()[-lines:]
+    if said:
+        print(f"{proc.endpoint or 'a local worker'} said:", *(f"  {line}" for line in said),
+              sep="\n", file=sys.stderr)
 
 
 def endpoint_list(text: str) -> list[str]:
