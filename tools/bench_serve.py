@@ -86,6 +86,9 @@ CTX_PER_SLOT = 256
 """Tokens of context per sequence (the longest prompt and MAX_TOKENS fit), ours and llama's."""
 HTTP_TIMEOUT_S = 600.0
 """Seconds a request may take (16 streams on a loaded 2-core machine are slow, never hung)."""
+METRICS_TIMEOUT_S = 120.0
+"""Seconds a worker's metrics scrape may take (its HTTP thread waits its turn for the GIL and,
+on a loaded machine, for a core: 30 s was once not enough at a load average of 25 on 2 cores)."""
 START_S = 180.0
 """Seconds a server may take to load the model and listen."""
 TARGET_VS_LLAMA = 2.0
@@ -124,8 +127,11 @@ class RoundResult:
 
 
 def _body(prompt: str, max_tokens: int) -> dict[str, Any]:
+    """The request: greedy, streamed, with usage. ``cache_prompt`` off: llama-server would
+    otherwise reuse a slot's KV of the same prompt from an earlier round and skip its prefill
+    (ours keeps no prompt cache and ignores the field)."""
     return {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": False}
 
 
 async def _request(http: Any, prompt: str, max_tokens: int) -> RequestResult:
@@ -198,7 +204,7 @@ class Worker:
         """``zmq_rpc_graph_compute_seconds_total`` now."""
         import httpx
 
-        for line in httpx.get(self.metrics, timeout=30).text.splitlines():
+        for line in httpx.get(self.metrics, timeout=METRICS_TIMEOUT_S).text.splitlines():
             if line.startswith("zmq_rpc_graph_compute_seconds_total "):
                 return float(line.split()[1])
         raise RuntimeError(f"{self.metrics} has no zmq_rpc_graph_compute_seconds_total")
