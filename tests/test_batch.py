@@ -10,19 +10,21 @@ next one cleanly; a running stream gets a token every step while a long prompt p
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as GT
 from synthetic_models import FAMILIES, synthetic_path
 from zmq_rpc.client import Client
-from zmq_rpc.client.gguf_model import load_gguf
+from zmq_rpc.client.gguf_model import LlamaGGUF, load_gguf
 from zmq_rpc.client.llama import LlamaModel
-from zmq_rpc.client.llama.batch import BatchedModel
+from zmq_rpc.client.llama.batch import MIN_ROWS, BatchedModel, Rows, RowSampling
 from zmq_rpc.client.serve.engine import BatchedSteps
 from zmq_rpc.client.serve.jobs import Sampling
+from zmq_rpc.tools.synthetic_gguf import write_family
 
 N_CTX = 64
 SLOTS = 8
@@ -110,6 +112,39 @@ def test_a_sequence_is_bit_identical_alone_and_among_others(
         family: str, workers: int, worker_processes: list[Client],
         families: dict[tuple[str, int], BatchedModel]) -> None:
     model = batched(families, worker_processes, family, workers)
+    assert model.sizes[0] == MIN_ROWS        # K-quants: no step below the GEMM's 3 rows
+    assert_alone_as_among_others(model, workers)
+
+
+def row_invariant_mix(part: str, layer: int, n_layers: int, cols: int) -> GT:
+    """Only types whose decode kernels round as their GEMM (Q4_1 layers, a Q8_0 head)."""
+    return GT.Q8_0 if part in ("output", "token_embd_tied") else GT.Q4_1
+
+
+@pytest.fixture(scope="module")
+def invariant_gguf(tmp_path_factory: pytest.TempPathFactory) -> LlamaGGUF:
+    family = replace(FAMILIES["llama3"], mix=row_invariant_mix)
+    return load_gguf(write_family(family, tmp_path_factory.mktemp("q4_1") / "q4_1.gguf", seed=5))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_lone_stream_of_a_row_invariant_model_decodes_one_row_bit_identically(
+        workers: int, worker_processes: list[Client], invariant_gguf: LlamaGGUF) -> None:
+    """A model whose products are all Q4_0/Q4_1/Q8_0 steps one decoding sequence as one row (the
+    decode kernel, as LlamaModel does; it ran 3 through the GEMM, 0.5x the speed), and its
+    logits stay bit for bit those it gets among others (steps of 2 to 12 rows)."""
+    with BatchedModel.load(invariant_gguf, worker_processes[:workers], n_ctx=N_CTX,
+                           slots=SLOTS, rows=SLOTS + CHUNK) as model:
+        assert model.sizes[0] == 1
+        step = model.launch(0, [Rows(0, [5], 0, RowSampling())])
+        assert step.rows == 1
+        step.result()
+        assert_alone_as_among_others(model, workers)
+
+
+def assert_alone_as_among_others(model: BatchedModel, workers: int) -> None:
+    """A sequence's tokens and logits alone (its decode steps as small as ``model`` allows) and
+    among others joining and leaving, in another slot and lane too."""
     target = PROMPTS[3]
     reference = alone(model, 5, target)
     others = [PROMPTS[k] for k in (0, 1, 2, 4, 5, 6, 7)]

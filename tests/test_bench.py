@@ -408,3 +408,35 @@ def test_llm_families_case_rows_without_llama_cpp(
     file_mb = (tmp_path / "bench-qwen3-v1.gguf").stat().st_size / 1e6
     assert rows["families resident bytes qwen3 2 workers"]["baselines"]["file"] == [file_mb]
     assert "lacks ['llama-bench', 'rpc-server']" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_serve_case_rows_on_a_toy_model_without_llama_server(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The serve case end to end (--quick) on the toy qwen3: a real zmq-rpc-serve and its
+    --serial twin on one local worker, one streaming client; a --llama-bin without llama.cpp's
+    binaries is said so and the rows carry no llama-server baseline."""
+    from synthetic_models import synthetic_path
+    pytest.importorskip("httpx")
+    pytest.importorskip("starlette")
+    out = tmp_path / "bench.json"
+    code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "serve",
+                       "--model", str(synthetic_path("qwen3")), "--streams", "1",
+                       "--serve-workers", "1", "--max-tokens", "4", "--llama-bin", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["errors"] == []
+    rows = {r["label"]: r for r in doc["results"]}
+    where = "1 worker 1 stream"
+    assert list(rows) == [f"serve tok/s {where}", f"serve tok/s {where} vs serial",
+                          *(f"serve {what} p{q} {where}" for what in ("TTFT", "ITL")
+                            for q in (50, 99)),
+                          f"serve worker 0 compute share {where}"]
+    for label, row in rows.items():
+        assert row["ours"] and all(v > 0 for v in row["ours"]), label
+    assert set(rows[f"serve tok/s {where}"]["baselines"]) == {"no llama-server", "ours --serial"}
+    assert rows[f"serve tok/s {where} vs serial"]["baselines"]["ours --serial"][0] > 0
+    assert rows[f"serve tok/s {where}"]["note"].startswith("no llama-server:")
+    assert "lacks ['llama-server', 'rpc-server']" in printed
+    assert printed.count("tokens/request 4.0") == 2       # ours and --serial: max_tokens each

@@ -143,6 +143,19 @@ def test_completion_is_generate_greedy(idle: Server, reference: Reference) -> No
     assert done.usage.completion_tokens == 12 or finish == "stop"
 
 
+def test_one_slot_on_two_workers_serves(workers: list[str], reference: Reference) -> None:
+    """``--slots 1`` over two stages: one lane, whose step the stages take in turn (the server
+    once refused to start: two lanes, one per stage, for one slot)."""
+    serve = Server("--workers", ",".join(workers), "--slots", "1")
+    try:
+        done = serve.openai().completions.create(model="any", prompt=PROMPTS[2], max_tokens=8,
+                                                 temperature=0)
+        text, finish = reference.greedy(reference.tok.encode(PROMPTS[2]), 8)
+        assert (done.choices[0].text, done.choices[0].finish_reason) == (text, finish)
+    finally:
+        assert serve.stop() == 0, serve.proc.stderr()
+
+
 def test_chat_streamed_and_whole_are_generate_greedy(idle: Server, reference: Reference) -> None:
     question = "What is the capital of France?"
     text, finish = reference.greedy(reference.chat_ids(question), 16)

@@ -128,7 +128,7 @@ CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.ben
                                  "zmq_rpc.tools.bench_links", "zmq_rpc.tools.bench_security",
                                  "zmq_rpc.tools.bench_faults", "zmq_rpc.tools.bench_weights",
                                  "zmq_rpc.tools.bench_observe", "zmq_rpc.tools.bench_gpu",
-                                 "zmq_rpc.tools.bench_families")
+                                 "zmq_rpc.tools.bench_families", "zmq_rpc.tools.bench_serve")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)
@@ -183,11 +183,20 @@ class BenchContext:
     """``--synthetic-model SIZE``: the ``links`` case also loads a synthetic GGUF this big."""
     """``--link RATE``: the rate of the shaped links of the ``links`` case (default 1gbit)."""
     llama_bin: str = ""
-    """``--llama-bin DIR``: llama.cpp's binaries, the ``llm-families`` case's baseline."""
+    """``--llama-bin DIR``: llama.cpp's binaries, the ``llm-families`` and ``serve`` cases'
+    baseline."""
     llama_python: str = ""
     """``--llama-python PY``: a Python with ``llama_cpp``, the local baseline without llama-bench."""
     families: list[str] = field(default_factory=list)
     """``--families``: the ``llm-families`` case's families (default: all)."""
+    model: str = ""
+    """``--model PATH``: the ``serve`` case's GGUF (default SmolLM2)."""
+    streams: list[int] = field(default_factory=list)
+    """``--streams``: the ``serve`` case's concurrent clients (default 1,4,16)."""
+    serve_workers: list[int] = field(default_factory=list)
+    """``--serve-workers``: the ``serve`` case's worker counts (default 1,2)."""
+    max_tokens: int = 0
+    """``--max-tokens``: tokens per ``serve`` request (default 64)."""
     resources: ExitStack = field(default_factory=ExitStack)
 
     @property
@@ -541,7 +550,9 @@ def bench(args: argparse.Namespace, endpoints: list[str]) -> tuple[list[CaseResu
             ctx = BenchContext(endpoints, clients, args.quick, args.sizes, baselines, zctx,
                                show_progress=not args.no_progress, link=args.link,
                                synthetic=args.synthetic_model, llama_bin=args.llama_bin,
-                               llama_python=args.llama_python, families=args.families)
+                               llama_python=args.llama_python, families=args.families,
+                               model=args.model, streams=args.streams,
+                               serve_workers=args.serve_workers, max_tokens=args.max_tokens)
             with ctx.resources:
                 return run_cases(ctx, args.cases)
     finally:
@@ -562,6 +573,16 @@ def _case_list(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown case(s) {unknown}; known: {list(CASES)}")
     return names
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in _csv(text)]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"give integers >= 1: {text!r}")
+    return values
 
 
 def _size_list(text: str) -> list[int]:
@@ -594,15 +615,23 @@ def build_run_parser(prog: str = "zmq-rpc-bench") -> argparse.ArgumentParser:
                     help="the links case also loads a synthetic GGUF of random quantized blocks "
                          "this big (e.g. 2GiB; written to a temporary directory, deleted after)")
     ap.add_argument("--llama-bin", metavar="DIR", default="",
-                    help="llama.cpp's binaries (llama-bench, rpc-server): the llm-families case's "
-                         "baseline on the same files (default $ZMQ_RPC_LLAMA_BIN; without: no "
-                         "baseline, said so)")
+                    help="llama.cpp's binaries (llama-bench, llama-server, rpc-server): the "
+                         "llm-families and serve cases' baseline on the same files (default "
+                         "$ZMQ_RPC_LLAMA_BIN; without: no baseline, said so)")
     ap.add_argument("--llama-python", metavar="PY", default="",
                     help="a Python with llama-cpp-python: llm-families' local llama.cpp baseline "
                          "where llama-bench is not built (default $ZMQ_RPC_LLAMA_PYTHON)")
     ap.add_argument("--families", type=_csv, default=[],
                     help="the llm-families case's families (llama, llama3, qwen2, qwen3, gemma3, "
                          "phi3; default: all)")
+    ap.add_argument("--model", metavar="PATH", default="",
+                    help="the serve case's GGUF (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--streams", type=_int_list, default=[],
+                    help="the serve case's concurrent streaming clients (default 1,4,16)")
+    ap.add_argument("--serve-workers", type=_int_list, default=[],
+                    help="the serve case's worker counts (default 1,2)")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="tokens each serve request generates (default 64)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
     ap.add_argument("--json", metavar="FILE", help="write every sample to FILE")
     ap.add_argument("--report", metavar="DIR",

@@ -27,9 +27,13 @@ the next lane's are on stage 0. Stage hand-offs go worker to worker (:func:`~..p
 **Batch invariance.** A sequence's logits do not depend on the other rows of its step: every op
 computes a row from that row alone (products, norms, rope; ``attend_rows`` reads only the row's
 own slot; ``sample_rows`` draws from a hash of the row's seed and counter), and a row's result is
-the same at any position of the batch and in any of the registered sizes: every product takes the
-workers' integer GEMM path, which rounds each row to int8 on its own and sums each row's blocks in
-the same order whatever the other rows (:data:`MIN_ROWS`; checked by the tests).
+the same at any position of the batch and in any of the registered sizes: every product rounds
+each row to int8 on its own and sums each row's blocks in the same order whatever the other rows.
+The workers' integer GEMM does so from 3 rows; below that their matrix-vector kernels run, which
+round the same way only for :data:`ROW_INVARIANT_QTYPES`, so a model whose products are all of
+those types runs steps of 1 and 2 rows (one decoding sequence: the decode kernel, as
+:class:`~.model.LlamaModel` runs it), any other never fewer than :data:`MIN_ROWS`
+(:func:`min_rows`; checked by the tests).
 
 Threads: the caller's thread builds and launches steps and blocks only on a lane step's result.
 """
@@ -45,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...worker.kernels import INVARIANT_INTEGER
 from ..client import Client, RegisteredGraph, RemoteTensor, RunResult
 from ..futures import settled_by
 from ..gguf_model import LlamaConfig, LlamaGGUF, default_model_path, load_gguf
@@ -53,18 +58,41 @@ from ..pipeline import LinkedRun, run_chain
 from .graph import Layer, StageGraphs, step_buffer
 from .load import LoadStats, Progress, WeightLoader
 from .model import KVDType, Status, free_stages
-from .plan import ModeIO, Stage, make_stages, need
+from .plan import ModeIO, Stage, head_tensor, layer_tensor, make_stages, need
 from .runtime import KVCache, embed_tokens
 from .source import SourceChoice, WeightSource
-from .weights import WeightsMode, weight_format
+from .weights import WeightFormat, WeightsMode, weight_format
 
-__all__ = ["MIN_ROWS", "BatchedModel", "LaneStep", "RowIO", "RowSampling", "Rows"]
+__all__ = ["MIN_ROWS", "ROW_INVARIANT_QTYPES", "BatchedModel", "LaneStep", "RowIO", "RowSampling",
+           "Rows", "min_rows"]
 
 MIN_ROWS = 3
-"""Rows of the smallest step graph. The workers' packed products run a matrix-vector pass per row
-up to 2 rows (``worker.kernels.MATVEC_ROWS``, float32 activations) and the integer GEMM from 3
-(each row rounded to int8 on its own): the two differ in the last bits, so every step runs 3 rows
-or more, and a row's products are the same whatever the step's size."""
+"""Rows of the smallest step graph of a model with a product outside :data:`ROW_INVARIANT_QTYPES`.
+The workers' packed products run a matrix-vector pass per row up to 2 rows
+(``worker.kernels.MATVEC_ROWS``) and the integer GEMM from 3 (each row rounded to int8 on its
+own); for the other types the two differ in the last bits (the matrix-vector pass keeps float32
+activations), so every step runs 3 rows or more, and a row's products are the same whatever the
+step's size."""
+
+ROW_INVARIANT_QTYPES = INVARIANT_INTEGER
+"""Packed types whose matrix-vector kernels round a row as their GEMM does (``worker.kernels``,
+"Batch invariance"; ``tests/test_kernels_batch.py``): a 1-row step computes its row bit for bit
+as a row of a larger step."""
+
+
+def min_rows(gguf: LlamaGGUF, fmt: WeightFormat) -> int:
+    """Rows of the smallest step graph of ``gguf`` in format ``fmt``: 1 when every product the
+    step graphs run (the layers' weights and the head) is packed in :data:`ROW_INVARIANT_QTYPES`,
+    else :data:`MIN_ROWS`. A one-stream decode step then runs one row through the decode kernels
+    instead of three through the GEMM (3x the rows, and a GEMM pass over one row costs more than
+    the matrix-vector one)."""
+    if fmt.mode != "quantized":          # f32 products: BLAS, no per-row promise at any size
+        return MIN_ROWS
+    cfg = gguf.config
+    parts = [p for fused in cfg.spec.fused.values() for p in fused]
+    qtypes = {layer_tensor(gguf, i, p).qtype for i in range(cfg.n_layers) for p in parts}
+    qtypes.add(head_tensor(gguf).qtype)
+    return 1 if qtypes <= ROW_INVARIANT_QTYPES else MIN_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +137,13 @@ class RowIO(ModeIO):
 class LaneStep:
     """A lane step in flight: :meth:`result` waits for it and maps its rows back to slots."""
 
-    def __init__(self, future: Future[RunResult], producers: list[int], logits: bool) -> None:
+    def __init__(self, future: Future[RunResult], producers: list[int], logits: bool,
+                 rows: int) -> None:
         self.future = future
         self.producers = producers
         self.logits = logits
+        self.rows = rows
+        """Rows the step runs (the registered size its rows were padded to)."""
 
     def result(self) -> tuple[dict[int, int], dict[int, np.ndarray]]:
         """The token each producing slot got, and (when asked) its logits row."""
@@ -205,9 +236,11 @@ class BatchedModel:
             raise ValueError(f"rows {rows} must be >= the {self.outs} slot(s) of a lane")
         self.rows = rows
         """Rows one lane step runs at most (its decode rows and prompt chunks)."""
-        if rows < MIN_ROWS:
-            raise ValueError(f"rows {rows} must be >= {MIN_ROWS}")
-        self.sizes = sorted({max(MIN_ROWS, n) for n in
+        self.min_rows = min_rows(gguf, self.format)
+        """Rows of the smallest step graph (:func:`min_rows`)."""
+        if rows < self.min_rows:
+            raise ValueError(f"rows {rows} must be >= {self.min_rows}")
+        self.sizes = sorted({max(self.min_rows, n) for n in
                              (*(1 << i for i in range(self.outs.bit_length())), self.outs, rows)})
         """The row counts each lane has graphs for (a step runs the smallest that fits)."""
         self.cache = KVCache(gguf, slots * n_ctx, kv_dtype)
@@ -321,7 +354,7 @@ class BatchedModel:
             runs.append(LinkedRun(stage.graphs[key], sent, fetch, x=io.x_in, y=io.x_out))
         chain = run_chain(runs)
         producers = [p.slot for p in parts if p.sample is not None]
-        return LaneStep(settled_by(chain.runs[-1], chain.runs), producers, logits)
+        return LaneStep(settled_by(chain.runs[-1], chain.runs), producers, logits, rows)
 
     def _inputs(self, lane: int, parts: Sequence[Rows], rows: int) -> dict[str, np.ndarray]:
         """The step's row arrays: padding rows at position -1 writing the scratch row."""

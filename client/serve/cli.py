@@ -129,10 +129,10 @@ def _serve(args: argparse.Namespace) -> None:
             stack.callback(model.close)
             steps = SerialSteps(model)
         else:
+            lanes = min(args.slots, len(clients))     # a lane needs a slot: fewer slots, fewer lanes
             batched = BatchedModel.load(gguf, clients, n_ctx=args.ctx, slots=args.slots,
-                                        weights=args.weights, status=_status,
-                                        rows=_lane_rows(args.slots, len(clients),
-                                                        args.prefill_chunk))
+                                        weights=args.weights, status=_status, lanes=lanes,
+                                        rows=_lane_rows(args.slots, lanes, args.prefill_chunk))
             stack.callback(batched.close)
             steps = BatchedSteps(batched, prefill_chunk=args.prefill_chunk)
         engine = Engine(steps, load_tokenizer(gguf), max_queue=args.max_queue,
@@ -142,9 +142,9 @@ def _serve(args: argparse.Namespace) -> None:
         _run_http(args, engine, args.model_id or path.stem)
 
 
-def _lane_rows(slots: int, stages: int, chunk: int) -> int:
-    """Rows of a lane step: one per slot of the lane (one lane per stage) and a prompt chunk."""
-    return -(-slots // min(slots, stages)) + chunk
+def _lane_rows(slots: int, lanes: int, chunk: int) -> int:
+    """Rows of a lane step: one per slot of the lane and a prompt chunk."""
+    return -(-slots // lanes) + chunk
 
 
 @contextmanager

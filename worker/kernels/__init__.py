@@ -40,7 +40,9 @@ checks every type at B = 1, 2, 3, 7, 16, 33 and every place of the row:
 - q4_0, q4_1, q8_0: yes. :mod:`.intdot` rounds the activation block and its float sum as
   :func:`.intgemm.quantize_rows_into` does, and applies the scales per sub-block in the GEMM's
   order (``y = fma(float(isum), d * dx, y)``, then ``fma(m, sum x, y)``; the scalar tails as the
-  GEMM's), so a decode row and the same row in a prefill are the same bits.
+  GEMM's), so a decode row and the same row in a prefill are the same bits. The batched engine
+  (``client/llama/batch.py``, ``min_rows``) relies on it: a model whose products are all of these
+  types steps one decoding sequence as one row, any other never runs fewer than 3.
 - f16, bf16 without AMX: yes; both kernels are one FMA per weight and input, in input order.
   With AMX (:mod:`.amxgemm`, three bf16 levels), no.
 - q5_0, q5_1, q4_k, q5_k, q6_k: no. Decode runs the float matvec of :mod:`.jit` (float32
