@@ -191,6 +191,21 @@ def _abort_if_failed(sent: Future[Any], landed: Future[Any], b: Owner, token: by
         _abort(b, token, str(error))
 
 
+def _abort_receives_if_failed(run: Future[Any], sends: Sequence[HandOff]) -> None:
+    """A linked run failed (a lost link, its worker gone): call off the receives of its
+    worker-to-worker hand-offs now, which would otherwise hold their workers' queues (a model's
+    frees, every later request) until the transfer deadline. In a partition the receiving
+    worker's own link to this one often still has unacknowledged data in flight, which keeps
+    its keepalive silent: only the deadline (48 s) would end the wait. A hand-off that did
+    land first is untouched (the abort of a finished receive is ignored)."""
+    error = run.exception()
+    if error is None:
+        return
+    for h in sends:
+        if not h.dst.client.session.closed:
+            _abort(h.dst.client, h.token, f"the run that sends it failed: {error}")
+
+
 def _abort(b: Owner, token: bytes, why: str) -> Future[Any]:
     return _call(b, Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0,
                                                  total=0, error=why[:512]), [b""])
@@ -343,6 +358,9 @@ def run_linked(client: Owner, graph: RegisteredGraph, refs: list[TensorRef],
                                              receive=receives, send=sends, timeout_ms=timeout_ms,
                                              hold_reply_us=hold_us, receive_from=sources)
         run = _call(client, Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch_refs))
+        direct = [h for h in send if h.route == "direct"]
+        if direct:
+            run.add_done_callback(lambda f: _abort_receives_if_failed(f, direct))
     else:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
         run = _call(client, Cmd.GRAPH_RUN, msg, frames, on_reply=fetched(fetch_refs))

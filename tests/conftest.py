@@ -11,6 +11,13 @@ import os
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")   # before numpy loads: 2 cores, workers in the same process
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    # CI's environment sets it: every worker, CLI and child interpreter the tests start compiled
+    # the package's modules from source (0.1 s of CPU more per worker start, 0.4 s per CLI run,
+    # hundreds of them). They share one bytecode cache instead, in the checkout's ignored
+    # .pytest_cache (it goes with the clone).
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "pycache"))
 import signal
 import subprocess
 from collections.abc import Callable, Iterator

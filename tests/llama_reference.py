@@ -260,12 +260,3 @@ class ReferenceLlama:
                 break
             logits = self.forward([out[-1]], self.n_past)
         return out
-
-    def generate_greedy_uncached(self, prompt_ids: Sequence[int], n: int) -> list[int]:
-        """Greedy decoding that recomputes the whole sequence for every token (no cache reuse)."""
-        ids, out = list(prompt_ids), []
-        for _ in range(n):
-            self.reset()
-            out.append(int(np.argmax(self.forward(ids, 0)[-1])))
-            ids.append(out[-1])
-        return out

@@ -79,14 +79,18 @@ def test_rope_normal_rotates_interleaved_pairs() -> None:
 
 @pytest.mark.timeout(300)
 def test_kv_cache_decode_equals_full_recompute(ref: ReferenceLlama, prompt_ids: list[int]) -> None:
+    """16 greedy tokens decoded with the cache: the same tokens, and the same logits at every
+    step, as one forward of the whole sequence without it. Row i of that forward is what an
+    uncached greedy step i computes (the attention is causal), so its argmax is that step's
+    token: one recompute instead of an uncached greedy run's 16 (11 of the test's 13 s)."""
     assert 30 <= len(prompt_ids) <= 40
     cached = ref.generate_greedy(prompt_ids, 16)
-    assert cached == ref.generate_greedy_uncached(prompt_ids, 16)
     ref.reset()
     step_logits = [ref.forward(prompt_ids, 0)[-1]]
     step_logits += [ref.forward([t], ref.n_past)[-1] for t in cached[:-1]]
     assert ref.n_past == len(prompt_ids) + 15
     full = ref.forward(prompt_ids + cached[:-1], 0)[len(prompt_ids) - 1 :]
+    assert cached == [int(i) for i in np.argmax(full, axis=-1)]
     np.testing.assert_allclose(np.stack(step_logits), full, rtol=1e-4, atol=2e-3)
 
 

@@ -316,7 +316,9 @@ def test_a_partition_between_workers_fails_a_split_generation_within_the_bound(
     """SmolLM2 split over w0 and w1 (GRAPH_RUN_LINKED hand-offs, pushed unacknowledged over
     their direct link), the link taken down a few tokens in: the generation fails within 6 s
     with PeerUnreachable naming the link (it failed at the transfer deadline, 48 s, before
-    the receiving worker watched its own link to the sender)."""
+    the receiving worker watched its own link to the sender), and the model closes as
+    promptly (its frees waited 43 s behind the other worker's receive of a hand-off the failed
+    run never sent, before the client called such receives off)."""
     from zmq_rpc.client.llama import LlamaModel
 
     lab, a, b = partitioned_clients
@@ -343,5 +345,12 @@ def test_a_partition_between_workers_fails_a_split_generation_within_the_bound(
         assert tokens.wait(60), "the generation did not start"
         error, after = _failure_after_cut(lab, out)
         thread.join(10)
+        closing = time.monotonic()
+    closed = time.monotonic() - closing
     _names_the_link(error, a, b)
     assert after <= PARTITION_BOUND_S, f"the generation failed {after:.1f} s after the cut"
+    # the model's frees queue behind the first worker's wait for the hand-off the failed
+    # stage never sent: it must be called off, not left to the transfer deadline (48 s)
+    assert closed <= PARTITION_BOUND_S, f"closing the model took {closed:.1f} s after the failure"
+    a.ping()                                              # both workers still answer
+    b.ping()

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -650,6 +651,7 @@ def test_fields_added_by_a_later_minor_come_last_with_a_default() -> None:
 
 FIRST_IMPORTS = """
 import os, sys
+sys.dont_write_bytecode = False    # into PYTHONPYCACHEPREFIX: compiled once, not in every child
 for dep in sys.argv[1].split():    # third-party only: no zmq_rpc module is imported before a fork
     try:
         __import__(dep)
@@ -680,10 +682,13 @@ child pays only for the package's own modules."""
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
+def test_every_module_imports_first_in_a_fresh_interpreter(tmp_path: Path) -> None:
     """Whichever module a program imports first must work (``import zmq_rpc.broker.peer``
     first used to fail when the protocol modules imported each other). One interpreter that has
-    imported no module of the package forks a child per module, which imports it first."""
+    imported no module of the package forks a child per module, which imports it first.
+    The children share a bytecode cache of their own (PYTHONDONTWRITEBYTECODE, as CI's
+    environment sets it, made each child compile every module it imported from source: the
+    test cost 43-48 s, not 17)."""
     import pkgutil
     import subprocess
     import sys
@@ -698,7 +703,8 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
              if not m.name.endswith("cupy_backend")]        # needs the optional extra
     assert "zmq_rpc.broker.peer" in names and len(names) > 20
     done = subprocess.run([sys.executable, "-c", FIRST_IMPORTS, THIRD_PARTY, *names],
-                          capture_output=True, text=True, timeout=280)
+                          capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == ""
 
