@@ -266,7 +266,10 @@ def _first_byte(argv: list[str]) -> float:
             proc.communicate(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:   # SIGINT ignored or blocked (inherited): stop it
             proc.terminate()
-            proc.communicate(timeout=STOP_GRACE_S)
+            try:
+                proc.communicate(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass                        # SIGKILL, below: the measurement stands
         return seconds
     finally:
         if proc.poll() is None:
