@@ -96,6 +96,10 @@ TARGET_SCALING = 1.7
 NO_LLAMA = "no llama-server"
 LLAMA = "llama-server"
 SERIAL = "ours --serial"
+SETTLE_S = 0.5
+"""Apart this far, two equal reads of a worker's compute seconds are current: the worker publishes
+its metrics between polls of up to 0.25 s, at most every 0.1 s, so a read right after a round
+could miss the round's last requests (a short round then showed a compute share of 0)."""
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -338,12 +342,25 @@ def _measured(url: str, streams: int, requests: int, max_tokens: int,
     """A round against ``url`` that also reads each worker's compute seconds (``compute``) and
     CPU seconds (``cpu``: PIDs) before and after, as shares of the round's wall time."""
     def run() -> tuple[RoundResult, list[float], list[float]]:
-        compute0, cpu0 = [f() for f in compute], [cpu_seconds(p) for p in cpu]
+        compute0, cpu0 = [settled(f) for f in compute], [cpu_seconds(p) for p in cpu]
         result = drive(url, streams, requests, max_tokens)
-        shares = [(f() - c) / result.seconds for f, c in zip(compute, compute0)]
+        shares = [(settled(f) - c) / result.seconds for f, c in zip(compute, compute0)]
         cpu_shares = [(cpu_seconds(p) - c) / result.seconds for p, c in zip(cpu, cpu0)]
         return result, shares, cpu_shares
     return run
+
+
+def settled(read: Callable[[], float], limit_s: float = 10.0) -> float:
+    """``read()`` once two reads :data:`SETTLE_S` apart agree (the worker is idle between rounds:
+    its counter then stops moving once its last requests are published)."""
+    last, deadline = read(), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_S)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 def alternate(runners: dict[str, Measure], rounds: int) -> dict[str, Cell]:
