@@ -73,14 +73,14 @@ def test_generation_survives_a_killed_worker(
         six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
         clients: Callable[[str], Client]) -> None:
     procs = [spawn_worker() for _ in range(3)]
-    reported: list[Recovery] = []
-    with split(six_layers, procs, clients, on_recovery=reported.append) as model:
+    with split(six_layers, procs, clients) as model:
         expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
         at = random.Random().randint(2, NEW_TOKENS - 4)
         victim, layers = procs[1], model.stages[1].layers
         out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(),
                              stream=fault_at(at, lambda: victim.proc.send_signal(signal.SIGKILL)))
         assert out == expected, f"killed at token {at}"
+        reported = model.recoveries
         assert [r.moves[0].lost for r in reported] == [victim.endpoint]
         move = reported[0].moves[0]
         assert move.layers == layers and not move.spare
@@ -96,13 +96,16 @@ def test_the_last_stage_moves_to_a_spare_first(
         clients: Callable[[str], Client]) -> None:
     procs = [spawn_worker() for _ in range(4)]
     spare = clients(procs[3].endpoint)
-    with split(six_layers, procs[:3], clients, spares=[spare]) as model:
+    reported: list[Recovery] = []
+    with split(six_layers, procs[:3], clients, spares=[spare],
+               on_recovery=reported.append) as model:
         layers = model.stages[-1].layers
         expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
         out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(
             5, lambda: procs[2].proc.send_signal(signal.SIGKILL)))
         assert out == expected
-        (move,) = model.recoveries[0].moves
+        assert reported == model.recoveries and len(reported) == 1
+        (move,) = reported[0].moves
         assert move.spare and move.onto == spare.endpoint and move.layers == layers
         assert model.stages[-1].client is spare and model.stages[-1].last
 
