@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import WorkerProcess
+from gguf import GGMLQuantizationType as GT
 from requantize import cache_dir
 from zmq_rpc.client import Client, ConnectionLost, RecoveryFailed
 from zmq_rpc.client.llama import LlamaModel
@@ -36,6 +37,20 @@ def six_layers() -> Path:
     path = cache_dir() / "synthetic-llama3-6layers-v1.gguf"
     if not path.exists():
         write_family(replace(FAMILIES["llama3"], n_layers=6), path, seed=61)
+    return path
+
+
+def q4_1_mix(part: str, layer: int, n_layers: int, cols: int) -> GT:
+    """SmolLM2's type: the integer kernels, batch-invariant on every CPU path."""
+    return GT.Q4_1
+
+
+@pytest.fixture(scope="module")
+def six_layers_q4_1() -> Path:
+    """The same in Q4_1 only: a recovery replays it as prefill chunks."""
+    path = cache_dir() / "synthetic-llama3-6layers-q4_1-v1.gguf"
+    if not path.exists():
+        write_family(replace(FAMILIES["llama3"], n_layers=6, mix=q4_1_mix), path, seed=62)
     return path
 
 
@@ -69,11 +84,15 @@ def fault_at(token: int, fault: Callable[[], None]) -> Callable[[int], None]:
     return stream
 
 
+@pytest.mark.parametrize("types", ["toy mix", "q4_1"])
 def test_generation_survives_a_killed_worker(
-        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        types: str, request: pytest.FixtureRequest, spawn_worker: Callable[..., WorkerProcess],
         clients: Callable[[str], Client]) -> None:
+    """The toy mix (K-quants, f16) is replayed as it was fed, Q4_1 as prefill chunks: both
+    give the fault-free output."""
+    path = request.getfixturevalue("six_layers" if types == "toy mix" else "six_layers_q4_1")
     procs = [spawn_worker() for _ in range(3)]
-    with split(six_layers, procs, clients) as model:
+    with split(path, procs, clients) as model:
         expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
         at = random.Random().randint(2, NEW_TOKENS - 4)
         victim, layers = procs[1], model.stages[1].layers
@@ -87,6 +106,7 @@ def test_generation_survives_a_killed_worker(
         assert move.onto in (procs[0].endpoint, procs[2].endpoint)
         assert reported[0].detect_seconds < BOUND_S
         assert reported[0].tokens >= len(PROMPT) + at - 1
+        assert reported[0].as_fed == (types == "toy mix")
         assert model.stages[1].client.endpoint == move.onto
         assert model.generate(PROMPT, NEW_TOKENS, stop_ids=()) == expected   # and stays whole
 

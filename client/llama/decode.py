@@ -17,11 +17,11 @@ from functools import partial
 
 import numpy as np
 
-from ...broker.errors import RecoveryFailed, TransportError
+from ...broker.errors import TransportError
 from ..client import RunResult
 from ..peer import HandOff, hand_off
 from .plan import need
-from .runtime import Recover, Step, StepRunner, StepStat, guarded
+from .runtime import Recover, Step, StepRunner, StepStat, guarded, recover_from
 from .sampling import sample_token
 
 __all__ = ["Generator"]
@@ -104,9 +104,7 @@ class Generator:
                 self._decode_chained(out, limit, stops, stream, restart)
                 return
             except TransportError as exc:
-                if self.recover is None or isinstance(exc, RecoveryFailed):
-                    raise
-                self.recover(exc)
+                recover_from(exc, self.recover)
                 restart = out[-1]
 
     def _decode_chained(self, out: list[int], limit: int, stops: set[int],

@@ -16,10 +16,13 @@ own ``ConnectionLost``, or a ``TransferError`` from a worker whose peer went awa
    and graphs are made as at load. What it needs is the lost stage's own buffers (weights, KV,
    step tensors) plus the staging buffer its file ranges pass through; when no worker has that
    free, :class:`~zmq_rpc.client.RecoveryFailed` says what each would hold.
-3. **re-prefill**: the caches are cleared and the sequence replayed exactly as it was fed
-   (:attr:`.runtime.KVCache.fed`: the prompt's prefill chunks, then the decoded tokens as
-   decode steps, each part issued at once): the caches hold the bits the fault-free run's
-   held, so greedy decoding goes on with the token the fault-free run would have picked.
+3. **re-prefill**: the caches are cleared and the sequence the model kept
+   (:attr:`.runtime.KVCache.fed`) replayed so that they hold the bits the fault-free run's
+   held, and greedy decoding goes on with the token the fault-free run would have picked: as
+   prefill chunks when every product of the model is batch-invariant (a row's bits the same in
+   a chunk as in a decode step: the integer kernels of Q4_0, Q4_1 and Q8_0, SmolLM2's types),
+   else exactly as it was fed (the prompt's prefill chunks, then one decode step per decoded
+   token, all issued at once: several times slower).
 
 Each recovery is reported as a :class:`Recovery` (to ``on_recovery``, and logged): which worker
 was lost, which layers went where, and its three costs, measured. Not recovered: a model on one
@@ -39,6 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ...broker.errors import RecoveryFailed, RemoteError, TransportError
+from ...worker.kernels import INVARIANT_INTEGER
 from ..client import Client, MemoryInfo
 from ..gguf_model import LlamaGGUF
 from .graph import Mode, StageGraphs
@@ -46,7 +50,7 @@ from .load import WeightLoader, staging_places
 from .plan import Stage, stage_sources
 from .runtime import StepRunner
 from .source import StageSource, WeightSource
-from .weights import WeightFormat
+from .weights import MATMUL_QTYPES, WeightFormat
 
 __all__ = ["Move", "OnRecovery", "Recoverer", "Recovery"]
 
@@ -93,6 +97,8 @@ class Recovery:
     """Replaying the sequence into the caches."""
     tokens: int
     """Tokens replayed."""
+    as_fed: bool = False
+    """Replayed as it was fed (a decode step per decoded token), not as prefill chunks."""
 
     @property
     def total_seconds(self) -> float:
@@ -105,7 +111,8 @@ class Recovery:
         return (f"worker {lost} lost ({self.cause}): re-placed "
                 f"{'; '.join(m.describe() for m in self.moves)} in {self.total_seconds:.2f} s "
                 f"(detection {self.detect_seconds:.2f} s, load {self.load_seconds:.2f} s, "
-                f"re-prefill of {self.tokens} tokens {self.prefill_seconds:.2f} s)")
+                f"re-prefill of {self.tokens} tokens {'as fed' if self.as_fed else 'in chunks'} "
+                f"{self.prefill_seconds:.2f} s)")
 
 
 OnRecovery = Callable[[Recovery], None]
@@ -125,6 +132,11 @@ class Recoverer:
         self.runner = runner
         self.spares = list(spares)
         self.on_recovery = on_recovery
+        self.invariant = fmt.mode == "quantized" and all(
+            t.qtype in INVARIANT_INTEGER for t in gguf.tensors.values() if t.qtype in MATMUL_QTYPES)
+        """Every product of the model gives a row the same bits in a prefill chunk as in a decode
+        step (the integer kernels of Q4_0, Q4_1, Q8_0 on every CPU path): the sequence is
+        replayed as prefill chunks; else as it was fed (one decode step per decoded token)."""
         self.lost: list[Client] = []
         """Workers given up on (never used again by this model)."""
         self.recoveries: list[Recovery] = []
@@ -148,10 +160,10 @@ class Recoverer:
                 raise exc from error
             raise
         loaded = time.monotonic()
-        tokens = self.runner.replay()
+        tokens = self.runner.replay(as_fed=not self.invariant)
         done = time.monotonic()
         recovery = Recovery(cause, tuple(moves), failed_at, detected - failed_at,
-                            loaded - detected, done - loaded, tokens)
+                            loaded - detected, done - loaded, tokens, not self.invariant)
         self.recoveries.append(recovery)
         log.warning("%s", recovery.describe())
         if self.on_recovery is not None:

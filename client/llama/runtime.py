@@ -39,7 +39,8 @@ from .graph import Mode, StageGraphs
 from .load import Layout
 from .plan import Stage, need
 
-__all__ = ["KVCache", "Recover", "Step", "StepRunner", "StepStat", "embed_tokens", "guarded"]
+__all__ = ["KVCache", "Recover", "Step", "StepRunner", "StepStat", "embed_tokens", "guarded",
+           "recover_from"]
 
 T = TypeVar("T")
 Recover = Callable[[TransportError], None]
@@ -48,15 +49,31 @@ Recover = Callable[[TransportError], None]
 
 
 def guarded(call: Callable[[], T], recover: Recover | None) -> T:
-    """``call()``; when it fails on a lost connection, ``recover(error)`` and call again (each
-    recovery takes at least one worker out, so this ends). ``recover`` None: the error as is."""
+    """``call()``; when it fails on a lost connection, :func:`recover_from` it and call again
+    (each recovery takes at least one worker out, so this ends). ``recover`` None: the error
+    as is."""
     while True:
         try:
             return call()
         except TransportError as exc:
-            if recover is None or isinstance(exc, RecoveryFailed):
+            recover_from(exc, recover)
+
+
+def recover_from(error: TransportError, recover: Recover | None) -> None:
+    """``recover(error)``; a recovery that meets another loss (a worker lost while the stages
+    load or the sequence is replayed) recovers from that one too. Raises ``error`` when there
+    is nothing to recover with (``recover`` None, or ``error`` a failed recovery), and whatever
+    a recovery raises that is not a new loss."""
+    if recover is None or isinstance(error, RecoveryFailed):
+        raise error
+    while True:
+        try:
+            recover(error)
+            return
+        except TransportError as again:
+            if again is error or isinstance(again, RecoveryFailed):
                 raise
-            recover(exc)
+            error = again
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,16 +200,21 @@ class StepRunner:
                                    sum(s.compute() for s in steps)))
         return results
 
-    def replay(self) -> int:
-        """Clear the caches and feed the sequence again as it was fed (:attr:`KVCache.fed`: the
-        same modes and chunks, so the same bits); the chunks of each part are issued at once.
-        Tokens replayed; no :class:`StepStat` is kept for it."""
+    def replay(self, *, as_fed: bool) -> int:
+        """Clear the caches and feed the sequence again, its chunks issued at once: ``as_fed``,
+        in the modes and chunks it was fed (:attr:`KVCache.fed`: the same bits whatever the
+        kernels); else all of it as prefill chunks (a fraction of the time of one decode step
+        per token; the same bits where every product is batch-invariant). Tokens replayed; no
+        :class:`StepStat` is kept for it."""
         fed, kept = self.cache.fed, len(self.stats)
         self.reset()
-        for mode, ids in fed:
-            self.run_chunks(mode, ids, fetch_each=False,
-                            fetch="logits" if mode == "full" else "token")
+        parts = fed if as_fed else [("prefill", [t for _, ids in fed for t in ids])]
+        for mode, ids in parts:
+            if ids:
+                self.run_chunks(mode, ids, fetch_each=False,
+                                fetch="logits" if mode == "full" else "token")
         del self.stats[kept:]
+        self.cache.fed = fed
         return sum(len(ids) for _, ids in fed)
 
     def wait(self, steps: Sequence[Step]) -> list[RunResult]:
