@@ -208,7 +208,8 @@ class StepRunner:
         :class:`StepStat` is kept for it."""
         fed, kept = self.cache.fed, len(self.stats)
         self.reset()
-        parts = fed if as_fed else [("prefill", [t for _, ids in fed for t in ids])]
+        merged: list[tuple[Mode, list[int]]] = [("prefill", [t for _, ids in fed for t in ids])]
+        parts = fed if as_fed else merged
         for mode, ids in parts:
             if ids:
                 self.run_chunks(mode, ids, fetch_each=False,
