@@ -17,11 +17,10 @@ from functools import partial
 
 import numpy as np
 
-from ...broker.errors import TransportError
 from ..client import RunResult
 from ..peer import HandOff, hand_off
 from .plan import need
-from .runtime import Recover, Step, StepRunner, StepStat, guarded, recover_from
+from .runtime import LOSSES, Recover, Step, StepRunner, StepStat, guarded, recover_from
 from .sampling import sample_token
 
 __all__ = ["Generator"]
@@ -103,7 +102,7 @@ class Generator:
             try:
                 self._decode_chained(out, limit, stops, stream, restart)
                 return
-            except TransportError as exc:
+            except LOSSES as exc:
                 recover_from(exc, self.recover)
                 restart = out[-1]
 

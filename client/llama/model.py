@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from ...broker.errors import RpcError, TransportError
+from ...broker.errors import RpcError
 from ..client import Client, RunResult
 from ..gguf_model import LlamaConfig, LlamaGGUF, default_model_path, load_gguf
 from .decode import Generator
@@ -190,7 +190,7 @@ class LlamaModel:
         return guarded(lambda: self.runner.run_chunks(mode, token_ids, fetch_each=fetch_each),
                        self._recover)
 
-    def _recover(self, error: TransportError) -> None:
+    def _recover(self, error: RpcError) -> None:
         if self.recoverer is None:
             raise error
         self.recoverer.recover(error)

@@ -1,7 +1,7 @@
 """Recovering a split model from a lost worker: its layers re-placed, the sequence replayed.
 
-When a step fails on a lost connection (a :class:`~zmq_rpc.client.TransportError`: the worker's
-own ``ConnectionLost``, or a ``TransferError`` from a worker whose peer went away),
+When a step fails as a lost worker fails it (:data:`.runtime.LOSSES`: the worker's own
+``ConnectionLost``, or a ``TransferError`` from a worker whose hand-off from it never came),
 :meth:`Recoverer.recover` makes the model whole again and the caller retries the step:
 
 1. **detection**: every worker of the model is pinged; those whose ping fails with a
@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ...broker.errors import RecoveryFailed, RemoteError, TransportError
+from ...broker.errors import RecoveryFailed, RemoteError, RpcError, TransportError
 from ...worker.kernels import INVARIANT_INTEGER
 from ..client import Client, MemoryInfo
 from ..gguf_model import LlamaGGUF
@@ -143,7 +143,7 @@ class Recoverer:
 
     # ----------------------------------------------------------------------------- recovery
 
-    def recover(self, error: TransportError) -> None:
+    def recover(self, error: RpcError) -> None:
         """Make the model whole after ``error`` (see the module docstring), or raise: the error
         itself when no worker is lost, :class:`RecoveryFailed` when the layers fit nowhere."""
         failed_at = time.monotonic()

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ...broker.errors import RecoveryFailed, TransportError
+from ...broker.errors import RecoveryFailed, RpcError, TransferError, TransportError
 from ...broker.ops import QUANT_BLOCKS
 from ...worker.formats import quant
 from ..client import RunResult
@@ -39,13 +39,18 @@ from .graph import Mode, StageGraphs
 from .load import Layout
 from .plan import Stage, need
 
-__all__ = ["KVCache", "Recover", "Step", "StepRunner", "StepStat", "embed_tokens", "guarded",
+__all__ = ["LOSSES", "KVCache", "Recover", "Step", "StepRunner", "StepStat", "embed_tokens", "guarded",
            "recover_from"]
 
 T = TypeVar("T")
-Recover = Callable[[TransportError], None]
+Recover = Callable[[RpcError], None]
 """``recover(error)``: after a step failed on a lost connection, make the model whole again
 (re-placed stages, the sequence replayed: :mod:`.recovery`) or raise."""
+
+LOSSES = (TransportError, TransferError)
+"""The errors a lost worker fails a step with: its own connection's (``ConnectionLost``), or a
+survivor's ``TransferError`` (its hand-off from the lost worker never came, or was called off):
+whichever reaches the step first."""
 
 
 def guarded(call: Callable[[], T], recover: Recover | None) -> T:
@@ -55,11 +60,11 @@ def guarded(call: Callable[[], T], recover: Recover | None) -> T:
     while True:
         try:
             return call()
-        except TransportError as exc:
+        except LOSSES as exc:
             recover_from(exc, recover)
 
 
-def recover_from(error: TransportError, recover: Recover | None) -> None:
+def recover_from(error: RpcError, recover: Recover | None) -> None:
     """``recover(error)``; a recovery that meets another loss (a worker lost while the stages
     load or the sequence is replayed) recovers from that one too. Raises ``error`` when there
     is nothing to recover with (``recover`` None, or ``error`` a failed recovery), and whatever
@@ -70,7 +75,7 @@ def recover_from(error: TransportError, recover: Recover | None) -> None:
         try:
             recover(error)
             return
-        except TransportError as again:
+        except LOSSES as again:
             if again is error or isinstance(again, RecoveryFailed):
                 raise
             error = again
