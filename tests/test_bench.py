@@ -21,7 +21,7 @@ import pytest
 import zmq
 from zmq_rpc.tools import baselines as bl
 from zmq_rpc.tools import bench, units
-from zmq_rpc.worker.launch import ServerProcess
+from zmq_rpc.worker.launch import ServerProcess, local_workers
 
 BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
 """The console script the install put beside this interpreter."""
@@ -79,6 +79,32 @@ def test_baseline_server_round_trip_and_clean_stop(kind: str) -> None:
     finally:
         code = server.stop()
     assert code == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_dies_before_listening_is_reported_with_its_stderr_and_code() -> None:
+    """A failed start says why: the server's exit code and what it wrote to stderr (which the
+    launcher used to drop by closing its stderr file before reading it)."""
+    server = ServerProcess([sys.executable, "-c",
+                            "import sys; sys.stderr.write('boom: no model'); sys.exit(3)"])
+    with pytest.raises(RuntimeError, match=r"(?s)exit code 3.*boom: no model"):
+        server.wait_ready()
+    assert "boom" in server.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_fails_shows_what_its_local_workers_said(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A failure with local workers prints their stderr (a lost connection is explained there,
+    and it went to a temporary file that nobody read); a run that ends well prints nothing."""
+    with local_workers(1, "--log-level", "INFO"):
+        pass
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="the load failed"), \
+            local_workers(1, "--log-level", "INFO") as endpoints:
+        raise ValueError("the load failed")
+    err = capsys.readouterr().err
+    assert f"{endpoints[0]} said:" in err and "INFO zmq_rpc.worker: worker " in err, err
 
 
 def _exercise(kind: str, endpoint: str) -> None:
@@ -243,6 +269,9 @@ def test_first_byte_stops_a_program_that_ignores_sigint(monkeypatch: pytest.Monk
 
 
 def test_cases_and_commands_can_be_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every case module first: one imported for the first time under the copies below would
+    # register into them, and its cases would be gone for the rest of the process.
+    bench.load_case_modules()
     monkeypatch.setattr(bench, "CASES", dict(bench.CASES))
     monkeypatch.setattr(bench, "COMMANDS", dict(bench.COMMANDS))
 

@@ -201,7 +201,7 @@ path = "vnni" if intdot.VNNI else "avx2" if intdot.AVX2 else "portable"
 assert path == sys.argv[3], f"compiled for {path}, expected {sys.argv[3]}"
 data = np.load(sys.argv[1])
 out = {}
-for qtype in sorted(kernels.INTEGER_GEMM):
+for qtype in sorted(name for name in data.files if name != "x"):
     for n in (1, data["x"].shape[0]):
         if qtype not in ("q4_0", "q4_1", "q8_0") and n == 1:
             continue                         # float decode kernels: not the integer sums
@@ -210,6 +210,12 @@ for qtype in sorted(kernels.INTEGER_GEMM):
         out[f"{qtype}_{n}"] = y
 np.savez(sys.argv[2], **out)
 """
+PATH_QTYPES = ("q4_0", "q5_0", "q6_k", "q8_0")
+"""The block types the paths test compiles for another CPU: one per bound of AVX2's 16-bit partial
+sums (8 products of 4-bit codes, 4 of 5-bit, 2 of 6-bit) and q8_0's sign trick, decode (q4_0,
+q8_0) and prefill; q4_1, q5_1, q4_k and q5_k reach the same bounds through the same
+:func:`~zmq_rpc.worker.kernels.intdot._dots`. All eight took 3-5 minutes of
+compiling inside the suite on a fresh clone; these four about half that."""
 PATH_TARGETS = {     # numba told to compile for a CPU: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
     "avx2": ("haswell", "+avx,+avx2,+bmi,+bmi2,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,"
                         "+sse4.2,+ssse3"),
@@ -248,8 +254,8 @@ def test_integer_paths_give_bit_identical_products(path: str, tmp_path: Path) ->
     """Compiled for another CPU (numba told to; its cache kept beside the kernels' own, so only the
     first run compiles), the integer kernels take that CPU's path (AVX2's ``vpmaddubsw`` sums, or
     the portable vector IR) and give bit-identical products to this process's path (VNNI, AVX2 or
-    portable), decode and prefill of every block type, on codes and inputs at the 16-bit sums'
-    bounds. Skipped where both are the same path or this CPU
+    portable), decode and prefill of a block type per bound of the 16-bit sums
+    (:data:`PATH_QTYPES`), on codes and inputs at those bounds. Skipped where both are the same path or this CPU
     cannot run the target's code."""
     here_path = "vnni" if intdot.VNNI else "avx2" if intdot.AVX2 else "portable"
     cpu, features = PATH_TARGETS[path]
@@ -258,7 +264,7 @@ def test_integer_paths_give_bit_identical_products(path: str, tmp_path: Path) ->
     if not set(features.split(",")) <= intdot._numba_cpu_features():
         pytest.skip(f"this CPU cannot run {cpu} code")
     rng = np.random.default_rng(23)
-    weights = {q: extreme_weight(rng, q, 35, 512) for q in sorted(kernels.INTEGER_GEMM)}
+    weights = {q: extreme_weight(rng, q, 35, 512) for q in PATH_QTYPES}
     x = extreme_inputs(rng, intgemm.TB + 3, 512)
     np.savez(tmp_path / "in.npz", x=x, **weights)
     env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features,

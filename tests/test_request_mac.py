@@ -307,7 +307,11 @@ def test_a_signed_request_after_the_session_expired_gets_no_session_under_its_id
     worker = make_worker(memory_limit=64 << 20)
     client = make_client(worker.endpoint)
     rid = client.connection.options.identity
-    client.close()                                       # GOODBYE: the session is gone
+    client.close()               # GOODBYE (best effort: sent, not waited for)
+    observer = make_client(worker.endpoint)
+    # Until the worker has freed it, the session still exists (a stranger's PING would be
+    # NOT_AUTHENTIC), and GOODBYE's own reply could reach a new socket under the same id.
+    wait_until(lambda: observer.status().sessions == 0, 10, "the closed client's session freed")
     sock = _dealer(ctx, worker.endpoint, rid)
     header = _ask(sock, [Signer(bytes(32)).sign(p.encode_request(Cmd.PING, 42, p.Empty()))])
     assert header[:2] == [ErrorCode.NO_SESSION, 42]

@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 __all__ = ["LISTENING", "ServerProcess", "add_worker_options", "endpoint_list", "local_workers",
            "worker_argv"]
@@ -46,21 +47,23 @@ class ServerProcess:
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                      start_new_session=own_session)
         self.endpoint = ""
+        self._said = ""
 
     def wait_ready(self) -> str:
         """Read the announcement line; the endpoint, or RuntimeError with the server's stderr."""
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if LISTENING not in line:
-            self.stop(timeout=5)
-            raise RuntimeError(f"{' '.join(self.argv)} did not start: {line!r}\n{self.stderr()}")
+            code = self.stop(timeout=5)
+            raise RuntimeError(f"{' '.join(self.argv)} did not start (exit code {code}): "
+                               f"{line!r}\n{self._said}")
         self.endpoint = line.rsplit(" ", 1)[1].strip()
         return self.endpoint
 
     def stderr(self) -> str:
         """What the server wrote to stderr so far."""
         if self._stderr.closed:
-            return ""
+            return self._said
         self._stderr.seek(0)
         return self._stderr.read().decode(errors="replace")
 
@@ -76,7 +79,9 @@ class ServerProcess:
             code = self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        self._stderr.close()
+        if not self._stderr.closed:
+            self._said = self.stderr()      # kept: a failed start reports it after the stop
+            self._stderr.close()
         return code
 
 
@@ -97,13 +102,27 @@ def local_workers(count: int, *extra: str, own_session: bool = False) -> Iterato
     ``own_session``: each in its own session, out of reach of a terminal's Ctrl-C (see
     :class:`ServerProcess`)."""
     procs: list[ServerProcess] = []
+    failed = False
     try:
         procs.extend(ServerProcess(worker_argv(*extra), own_session) for _ in range(count))
         yield [proc.wait_ready() for proc in procs]
+    except Exception:               # not Ctrl-C or SIGTERM: the user stopped those
+        failed = True
+        raise
     finally:
         codes = [proc.stop() for proc in procs]
         if any(codes):
-            print(f"zmq-rpc-bench: worker exit codes {codes}", file=sys.stderr)
+            print(f"{Path(sys.argv[0]).name}: worker exit codes {codes}", file=sys.stderr)
+        if failed or any(codes):     # what the workers said can explain the failure
+            for proc in procs:
+                _show_stderr(proc)
+
+
+def _show_stderr(proc: ServerProcess, lines: int = 20) -> None:
+    said = proc.stderr().strip().splitlines()[-lines:]
+    if said:
+        print(f"{proc.endpoint or 'a local worker'} said:", *(f"  {line}" for line in said),
+              sep="\n", file=sys.stderr)
 
 
 def endpoint_list(text: str) -> list[str]:

@@ -50,8 +50,8 @@ from ..futures import settled_by
 from ..gguf_model import LlamaConfig, LlamaGGUF, default_model_path, load_gguf
 from ..graph import Graph, GraphTensor
 from ..pipeline import LinkedRun, run_chain
-from .graph import Layer, StageGraphs
-from .load import Layout, LoadStats, Progress, WeightLoader
+from .graph import Layer, StageGraphs, step_buffer
+from .load import LoadStats, Progress, WeightLoader
 from .model import KVDType, Status, free_stages
 from .plan import ModeIO, Stage, make_stages, need
 from .runtime import KVCache, embed_tokens
@@ -147,12 +147,7 @@ class BatchGraphs(StageGraphs):
                        "token": ((outs,), "int32"), "temperature": ((outs,), "float32"),
                        "top_k": ((outs,), "int32"), "top_p": ((outs,), "float32"),
                        "seed": ((outs,), "uint32"), "counter": ((outs,), "int32")}
-        layout = Layout()
-        for name, (shape, dtype) in wanted.items():
-            layout.add(name, shape, dtype)
-        buffer = stage.client.alloc_buffer_nowait(layout.size)
-        stage.buffers.append(buffer)
-        return RowIO(**layout.bind(buffer))
+        return RowIO(**step_buffer(stage, wanted))
 
     def build_rows(self, stage: Stage, io: RowIO, rows: int) -> Graph:
         """``stage``'s graph over ``rows`` rows reading and writing ``io``."""

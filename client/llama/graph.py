@@ -90,12 +90,7 @@ class StageGraphs:
                 wanted["x_next"] = ((1, d), "float32")
             if mode == "prefill":
                 wanted["last_idx"] = ((1,), "int32")
-        layout = Layout()
-        for name, (shape, dtype) in wanted.items():
-            layout.add(name, shape, dtype)
-        buffer = stage.client.alloc_buffer_nowait(layout.size)
-        stage.buffers.append(buffer)
-        return ModeIO(**layout.bind(buffer))
+        return ModeIO(**step_buffer(stage, wanted))
 
     def build(self, stage: Stage, mode: str, io: ModeIO) -> Graph:
         """The graph of ``stage`` for ``mode``, reading and writing ``io``'s tensors."""
@@ -275,6 +270,18 @@ class Layer:
     weights: LayerWeights
     kv: tuple[RemoteTensor, RemoteTensor]
     rope_freqs: RemoteTensor | None
+
+
+def step_buffer(stage: Stage, wanted: dict[str, tuple[tuple[int, ...], str]]
+                ) -> dict[str, RemoteTensor]:
+    """One buffer on ``stage``'s worker holding the named step tensors ``wanted`` (name: shape,
+    dtype), kept in the stage's buffers (freed with the model); the tensors by name."""
+    layout = Layout()
+    for name, (shape, dtype) in wanted.items():
+        layout.add(name, shape, dtype)
+    buffer = stage.client.alloc_buffer_nowait(layout.size)
+    stage.buffers.append(buffer)
+    return layout.bind(buffer)
 
 
 def _heads_first(cache: RemoteTensor) -> RemoteTensor:

@@ -248,12 +248,24 @@ class Scheduler:
     loop touches, through :meth:`queue.Queue.put_nowait`)."""
 
     def __init__(self, slots: int, max_queue: int) -> None:
-        self.inbox: queue.Queue[Stream | None] = queue.Queue(maxsize=max_queue)
+        # Unbounded: the limit is :meth:`has_room`'s, which leaves out the requests headed for
+        # free slots (a bounded queue counted them, and refused requests that had a free slot
+        # whenever several arrived before the engine thread woke).
+        self.inbox: queue.Queue[Stream | None] = queue.Queue()
         self.busy: dict[int, Running] = {}
         self.slots = slots
+        self.max_queue = max_queue
 
     def free_slots(self) -> list[int]:
         return [i for i in range(self.slots) if i not in self.busy]
+
+    def waiting(self) -> int:
+        """Requests queued beyond the free slots: those that wait for a slot (any thread)."""
+        return max(0, self.inbox.qsize() - (self.slots - len(self.busy)))
+
+    def has_room(self) -> bool:
+        """One more request may queue: fewer than ``max_queue`` would wait for a slot."""
+        return self.waiting() < self.max_queue
 
     def next_waiting(self, block: bool) -> Stream | None:
         """The oldest waiting stream that is not cancelled; None when none (or at shutdown's
@@ -293,7 +305,7 @@ class Engine:
         """Why the engine is unhealthy (a worker lost); None while healthy."""
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="zmq-rpc-serve-engine")
-        metrics.bind(queue_depth=self.scheduler.inbox.qsize, slots_in_use=self.slots_in_use,
+        metrics.bind(queue_depth=self.scheduler.waiting, slots_in_use=self.slots_in_use,
                      healthy=lambda: self.healthy)
 
     # ----------------------------------------------------------------- any thread
@@ -310,14 +322,12 @@ class Engine:
         is full."""
         if not self.healthy:
             raise unavailable(self.problem or "the engine is not running")
-        stream = Stream(job, loop)
-        try:
-            self.scheduler.inbox.put_nowait(stream)
-        except queue.Full:
-            raise APIError(429, f"the queue is full ({self.scheduler.inbox.maxsize} requests "
+        if not self.scheduler.has_room():
+            raise APIError(429, f"the queue is full ({self.scheduler.max_queue} requests "
                            "waiting); try again later", type="rate_limit_error",
-                           code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        stream = Stream(job, loop)
+        self.scheduler.inbox.put_nowait(stream)
         return stream
 
     def start(self) -> None:
@@ -326,10 +336,7 @@ class Engine:
     def close(self) -> None:
         """Stop after the current step; the streams still open end with an error. Idempotent."""
         self._stopping = True
-        try:
-            self.scheduler.inbox.put_nowait(None)   # wakes an idle engine
-        except queue.Full:                           # then it is not idle, and sees the flag
-            pass
+        self.scheduler.inbox.put_nowait(None)        # wakes an idle engine
         if self._thread.is_alive():
             self._thread.join()
 
