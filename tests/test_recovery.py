@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -20,7 +21,7 @@ from gguf import GGMLQuantizationType as GT
 from requantize import cache_dir
 from zmq_rpc.client import Client, ConnectionLost, RecoveryFailed
 from zmq_rpc.client.llama import LlamaModel
-from zmq_rpc.client.llama.recovery import Recovery
+from zmq_rpc.client.llama.recovery import MAX_RETURNS, RETURN_GRACE_S, Recovery
 from zmq_rpc.tools.synthetic_gguf import FAMILIES, write_family
 
 pytestmark = pytest.mark.timeout(240)
@@ -151,7 +152,7 @@ def test_a_frozen_worker_is_detected_within_the_bound_and_replaced(
         (recovery,) = model.recoveries
         assert recovery.moves[0].lost == procs[0].endpoint
         detected = recovery.failed_at + recovery.detect_seconds - frozen[0]
-        assert detected < BOUND_S + 1.0, detected   # + the pings behind the failed step (1 s)
+        assert detected < BOUND_S + RETURN_GRACE_S, detected   # + its grace to come back
 
 
 def test_layers_that_fit_nowhere_fail_saying_what_would_fit(
@@ -178,3 +179,48 @@ def test_recover_false_keeps_the_failure_contract(
             model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(
                 3, lambda: procs[1].proc.send_signal(signal.SIGKILL)))
         assert model.recoveries == []
+
+
+def thaw_when_dropped(proc: WorkerProcess, client: Client, done: threading.Event) -> None:
+    """Freeze ``proc`` and, on another thread, SIGCONT it the moment ``client``'s connection to
+    it drops (a ping in flight fails with ``ConnectionLost`` at the heartbeat timeout): a worker
+    its host starved past the heartbeat, running again."""
+    proc.freeze()
+
+    def watch() -> None:
+        try:
+            with pytest.raises(ConnectionLost):
+                client.ping_async().result(timeout=BOUND_S + 5)
+        finally:
+            proc.proc.send_signal(signal.SIGCONT)
+            done.set()
+    threading.Thread(target=watch, daemon=True).start()
+
+
+@pytest.mark.parametrize("max_returns", [MAX_RETURNS, 0])
+def test_a_worker_that_comes_back_keeps_its_layers(
+        max_returns: int, six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """SIGSTOP past the heartbeat, SIGCONT once the connection dropped: the worker reconnects
+    with its session, so the failed step is issued again on the same stages, nothing re-placed
+    or replayed, and the output is the fault-free one. Past ``max_returns`` in a row (0 here)
+    it is taken for lost and re-placed."""
+    procs = [spawn_worker() for _ in range(3)]
+    with split(six_layers, procs, clients) as model:
+        assert model.recoverer is not None
+        model.recoverer.max_returns = max_returns
+        expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
+        slow, thawed = model.stages[1].client, threading.Event()
+        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(
+            4, lambda: thaw_when_dropped(procs[1], slow, thawed)))
+        assert thawed.wait(BOUND_S + 5)
+        assert out == expected
+        (recovery,) = model.recoveries
+        if max_returns:
+            assert recovery.moves == () and recovery.returned == (procs[1].endpoint,)
+            assert recovery.tokens == 0 and model.stages[1].client is slow
+            assert recovery.detect_seconds < RETURN_GRACE_S + 1.0
+        else:
+            assert recovery.moves[0].lost == procs[1].endpoint
+            assert model.stages[1].client is not slow
+        assert model.generate(PROMPT, NEW_TOKENS, stop_ids=()) == expected   # and stays whole

@@ -6,8 +6,14 @@ When a step fails as a lost worker fails it (:data:`.runtime.LOSSES`: the worker
 
 1. **detection**: every worker of the model is pinged; those whose ping fails with a
    ``TransportError`` are lost (a dead process fails at once, a frozen one within the heartbeat
-   bound of docs/FAILURES.md, 6 s). When none is lost (two live workers that cannot reach each
-   other: ``PeerUnreachable``), the error is raised as it was: nothing here can mend a link.
+   bound of docs/FAILURES.md, 6 s). A worker whose connection is down is given
+   :data:`RETURN_GRACE_S` to come back (zmq reconnects every 0.1 s): one that then answers
+   with its session is **slow, not lost** (its host starved it past the heartbeat; its
+   stage's weights and KV cache are still there), and the failed step is simply issued again,
+   nothing re-placed or replayed, at most :data:`MAX_RETURNS` times in a row (no step done in
+   between); past that it is taken for lost. When none is lost and none came back (two live
+   workers that cannot reach each other: ``PeerUnreachable``), the error is raised as it was:
+   nothing here can mend a link.
 2. **re-placement**: each stage of a lost worker moves whole (its layers, its place in the
    pipeline) to the first spare with the memory for it, else to the surviving worker with the
    most free memory, if that is enough (it then runs two stages; the hand-off between them is
@@ -36,15 +42,24 @@ Runs on the caller's thread; it blocks on the requests' futures only.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ...broker.errors import RecoveryFailed, RemoteError, RpcError, TransportError
+from ...broker.errors import (
+    ConnectionLost,
+    RecoveryFailed,
+    RemoteError,
+    RpcError,
+    SessionLost,
+    TransportError,
+)
 from ...worker.kernels import INVARIANT_INTEGER
 from ..client import Client, MemoryInfo
 from ..gguf_model import LlamaGGUF
+from ..peer import call_off_again
 from .graph import Mode, StageGraphs
 from .load import WeightLoader, staging_places
 from .plan import Stage, stage_sources
@@ -52,11 +67,22 @@ from .runtime import StepRunner
 from .source import StageSource, WeightSource
 from .weights import MATMUL_QTYPES, WeightFormat
 
-__all__ = ["Move", "OnRecovery", "Recoverer", "Recovery"]
+__all__ = ["MAX_RETURNS", "RETURN_GRACE_S", "Move", "OnRecovery", "Recoverer", "Recovery"]
 
 log = logging.getLogger("zmq_rpc.client.llama")
 
 MiB = 1 << 20
+
+RETURN_GRACE_S = 1.0
+"""How long a worker whose connection dropped is given to come back before it is taken for lost:
+a worker its host starved past the heartbeat (5 s) reconnects within 0.1 s of running again
+(zmq's reconnect interval) plus its handshake. It adds to the detection of a worker truly lost
+(a killed one: at once + this; a frozen one: the heartbeat bound + this)."""
+MAX_RETURNS = 3
+"""Times in a row (no step completed in between) a step is issued again because workers came
+back; the next drop takes them for lost and re-places them (a worker that keeps dropping costs
+a heartbeat timeout per try)."""
+RETURN_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +125,9 @@ class Recovery:
     """Tokens replayed."""
     as_fed: bool = False
     """Replayed as it was fed (a decode step per decoded token), not as prefill chunks."""
+    returned: tuple[str, ...] = ()
+    """Workers whose connection dropped and came back with their session (slow, not lost):
+    nothing of theirs moved; with no ``moves`` the failed step was just issued again."""
 
     @property
     def total_seconds(self) -> float:
@@ -107,6 +136,10 @@ class Recovery:
     def describe(self) -> str:
         """``worker tcp://a lost (ConnectionLost: ...): re-placed layers 10-19 of ... in 1.2 s
         (detection 0.01 s, load 0.9 s, re-prefill of 70 tokens 0.3 s)``."""
+        if not self.moves:
+            return (f"worker {', '.join(self.returned)} dropped its connection and came back "
+                    f"with its session ({self.cause}): the step is issued again, nothing "
+                    f"re-placed (detection {self.detect_seconds:.2f} s)")
         lost = ", ".join(sorted({m.lost for m in self.moves}))
         return (f"worker {lost} lost ({self.cause}): re-placed "
                 f"{'; '.join(m.describe() for m in self.moves)} in {self.total_seconds:.2f} s "
@@ -140,19 +173,29 @@ class Recoverer:
         self.lost: list[Client] = []
         """Workers given up on (never used again by this model)."""
         self.recoveries: list[Recovery] = []
+        self.max_returns = MAX_RETURNS
+        self.return_grace = RETURN_GRACE_S
+        self._returns = (0, -1)
+        """Come-backs in a row, and the runner's completed steps at the last one."""
 
     # ----------------------------------------------------------------------------- recovery
 
     def recover(self, error: RpcError) -> None:
         """Make the model whole after ``error`` (see the module docstring), or raise: the error
-        itself when no worker is lost, :class:`RecoveryFailed` when the layers fit nowhere."""
+        itself when no worker is lost or came back, :class:`RecoveryFailed` when the layers fit
+        nowhere."""
         failed_at = time.monotonic()
-        lost = self._find_lost()
+        lost, back = self._find_lost(error)
+        detected = time.monotonic()
+        cause = f"{type(error).__name__}: {error}"
+        if not lost and back and self._may_return():
+            self._report(Recovery(cause, (), failed_at, detected - failed_at, 0.0, 0.0, 0,
+                                  returned=tuple(c.endpoint for c in back)))
+            return
+        lost += back
         if not lost:
             raise error
-        detected = time.monotonic()
         self.lost += lost
-        cause = f"{type(error).__name__}: {error}"
         try:
             moves = self._replace([s for s in self.runner.stages if s.client in lost], cause)
         except RecoveryFailed as exc:
@@ -162,25 +205,62 @@ class Recoverer:
         loaded = time.monotonic()
         tokens = self.runner.replay(as_fed=not self.invariant)
         done = time.monotonic()
-        recovery = Recovery(cause, tuple(moves), failed_at, detected - failed_at,
-                            loaded - detected, done - loaded, tokens, not self.invariant)
+        self._report(Recovery(cause, tuple(moves), failed_at, detected - failed_at,
+                              loaded - detected, done - loaded, tokens, not self.invariant))
+
+    def _report(self, recovery: Recovery) -> None:
         self.recoveries.append(recovery)
         log.warning("%s", recovery.describe())
         if self.on_recovery is not None:
             self.on_recovery(recovery)
 
-    def _find_lost(self) -> list[Client]:
-        """The model's workers whose ping fails on the connection (all pinged at once). A ping
-        queued behind the failed step's transfers may fail with them (a ``TransferError``: the
-        worker answered): those are pinged once more, behind the failure now."""
+    def _may_return(self) -> bool:
+        """Count a come-back; False past :attr:`max_returns` in a row (no step done since)."""
+        done = len(self.runner.stats)
+        count = self._returns[0] + 1 if done == self._returns[1] else 1
+        self._returns = (count, done)
+        return count <= self.max_returns
+
+    def _find_lost(self, error: RpcError) -> tuple[list[Client], list[Client]]:
+        """The model's workers that are lost, and those that came back: all are pinged at
+        once; one whose connection is down is pinged again until it answers (back) or
+        :attr:`return_grace` passes (lost); one that forgot our session is lost. A ping queued
+        behind the failed step's transfers may fail with them (a ``TransferError``: the worker
+        answered): those are pinged once more, behind the failure now. When every ping
+        answered at once but ``error`` was a dropped connection, it came back before the pings:
+        the worker it names is back."""
         clients = list({id(s.client): s.client for s in self.runner.stages}.values())
-        lost: list[Client] = []
-        for _ in range(2):
-            pings = [(c, c.ping_async()) for c in clients]
-            errors = [(c, ping.exception()) for c, ping in pings]
-            lost += [c for c, e in errors if isinstance(e, TransportError)]
-            clients = [c for c, e in errors if e is not None and not isinstance(e, TransportError)]
-        return lost
+        for client in clients:      # a connection back before the pings: its stale receives
+            call_off_again(client)
+        errors = self._ping(clients)
+        errors.update(self._ping([c for c in clients if _answered(errors[id(c)])]))
+        down = [c for c in clients if isinstance(errors[id(c)], TransportError)]
+        lost = [c for c in down if isinstance(errors[id(c)], SessionLost)]
+        back = self._await_return([c for c in down if c not in lost])
+        lost += [c for c in down if c not in lost and c not in back]
+        if not down and type(error) is ConnectionLost:
+            back = [c for c in clients if _names(error, c.endpoint)][:1]
+        return lost, back
+
+    @staticmethod
+    def _ping(clients: Sequence[Client]) -> dict[int, BaseException | None]:
+        pings = [(c, c.ping_async()) for c in clients]
+        return {id(c): ping.exception() for c, ping in pings}
+
+    def _await_return(self, down: list[Client]) -> list[Client]:
+        """Those of ``down`` whose ping is answered within :attr:`return_grace` (their session
+        kept: a worker restarted meanwhile answers ``SessionLost``, and is lost)."""
+        back: list[Client] = []
+        deadline = time.monotonic() + self.return_grace
+        while down and time.monotonic() < deadline:
+            time.sleep(RETURN_POLL_S)   # zmq reconnects on its own; nothing to wait on but time
+            for client in down:         # the stale runs' receives, released before the ping
+                call_off_again(client)
+            errors = self._ping(down)
+            back += [c for c in down if errors[id(c)] is None]
+            down = [c for c in down if not isinstance(errors[id(c)], SessionLost)
+                    and errors[id(c)] is not None]
+        return back
 
     def _replace(self, stages: list[Stage], cause: str) -> list[Move]:
         """Each of ``stages`` re-made on a spare or a survivor, its weights, KV cache and graphs
@@ -260,6 +340,16 @@ class Recoverer:
 
 
 _MODES: tuple[Mode, ...] = ("decode", "prefill", "full")
+
+
+def _answered(error: BaseException | None) -> bool:
+    """A ping that failed with the failed step's transfers (the worker answered it)."""
+    return error is not None and not isinstance(error, TransportError)
+
+
+def _names(error: RpcError, endpoint: str) -> bool:
+    """``error``'s message names ``endpoint`` (not just a longer port that starts alike)."""
+    return re.search(re.escape(endpoint) + r"(?![\w.:])", str(error)) is not None
 
 
 def _free_memory(clients: Sequence[Client]) -> dict[int, MemoryInfo]:
