@@ -392,18 +392,6 @@ def run_linked(client: Owner, graph: RegisteredGraph, refs: list[TensorRef],
     else:
         msg = wire_graph.GraphRun(handle=graph.handle, inputs=refs, fetch=fetch_refs)
         run = _call(client, Cmd.GRAPH_RUN, msg, frames, on_reply=fetched(fetch_refs))
-    for h in send:
-        if h.route == "direct":
-            run.add_done_callback(functools.partial(_release_receiver, h))
     after = [client.copy_tensor_async(h.src, h.dst) if h.route == "local"
              else _relay(h.src, h.dst, h.token) for h in send if h.route != "direct"]
     return run if not after else first_error([run, *after], run.result)
-
-
-def _release_receiver(h: HandOff, run: Future[Any]) -> None:
-    """A linked run that failed sends nothing: release the run waiting for its hand-off now,
-    rather than at its transfer deadline (48 s). When the run failed after its bytes left (its
-    worker died), the receive has landed and the worker keeps the call-off until it expires."""
-    error = run.exception()
-    if error is not None and not h.dst.client.session.closed:
-        _abort(h.dst.client, h.token, f"the run sending it failed: {error}")
