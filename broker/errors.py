@@ -20,8 +20,9 @@ Plain exception classes and the fixed table from error codes to them: no state, 
     ├── TransportError                the connection failed us
     │   ├── Timeout                   no reply within the request's timeout
     │   ├── ConnectionLost            the worker went away, froze, or cannot be reached
-    │   │   └── SessionLost           the worker answers but no longer knows our session
-    │   │                             (restarted, or it expired): its buffers are gone
+    │   │   ├── SessionLost           the worker answers but no longer knows our session
+    │   │   │                         (restarted, or it expired): its buffers are gone
+    │   │   └── RecoveryFailed        a model lost a worker and could not re-place its layers
     │   └── AuthenticationFailed      the worker refused our CURVE key, or we its key
     ├── BadEndpoint                   an address the client cannot use (also a ValueError)
     └── ClientClosed                  you closed the client; pending and new calls fail with this
@@ -51,6 +52,7 @@ __all__ = [
     "Timeout",
     "ConnectionLost",
     "SessionLost",
+    "RecoveryFailed",
     "AuthenticationFailed",
     "BadEndpoint",
     "ClientClosed",
@@ -148,6 +150,13 @@ class SessionLost(ConnectionLost):
     """The worker answers but no longer knows this client's session (it was restarted, or the
     session expired): every buffer and graph of the session is gone. The client stays unusable;
     open a new one."""
+
+
+class RecoveryFailed(ConnectionLost):
+    """A split model lost a worker and could not re-place its layers on the others (no survivor
+    or spare has the memory, or none is left): the message names the lost worker, what its
+    layers need and what would fit. A ``ConnectionLost``, so code written for the failure
+    contract still catches it; the loss itself is its ``__cause__``."""
 
 
 class BadEndpoint(RpcError, ValueError):

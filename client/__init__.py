@@ -43,6 +43,7 @@ from ..broker.errors import (
     OutOfMemory,
     PeerUnreachable,
     ProtocolError,
+    RecoveryFailed,
     RemoteError,
     RpcError,
     SessionLost,
@@ -73,6 +74,6 @@ __all__ = [
     "to_bfloat16", "AuthenticationFailed", "BadEndpoint", "BadRequest", "ClientClosed",
     "ConnectionLost", "GraphError", "InvalidHandle", "ModelFileError", "NotAuthentic", "OutOfBounds", "OutOfMemory", "PeerUnreachable",
     "ProtocolError",
-    "RemoteError", "RpcError", "SessionLost", "Timeout", "TransferError", "TransportError",
+    "RecoveryFailed", "RemoteError", "RpcError", "SessionLost", "Timeout", "TransferError", "TransportError",
     "VersionMismatch",
 ]

@@ -49,9 +49,11 @@ after the sending run; when the peers cannot reach each other it is relayed afte
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -61,7 +63,7 @@ import numpy as np
 
 from ..broker import graph as wire_graph
 from ..broker import peer as wire
-from ..broker.errors import BadRequest
+from ..broker.errors import BadRequest, ConnectionLost, SessionLost
 from ..broker.protocol import Cmd, DType, TensorRef, split_tensor
 from .arrays import RunResult, fetched, to_bfloat16
 from .calls import EMPTY, no_result
@@ -207,8 +209,34 @@ def _abort_receives_if_failed(run: Future[Any], sends: Sequence[HandOff]) -> Non
 
 
 def _abort(b: Owner, token: bytes, why: str) -> Future[Any]:
-    return _call(b, Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0,
+    sent = _call(b, Cmd.PEER_FILL, wire.PeerFill(token=token, seq=0, nchunks=1, start=0,
                                                  total=0, error=why[:512]), [b""])
+    sent.add_done_callback(functools.partial(_hold_if_unsent, b, token, why))
+    return sent
+
+
+_unsent_call_offs: weakref.WeakKeyDictionary[Owner, list[tuple[bytes, str]]] = (
+    weakref.WeakKeyDictionary())
+"""Per receiving worker, the call-offs its dropped connection kept from it (token, why)."""
+_unsent_lock = threading.Lock()
+
+
+def _hold_if_unsent(b: Owner, token: bytes, why: str, sent: Future[Any]) -> None:
+    """A call-off that met the receiver's connection down: a frozen worker that comes back
+    would otherwise hold its queue behind that receive until the transfer deadline (48 s)."""
+    error = sent.exception()
+    if isinstance(error, ConnectionLost) and not isinstance(error, SessionLost):
+        with _unsent_lock:
+            _unsent_call_offs.setdefault(b, []).append((token, why))
+
+
+def call_off_again(b: Owner) -> list[Future[Any]]:
+    """Send ``b`` the call-offs of receives its dropped connection kept from it (those that
+    fail again are kept again): for a worker whose connection came back, before anything that
+    must not queue behind its stale receives (:mod:`.llama.recovery`)."""
+    with _unsent_lock:
+        held = _unsent_call_offs.pop(b, [])
+    return [_abort(b, token, why) for token, why in held]
 
 
 def _relay(src: RemoteTensor, dst: RemoteTensor, token: bytes) -> Future[Any]:

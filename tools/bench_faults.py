@@ -10,11 +10,17 @@ Cases:
   destination, and of its source, to the copy's failure; a worker restarted at the same address
   to SessionLost on the old client.
 - ``freeze`` (not default: about 6 s a trial): SIGSTOP to ConnectionLost of a request in flight.
+- ``recovery`` (not default: a SmolLM2 load a trial): kill -9 of one of 3 workers at a random
+  token of a 64-token greedy generation; the model's recovery (client/llama/recovery.py) split
+  into detection (from the kill), load of the moved layers and re-prefill, with the model in
+  the workers' ``--model-dir`` and uploaded; every output checked against the fault-free one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import random
 import signal
 import socket
 import time
@@ -179,3 +185,81 @@ def case_freeze(ctx: BenchContext) -> list[CaseResult]:
     return _rows("freeze", "SIGSTOP -> ConnectionLost", _trials(ctx, "freeze", trial_freeze),
                  DETECT_BOUND_S)
 
+
+
+RECOVERY_TOKENS = 64
+RECOVERY_PROMPT = "The three laws of thermodynamics are"
+
+
+def trial_recovery(from_file: bool, rng: random.Random) -> list[float]:
+    """SmolLM2 on 3 fresh local workers (with the model in their ``--model-dir`` when
+    ``from_file``, else uploaded): a 64-token
+    greedy generation, and again with one worker, picked at random, killed -9 at a random
+    token. The outputs must match. Seconds of [detection (from the kill), load of the moved
+    layers, re-prefill, total]."""
+    from ..client.gguf_model import default_model_path, load_gguf
+    from ..client.llama import LlamaModel
+    from ..client.tokenizer import load_tokenizer
+
+    path = default_model_path()
+    gguf = load_gguf(path)
+    args = ["--model-dir", str(path.parent)] if from_file else []
+    with ExitStack() as stack:
+        servers = [_worker_with(stack, args) for _ in range(3)]
+        model = LlamaModel.load(gguf, [_client(stack, s.endpoint) for s in servers])
+        stack.callback(model.close)
+        prompt = load_tokenizer(gguf).encode(RECOVERY_PROMPT)
+        expected = model.generate(prompt, RECOVERY_TOKENS, stop_ids=())
+        victim, at = rng.randrange(3), rng.randrange(1, RECOVERY_TOKENS - 1)
+        seen, killed = [0], [0.0]
+
+        def stream(_: int) -> None:
+            seen[0] += 1
+            if seen[0] == at:
+                killed[0] = time.monotonic()
+                servers[victim].proc.kill()
+        out = model.generate(prompt, RECOVERY_TOKENS, stop_ids=(), stream=stream)
+        if out != expected or len(model.recoveries) != 1:
+            raise RuntimeError(f"worker {victim} killed at token {at}: output differs or "
+                               f"{len(model.recoveries)} recoveries")
+        r = model.recoveries[0]
+        detection = r.failed_at - killed[0] + r.detect_seconds
+        return [detection, r.load_seconds, r.prefill_seconds,
+                detection + r.load_seconds + r.prefill_seconds]
+
+
+def _worker_with(stack: ExitStack, args: list[str]) -> ServerProcess:
+    server = ServerProcess(worker_argv(*args, bind="tcp://127.0.0.1:*"))
+    stack.callback(_reap, server)
+    server.wait_ready()
+    return server
+
+
+@register_case("recovery", "SmolLM2 on 3 workers, kill -9 of one at a random token of a 64-token "
+               "greedy generation: detection, load of the moved layers, re-prefill (with and "
+               "without the model in --model-dir); outputs checked identical", default=False)
+def case_recovery(ctx: BenchContext) -> list[CaseResult]:
+    rng = random.Random(28)     # the same victims and tokens in every run
+    rows = []
+    for label, from_file in (("--model-dir", True), ("upload", False)):
+        trials = _trials_of(ctx, f"recovery {label}", functools.partial(trial_recovery,
+                                                                        from_file, rng))
+        for k, part in enumerate(("detection", "load", "re-prefill", "total")):
+            rows += _rows("recovery", f"{label}: kill -9 -> {part}", [t[k] for t in trials],
+                          DETECT_BOUND_S if part == "detection" else RECOVERY_BOUND_S)
+    return rows
+
+
+RECOVERY_BOUND_S = DETECT_BOUND_S + 4.0
+"""Detection + 4 s for the load and the re-prefill of a SmolLM2-size stage on this host (the
+rows show each part against it)."""
+
+
+def _trials_of(ctx: BenchContext, name: str, trial: Callable[[], list[float]]) -> list[list[float]]:
+    reps = ctx.reps(10, 3)
+    samples = []
+    with ctx.progress(reps, name) as bar:
+        for _ in range(reps):
+            samples.append(trial())
+            bar.update(1)
+    return samples

@@ -261,7 +261,8 @@ def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
         model = LlamaModel.load(gguf, clients, n_ctx=args.n_ctx, weights=args.weights,
                                 kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
                                 progress=progress, status=_status, sources=args.sources,
-                                worker_path=args.worker_path)
+                                worker_path=args.worker_path,
+                                on_recovery=lambda r: _status(f"\n{r.describe()}"))
     finally:
         if bar is not None:
             bar.close()

@@ -8,7 +8,8 @@ the architecture's options (``general.architecture`` picks them).
 :class:`~zmq_rpc.client.Client`, balanced by resident weight bytes), uploads the weights in their
 compact GGUF form and lays them out on the workers, registers per stage one forward graph per mode,
 and then prefills, decodes and generates with the KV cache on the workers and the activations
-handed from worker to worker.
+handed from worker to worker. A worker lost on the way is recovered from (``recover=True``, the
+default): its layers re-placed on the others, generation goes on.
 
 Modules, one job each (all run on the caller's thread; futures settle on the clients' I/O
 threads):
@@ -20,6 +21,8 @@ threads):
 - :mod:`.runtime`: the KV cache and the step scheduler (chunks through the chained stages);
 - :mod:`.decode`: generation, with greedy tokens fed back worker to worker;
 - :mod:`.sampling`: temperature, top-k and top-p sampling;
+- :mod:`.recovery`: a lost worker's stages re-placed onto a spare or a survivor, the sequence
+  replayed into the caches, and generation going on (greedy output unchanged);
 - :mod:`.model`: :class:`LlamaModel`, which composes them and owns their lifecycle.
 """
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
+from functools import partial
 
 import numpy as np
 
 from ..client import RunResult
 from ..peer import HandOff, hand_off
 from .plan import need
-from .runtime import Step, StepRunner, StepStat
+from .runtime import LOSSES, Recover, Step, StepRunner, StepStat, guarded, recover_from
 from .sampling import sample_token
 
 __all__ = ["Generator"]
@@ -43,6 +44,10 @@ class Generator:
         :meth:`Client.run`): nothing waits on those replies right away, and sent at once
         they wake the broker and this process while the activation is in flight; 0 turns
         it off."""
+        self.recover: Recover | None = None
+        """Called with the error when a step fails on a lost connection: it re-places the lost
+        stages and replays the sequence (:mod:`.recovery`), or raises; generation then goes on
+        from the next token. None: the error is raised."""
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -60,14 +65,15 @@ class Generator:
             row = result[0].reshape(-1)
             return int(row[0]) if greedy else sample_token(row, temperature, top_k, top_p, rng)
 
-        out = [pick(self.runner.run_chunks("prefill", prompt_ids, fetch_each=False,
-                                           fetch=fetch)[-1])]
+        run = self.runner.run_chunks
+        out = [pick(guarded(partial(run, "prefill", prompt_ids, fetch_each=False, fetch=fetch),
+                            self.recover)[-1])]
         if greedy and self.chain_greedy:
-            self._decode_chained(out, max_new_tokens, stops, stream)
+            self._generate_chained(out, max_new_tokens, stops, stream)
             return out
         for token in self._continue(out, max_new_tokens, stops, stream):
-            out.append(pick(self.runner.run_chunks("decode", [token], fetch_each=False,
-                                                   fetch=fetch)[-1]))
+            out.append(pick(guarded(partial(run, "decode", [token], fetch_each=False,
+                                            fetch=fetch), self.recover)[-1]))
         return out
 
     def _continue(self, out: list[int], limit: int, stops: set[int],
@@ -83,18 +89,33 @@ class Generator:
     def _full(self) -> bool:
         return self.runner.cache.n_past >= self.runner.cache.n_ctx
 
+    def _generate_chained(self, out: list[int], limit: int, stops: set[int],
+                          stream: Stream | None) -> None:
+        """Stream the prompt's token, then decode chained; after a recovery the chain starts
+        again from the last token, which the client embeds (the prompt's hand-off is gone)."""
+        if stream is not None:
+            stream(out[-1])
+        if out[-1] in stops or len(out) >= limit:
+            return
+        restart: int | None = None
+        while True:
+            try:
+                self._decode_chained(out, limit, stops, stream, restart)
+                return
+            except LOSSES as exc:
+                recover_from(exc, self.recover)
+                restart = out[-1]
+
     def _decode_chained(self, out: list[int], limit: int, stops: set[int],
-                        stream: Stream | None) -> None:
+                        stream: Stream | None, restart: int | None) -> None:
         """Greedy decoding with the token fed back worker to worker, ``lookahead`` steps ahead.
 
         The workers' queues order it all, so a step is one request per stage. The client streams
         each token as its step reports it and stops issuing at a stop token; steps already issued
         past it only write cache rows beyond the end, which later steps overwrite before reading.
+        ``restart``: the token the first step embeds here (None: the prompt's argmax, handed
+        over by the last worker).
         """
-        if stream is not None:
-            stream(out[-1])
-        if out[-1] in stops or len(out) >= limit:
-            return
         cache = self.runner.cache
         pending: deque[Step] = deque()
         newest: Step | None = None
@@ -104,7 +125,8 @@ class Generator:
             while True:
                 while (len(pending) < self.lookahead and len(out) + len(pending) < limit
                        and cache.n_past + len(pending) < cache.n_ctx):
-                    newest, carried = self._launch_chained(cache.n_past + len(pending), carried)
+                    newest, carried = self._launch_chained(cache.n_past + len(pending), carried,
+                                                           restart)
                     pending.append(newest)
                 if not pending:
                     return
@@ -115,6 +137,7 @@ class Generator:
                                                   step.messages, step.compute()))
                 last_arrival = now
                 cache.n_past += 1
+                cache.record("decode", [out[-1]])     # the token this step consumed
                 out.append(token)
                 if stream is not None:
                     stream(token)
@@ -123,17 +146,22 @@ class Generator:
         finally:
             self._finish_chain(pending, newest, carried)
 
-    def _launch_chained(self, start: int, carried: HandOff | None) -> tuple[Step, HandOff]:
+    def _launch_chained(self, start: int, carried: HandOff | None,
+                        restart: int | None) -> tuple[Step, HandOff]:
         """Issue one chained step at position ``start``; returns it and the hand-off of its
         argmax embedding, which the next step receives."""
         first, last = self.runner.stages[0], self.runner.stages[-1]
         x_in = need(first.io["decode"].x_in)
+        following = hand_off(need(last.io["decode"].x_next), x_in)
+        if carried is None and restart is not None:
+            step = self.runner.launch("decode", [restart], start, "token", send=following,
+                                      hold_reply=self.hold_reply)
+            return step, following
         before = []
         if carried is None:                 # the prompt's argmax: its run has been issued
             prompt = need(last.io["prefill"].x_next)
             before.append((prompt.client.copy_tensor_async(prompt, x_in),
                            1 if last.client is first.client else 2))
-        following = hand_off(need(last.io["decode"].x_next), x_in)
         step = self.runner.launch("decode", None, start, "token", receive=carried,
                                   send=following, hold_reply=self.hold_reply, before=before)
         return step, following

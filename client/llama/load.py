@@ -44,7 +44,7 @@ from .staged import Staged
 from .weights import LayerWeights, Product, StackedLinear, WeightFormat
 
 __all__ = ["ALIGN", "KERNEL_TIMEOUT", "Layout", "LoadStats", "PendingLoad", "Progress",
-           "WeightLoader", "file_runs"]
+           "WeightLoader", "file_runs", "staging_places"]
 
 ALIGN = 64
 """Byte alignment of each tensor group placed in a worker buffer."""
@@ -104,6 +104,18 @@ def file_runs(tensors: Iterable[GGUFTensor], alignment: int) -> list[tuple[int, 
         else:
             runs.append([t.offset, t.offset + t.nbytes])
     return [(lo, hi) for lo, hi in runs]
+
+
+def staging_places(gguf: LlamaGGUF, sources: Sequence[GGUFTensor]
+                   ) -> tuple[list[tuple[int, int, int]], int]:
+    """Where ``sources``' file ranges go in a staging buffer: ``(lo, hi, offset)`` per range of
+    the file (:func:`file_runs`), each ``ALIGN``-aligned, and the buffer's size."""
+    placed, size = [], 0
+    for lo, hi in file_runs(sources, gguf.alignment):
+        size = -(-size // ALIGN) * ALIGN
+        placed.append((lo, hi, size))
+        size += hi - lo
+    return placed, size
 
 
 class Layout:
@@ -285,11 +297,7 @@ class WeightLoader:
         the uploads that fill it: few contiguous ranges of the mapped file, zero-copy, cut into
         pieces of one message each."""
         sources = stage_sources(self.gguf, stage)
-        placed, size = [], 0
-        for lo, hi in file_runs(sources, self.gguf.alignment):
-            size = -(-size // ALIGN) * ALIGN
-            placed.append((lo, hi, size))
-            size += hi - lo
+        placed, size = staging_places(self.gguf, sources)
         buffer = stage.client.alloc_buffer_nowait(size)
         staged = Staged(stage, buffer)
         for t in sources:

@@ -3,8 +3,8 @@ placed on a list of workers as a pipeline, one stage each.
 
 The model composes the parts, each in its own module: planning the stages (:mod:`.plan`), the
 weights mode (:mod:`.weights`), loading (:mod:`.load`), the forward graphs (:mod:`.graph`), the KV
-cache and step scheduler (:mod:`.runtime`) and generation (:mod:`.decode`). It owns their
-lifecycle: load, use, close.
+cache and step scheduler (:mod:`.runtime`), generation (:mod:`.decode`) and recovery from a lost
+worker (:mod:`.recovery`). It owns their lifecycle: load, use, recover, close.
 
 Threads: the caller's thread; continuations run in done-callbacks on the clients' I/O threads and
 only issue requests. A model is used by one thread at a time.
@@ -28,7 +28,8 @@ from .decode import Generator
 from .graph import Mode, StageGraphs
 from .load import LoadStats, Progress, WeightLoader
 from .plan import Stage, make_stages
-from .runtime import KVCache, StepRunner, StepStat
+from .recovery import OnRecovery, Recoverer, Recovery
+from .runtime import KVCache, StepRunner, StepStat, guarded
 from .source import SourceChoice, WeightSource
 from .weights import WeightsMode, weight_format
 
@@ -64,11 +65,13 @@ class LlamaModel:
         self.weights: WeightsMode = self.format.mode
         self.kv_dtype: KVDType = kv_dtype
         self.load_stats: LoadStats | None = None
-        self.stages: list[Stage] = make_stages(gguf, self.format, list(clients))
         self.cache = KVCache(gguf, n_ctx, kv_dtype)
         self.graphs = StageGraphs(cfg, n_ctx, prefill_chunk)
-        self.runner = StepRunner(gguf, self.stages, self.graphs, self.cache)
+        self.runner = StepRunner(gguf, make_stages(gguf, self.format, list(clients)), self.graphs,
+                                 self.cache)
         self.generator = Generator(self.runner, cfg.eos_id)
+        self.recoverer: Recoverer | None = None
+        """Re-places a lost worker's layers (set by :meth:`load` unless ``recover=False``)."""
         self._upload_bytes = 0
         self._closed = False
 
@@ -79,7 +82,9 @@ class LlamaModel:
              n_ctx: int = 512, weights: WeightsMode = "quantized", kv_dtype: KVDType = "float32",
              prefill_chunk: int = 32, progress: Progress | None = None,
              status: Status | None = None, sources: SourceChoice = "auto",
-             worker_path: str | None = None) -> LlamaModel:
+             worker_path: str | None = None, recover: bool = True,
+             spares: Sequence[Client] = (),
+             on_recovery: OnRecovery | None = None) -> LlamaModel:
         """Load the GGUF at ``path`` (None: :func:`default_model_path`; or an already opened
         :class:`LlamaGGUF`) onto ``clients``.
 
@@ -93,6 +98,16 @@ class LlamaModel:
         worker's own copy of the file when it has it (``--model-dir``; ``worker_path`` names it
         there, default the file's name), else its tensor cache (``--cache-dir``), else uploads;
         ``load_stats.sources`` says what each worker did.
+
+        ``recover`` (the default): when a worker is lost during a step (prefill, decode,
+        generate), its layers are re-placed onto ``spares`` (first one with the memory), else
+        onto the surviving worker with the most free memory, loaded there from the same
+        ``sources``, the sequence replayed into the caches, and the step goes on: greedy output
+        is the fault-free run's (:mod:`.recovery`). ``on_recovery(recovery)`` is told each
+        time (:class:`~.recovery.Recovery`: what moved where, detection, load and re-prefill
+        seconds). When the layers fit nowhere, :class:`~zmq_rpc.client.RecoveryFailed` (a
+        ``ConnectionLost``) says what would fit. ``recover=False``: a lost worker fails the
+        step with ``ConnectionLost`` as in docs/FAILURES.md.
         """
         if not clients:
             raise ValueError("need at least one client")
@@ -106,6 +121,10 @@ class LlamaModel:
         except BaseException:
             model.close()
             raise
+        if recover:
+            model.recoverer = Recoverer(gguf, model.format, source, model.graphs, model.runner,
+                                        spares, on_recovery)
+            model.generator.recover = model.recoverer.recover
         return model
 
     def _load(self, progress: Progress | None, status: Status, source: WeightSource) -> None:
@@ -168,7 +187,13 @@ class LlamaModel:
 
     def _run(self, mode: Mode, token_ids: Sequence[int], *, fetch_each: bool) -> list[RunResult]:
         self._check_open()
-        return self.runner.run_chunks(mode, token_ids, fetch_each=fetch_each)
+        return guarded(lambda: self.runner.run_chunks(mode, token_ids, fetch_each=fetch_each),
+                       self._recover)
+
+    def _recover(self, error: RpcError) -> None:
+        if self.recoverer is None:
+            raise error
+        self.recoverer.recover(error)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -193,6 +218,16 @@ class LlamaModel:
         return self.runner.embed(token_ids)
 
     # ----------------------------------------------------------------------------- reading
+
+    @property
+    def stages(self) -> list[Stage]:
+        """The pipeline's stages, in order (a recovery replaces a lost worker's)."""
+        return self.runner.stages
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """Every recovery so far, in order."""
+        return [] if self.recoverer is None else self.recoverer.recoveries
 
     @property
     def n_ctx(self) -> int:

@@ -20,13 +20,14 @@ clients' I/O threads and only issues requests. One thread at a time drives a run
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from ...broker.errors import RecoveryFailed, RpcError, TransferError, TransportError
 from ...broker.ops import QUANT_BLOCKS
 from ...worker.formats import quant
 from ..client import RunResult
@@ -38,7 +39,46 @@ from .graph import Mode, StageGraphs
 from .load import Layout
 from .plan import Stage, need
 
-__all__ = ["KVCache", "Step", "StepRunner", "StepStat", "embed_tokens"]
+__all__ = ["LOSSES", "KVCache", "Recover", "Step", "StepRunner", "StepStat", "embed_tokens", "guarded",
+           "recover_from"]
+
+T = TypeVar("T")
+Recover = Callable[[RpcError], None]
+"""``recover(error)``: after a step failed on a lost connection, make the model whole again
+(re-placed stages, the sequence replayed: :mod:`.recovery`) or raise."""
+
+LOSSES = (TransportError, TransferError)
+"""The errors a lost worker fails a step with: its own connection's (``ConnectionLost``), or a
+survivor's ``TransferError`` (its hand-off from the lost worker never came, or was called off):
+whichever reaches the step first."""
+
+
+def guarded(call: Callable[[], T], recover: Recover | None) -> T:
+    """``call()``; when it fails on a lost connection, :func:`recover_from` it and call again
+    (each recovery takes at least one worker out, so this ends). ``recover`` None: the error
+    as is."""
+    while True:
+        try:
+            return call()
+        except LOSSES as exc:
+            recover_from(exc, recover)
+
+
+def recover_from(error: RpcError, recover: Recover | None) -> None:
+    """``recover(error)``; a recovery that meets another loss (a worker lost while the stages
+    load or the sequence is replayed) recovers from that one too. Raises ``error`` when there
+    is nothing to recover with (``recover`` None, or ``error`` a failed recovery), and whatever
+    a recovery raises that is not a new loss."""
+    if recover is None or isinstance(error, RecoveryFailed):
+        raise error
+    while True:
+        try:
+            recover(error)
+            return
+        except LOSSES as again:
+            if again is error or isinstance(again, RecoveryFailed):
+                raise
+            error = again
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +96,25 @@ class StepStat:
 
 class KVCache:
     """Per stage and layer K and V caches of (n_ctx + 1, n_kv_heads, head_dim) on the workers
-    (the last row is scratch), and how many positions of the sequence they hold."""
+    (the last row is scratch), how many positions of the sequence they hold, and the tokens
+    that put them there (``fed``: what a recovery replays, :mod:`.recovery`)."""
 
     def __init__(self, gguf: LlamaGGUF, n_ctx: int, dtype: str) -> None:
         self.config = gguf.config
         self.n_ctx = n_ctx
         self.dtype = dtype
         self.n_past = 0
+        self.fed: list[tuple[Mode, list[int]]] = []
+        """The sequence as it was fed, in order: each step mode and its tokens (consecutive
+        decode steps merged). Replaying it in the same modes and chunks rebuilds the caches bit
+        for bit (a prefill chunk and a decode step need not round alike)."""
+
+    def record(self, mode: Mode, ids: Sequence[int]) -> None:
+        """``ids`` went into the caches by ``mode`` steps (after :attr:`n_past` counted them)."""
+        if mode == "decode" and self.fed and self.fed[-1][0] == "decode":
+            self.fed[-1][1].extend(ids)
+        else:
+            self.fed.append((mode, list(ids)))
 
     def allocate(self, stage: Stage) -> None:
         """Place ``stage``'s caches in one new buffer on its worker (``stage.kv``)."""
@@ -79,6 +131,7 @@ class KVCache:
     def clear(self, stages: Sequence[Stage]) -> list[Future[None]]:
         """Forget the sequence: position 0, caches zeroed (queued on the workers)."""
         self.n_past = 0
+        self.fed = []
         return [s.kv_buffer.clear_async() for s in stages if s.kv_buffer is not None]
 
     def check(self, ids: Sequence[int]) -> None:
@@ -146,10 +199,29 @@ class StepRunner:
         except BaseException:
             self.cache.n_past = first   # rows written past it are rewritten before they are read
             raise
+        self.cache.record(mode, ids)
         self.stats.append(StepStat(mode, len(ids), time.perf_counter() - start,
                                    sum(s.messages for s in steps),
                                    sum(s.compute() for s in steps)))
         return results
+
+    def replay(self, *, as_fed: bool) -> int:
+        """Clear the caches and feed the sequence again, its chunks issued at once: ``as_fed``,
+        in the modes and chunks it was fed (:attr:`KVCache.fed`: the same bits whatever the
+        kernels); else all of it as prefill chunks (a fraction of the time of one decode step
+        per token; the same bits where every product is batch-invariant). Tokens replayed; no
+        :class:`StepStat` is kept for it."""
+        fed, kept = self.cache.fed, len(self.stats)
+        self.reset()
+        merged: list[tuple[Mode, list[int]]] = [("prefill", [t for _, ids in fed for t in ids])]
+        parts = fed if as_fed else merged
+        for mode, ids in parts:
+            if ids:
+                self.run_chunks(mode, ids, fetch_each=False,
+                                fetch="logits" if mode == "full" else "token")
+        del self.stats[kept:]
+        self.cache.fed = fed
+        return sum(len(ids) for _, ids in fed)
 
     def wait(self, steps: Sequence[Step]) -> list[RunResult]:
         """The steps' results, after whatever was queued before them (a cache reset)."""

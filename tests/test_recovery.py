@@ -1,0 +1,226 @@
+"""Recovery of a split model from a lost worker (client/llama/recovery.py), as users meet it:
+real worker subprocesses, real signals (kill -9 and SIGSTOP by PID), default client and model
+settings. A worker of three is lost at a random token of a greedy generation; the output must be
+the fault-free run's, the loss detected within the failure contract's bound (docs/FAILURES.md:
+the heartbeat timeout + 1 s), and the recovery reported.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import WorkerProcess
+from gguf import GGMLQuantizationType as GT
+from requantize import cache_dir
+from zmq_rpc.client import Client, ConnectionLost, RecoveryFailed
+from zmq_rpc.client.llama import LlamaModel
+from zmq_rpc.client.llama.recovery import MAX_RETURNS, RETURN_GRACE_S, Recovery
+from zmq_rpc.tools.synthetic_gguf import FAMILIES, write_family
+
+pytestmark = pytest.mark.timeout(240)
+
+BOUND_S = 5.0 + 1.0
+"""Detection: the heartbeat timeout + 1 s (a killed worker's loss is seen at once)."""
+
+PROMPT = [1, 400, 2000, 31, 77, 12000, 5]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def six_layers() -> Path:
+    """The synthetic llama of tests/synthetic_models.py with 6 layers (2 per worker of 3)."""
+    path = cache_dir() / "synthetic-llama3-6layers-v1.gguf"
+    if not path.exists():
+        write_family(replace(FAMILIES["llama3"], n_layers=6), path, seed=61)
+    return path
+
+
+def q4_1_mix(part: str, layer: int, n_layers: int, cols: int) -> GT:
+    """SmolLM2's type: the integer kernels, batch-invariant on every CPU path."""
+    return GT.Q4_1
+
+
+@pytest.fixture(scope="module")
+def six_layers_q4_1() -> Path:
+    """The same in Q4_1 only: a recovery replays it as prefill chunks."""
+    path = cache_dir() / "synthetic-llama3-6layers-q4_1-v1.gguf"
+    if not path.exists():
+        write_family(replace(FAMILIES["llama3"], n_layers=6, mix=q4_1_mix), path, seed=62)
+    return path
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[[str], Client]]:
+    opened: list[Client] = []
+
+    def open_client(endpoint: str) -> Client:
+        opened.append(Client(endpoint))
+        return opened[-1]
+
+    yield open_client
+    for c in opened:
+        c.close()
+
+
+def split(path: Path, procs: list[WorkerProcess], open_client: Callable[[str], Client],
+          **options: object) -> LlamaModel:
+    return LlamaModel.load(str(path), [open_client(p.endpoint) for p in procs], n_ctx=64,
+                           **options)  # type: ignore[arg-type]
+
+
+def fault_at(token: int, fault: Callable[[], None]) -> Callable[[int], None]:
+    """A stream callback that runs ``fault`` when the ``token``-th new token arrives."""
+    seen = [0]
+
+    def stream(_: int) -> None:
+        seen[0] += 1
+        if seen[0] == token:
+            fault()
+    return stream
+
+
+@pytest.mark.parametrize("types", ["toy mix", "q4_1"])
+def test_generation_survives_a_killed_worker(
+        types: str, request: pytest.FixtureRequest, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """The toy mix (K-quants, f16) is replayed as it was fed, Q4_1 as prefill chunks: both
+    give the fault-free output."""
+    path = request.getfixturevalue("six_layers" if types == "toy mix" else "six_layers_q4_1")
+    procs = [spawn_worker() for _ in range(3)]
+    with split(path, procs, clients) as model:
+        expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
+        at = random.Random().randint(2, NEW_TOKENS - 4)
+        victim, layers = procs[1], model.stages[1].layers
+        killed = [0.0]
+
+        def kill() -> None:
+            killed[0] = time.monotonic()
+            victim.proc.send_signal(signal.SIGKILL)
+        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(at, kill))
+        assert out == expected, f"killed at token {at}"
+        reported = model.recoveries
+        assert [r.moves[0].lost for r in reported] == [victim.endpoint]
+        move = reported[0].moves[0]
+        assert move.layers == layers and not move.spare
+        assert move.onto in (procs[0].endpoint, procs[2].endpoint)
+        assert reported[0].failed_at + reported[0].detect_seconds - killed[0] < BOUND_S
+        assert reported[0].tokens >= len(PROMPT) + at - 1
+        assert reported[0].as_fed == (types == "toy mix")
+        assert model.stages[1].client.endpoint == move.onto
+        assert model.generate(PROMPT, NEW_TOKENS, stop_ids=()) == expected   # and stays whole
+
+
+def test_the_last_stage_moves_to_a_spare_first(
+        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    procs = [spawn_worker() for _ in range(4)]
+    spare = clients(procs[3].endpoint)
+    reported: list[Recovery] = []
+    with split(six_layers, procs[:3], clients, spares=[spare],
+               on_recovery=reported.append) as model:
+        layers = model.stages[-1].layers
+        expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
+        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(
+            5, lambda: procs[2].proc.send_signal(signal.SIGKILL)))
+        assert out == expected
+        assert reported == model.recoveries and len(reported) == 1
+        (move,) = reported[0].moves
+        assert move.spare and move.onto == spare.endpoint and move.layers == layers
+        assert model.stages[-1].client is spare and model.stages[-1].last
+
+
+def test_a_frozen_worker_is_detected_within_the_bound_and_replaced(
+        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    procs = [spawn_worker() for _ in range(3)]
+    with split(six_layers, procs, clients) as model:
+        expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
+        frozen = [0.0]
+
+        def freeze() -> None:
+            procs[0].freeze()
+            frozen[0] = time.monotonic()
+        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(4, freeze))
+        assert out == expected
+        (recovery,) = model.recoveries
+        assert recovery.moves[0].lost == procs[0].endpoint
+        detected = recovery.failed_at + recovery.detect_seconds - frozen[0]
+        assert detected < BOUND_S + RETURN_GRACE_S, detected   # + its grace to come back
+
+
+def test_layers_that_fit_nowhere_fail_saying_what_would_fit(
+        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """The last stage holds the 13 MiB vocabulary table: survivors of 12 MiB cannot take it."""
+    procs = [spawn_worker("--mem", "12MiB"), spawn_worker("--mem", "12MiB"),
+             spawn_worker("--mem", "256MiB")]
+    with split(six_layers, procs, clients) as model:
+        with pytest.raises(RecoveryFailed, match=r"layers \d+-5 fit on no other worker: they need "
+                                                  r"\d+ MiB free on one .*--mem >= \d+ MiB") as e:
+            model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(
+                3, lambda: procs[2].proc.send_signal(signal.SIGKILL)))
+        assert isinstance(e.value, ConnectionLost) and isinstance(e.value.__cause__,
+                                                                  ConnectionLost)
+
+
+def test_recover_false_keeps_the_failure_contract(
+        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    procs = [spawn_worker() for _ in range(3)]
+    with split(six_layers, procs, clients, recover=False) as model:
+        with pytest.raises(ConnectionLost):
+            model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(
+                3, lambda: procs[1].proc.send_signal(signal.SIGKILL)))
+        assert model.recoveries == []
+
+
+def thaw_when_dropped(proc: WorkerProcess, client: Client, done: threading.Event) -> None:
+    """Freeze ``proc`` and, on another thread, SIGCONT it the moment ``client``'s connection to
+    it drops (a ping in flight fails with ``ConnectionLost`` at the heartbeat timeout): a worker
+    its host starved past the heartbeat, running again."""
+    proc.freeze()
+
+    def watch() -> None:
+        try:
+            with pytest.raises(ConnectionLost):
+                client.ping_async().result(timeout=BOUND_S + 5)
+        finally:
+            proc.proc.send_signal(signal.SIGCONT)
+            done.set()
+    threading.Thread(target=watch, daemon=True).start()
+
+
+@pytest.mark.parametrize("max_returns", [MAX_RETURNS, 0])
+def test_a_worker_that_comes_back_keeps_its_layers(
+        max_returns: int, six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """SIGSTOP past the heartbeat, SIGCONT once the connection dropped: the worker reconnects
+    with its session, so the failed step is issued again on the same stages, nothing re-placed
+    or replayed, and the output is the fault-free one. Past ``max_returns`` in a row (0 here)
+    it is taken for lost and re-placed."""
+    procs = [spawn_worker() for _ in range(3)]
+    with split(six_layers, procs, clients) as model:
+        assert model.recoverer is not None
+        model.recoverer.max_returns = max_returns
+        expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
+        slow, thawed = model.stages[1].client, threading.Event()
+        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(
+            4, lambda: thaw_when_dropped(procs[1], slow, thawed)))
+        assert thawed.wait(BOUND_S + 5)
+        assert out == expected
+        (recovery,) = model.recoveries
+        if max_returns:
+            assert recovery.moves == () and recovery.returned == (procs[1].endpoint,)
+            assert recovery.tokens == 0 and model.stages[1].client is slow
+            assert recovery.detect_seconds < RETURN_GRACE_S + 1.0
+        else:
+            assert recovery.moves[0].lost == procs[1].endpoint
+            assert model.stages[1].client is not slow
+        assert model.generate(PROMPT, NEW_TOKENS, stop_ids=()) == expected   # and stays whole
