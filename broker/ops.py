@@ -489,6 +489,22 @@ _SAMPLE_INPUTS: Final = (("temperature", "float32"), ("top_k", "int32"), ("top_p
                          ("seed", "uint32"), ("counter", "int32"))
 
 
+def _causal_mask(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
+    """pos (T,) int32 -> float32 (T, n_ctx), the additive attention mask of T query rows at those
+    positions over n_ctx cache rows (protocol 1.13, capability ``causal-mask``): row t is 0 for
+    the keys ``j <= pos[t]`` (and ``pos[t] - j < window`` where window > 0: llama.cpp hides key
+    p0 from query p1 when p1 - p0 >= window) and -inf elsewhere; a row whose position is outside
+    ``[0, n_ctx)`` (a padding row) is -inf throughout. Built on the worker, so no mask row
+    crosses the wire."""
+    pos = ins[0]
+    _need_dtype(pos, frozenset({"int32"}), "pos")
+    _need_rank(pos, 1, 1, "pos (T,)")
+    n_ctx = p["n_ctx"]
+    if not isinstance(n_ctx, int):        # the param's validator made it one
+        raise OpError(f"n_ctx {n_ctx!r} must be an int")
+    return TensorMeta((pos.shape[0], n_ctx), "float32")
+
+
 def _swiglu(ins: Sequence[TensorMeta], p: dict[str, object]) -> TensorMeta:
     """x (..., 2n) -> float32 (..., n): silu of the first half times the second (protocol 1.7)."""
     x = ins[0]
@@ -744,6 +760,10 @@ _SPECS = [
         "window": (_int(0, MAX_DIM), 0),
     }),
     _spec("sample_rows", _COMPUTE, (6, 6), _sample_rows),
+    _spec("causal_mask", _COMPUTE, (1, 1), _causal_mask, {
+        "n_ctx": (_int(1, MAX_DIM), REQUIRED),
+        "window": (_int(0, MAX_DIM), 0),
+    }),
     _spec("cont", _COMPUTE, (1, 1), _cont),
     _spec("concat", _COMPUTE, (1, MAX_INPUTS), _concat, {"axis": (_int(-MAX_RANK, MAX_RANK - 1), REQUIRED)}),
     _spec("sum", _COMPUTE, (1, 1), _reduce, {"axis": (_axes, REQUIRED), "keepdims": (_bool, False)}),

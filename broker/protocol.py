@@ -114,7 +114,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 12)
+PROTOCOL_VERSION = (1, 13)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -136,7 +136,9 @@ input ``freq_factors`` (``rope-factors``: Llama 3.x rope scaling; the encoding i
 the graph ops ``attend_rows`` (attention of rows of many sequences, each over its own cache rows,
 the causal / sliding-window mask built on the worker from the positions) and ``sample_rows``
 (greedy / temperature / top-k / top-p sampling on the worker, a counter-based draw per row)
-(``row-attention``: both batch-invariant; the encoding is unchanged)."""
+(``row-attention``: both batch-invariant; the encoding is unchanged); 1.13 the graph op
+``causal_mask`` (the attention mask of a chunk's rows built on the worker from their positions,
+so a step sends no mask rows; ``causal-mask``; the encoding is unchanged)."""
 
 
 class Cmd(enum.IntEnum):

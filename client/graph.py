@@ -343,6 +343,18 @@ class Graph:
         self._need_rows("sample_rows")
         return self.op("sample_rows", logits, temperature, top_k, top_p, seed, counter, out=out)
 
+    def causal_mask(self, pos: Any, *, n_ctx: int, window: int = 0,
+                    out: Any = None) -> GraphTensor:
+        """The additive attention mask (T, n_ctx) float32 of query rows at positions pos (T,)
+        int32: row t is 0 for the keys ``j <= pos[t]`` (and ``pos[t] - j < window`` where
+        ``window`` > 0, llama.cpp's sliding window) and -inf elsewhere; a position outside
+        ``[0, n_ctx)`` (a padding row) hides every key. Built on the worker from the positions,
+        so no mask crosses the wire. Needs ``causal-mask`` (protocol 1.13)."""
+        if self.client is not None and "causal-mask" not in self.client.info.capabilities:
+            raise OpError(f"{self.client.endpoint} predates protocol 1.13: it has no causal_mask "
+                          "op; upgrade the worker (or send the mask as an input)")
+        return self.op("causal_mask", pos, n_ctx=int(n_ctx), window=int(window), out=out)
+
     def _need_rows(self, op: str) -> None:
         if self.client is not None and "row-attention" not in self.client.info.capabilities:
             raise OpError(f"{self.client.endpoint} predates protocol 1.12: it has no {op} op; "

@@ -376,6 +376,11 @@ OP_CASES: list[OpCase] = [
            lambda a: a.astype(np.float64).sum(axis=(0, 2), keepdims=True)),
     OpCase("mean", (_f(_X),), lambda g, a: g.mean(a, axis=-1), lambda a: a.mean(axis=-1)),
     OpCase("argmax", (_f(_X),), lambda g, a: g.argmax(a), lambda a: np.argmax(a, axis=-1), atol=0),
+    OpCase("causal_mask", (_f(np.array([0, 3, 5, -1, 6], np.int32)),),
+           lambda g, pos: g.causal_mask(pos, n_ctx=6, window=3),
+           lambda pos: np.where((np.arange(6)[None, :] <= pos[:, None])
+                                & (pos[:, None] - np.arange(6)[None, :] < 3)
+                                & (pos[:, None] < 6), 0.0, -np.inf).astype(F32), atol=0),
     OpCase("diag_mask_inf", (_f(_X),), lambda g, a: g.diag_mask_inf(a, n_past=1),
            lambda a: np.where(np.triu(np.ones((3, 4), bool), k=2), -np.inf, a), atol=0),
     OpCase("reshape", (_f(_X),), lambda g, a: g.reshape(a, (2, -1)), lambda a: a.reshape(2, 6)),

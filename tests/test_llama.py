@@ -175,6 +175,50 @@ def test_a_worker_without_fused_ops_gets_unfused_graphs_and_the_same_tokens(
         old.close()
 
 
+def decode_bytes(m: LlamaModel, prompt_ids: list[int], ref_greedy: list[int]) -> float:
+    """What the client sends per decoded token (all stages together): a generation of N_NEW
+    tokens less one of 1 (the same prompt and prefill), over the N_NEW - 1 decode steps."""
+    before = m.bytes_sent
+    assert m.generate(prompt_ids, 1, stop_ids=()) == ref_greedy[:1]
+    middle = m.bytes_sent
+    assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
+    return ((m.bytes_sent - middle) - (middle - before)) / (N_NEW - 1)
+
+
+@pytest.mark.timeout(180)
+def test_a_decoded_token_sends_its_position_and_no_mask(
+        gguf: LlamaGGUF, clients: list[Client], prompt_ids: list[int], ref_greedy: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: each stage's graph builds its attention mask from the step's positions
+    (``causal_mask``, protocol 1.13), so a chained greedy token costs the client's link its
+    position per stage (4 bytes), where it used to send a float32 mask row of n_ctx per stage
+    (2 KiB per stage at 512). A worker that does not advertise ``causal-mask`` (1.12) is sent
+    the masks as before and gives the same tokens."""
+    import dataclasses
+    sent: list[str] = []
+    old = Client(clients[2].endpoint, timeout=60.0)
+    try:
+        with LlamaModel.load(gguf, clients[:2]) as m:
+            assert all("causal-mask" in s.client.info.capabilities for s in m.stages)
+            per_token = decode_bytes(m, prompt_ids, ref_greedy)
+            assert per_token == 4 * 2, f"{per_token:.0f} bytes per token on 2 stages"
+            n_ctx = m.n_ctx
+        old.info = dataclasses.replace(old.info, capabilities=tuple(
+            c for c in old.info.capabilities if c != "causal-mask"))      # as a 1.12 worker says
+        register = old.register_async
+
+        def recording(graph: Graph) -> Any:
+            sent.extend(node.op for node in graph.nodes)
+            return register(graph)
+
+        monkeypatch.setattr(old, "register_async", recording)
+        with LlamaModel.load(gguf, [old]) as m:
+            assert decode_bytes(m, prompt_ids, ref_greedy) == 4 + 4 * n_ctx
+        assert "attention" in sent and "causal_mask" not in sent
+    finally:
+        old.close()
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stages, options", LAYOUTS)
 def test_greedy_generation_matches_reference(model: Callable[..., LlamaModel], stages: int,

@@ -682,6 +682,38 @@ def test_attend_rows_rules(change: dict[str, TensorMeta], message: str) -> None:
         infer("attend_rows", list(metas.values()), {"window": -1})
 
 
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_causal_mask_is_the_mask_the_client_used_to_send(window: int) -> None:
+    """Row t sees the keys j <= pos[t] (within the window), padding rows (pos -1 or the
+    scratch row n_ctx) see none: the mask client/llama/runtime.py builds for a worker before
+    protocol 1.13, bit for bit (0.0 and -inf), for a strided view of the positions too."""
+    n_ctx = 7
+    pos = np.array([0, 3, 6, -1, 7, 2**31 - 1, -(2**31)], np.int32)
+    want = np.full((pos.size, n_ctx), -np.inf, np.float32)
+    for t, p in enumerate(pos.tolist()):
+        if 0 <= p < n_ctx:
+            first = max(0, p - window + 1) if window else 0
+            want[t, first:p + 1] = 0.0
+    got = run("causal_mask", [pos], {"n_ctx": n_ctx, "window": window})
+    assert np.array_equal(got, want) and not np.signbit(got[got == 0]).any()
+    strided = np.repeat(pos, 2)[::2]
+    assert np.array_equal(run("causal_mask", [strided], {"n_ctx": n_ctx, "window": window}), want)
+
+
+@pytest.mark.parametrize("metas,params,message", [
+    ([TensorMeta((3,), "int64")], {"n_ctx": 4}, r"pos dtype int64"),
+    ([TensorMeta((3, 1), "int32")], {"n_ctx": 4}, r"pos \(T,\)"),
+    ([TensorMeta((3,), "int32")], {}, r"n_ctx"),
+    ([TensorMeta((3,), "int32")], {"n_ctx": 0}, r"n_ctx.*must be in \[1"),
+    ([TensorMeta((3,), "int32")], {"n_ctx": 4, "window": -1}, r"window.*must be in \[0"),
+])
+def test_causal_mask_rules(metas: list[TensorMeta], params: dict[str, Any], message: str) -> None:
+    out, norm = infer("causal_mask", [TensorMeta((3,), "int32")], {"n_ctx": 5})
+    assert out == TensorMeta((3, 5), "float32") and norm == {"n_ctx": 5, "window": 0}
+    with pytest.raises(OpError, match=message):
+        infer("causal_mask", metas, params)
+
+
 def test_attend_rows_work_counts_the_rows_reached_not_the_cache_per_head() -> None:
     """Each query row may reach all R cache rows: its work is ~ B R H_kv D reads, bounded from
     the shapes (the max-graph-work guard), and grows linearly in B and in R."""

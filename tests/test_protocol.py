@@ -162,10 +162,11 @@ def test_error_message_is_capped() -> None:
 #       is unchanged).
 # 1.12: the graph ops attend_rows and sample_rows (capability row-attention; the encoding is
 #       unchanged).
+# 1.13: the graph op causal_mask (capability causal-mask; the encoding is unchanged).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 12)
+    assert p.PROTOCOL_VERSION == (1, 13)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value

@@ -55,7 +55,7 @@ from ..futures import settled_by
 from ..gguf_model import LlamaConfig, LlamaGGUF, default_model_path, load_gguf
 from ..graph import Graph, GraphTensor
 from ..pipeline import LinkedRun, run_chain
-from .graph import Layer, StageGraphs, step_buffer
+from .graph import Layer, StageGraphs, StepMasks, step_buffer
 from .load import LoadStats, Progress, WeightLoader
 from .model import KVDType, Status, free_stages
 from .plan import ModeIO, Stage, head_tensor, layer_tensor, make_stages, need
@@ -185,8 +185,9 @@ class BatchGraphs(StageGraphs):
         return self.build_layers(stage, io, rows, lambda g, x: self._sample_head(g, x, stage, io))
 
     def _attention(self, g: Graph, h: GraphTensor, at: Layer, io: ModeIO, T: int,
-                   fused: bool) -> GraphTensor:
-        """Each row's K and V into its slot's cache row, then ``attend_rows``."""
+                   masks: StepMasks, fused: bool) -> GraphTensor:
+        """Each row's K and V into its slot's cache row, then ``attend_rows`` (which builds
+        each row's mask itself: ``masks`` stays unused)."""
         if not isinstance(io, RowIO):
             raise TypeError("row graphs need a RowIO")
         cfg = self.config

@@ -1,10 +1,10 @@
 """Building a model's forward graphs: per stage one registered graph per mode.
 
 ``decode`` runs 1 token, ``prefill`` and ``full`` a fixed chunk of T tokens. Each stage's graph
-reads its step inputs (embeddings or the previous stage's activations, positions, the additive
-attention mask) from a small per-mode buffer (:class:`~.plan.ModeIO`), so the graphs keep fixed
-shapes across steps: attention always reads the whole cache (``n_ctx`` rows) and the mask hides the
-rows past each query's position. The last stage ends with the final norm and the LM head; in
+reads its step inputs (embeddings or the previous stage's activations, positions) from a small
+per-mode buffer (:class:`~.plan.ModeIO`), so the graphs keep fixed shapes across steps: attention
+always reads the whole cache (``n_ctx`` rows) and an additive mask, built in the graph from the
+positions (:class:`StepMasks`), hides the rows past each query's position. The last stage ends with the final norm and the LM head; in
 ``decode`` and ``prefill`` also the argmax and its embedding (``x_next``) for chained decoding.
 
 Graph building is plain data; :meth:`StageGraphs.register_async` issues the registrations from
@@ -26,7 +26,7 @@ from .load import Layout
 from .plan import ModeIO, Stage, need
 from .weights import LayerWeights
 
-__all__ = ["Layer", "Mode", "Registrations", "StageGraphs"]
+__all__ = ["Layer", "Mode", "Registrations", "StageGraphs", "StepMasks"]
 
 Mode = Literal["decode", "prefill", "full"]
 Registrations = dict[tuple[Stage, str], Future[RegisteredGraph]]
@@ -77,10 +77,11 @@ class StageGraphs:
         """One small buffer holding this stage's step tensors for ``mode``."""
         T, d, vocab = self.chunk(mode), self.config.d_model, self.config.vocab_size
         wanted: dict[str, tuple[tuple[int, ...], str]] = {
-            "pos": ((T,), "int32"), "mask": ((T, self.n_ctx), "float32"),
-            "x_in": ((T, d), "float32")}
-        if any(self.config.is_swa(i) for i in stage.layers):
-            wanted["mask_swa"] = ((T, self.n_ctx), "float32")
+            "pos": ((T,), "int32"), "x_in": ((T, d), "float32")}
+        if "causal-mask" not in stage.client.info.capabilities:    # a worker before 1.13
+            wanted["mask"] = ((T, self.n_ctx), "float32")
+            if any(self.config.is_swa(i) for i in stage.layers):
+                wanted["mask_swa"] = ((T, self.n_ctx), "float32")
         if not stage.last:
             wanted["x_out"] = ((T, d), "float32")
         else:
@@ -106,9 +107,11 @@ class StageGraphs:
             x = g.scale(x, s=math.sqrt(self.config.d_model))
         n = len(stage.weights)
         fused = "fused-ops" in stage.client.info.capabilities
+        masks = StepMasks(g, io, self.n_ctx, self.config.swa_window)
         for k, (layer, kv) in enumerate(zip(stage.weights, stage.kv)):
             at = Layer(stage.layers[k], layer, kv, stage.rope_freqs)
-            x = self._block(g, x, at, io, T, out=io.x_out if k == n - 1 else None, fused=fused)
+            x = self._block(g, x, at, io, T, masks, out=io.x_out if k == n - 1 else None,
+                            fused=fused)
         if stage.last:
             head(g, x)
         return g
@@ -123,14 +126,14 @@ class StageGraphs:
         self._head(g, g.input(need(io.x_in)), stage, "decode", io)
         return g
 
-    def _block(self, g: Graph, x: GraphTensor, at: Layer, io: ModeIO, T: int,
+    def _block(self, g: Graph, x: GraphTensor, at: Layer, io: ModeIO, T: int, masks: StepMasks,
                out: RemoteTensor | None, fused: bool) -> GraphTensor:
         """One transformer layer: x + attention(norm(x)), then + ffn(norm(.)), each sub-layer's
         output normed again where the architecture says so (Gemma). ``fused``: the worker has
         the ``attention`` and ``swiglu`` ops (``fused-ops``)."""
         eps, w = self.config.norm_eps, at.weights
         h = g.mul(g.rms_norm(x, eps=eps), w.attn_norm)
-        x = g.add(x, self._post_norm(g, self._attention(g, h, at, io, T, fused), w,
+        x = g.add(x, self._post_norm(g, self._attention(g, h, at, io, T, masks, fused), w,
                                      "post_attention_norm"))
         h = g.mul(g.rms_norm(x, eps=eps), w.ffn_norm)
         return g.add(x, self._post_norm(g, self._ffn(g, h, w, fused), w, "post_ffw_norm"),
@@ -141,7 +144,7 @@ class StageGraphs:
         return y if weight is None else g.mul(g.rms_norm(y, eps=self.config.norm_eps), weight)
 
     def _attention(self, g: Graph, h: GraphTensor, at: Layer, io: ModeIO, T: int,
-                   fused: bool) -> GraphTensor:
+                   masks: StepMasks, fused: bool) -> GraphTensor:
         """A decode step (T = 1) ropes q and k in one node (neighbours in the QKV product, and
         a one-row q stays contiguous) where nothing sits between the product and the rope, and,
         on a worker with ``fused-ops``, attends in one ``attention`` node; longer chunks go
@@ -153,7 +156,7 @@ class StageGraphs:
         k_cache, v_cache = at.kv
         g.set_rows(k_cache, k, io.pos)
         g.set_rows(v_cache, v, io.pos)
-        mask = io.mask_swa if cfg.is_swa(at.index) else io.mask
+        mask = masks.get(cfg.is_swa(at.index))
         if fused and T == 1:
             att = g.attention(q, k_cache[:n_ctx], v_cache[:n_ctx], mask, scale=cfg.kq_scale)
             return w.linear["wo"].apply(g, g.reshape(att, (T, n_h * hd)))
@@ -270,6 +273,27 @@ class Layer:
     weights: LayerWeights
     kv: tuple[RemoteTensor, RemoteTensor]
     rope_freqs: RemoteTensor | None
+
+
+class StepMasks:
+    """One graph's additive attention masks (T, n_ctx), each made once, where a layer first
+    asks: built on the worker from the step's positions (``causal_mask``, protocol 1.13), or,
+    on an older worker, the ones the client writes into the step buffer every step (``io.mask``,
+    ``io.mask_swa``)."""
+
+    def __init__(self, g: Graph, io: ModeIO, n_ctx: int, window: int) -> None:
+        self.g, self.io, self.n_ctx, self.window = g, io, n_ctx, window
+        self._made: dict[bool, GraphTensor] = {}
+
+    def get(self, swa: bool) -> GraphTensor | RemoteTensor:
+        """The mask of a sliding-window layer (``swa``) or of a full-attention one."""
+        sent = self.io.mask_swa if swa else self.io.mask
+        if sent is not None:
+            return sent
+        if swa not in self._made:
+            self._made[swa] = self.g.causal_mask(need(self.io.pos), n_ctx=self.n_ctx,
+                                                 window=self.window if swa else 0)
+        return self._made[swa]
 
 
 def step_buffer(stage: Stage, wanted: dict[str, tuple[tuple[int, ...], str]]

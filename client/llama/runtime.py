@@ -2,11 +2,12 @@
 
 One step of the pipeline, one client round trip (with worker-to-worker copies)::
 
-    client ── run(stage 0: x, pos, mask) ──> worker A ── x (T, 576) ──> worker B
-           <── logits or argmax (4 bytes) ─── run(stage 1: pos, mask) <──────┘
+    client ── run(stage 0: x, pos) ──> worker A ── x (T, 576) ──> worker B
+           <── logits or argmax (4 bytes) ─── run(stage 1: pos) <──────┘
 
-Each stage's run carries the step's small inputs (embeddings, positions, the additive attention
-mask) in its own message, and the stages are chained by :func:`~zmq_rpc.client.pipeline.run_chain`
+Each stage's run carries the step's small inputs (embeddings, positions; the additive attention
+masks only for a worker before protocol 1.13, the others build them from the positions) in its
+own message, and the stages are chained by :func:`~zmq_rpc.client.pipeline.run_chain`
 (the same linked runs a :class:`~zmq_rpc.client.pipeline.Pipeline` issues); the last stage's reply
 carries the fetched result. Row ``n_ctx`` of every cache is a scratch row that the padding tokens
 of a partial prefill chunk write to. The input embedding runs here, on the mapped GGUF (as
@@ -30,7 +31,7 @@ import numpy as np
 from ...broker.errors import RecoveryFailed, RpcError, TransferError, TransportError
 from ...broker.ops import QUANT_BLOCKS
 from ...worker.formats import quant
-from ..client import RunResult
+from ..client import RemoteTensor, RunResult
 from ..futures import failed, settled_by
 from ..gguf_model import LlamaGGUF, dequantize_rows
 from ..peer import HandOff
@@ -255,31 +256,41 @@ class StepRunner:
         T, n, n_ctx = self.graphs.chunk(mode), 1 if chunk is None else len(chunk), self.cache.n_ctx
         pos = np.full(T, n_ctx, np.int32)               # padding writes the scratch cache row
         pos[:n] = np.arange(start, start + n, dtype=np.int32)
-        mask = np.full((T, n_ctx), -np.inf, np.float32)
-        mask[:n][np.arange(n_ctx)[None, :] <= pos[:n, None]] = 0.0
-        window = self.cache.config.swa_window
-        mask_swa = mask.copy() if window else None
-        if mask_swa is not None:    # llama.cpp hides key p0 from query p1 when p1 - p0 >= window
-            mask_swa[:n][pos[:n, None] - np.arange(n_ctx)[None, :] >= window] = -np.inf
+        masks = self._masks(mode, pos, n)
         x = None
         if chunk is not None:
             tokens = np.zeros(T, np.int32)
             tokens[:n] = chunk
             x = self.embed(tokens)
-        return [self._stage_run(s, mode, pos, (mask, mask_swa), x, n, fetch)
-                for s in self.stages]
+        return [self._stage_run(s, mode, pos, masks, x, n, fetch) for s in self.stages]
+
+    def _masks(self, mode: Mode, pos: np.ndarray, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The step's additive masks (full, sliding-window) for the stages whose workers predate
+        protocol 1.13 (the others build them from ``pos``: ``causal_mask``); None when no stage
+        reads them. Row t of n real rows sees the keys up to ``pos[t]``; padding rows none."""
+        if all(s.io[mode].mask is None for s in self.stages):
+            return None, None
+        n_ctx = self.cache.n_ctx
+        mask = np.full((len(pos), n_ctx), -np.inf, np.float32)
+        mask[:n][np.arange(n_ctx)[None, :] <= pos[:n, None]] = 0.0
+        window = self.cache.config.swa_window
+        mask_swa = mask.copy() if window else None
+        if mask_swa is not None:    # llama.cpp hides key p0 from query p1 when p1 - p0 >= window
+            mask_swa[:n][pos[:n, None] - np.arange(n_ctx)[None, :] >= window] = -np.inf
+        return mask, mask_swa
 
     def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """The input embeddings (T, d_model) float32 of ``token_ids`` (:func:`embed_tokens`)."""
         return embed_tokens(self.gguf, token_ids)
 
     def _stage_run(self, stage: Stage, mode: Mode, pos: np.ndarray,
-                   masks: tuple[np.ndarray, np.ndarray | None], x: np.ndarray | None, n: int,
+                   masks: tuple[np.ndarray | None, np.ndarray | None], x: np.ndarray | None, n: int,
                    fetch: str) -> LinkedRun:
         io = stage.io[mode]
-        inputs = [(io.pos, pos), (io.mask, masks[0])]
-        if io.mask_swa is not None and masks[1] is not None:
-            inputs.append((io.mask_swa, masks[1]))
+        inputs: list[tuple[RemoteTensor | None, np.ndarray]] = [(io.pos, pos)]
+        for tensor, mask in zip((io.mask, io.mask_swa), masks):
+            if tensor is not None and mask is not None:
+                inputs.append((tensor, mask))
         if stage.first and x is not None:
             inputs.append((io.x_in, x))
         if io.last_idx is not None:

@@ -750,6 +750,21 @@ def _swiglu(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: 
     xp.multiply(out, x[..., n:], out=out, dtype=_F32)
 
 
+def _causal_mask(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
+    """out (T, n_ctx): row t 0 for the keys ``j <= pos[t]`` (and ``pos[t] - j < window`` with a
+    window), -inf elsewhere and throughout for a position outside ``[0, n_ctx)``
+    (``ops._causal_mask``). On the device of ``out``: nothing is downloaded."""
+    xp = namespace(out)
+    n_ctx, window = out.shape[1], int(p["window"])
+    pos = xs[0].astype(xp.int64)[:, None]
+    keys = xp.arange(n_ctx, dtype=xp.int64)[None, :]
+    seen = (keys <= pos) & (pos < n_ctx)
+    if window:
+        seen &= pos - keys < window
+    out[...] = _F32(-np.inf)
+    xp.copyto(out, _F32(0.0), where=seen)
+
+
 def _diag_mask_inf(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, out: np.ndarray) -> None:
     """x[..., i, j] = -inf where j > n_past + i."""
     _load(out, xs[0], ms[0])
@@ -808,7 +823,7 @@ _COMPUTE_KERNELS: Final[Mapping[str, Kernel]] = {
     "unpack": _unpack, "get_rows_packed": _get_rows_packed, "dequantize": _dequantize, "get_rows": _get_rows,
     "rms_norm": _rms_norm, "layer_norm": _layer_norm, "soft_max": _soft_max, "rope": _rope,
     "diag_mask_inf": _diag_mask_inf, "attention": _attention, "attend_rows": _attend_rows,
-    "sample_rows": _sample_rows, "swiglu": _swiglu, "cont": _cont, "concat": _concat,
+    "sample_rows": _sample_rows, "causal_mask": _causal_mask, "swiglu": _swiglu, "cont": _cont, "concat": _concat,
     "sum": _sum, "mean": _mean, "argmax": _argmax,
 }
 
