@@ -7,6 +7,7 @@ endpoint (relayed chunks, PEER_FILL, feed the receives), or a fake link that rec
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -680,9 +681,27 @@ def test_a_weak_client_id_gets_no_session(h: Harness) -> None:
         assert answer.status == ErrorCode.BAD_REQUEST and weak not in h.executor.sessions
 
 
+def test_a_request_that_ran_long_leaves_its_session_fresh(h: Harness) -> None:
+    """Its client waited for the answer: its silence starts when the request is done, not when
+    it came (the loop expires sessions right after a request run from its pump, before it reads
+    what the client sent meanwhile)."""
+    h.alloc(A, 1, 16)
+    session = h.executor.sessions[A]
+    route = h.executor.routes[Cmd.ALLOC_BUFFER]
+
+    def ran_a_minute(session: Any, msg: Any, req: Any) -> Any:
+        session.last_seen -= 60.0                      # as if the clock moved on meanwhile
+        return route.handler(session, msg, req)
+
+    h.executor.routes[Cmd.ALLOC_BUFFER] = dataclasses.replace(route, handler=ran_a_minute)
+    h.alloc(A, 2, 16)
+    h.executor.expire_sessions(time.monotonic() + 29.0, lambda client_id: False)
+    assert h.executor.sessions.get(A) is session
+
+
 def test_silent_sessions_expire(h: Harness) -> None:
     h.alloc(A, 1, 16)
     h.executor.sessions[A].last_seen -= 60
-    h.executor.expire_sessions(h.executor.sessions[B].last_seen)
+    h.executor.expire_sessions(h.executor.sessions[B].last_seen, lambda client_id: False)
     assert A not in h.executor.sessions and B in h.executor.sessions
     assert h.executor.budget.used == 0

@@ -153,6 +153,15 @@ def test_arrival_is_when_the_message_was_read() -> None:
     assert taken is not None and before <= taken[1] <= after
 
 
+def test_holds_says_whose_messages_wait_here() -> None:
+    inbox = Inbox()
+    inbox.put(msg(b"a", b"1"))
+    inbox.charge(b"b", 5)                   # known here (its time), nothing waiting
+    assert inbox.holds(b"a") and not inbox.holds(b"b") and not inbox.holds(b"c")
+    inbox.take()
+    assert not inbox.holds(b"a")
+
+
 def test_empty() -> None:
     inbox = Inbox()
     assert inbox.take() is None and not inbox.full()

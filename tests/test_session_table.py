@@ -162,9 +162,18 @@ def test_expiry_closes_sessions_silent_past_the_timeout() -> None:
     now = time.monotonic()
     old.last_seen, fresh.last_seen = now - 6.0, now - 4.0
     old.queue.append(request(9))
-    h.table.expire(now)
+    h.table.expire(now, lambda client_id: False)
     assert set(h.sessions) == {B}
     assert h.errors() == [(9, ErrorCode.NO_SESSION, "session closed (no message for 5 s)")]
+
+
+def test_a_session_with_a_message_waiting_unread_is_not_silent() -> None:
+    h = Harness(session_timeout=5.0)
+    waiting, gone = h.hello(A), h.hello(B)
+    now = time.monotonic()
+    waiting.last_seen = gone.last_seen = now - 6.0
+    h.table.expire(now, lambda client_id: client_id == A)
+    assert set(h.sessions) == {A}
 
 
 def test_fail_queued_answers_every_session_s_queue() -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ast
 import configparser
+import json
 import logging
+import math
 import pathlib
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -17,7 +20,8 @@ import numpy as np
 import pytest
 from conftest import WorkerProcess
 from waiting import wait_until
-from zmq_rpc.client import Client, ConnectionLost, RpcError
+from zmq_rpc.client import Client, ConnectionLost, Graph, RegisteredGraph, RemoteTensor, RpcError
+from zmq_rpc.client.files import query_file
 from zmq_rpc.worker.cli import parse_size
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
@@ -361,3 +365,96 @@ def test_a_frozen_or_vanished_client_has_its_session_freed_within_the_session_ti
             client.wait()
             client.stdin.close()
             client.stdout.close()
+
+
+def sparse_safetensors(path: pathlib.Path, size: int) -> None:
+    """A model file of one ``size``-byte tensor, its data a hole: instant to write, and its
+    hash still reads every byte (32 MiB: 0.02-0.2 s here, under load)."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}})
+    raw = header.encode().ljust(-(-len(header) // 8) * 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + size)
+
+
+N = 1024
+"""Side of the identity matrices the long graphs multiply (a matmul: 24-54 ms here under load)."""
+
+
+def long_graph(client: Client, seconds: float) -> tuple[RegisteredGraph, RemoteTensor]:
+    """A graph that keeps this worker busy at least ``seconds`` (a chain of matmuls of an
+    identity matrix, summed into the tensor returned: N), sized from the fastest of five runs of
+    a chain of 8 (the worker's compute time): a load that comes and goes only makes the long
+    chain slower."""
+    a = client.alloc_buffer(N * N * 4).tensor((N, N), "float32")
+    client.set_tensor(a, np.eye(N, dtype=np.float32))
+    out = client.alloc_buffer(4).tensor((1,), "float32")
+    chain = chain_of(client, 8, a, out)
+    fastest = min(client.run(chain).compute_seconds for _ in range(5))
+    return chain_of(client, math.ceil(seconds / (fastest / 8)), a, out), out
+
+
+def chain_of(client: Client, matmuls: int, a: RemoteTensor, out: RemoteTensor) -> RegisteredGraph:
+    """``a`` multiplied by itself ``matmuls`` times, summed into the one-element ``out``."""
+    g, x = Graph(), a
+    for _ in range(matmuls):
+        x = g.matmul(x, a)
+    g.sum(g.reshape(x, (N * N,)), axis=0, keepdims=True, out=out)
+    return client.register(g)
+
+
+def run_behind_a_hash(client: Client, long: RegisteredGraph, out: RemoteTensor) -> float:
+    """Run ``long`` from the pump that the end of a file's hash starts; its compute seconds.
+    Queued behind a FILE_QUERY of ``big.safetensors`` (in ``--model-dir``), held while the
+    hashing thread reads the file, it runs when the worker's loop collects the hash, and the loop
+    goes on to its session expiry without reading the PAIR in between: what the clients sent
+    meanwhile is not read yet there (a transfer's end pumps the same way)."""
+    asked = time.monotonic()
+    query = query_file(client, "big.safetensors")
+    run = client.run_async(long, fetch=[out])              # queued behind it at once
+    assert query.result().found
+    hashed = time.monotonic() - asked
+    result = run.result()
+    assert result[0][0] == N                               # identity matrices: the sum is N
+    print(f"hashed in {hashed:.2f} s, then the graph ran {result.compute_seconds:.2f} s")
+    return result.compute_seconds
+
+
+@pytest.mark.timeout(60)
+def test_a_request_longer_than_the_session_timeout_does_not_expire_its_own_session(
+        spawn_worker: Callable[..., WorkerProcess], tmp_path: pathlib.Path) -> None:
+    """A request may run past ``--session-timeout`` (a first-use kernel compile during a model
+    load did): its client waits for it, it is not silent. Here the graph is shorter than the
+    client's heartbeat (2 s), so the client sends nothing meanwhile: the old worker expired the
+    session as soon as it had answered (its last message was the request), and the client's next
+    request got SessionLost."""
+    timeout = 0.5       # a graph of twice this mostly stays below the heartbeat (2 s)
+    sparse_safetensors(tmp_path / "big.safetensors", 32 << 20)      # hashed well within 0.5 s
+    proc = spawn_worker("--session-timeout", str(timeout), "--model-dir", str(tmp_path))
+    with Client(proc.endpoint) as client:
+        long, out = long_graph(client, 2 * timeout)
+        ran = run_behind_a_hash(client, long, out)
+        assert ran > timeout, "the case: a request longer than the session timeout"
+        assert client.get_tensor(out)[0] == N
+
+
+@pytest.mark.timeout(120)
+def test_a_request_longer_than_the_session_timeout_expires_neither_its_session_nor_others(
+        spawn_worker: Callable[..., WorkerProcess], tmp_path: pathlib.Path) -> None:
+    """As above, with requests long enough for the clients' heartbeats: the pings that came
+    while the graph ran, of its client and of another, must count; the old worker expired both
+    sessions before it read them (each next request: SessionLost)."""
+    timeout = 3.0       # above the client's heartbeat (2 s): idle default clients keep theirs
+    sparse_safetensors(tmp_path / "big.safetensors", 32 << 20)
+    proc = spawn_worker("--session-timeout", str(timeout), "--model-dir", str(tmp_path))
+    with Client(proc.endpoint) as waiting, Client(proc.endpoint) as other:
+        mark = other.alloc_buffer(4).tensor((1,), "float32")
+        other.set_tensor(mark, np.array([7.0], np.float32))
+        long, out = long_graph(waiting, 2 * timeout)
+        ran = run_behind_a_hash(waiting, long, out)
+        assert ran > timeout, "the case: a request longer than the session timeout"
+        mine, theirs = waiting.get_tensor_async(out), other.get_tensor_async(mark)
+        lost = {name: type(f.exception()).__name__
+                for name, f in (("waiting", mine), ("other", theirs)) if f.exception()}
+        assert lost == {}
+        assert mine.result()[0] == N and theirs.result()[0] == 7.0

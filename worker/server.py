@@ -291,7 +291,11 @@ class BackendThread(threading.Thread):
             self.executor.release_held(now)
             peers.expire(now)
             if now >= next_expiry:
-                self.executor.expire_sessions(now)
+                # What came while a request ran is not read yet when that request ran from
+                # pump_all or a hash's end (no read follows it there): read it, or its sender
+                # looks silent for as long as that request ran.
+                self._read_ahead(pair)
+                self.executor.expire_sessions(now, self.inbox.holds)
                 next_expiry = now + min(1.0, self.limits.session_timeout / 4)
             if now >= next_publish and self.metrics.enabled:
                 self.metrics.publish(self.executor.report.snapshot())

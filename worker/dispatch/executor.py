@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -260,6 +261,9 @@ class Executor:
         """Run one step of ``req`` and answer it when it is done."""
         started = time.perf_counter_ns()
         outcome = self._call(session, req)
+        # Its client waits for this answer: not silent, however long the request ran (a
+        # first-use kernel compile, a long graph; its pings from meanwhile are not read yet).
+        session.last_seen = time.monotonic()
         if outcome is None or outcome is Later.HOLD:
             return
         queued = self._drop(session, req)
@@ -375,9 +379,10 @@ class Executor:
         """Give back the bytes of materialized replies and pushes that libzmq has sent."""
         self.accounts.reap()
 
-    def expire_sessions(self, now: float) -> None:
-        """Close sessions silent for longer than the session timeout."""
-        self.table.expire(now)
+    def expire_sessions(self, now: float, heard: Callable[[bytes], bool]) -> None:
+        """Close sessions silent for longer than the session timeout (``heard``: see
+        :meth:`SessionTable.expire`)."""
+        self.table.expire(now, heard)
 
     # ----------------------------------------------------------------------- for the loop
 

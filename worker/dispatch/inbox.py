@@ -83,6 +83,11 @@ class Inbox:
     def __len__(self) -> int:
         return self.messages
 
+    def holds(self, client_id: bytes) -> bool:
+        """Whether a message of ``client_id`` waits here (read from the PAIR, not yet handled)."""
+        client = self._clients.get(client_id)
+        return client is not None and bool(client.queue)
+
     def full(self) -> bool:
         """Whether to stop reading the PAIR (libzmq then holds what comes next)."""
         return self.messages >= self.max_messages or self.nbytes >= self.max_bytes

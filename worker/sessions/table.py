@@ -3,8 +3,9 @@
 Owned by the backend thread (through :class:`~zmq_rpc.worker.dispatch.executor.Executor`, which routes
 HELLO here and asks for closings). A session opens at an accepted HELLO (protocol major, a
 client-chosen routing id, room under ``--max-sessions``) and closes at GOODBYE, after the session
-timeout of silence, or when room is short (``--max-sessions``, memory) and it has been silent
-for :data:`PRESSURE_SILENCE`. Closing frees its memory, drops its peer links' queued pushes and
+timeout of silence (no message handled since its last request ran, and none read but waiting),
+or when room is short (``--max-sessions``, memory) and it has been silent for
+:data:`PRESSURE_SILENCE`. Closing frees its memory, drops its peer links' queued pushes and
 its transfers, and answers everything it still waits for with an error. No sockets: replies
 leave through the :class:`~zmq_rpc.worker.dispatch.outbox.Outbox`, peer links are reached through two
 callables.
@@ -222,8 +223,11 @@ class SessionTable:
                 self.close(other, f"memory is short and it was silent for "
                                   f"{now - other.last_seen:.0f} s")
 
-    def expire(self, now: float) -> None:
-        """Close sessions silent for longer than the session timeout."""
+    def expire(self, now: float, heard: Callable[[bytes], bool]) -> None:
+        """Close sessions silent for longer than the session timeout; ``heard(client_id)``: a
+        message of that client was read but is not handled yet (it came while a long request
+        ran: its client is not silent, its ``last_seen`` just not moved yet)."""
         for session in list(self.sessions.values()):
-            if now - session.last_seen > self.limits.session_timeout:
+            if now - session.last_seen > self.limits.session_timeout and \
+                    not heard(session.client_id):
                 self.close(session, f"no message for {self.limits.session_timeout:g} s")
