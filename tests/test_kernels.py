@@ -4,7 +4,7 @@ No sockets: the layout, the repack, the numba matrix-vector and tile kernels, th
 op rules. The oracle is ``gguf.quants.dequantize`` of the original GGUF bytes: the packed dequantizer
 must match it bit for bit; products must match float64 ``x @ W.T`` of those weights within
 ``MV_RTOL * (|x| @ |W|.T)`` (float32 accumulation over up to a few thousand terms, reassociated).
-The decode products of q4_0, q4_1 and q8_0 (``kernels.intdot``) round the inputs to two int8 levels
+The decode products of the block types (``kernels.intdot``, ``kernels.unpackdot``) round the inputs to two int8 levels
 per block of 32 first (``x ~ dx (HI xq1 + xq2)``, ``dx = max|x| / 127 / HI``): they must match float64
 ``xhat @ W.T`` for ``xhat`` those rounded inputs within the same ``MV_RTOL``, and so float64 ``x @ W.T``
 within ``MV_RTOL * (|x| @ |W|.T)`` plus the rounding bound ``(0.51 dx) @ |d q|.T`` (half a step per
@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as GT  # noqa: E402
 from zmq_rpc.worker import kernels  # noqa: E402
 from zmq_rpc.worker.backends import numpy_ops  # noqa: E402
 from zmq_rpc.worker.kernels import amxgemm, halfgemm, intdot, intgemm, jit, unpacked  # noqa: E402
-from zmq_rpc.worker.kernels.layout import INTERLEAVED, unpack_codes  # noqa: E402
+from zmq_rpc.worker.kernels.layout import unpack_codes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)  # the first call of each qtype compiles its kernels (~10 s)
 
@@ -186,7 +186,7 @@ def test_matvec_matches_float_product_of_gguf_weights(qtype: str) -> None:
         x = rng.standard_normal((1, k)).astype(np.float32)
         out = np.full((1, rows), np.nan, np.float32)
         kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
-        if qtype in INTERLEAVED:
+        if qtype in kernels.INTEGER_GEMM:
             close_int8_product(out, x, qtype, data)
         else:
             close_product(out, x, w)
@@ -203,8 +203,6 @@ data = np.load(sys.argv[1])
 out = {}
 for qtype in sorted(name for name in data.files if name != "x"):
     for n in (1, data["x"].shape[0]):
-        if qtype not in ("q4_0", "q4_1", "q8_0") and n == 1:
-            continue                         # float decode kernels: not the integer sums
         y = np.full((n, data[qtype].shape[0]), np.nan, np.float32)
         kernels.matmul(data["x"][:n], kernels.pack(data[qtype], qtype), qtype, y)
         out[f"{qtype}_{n}"] = y
@@ -212,8 +210,8 @@ np.savez(sys.argv[2], **out)
 """
 PATH_QTYPES = ("q4_0", "q5_0", "q6_k", "q8_0")
 """The block types the paths test compiles for another CPU: one per bound of AVX2's 16-bit partial
-sums (8 products of 4-bit codes, 4 of 5-bit, 2 of 6-bit) and q8_0's sign trick, decode (q4_0,
-q8_0) and prefill; q4_1, q5_1, q4_k and q5_k reach the same bounds through the same
+sums (8 products of 4-bit codes, 4 of 5-bit, 2 of 6-bit) and q8_0's sign trick, decode
+(``intdot``, ``unpackdot``) and prefill; q4_1, q5_1, q4_k and q5_k reach the same bounds through the same
 :func:`~zmq_rpc.worker.kernels.intdot._dots`. All eight took 3-5 minutes of
 compiling inside the suite on a fresh clone; these four about half that."""
 PATH_TARGETS = {     # numba told to compile for a CPU: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
@@ -273,7 +271,7 @@ def test_integer_paths_give_bit_identical_products(path: str, tmp_path: Path) ->
                    env=env, check=True, timeout=590)
     there = np.load(tmp_path / "out.npz")
     for qtype, data in weights.items():
-        for n in (1, x.shape[0]) if qtype in INTERLEAVED else (x.shape[0],):
+        for n in (1, x.shape[0]):
             here = np.full((n, 35), np.nan, np.float32)
             kernels.matmul(x[:n], kernels.pack(data, qtype), qtype, here)
             np.testing.assert_array_equal(there[f"{qtype}_{n}"], here, err_msg=f"{qtype} {n} rows")
@@ -442,7 +440,7 @@ def test_two_threads_give_the_same_rows(qtype: str, n_rows: int) -> None:
         out = np.full((n_rows, 1000), np.nan, np.float32)
         kernels.matmul(x, packed, qtype, out)
         outs.append(out)
-    if qtype in INTERLEAVED or (n_rows > kernels.MATVEC_ROWS and qtype in kernels.INTEGER_GEMM):
+    if qtype in kernels.INTEGER_GEMM:
         close_int8_product(outs[1], x, qtype, data)
     else:
         close_product(outs[1], x, oracle(qtype, data))
