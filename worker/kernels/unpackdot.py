@@ -5,10 +5,11 @@ and whose prefill runs :mod:`.unpacked`'s GEMM. Only the worker's backend thread
 helper threads it hands disjoint row ranges to (``kernels.set_threads``): every kernel releases the
 GIL. Compiled code is cached on disk as :mod:`.jit`'s is.
 
-Why. The float32 kernels of :mod:`.jit` round differently from the GEMM, so a sequence's row came
-out in other bits at 1-2 rows than at 3+ (``kernels``, "Batch invariance"), and the batched engine
-padded every decode step of these models to 3 rows; and the GEMM itself on one row unpacks each
-block of 16 weight rows into a scratch before one pass over it, 1.3-3x the float kernel. Here the
+Why. The float32 kernels these replace (formerly in :mod:`.jit`) rounded differently from the GEMM,
+so a sequence's row came out in other bits at 1-2 rows than at 3+ (``kernels``, "Batch
+invariance"), and the batched engine padded every decode step of these models to 3 rows; and the
+GEMM itself on one row unpacks each block of 16 weight rows into a scratch before one pass over
+it, 1.3-3x the float kernel (docs/DESIGN.md has the figures: these sweeps take 0.4-1x it). Here the
 GEMM's arithmetic runs as :mod:`.intdot`'s sweeps do: the input is rounded by the GEMM's own
 :func:`.intgemm.quantize_rows_into` (one row), the offsets per sub-block by :mod:`.unpacked`'s
 ``_offsets``; then for each tile of :data:`TILE` weight rows and each sub-block (q6_k: group of 16
