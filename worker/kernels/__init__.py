@@ -100,6 +100,7 @@ __all__ = [
     "threads",
     "warm",
     "warm_fused",
+    "warm_products",
 ]
 
 MATVEC_ROWS: Final = 2
@@ -252,18 +253,34 @@ def warm(qtype: str) -> float:
     if qtype in _warm:
         return 0.0
     start = time.perf_counter()
-    per_block, gguf_bytes, _ = PACKED[qtype]
-    k = 256 if per_block == 256 else 32
-    src = np.zeros((16, k), np.uint16) if per_block == 1 else np.zeros((16, k // per_block * gguf_bytes), np.uint8)
-    w = pack(src, qtype)
-    matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
-    matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
+    w, k = _warm_products(qtype)
     dequantize(w, qtype, k)          # the tile dequantizer: prefill of the other types, row gathers, unpack
     if _state["threads"] > 1 and (splitter := _splitter()) is not None:
         _warm_split(splitter, w, qtype, k)
     warm_fused()
     _warm[qtype] = time.perf_counter() - start
     return _warm[qtype]
+
+
+def warm_products(qtype: str) -> float:
+    """Compile (or load) only the repack and the one-thread products of ``qtype`` (decode and
+    prefill), not the dequantizer, row splits or fused kernels of :func:`warm`; seconds it took.
+    What ``python -m zmq_rpc.worker.kernels --path`` compiles for another CPU's path."""
+    start = time.perf_counter()
+    _warm_products(qtype)
+    return time.perf_counter() - start
+
+
+def _warm_products(qtype: str) -> tuple[np.ndarray, int]:
+    """Run the repack and a decode and a prefill product of ``qtype`` on zeros; the packed weight
+    (16 rows) and its row length."""
+    per_block, gguf_bytes, _ = PACKED[qtype]
+    k = 256 if per_block == 256 else 32
+    src = np.zeros((16, k), np.uint16) if per_block == 1 else np.zeros((16, k // per_block * gguf_bytes), np.uint8)
+    w = pack(src, qtype)
+    matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
+    matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
+    return w, k
 
 
 def _warm_split(splitter: ModuleType, w: np.ndarray, qtype: str, k: int) -> None:
