@@ -116,7 +116,9 @@ def compile_path(path: str) -> None:
         step(f"could not compile the {path} kernels ahead; tests/test_kernels.py will: "
              + (done.stderr.strip().splitlines() or ["?"])[-1])
     else:
-        step(f"{path} kernels: " + done.stdout.strip().splitlines()[-1].split(": ", 1)[-1])
+        lines = done.stdout.strip().splitlines() or ["all: ?"]
+        step(lines[0] if "nothing to compile" in lines[0] else f"{path} kernels compiled in "
+             + lines[-1].split(": ", 1)[-1])
 
 
 def run(argv: list[str]) -> int:
