@@ -121,18 +121,37 @@ def row_invariant_mix(part: str, layer: int, n_layers: int, cols: int) -> GT:
     return GT.Q8_0 if part in ("output", "token_embd_tied") else GT.Q4_1
 
 
-@pytest.fixture(scope="module")
-def invariant_gguf(tmp_path_factory: pytest.TempPathFactory) -> LlamaGGUF:
-    family = replace(FAMILIES["llama3"], mix=row_invariant_mix)
-    return load_gguf(write_family(family, tmp_path_factory.mktemp("q4_1") / "q4_1.gguf", seed=5))
+KQUANT_TYPES = (GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.Q5_0, GT.Q5_1)
+PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def kquant_mix(part: str, layer: int, n_layers: int, cols: int) -> GT:
+    """A Q4_K_M-like file's other block types, every one in every layer (a different one per part
+    and layer, so Q/K/V and gate/up split), the head Q6_K: the decode kernels of kernels.unpackdot."""
+    if part in ("output", "token_embd_tied"):
+        return GT.Q6_K
+    if part == "token_embd":
+        return GT.Q8_0
+    return KQUANT_TYPES[(PARTS.index(part) + layer) % len(KQUANT_TYPES)]
+
+
+MIXES = {"q4_1": row_invariant_mix, "kquant": kquant_mix}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXES))
+def invariant_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LlamaGGUF:
+    family = replace(FAMILIES["llama3"], mix=MIXES[request.param])
+    name = request.param
+    return load_gguf(write_family(family, tmp_path_factory.mktemp(name) / f"{name}.gguf", seed=5))
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_lone_stream_of_a_row_invariant_model_decodes_one_row_bit_identically(
         workers: int, worker_processes: list[Client], invariant_gguf: LlamaGGUF) -> None:
-    """A model whose products are all Q4_0/Q4_1/Q8_0 steps one decoding sequence as one row (the
-    decode kernel, as LlamaModel does; it ran 3 through the GEMM, 0.5x the speed), and its
-    logits stay bit for bit those it gets among others (steps of 2 to 12 rows)."""
+    """A model whose products are all block types (Q4_0/Q4_1/Q8_0, or Q4_K/Q5_K/Q6_K/Q5_0/Q5_1:
+    a Q4_K_M file's) steps one decoding sequence as one row (the decode kernel, as LlamaModel
+    does; it ran 3 through the GEMM, 0.5x the speed), and its logits stay bit for bit those it
+    gets among others (steps of 2 to 12 rows)."""
     with BatchedModel.load(invariant_gguf, worker_processes[:workers], n_ctx=N_CTX,
                            slots=SLOTS, rows=SLOTS + CHUNK) as model:
         assert model.sizes[0] == 1

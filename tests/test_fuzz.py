@@ -142,6 +142,49 @@ def test_live_worker_survives_mutation_fuzzing(fuzz_seconds: float,
     assert report.rss_after < report.rss_before + (300 << 20), summary
 
 
+def test_the_fuzzed_worker_answers_beside_the_heaviest_graph_the_fuzzer_makes() -> None:
+    """The live fuzz's worker (started as :func:`fuzz.fuzz` starts it) and a GRAPH_COMPUTE that the
+    fuzzer's ``hostile_graph`` mutation makes of the corpus's one-node graph: its tensor widened to
+    a zero-stride (2^20, 7) view, its node list repeated 2,000 times. Under the default
+    ``--max-graph-work`` (2^35 element-ops, 10-40 s by docs/SECURITY.md) it ran, and held the
+    backend thread 48 s on the loaded 2-vCPU VM (a CI run's fuzz saw its probes and the final
+    HELLO go unanswered); the worker serving the fuzz is configured as SECURITY.md says a worker
+    serving untrusted clients should be, so the graph is refused before it runs and a good
+    client's request beside it is answered within the fuzz's per-request bound."""
+    import os
+    import time
+
+    import zmq
+    from zmq_rpc.client import Client
+    proc, endpoint = fuzz.start_worker()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.ROUTING_ID, b"h" + os.urandom(16))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        major, minor = p.PROTOCOL_VERSION
+        for req_id, cmd, msg in ((1, p.Cmd.HELLO, p.Hello(major=major, minor=minor, client="chain")),
+                                 (2, p.Cmd.ALLOC_BUFFER, p.AllocBuffer(handle=1, size=4096))):
+            sock.send(p.encode_request(cmd, req_id, msg))
+            assert sock.poll(10_000) and p.unpack_header(sock.recv_multipart()[0])[0] == p.STATUS_OK
+        graph = [1, [[1, int(p.DType.FLOAT32), [1 << 20, 7], [0, 0], 0]],
+                 [["scale", [-1], {"s": 1.0}, 0]] * 2000]
+        sock.send(msgpack.packb([int(p.Cmd.GRAPH_COMPUTE), 3, graph, [], []], use_bin_type=True))
+        limit = 5.0                         # the fuzz's bound per probe request (Fuzzer.probe_limit)
+        sent = time.monotonic()
+        with Client(endpoint, connect_timeout=limit) as good:
+            good.alloc_buffer_async(4096).result(timeout=max(0.0, sent + limit - time.monotonic()))
+        assert sock.poll(10_000), "the hostile graph got no answer"
+        reply = p.unpack_header(sock.recv_multipart()[0])
+        assert reply[0] == p.ErrorCode.GRAPH_INVALID and "--max-graph-work" in reply[2], reply
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        proc.kill()
+        proc.communicate()
+
+
 def test_report_json_round_trips() -> None:
     import json
     report = fuzz.Report(messages=3)

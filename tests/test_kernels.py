@@ -4,7 +4,7 @@ No sockets: the layout, the repack, the numba matrix-vector and tile kernels, th
 op rules. The oracle is ``gguf.quants.dequantize`` of the original GGUF bytes: the packed dequantizer
 must match it bit for bit; products must match float64 ``x @ W.T`` of those weights within
 ``MV_RTOL * (|x| @ |W|.T)`` (float32 accumulation over up to a few thousand terms, reassociated).
-The decode products of q4_0, q4_1 and q8_0 (``kernels.intdot``) round the inputs to two int8 levels
+The decode products of the block types (``kernels.intdot``, ``kernels.unpackdot``) round the inputs to two int8 levels
 per block of 32 first (``x ~ dx (HI xq1 + xq2)``, ``dx = max|x| / 127 / HI``): they must match float64
 ``xhat @ W.T`` for ``xhat`` those rounded inputs within the same ``MV_RTOL``, and so float64 ``x @ W.T``
 within ``MV_RTOL * (|x| @ |W|.T)`` plus the rounding bound ``(0.51 dx) @ |d q|.T`` (half a step per
@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as GT  # noqa: E402
 from zmq_rpc.worker import kernels  # noqa: E402
 from zmq_rpc.worker.backends import numpy_ops  # noqa: E402
 from zmq_rpc.worker.kernels import amxgemm, halfgemm, intdot, intgemm, jit, unpacked  # noqa: E402
-from zmq_rpc.worker.kernels.layout import INTERLEAVED, unpack_codes  # noqa: E402
+from zmq_rpc.worker.kernels.layout import unpack_codes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)  # the first call of each qtype compiles its kernels (~10 s)
 
@@ -186,7 +186,7 @@ def test_matvec_matches_float_product_of_gguf_weights(qtype: str) -> None:
         x = rng.standard_normal((1, k)).astype(np.float32)
         out = np.full((1, rows), np.nan, np.float32)
         kernels.matmul(x, kernels.pack(data, qtype), qtype, out)
-        if qtype in INTERLEAVED:
+        if qtype in kernels.INTEGER_GEMM:
             close_int8_product(out, x, qtype, data)
         else:
             close_product(out, x, w)
@@ -197,30 +197,23 @@ import sys
 import numpy as np
 from zmq_rpc.worker import kernels
 from zmq_rpc.worker.kernels import intdot
-path = "vnni" if intdot.VNNI else "avx2" if intdot.AVX2 else "portable"
-assert path == sys.argv[3], f"compiled for {path}, expected {sys.argv[3]}"
+assert intdot.PATH == sys.argv[3], f"compiled for {intdot.PATH}, expected {sys.argv[3]}"
 data = np.load(sys.argv[1])
 out = {}
 for qtype in sorted(name for name in data.files if name != "x"):
     for n in (1, data["x"].shape[0]):
-        if qtype not in ("q4_0", "q4_1", "q8_0") and n == 1:
-            continue                         # float decode kernels: not the integer sums
         y = np.full((n, data[qtype].shape[0]), np.nan, np.float32)
         kernels.matmul(data["x"][:n], kernels.pack(data[qtype], qtype), qtype, y)
         out[f"{qtype}_{n}"] = y
 np.savez(sys.argv[2], **out)
 """
-PATH_QTYPES = ("q4_0", "q5_0", "q6_k", "q8_0")
-"""The block types the paths test compiles for another CPU: one per bound of AVX2's 16-bit partial
-sums (8 products of 4-bit codes, 4 of 5-bit, 2 of 6-bit) and q8_0's sign trick, decode (q4_0,
-q8_0) and prefill; q4_1, q5_1, q4_k and q5_k reach the same bounds through the same
-:func:`~zmq_rpc.worker.kernels.intdot._dots`. All eight took 3-5 minutes of
-compiling inside the suite on a fresh clone; these four about half that."""
-PATH_TARGETS = {     # numba told to compile for a CPU: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
-    "avx2": ("haswell", "+avx,+avx2,+bmi,+bmi2,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,"
-                        "+sse4.2,+ssse3"),
-    "portable": ("ivybridge", "+avx,+cx16,+f16c,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3"),
-}
+
+
+def test_kernels_command_offers_every_other_path() -> None:
+    """``python -m zmq_rpc.worker.kernels --path`` (run.py's setup) names the paths the test
+    above compiles (its own list: the flags are parsed before numba is imported)."""
+    from zmq_rpc.worker.kernels import __main__ as command
+    assert command.PATHS == tuple(sorted(intdot.PATH_TARGETS))
 
 
 def extreme_inputs(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -248,32 +241,29 @@ def extreme_weight(rng: np.random.Generator, qtype: str, rows: int, k: int) -> n
     return data
 
 
-@pytest.mark.timeout(600)     # the first run compiles every integer kernel for the other CPU (minutes)
-@pytest.mark.parametrize("path", sorted(PATH_TARGETS))
+@pytest.mark.timeout(600)     # without run.py's setup, the first run compiles the other CPU's kernels (minutes)
+@pytest.mark.parametrize("path", sorted(intdot.PATH_TARGETS))
 def test_integer_paths_give_bit_identical_products(path: str, tmp_path: Path) -> None:
-    """Compiled for another CPU (numba told to; its cache kept beside the kernels' own, so only the
-    first run compiles), the integer kernels take that CPU's path (AVX2's ``vpmaddubsw`` sums, or
-    the portable vector IR) and give bit-identical products to this process's path (VNNI, AVX2 or
-    portable), decode and prefill of a block type per bound of the 16-bit sums
-    (:data:`PATH_QTYPES`), on codes and inputs at those bounds. Skipped where both are the same path or this CPU
-    cannot run the target's code."""
-    here_path = "vnni" if intdot.VNNI else "avx2" if intdot.AVX2 else "portable"
-    cpu, features = PATH_TARGETS[path]
-    if path == here_path:
-        pytest.skip(f"this process's kernels are the {path} ones")
-    if not set(features.split(",")) <= intdot._numba_cpu_features():
-        pytest.skip(f"this CPU cannot run {cpu} code")
+    """Compiled for another CPU (numba told to; its cache kept beside the kernels' own, filled by
+    ``run.py``'s setup: ``python -m zmq_rpc.worker.kernels --path``), the integer kernels take that
+    CPU's path (AVX2's ``vpmaddubsw`` sums, or the portable vector IR) and give bit-identical
+    products to this process's path (VNNI, AVX2 or portable), decode and prefill of a block type per
+    bound of the 16-bit sums (:data:`~zmq_rpc.worker.kernels.intdot.PATH_QTYPES`), on codes and
+    inputs at those bounds. Skipped where both are the same path or this CPU cannot run the
+    target's code."""
+    problem = intdot.path_problem(path)
+    if problem is not None:
+        pytest.skip(problem)
     rng = np.random.default_rng(23)
-    weights = {q: extreme_weight(rng, q, 35, 512) for q in PATH_QTYPES}
+    weights = {q: extreme_weight(rng, q, 35, 512) for q in intdot.PATH_QTYPES}
     x = extreme_inputs(rng, intgemm.TB + 3, 512)
     np.savez(tmp_path / "in.npz", x=x, **weights)
-    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features,
-           "NUMBA_CACHE_DIR": str(Path(intdot.__file__).parent / "__pycache__" / f"cpu-{path}")}
+    env = {**os.environ, **intdot.path_env(path)}
     subprocess.run([sys.executable, "-c", PATHS_SCRIPT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"), path],
                    env=env, check=True, timeout=590)
     there = np.load(tmp_path / "out.npz")
     for qtype, data in weights.items():
-        for n in (1, x.shape[0]) if qtype in INTERLEAVED else (x.shape[0],):
+        for n in (1, x.shape[0]):
             here = np.full((n, 35), np.nan, np.float32)
             kernels.matmul(x[:n], kernels.pack(data, qtype), qtype, here)
             np.testing.assert_array_equal(there[f"{qtype}_{n}"], here, err_msg=f"{qtype} {n} rows")
@@ -442,7 +432,7 @@ def test_two_threads_give_the_same_rows(qtype: str, n_rows: int) -> None:
         out = np.full((n_rows, 1000), np.nan, np.float32)
         kernels.matmul(x, packed, qtype, out)
         outs.append(out)
-    if qtype in INTERLEAVED or (n_rows > kernels.MATVEC_ROWS and qtype in kernels.INTEGER_GEMM):
+    if qtype in kernels.INTEGER_GEMM:
         close_int8_product(outs[1], x, qtype, data)
     else:
         close_product(outs[1], x, oracle(qtype, data))

@@ -59,6 +59,17 @@ def test_a_row_gives_the_same_bits_in_any_batch_where_promised(qtype: str) -> No
         assert bad, f"{qtype} is batch-invariant now: add it to kernels.batch_invariant"
 
 
+UNPACKED = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+
+
+@pytest.mark.parametrize("qtype", UNPACKED)
+def test_decode_sweeps_over_two_tiles_give_the_gemm_rows(qtype: str) -> None:
+    """4200 weight rows: the decode kernels' (``kernels.unpackdot``) two output tiles of 4096 and 96
+    rows and a ragged tail of 8 (the GEMM's own pass) give a row the bits it gets among others."""
+    assert kernels.batch_invariant(qtype)
+    assert not rows_differ(qtype, 256, 4200)
+
+
 @pytest.mark.parametrize("qtype", sorted(kernels.INVARIANT_INTEGER | kernels.HALF_GEMM))
 def test_rows_split_over_threads_keep_their_bits(qtype: str) -> None:
     """Two threads split the 300 weight rows (on multiples of 16): the outputs do not move."""

@@ -576,12 +576,22 @@ class Fuzzer:
         return result
 
 
+UNTRUSTED_MAX_WORK = 10**8
+"""``--max-graph-work`` of the worker the fuzz starts: ~0.1 s of numpy, what docs/SECURITY.md tells a
+worker serving untrusted clients to set. Under the default (2^35: 10-40 s, for a large model's
+prefill) the mutations' own graphs could hold the backend thread past the probes' bound: the
+corpus's one-node graph on a zero-stride (2^20, 7) view, its node list repeated 2,000 times (both
+``hostile_graph`` mutations), ran 48 s on a loaded 2-vCPU VM."""
+
+
 def start_worker(mem: str = "256MiB", extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str],
                                                                              str]:
-    """A worker subprocess on a free loopback port."""
+    """A worker subprocess on a free loopback port, configured for untrusted clients
+    (:data:`UNTRUSTED_MAX_WORK`; ``extra`` flags come after, so they may override it)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", "tcp://127.0.0.1:*", "--mem", mem,
-         "--session-timeout", "10", "--log-level", "ERROR", *extra],
+         "--session-timeout", "10", "--log-level", "ERROR", "--max-graph-work", str(UNTRUSTED_MAX_WORK),
+         *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None

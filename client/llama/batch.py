@@ -30,10 +30,11 @@ own slot; ``sample_rows`` draws from a hash of the row's seed and counter), and 
 the same at any position of the batch and in any of the registered sizes: every product rounds
 each row to int8 on its own and sums each row's blocks in the same order whatever the other rows.
 The workers' integer GEMM does so from 3 rows; below that their matrix-vector kernels run, which
-round the same way only for :data:`ROW_INVARIANT_QTYPES`, so a model whose products are all of
-those types runs steps of 1 and 2 rows (one decoding sequence: the decode kernel, as
-:class:`~.model.LlamaModel` runs it), any other never fewer than :data:`MIN_ROWS`
-(:func:`min_rows`; checked by the tests).
+round the same way for :data:`ROW_INVARIANT_QTYPES` (every block type: Q4_0 ... Q8_0 and the
+K-quants), so a model whose products are all of those types runs steps of 1 and 2 rows (one
+decoding sequence: the decode kernel, as :class:`~.model.LlamaModel` runs it), any other (an F16
+or BF16 product, or float32 weights) never fewer than :data:`MIN_ROWS` (:func:`min_rows`;
+checked by the tests).
 
 Threads: the caller's thread builds and launches steps and blocks only on a lane step's result.
 """
@@ -69,10 +70,9 @@ __all__ = ["MIN_ROWS", "ROW_INVARIANT_QTYPES", "BatchedModel", "LaneStep", "RowI
 MIN_ROWS = 3
 """Rows of the smallest step graph of a model with a product outside :data:`ROW_INVARIANT_QTYPES`.
 The workers' packed products run a matrix-vector pass per row up to 2 rows
-(``worker.kernels.MATVEC_ROWS``) and the integer GEMM from 3 (each row rounded to int8 on its
-own); for the other types the two differ in the last bits (the matrix-vector pass keeps float32
-activations), so every step runs 3 rows or more, and a row's products are the same whatever the
-step's size."""
+(``worker.kernels.MATVEC_ROWS``) and a GEMM from 3; for f16/bf16 the two may differ in the last
+bits (AMX's GEMM splits the activations into bf16 levels), and float32 weights go through BLAS, so
+every step runs 3 rows or more, and a row's products are the same whatever the step's size."""
 
 ROW_INVARIANT_QTYPES = INVARIANT_INTEGER
 """Packed types whose matrix-vector kernels round a row as their GEMM does (``worker.kernels``,

@@ -4,7 +4,8 @@ Owned by the worker's backend thread (module state: the thread count, the set of
 :func:`matmul` picks the path by the number of activation rows:
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
-  (:mod:`.jit`), reading each weight byte once;
+  (:mod:`.jit`; the block types' integer passes: :mod:`.intdot`, :mod:`.unpackdot`), reading each
+  weight byte once;
 - more rows (prefill), the block types (q4_0 ... q6_k, :data:`INTEGER_GEMM`): the rows of ``x`` rounded
   to int8 once (split over the threads by rows, as the products), then an integer GEMM that unpacks
   each block of codes once for many rows (:mod:`.intgemm`; q5_x and the K-quants through a
@@ -40,17 +41,19 @@ checks every type at B = 1, 2, 3, 7, 16, 33 and every place of the row:
 - q4_0, q4_1, q8_0: yes. :mod:`.intdot` rounds the activation block and its float sum as
   :func:`.intgemm.quantize_rows_into` does, and applies the scales per sub-block in the GEMM's
   order (``y = fma(float(isum), d * dx, y)``, then ``fma(m, sum x, y)``; the scalar tails as the
-  GEMM's), so a decode row and the same row in a prefill are the same bits. The batched engine
-  (``client/llama/batch.py``, ``min_rows``) relies on it: a model whose products are all of these
-  types steps one decoding sequence as one row, any other never runs fewer than 3.
+  GEMM's), so a decode row and the same row in a prefill are the same bits.
+- q5_0, q5_1, q4_k, q5_k, q6_k: yes. :mod:`.unpackdot` rounds the row with the GEMM's own
+  :func:`.intgemm.quantize_rows_into`, unpacks the codes with :mod:`.unpacked`'s IR (in registers,
+  not through its scratch) and applies the scales and offsets with the GEMM pass's float
+  operations in its order; rows past the last multiple of 16 run the GEMM itself.
 - f16, bf16 without AMX: yes; both kernels are one FMA per weight and input, in input order.
   With AMX (:mod:`.amxgemm`, three bf16 levels), no.
-- q5_0, q5_1, q4_k, q5_k, q6_k: no. Decode runs the float matvec of :mod:`.jit` (float32
-  activations), prefill the integer GEMM of :mod:`.unpacked` (int8 activations); the GEMM's one-row
-  pass costs 6-20x the matvec on one row. Making them invariant needs an integer matvec for these
-  types (as :mod:`.intdot` for q4/q8) that rounds like the GEMM.
 - float32 weights (the ``matmul`` op, BLAS): no guarantee; BLAS picks kernels and blockings by
   shape (and threads), so a row's sums may be ordered differently at another B.
+
+The batched engine (``client/llama/batch.py``, ``min_rows``) relies on the block types' promise
+(:data:`INVARIANT_INTEGER`): a model whose products are all of these types steps one decoding
+sequence as one row, any other never runs fewer than 3.
 
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.
@@ -97,6 +100,7 @@ __all__ = [
     "threads",
     "warm",
     "warm_fused",
+    "warm_products",
 ]
 
 MATVEC_ROWS: Final = 2
@@ -107,8 +111,9 @@ TILE_BYTES: Final = 1 << 20
 INTEGER_GEMM: Final = frozenset({"q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
 """Types whose prefill products run the integer GEMM of :mod:`.intgemm` / :mod:`.unpacked` (the
 others: tiles + BLAS)."""
-INVARIANT_INTEGER: Final = frozenset({"q4_0", "q4_1", "q8_0"})
-"""Block types whose decode kernels (:mod:`.intdot`) round like their GEMM (:mod:`.intgemm`)."""
+INVARIANT_INTEGER: Final = INTEGER_GEMM
+"""Block types whose decode kernels (:mod:`.intdot`, :mod:`.unpackdot`) round like their GEMM
+(:mod:`.intgemm`, :mod:`.unpacked`): all of them."""
 HALF_GEMM: Final = frozenset({"f16", "bf16"})
 """Types whose prefill products run :mod:`.amxgemm` (AMX tiles) or, on a CPU without AMX,
 :mod:`.halfgemm` (FMA)."""
@@ -248,18 +253,34 @@ def warm(qtype: str) -> float:
     if qtype in _warm:
         return 0.0
     start = time.perf_counter()
-    per_block, gguf_bytes, _ = PACKED[qtype]
-    k = 256 if per_block == 256 else 32
-    src = np.zeros((16, k), np.uint16) if per_block == 1 else np.zeros((16, k // per_block * gguf_bytes), np.uint8)
-    w = pack(src, qtype)
-    matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
-    matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
+    w, k = _warm_products(qtype)
     dequantize(w, qtype, k)          # the tile dequantizer: prefill of the other types, row gathers, unpack
     if _state["threads"] > 1 and (splitter := _splitter()) is not None:
         _warm_split(splitter, w, qtype, k)
     warm_fused()
     _warm[qtype] = time.perf_counter() - start
     return _warm[qtype]
+
+
+def warm_products(qtype: str) -> float:
+    """Compile (or load) only the repack and the one-thread products of ``qtype`` (decode and
+    prefill), not the dequantizer, row splits or fused kernels of :func:`warm`; seconds it took.
+    What ``python -m zmq_rpc.worker.kernels --path`` compiles for another CPU's path."""
+    start = time.perf_counter()
+    _warm_products(qtype)
+    return time.perf_counter() - start
+
+
+def _warm_products(qtype: str) -> tuple[np.ndarray, int]:
+    """Run the repack and a decode and a prefill product of ``qtype`` on zeros; the packed weight
+    (16 rows) and its row length."""
+    per_block, gguf_bytes, _ = PACKED[qtype]
+    k = 256 if per_block == 256 else 32
+    src = np.zeros((16, k), np.uint16) if per_block == 1 else np.zeros((16, k // per_block * gguf_bytes), np.uint8)
+    w = pack(src, qtype)
+    matmul(np.zeros((1, k), np.float32), w, qtype, np.empty((1, 16), np.float32))
+    matmul(np.zeros((MATVEC_ROWS + 1, k), np.float32), w, qtype, np.empty((MATVEC_ROWS + 1, 16), np.float32))
+    return w, k
 
 
 def _warm_split(splitter: ModuleType, w: np.ndarray, qtype: str, k: int) -> None:

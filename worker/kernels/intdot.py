@@ -60,6 +60,7 @@ portable IR, prefill 12-17x (docs/DESIGN.md).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,8 @@ from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-__all__ = ["AVX2", "HI", "Q8_OFFSET", "TILE", "VNNI", "XMAX", "mv_q4", "mv_q8_0", "quantize_x"]
+__all__ = ["AVX2", "HI", "PATH", "PATH_QTYPES", "PATH_TARGETS", "Q8_OFFSET", "TILE", "VNNI", "XMAX", "mv_q4", "mv_q8_0",
+           "path_cache", "path_env", "path_problem", "quantize_x"]
 
 TILE = 4096
 """Rows per output tile (16 KiB of float32 accumulators, in L1 while the sub-blocks sweep them)."""
@@ -92,6 +94,45 @@ VNNI = {"+avx512f", "+avx512bw", "+avx512vnni"} <= _numba_cpu_features()
 AVX2 = not VNNI and "+avx2" in _numba_cpu_features()
 """Whether the sweeps use AVX2's ``vpmaddubsw`` + ``vpmaddwd`` (else, without VNNI, the portable
 vector IR: same sums, slower)."""
+PATH = "vnni" if VNNI else "avx2" if AVX2 else "portable"
+"""The integer path this process's kernels take."""
+PATH_TARGETS = {     # numba told to compile for a CPU: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
+    "avx2": ("haswell", "+avx,+avx2,+bmi,+bmi2,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,"
+                        "+sse4.2,+ssse3"),
+    "portable": ("ivybridge", "+avx,+cx16,+f16c,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3"),
+}
+"""The other paths a process can be told to compile (tests/test_kernels.py compares their products
+with this process's bit for bit; ``python -m zmq_rpc.worker.kernels --path NAME`` compiles them ahead)."""
+PATH_QTYPES = ("q4_0", "q5_0", "q6_k", "q8_0")
+"""The block types compiled for another path: one per bound of AVX2's 16-bit partial sums (8 products
+of 4-bit codes, 4 of 5-bit, 2 of 6-bit) and q8_0's sign trick, decode (:mod:`.intdot`,
+:mod:`.unpackdot`) and prefill; q4_1, q5_1, q4_k and q5_k reach the same bounds through the same
+:func:`_dots`."""
+
+
+def path_problem(path: str) -> str | None:
+    """Why this process cannot compile and run ``path``'s kernels beside its own (None: it can)."""
+    cpu, features = PATH_TARGETS[path]
+    if path == PATH:
+        return f"this process's kernels are the {path} ones"
+    if not set(features.split(",")) <= _numba_cpu_features():
+        return f"this CPU cannot run {cpu} code"
+    return None
+
+
+def path_cache(path: str) -> str:
+    """numba's cache folder for ``path``'s kernels, beside the kernels' own: only the first process
+    that runs them compiles them (``--path`` in ``run.py``'s setup, or the first test run)."""
+    return os.path.join(os.path.dirname(__file__), "__pycache__", f"cpu-{path}")
+
+
+def path_env(path: str) -> dict[str, str]:
+    """The environment variables that make a new process compile ``path``'s kernels into
+    :func:`path_cache`."""
+    cpu, features = PATH_TARGETS[path]
+    return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": path_cache(path)}
+
+
 XMAX = 127
 """The largest ``|code|`` of either input level (:func:`quantize_x`: ``|x / e| <= 127`` rounds to at
 most 127, ``xq2`` is clamped to it; a NaN block's codes are 0): what bounds AVX2's 16-bit sums."""

@@ -8,9 +8,10 @@ worker start on a machine pays the compile (a few seconds per family of types).
 
 :data:`KERNELS` maps each qtype to its two kernels and the flags that select it within its family
 (one compiled function per family: q4_0/q4_1, q5_0/q5_1, q4_k/q5_k, f16/bf16; q8_0 and q6_k alone; a
-flag is tested once per sub-block, outside the vectorized loops). The matrix-vector products of q4_0,
-q4_1 and q8_0 are integer kernels that round ``x`` to int8 first (:mod:`.intdot`, several times faster); the
-others, here, multiply float32 by float32:
+flag is tested once per sub-block, outside the vectorized loops). The matrix-vector products of the
+block types are integer kernels that round ``x`` to int8 first as the prefill GEMM does (:mod:`.intdot`
+for q4_0, q4_1, q8_0; :mod:`.unpackdot` for q5_0, q5_1, q4_k, q5_k, q6_k); those of f16/bf16, here,
+multiply float32 by float32; the dequantizers of every type are here:
 
 - ``mv(w, x, y, r0, r1, *flags)``: rows ``r0..r1`` of ``y = W @ x`` for one float32 vector ``x`` (K,);
 - ``dq(w, k, r0, r1, out, c0, *flags)``: ``out[:, r - c0] = W[r, :]`` for rows ``r0..r1``: a transposed
@@ -18,9 +19,9 @@ others, here, multiply float32 by float32:
   the types without an integer GEMM, :mod:`.intgemm`; row gathers).
 
 How the loops are built (the layout decides the speed: docs/DESIGN.md): for each sub-block of 32 weights
-the innermost loop runs over a tile of :data:`TILE` rows, reading ``p[16s + j, r]`` with unit stride;
-they accumulate into one float32 per row, one sweep per byte position ``j``, then apply the scales
-(q4_0/q4_1/q8_0, whose codes are stored by fours, are dequantized from int32 words of 4 bytes). LLVM vectorizes the row loop (8 or 16 rows per instruction). numba computes every integer expression in 64 bits; LLVM narrows it back only when
+the innermost loop runs over a tile of :data:`TILE` rows, reading ``p[16s + j, r]`` with unit stride,
+one sweep per byte position ``j`` (q4_0/q4_1/q8_0, whose codes are stored by fours, are dequantized
+from int32 words of 4 bytes). LLVM vectorizes the row loop (8 or 16 rows per instruction). numba computes every integer expression in 64 bits; LLVM narrows it back only when
 each operand is visibly an 8/16/32-bit value, so codes are read as ``np.int32(byte)``, every result is
 cast to ``np.int32`` before it becomes a float, and bit masks come from the uint32 table :data:`_BIT`
 (a computed ``1 << j`` or a shift by ``j`` keeps the whole loop in 64-bit lanes: half the elements per
@@ -42,6 +43,7 @@ from numba.extending import intrinsic
 
 from .intdot import _half, mv_q4, mv_q8_0
 from .layout import INTERLEAVED
+from .unpackdot import mv_kquant, mv_q5, mv_q6_k
 
 __all__ = ["KERNELS", "TILE", "pack"]
 
@@ -72,39 +74,6 @@ def _sec(flat: Any, off: int, n0: int, r: int, dtype: Any, size: int) -> Any:
     return flat[off:off + n0 * r * size].view(dtype).reshape((n0, r))
 
 
-@njit(inline="always")
-def _xsums(x: Any, width: int) -> Any:
-    """Sums of ``x`` over consecutive groups of ``width``."""
-    n = x.shape[0] // width
-    out = np.empty(n, np.float32)
-    for s in range(n):
-        acc = _F32(0)
-        for j in range(width):
-            acc += x[s * width + j]
-        out[s] = acc
-    return out
-
-
-# ---------------------------------------------------------------------- inner sums over a sub-block
-# Every loop below runs from 0 over views sliced to the tile (``p[i][t0:t1]``): LLVM vectorizes
-# those; the same loops written as ``acc[r - t0]`` over ``range(t0, t1)`` stay scalar (1 vector FMA
-# in the asm instead of 5).
-
-
-@njit(inline="always")
-def _sum4(p: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
-    """acc[i] = sum_j q[32s + j] x[32s + j] for 4-bit codes, rows t0 + i."""
-    n = t1 - t0
-    for i in range(n):
-        acc[i] = 0
-    for j in range(16):
-        x0, x1 = x[32 * s + j], x[32 * s + j + 16]
-        row = p[16 * s + j][t0:t1]
-        for i in range(n):
-            v = np.int32(row[i])
-            acc[i] += _F32(np.int32(v & 15)) * x0 + _F32(np.int32(v >> 4)) * x1
-
-
 _I8, _I16, _I24 = np.int32(8), np.int32(16), np.int32(24)
 _W4, _W8, _W12, _W15, _W16, _W20, _W24, _W28 = (np.uint32(v) for v in (4, 8, 12, 15, 16, 20, 24, 28))
 _BIT = np.array([1 << i for i in range(32)], np.uint32)
@@ -112,135 +81,7 @@ _BIT = np.array([1 << i for i in range(32)], np.uint32)
 computes integer expressions in 64 bits; LLVM narrows them back only when every operand is a 32-bit value)."""
 
 
-@njit(inline="always")
-def _sum5(p: Any, h: Any, s: int, x: Any, t0: int, t1: int, acc: Any) -> None:
-    """As :func:`_sum4` with the 5th bit of each code in ``h[s]``."""
-    n = t1 - t0
-    for i in range(n):
-        acc[i] = 0
-    hs = h[s][t0:t1]
-    for j in range(16):
-        x0, x1 = x[32 * s + j], x[32 * s + j + 16]
-        row = p[16 * s + j][t0:t1]
-        mlo, mhi = _BIT[j], _BIT[j + 16]
-        for i in range(n):
-            v = np.int32(row[i])
-            hb = hs[i]
-            lo = np.int32(v & 15) | (np.int32(16) if hb & mlo else np.int32(0))
-            hi = np.int32(v >> 4) | (np.int32(16) if hb & mhi else np.int32(0))
-            acc[i] += _F32(np.int32(lo)) * x0 + _F32(np.int32(hi)) * x1
-
-
-@njit(inline="always")
-def _sum6(p: Any, h: Any, g: int, x: Any, t0: int, t1: int, acc: Any) -> None:
-    """q6_k: acc[i] = sum_j q[16g + j] x[16g + j] over scale group ``g`` (layout: one ``h`` byte, constant
-    shifts, serves the ``p`` bytes ``8g + j`` and ``8g + 4 + j``)."""
-    n = t1 - t0
-    for i in range(n):
-        acc[i] = 0
-    for j in range(4):
-        ra, rb, hr = p[8 * g + j][t0:t1], p[8 * g + 4 + j][t0:t1], h[4 * g + j][t0:t1]
-        xa, xb, xc, xd = x[16 * g + j], x[16 * g + 8 + j], x[16 * g + 4 + j], x[16 * g + 12 + j]
-        for i in range(n):
-            va, vb, hb = np.int32(ra[i]), np.int32(rb[i]), np.int32(hr[i])
-            qa = np.int32(np.int32(va & 15) | np.int32((hb << 4) & 48))
-            qb = np.int32(np.int32(va >> 4) | np.int32((hb << 2) & 48))
-            qc = np.int32(np.int32(vb & 15) | np.int32(hb & 48))
-            qd = np.int32(np.int32(vb >> 4) | np.int32((hb >> 2) & 48))
-            acc[i] += (_F32(qa) * xa + _F32(qb) * xb) + (_F32(qc) * xc + _F32(qd) * xd)
-
-
-# ------------------------------------------------------------------------ matrix-vector, per type
-
-
-@_jit
-def _mv_q5(w: Any, x: Any, y: Any, r0: int, r1: int, has_min: bool) -> None:
-    """q5_0, q5_1 (``has_min``): rows r0..r1 of ``W @ x``."""
-    R, ns = w.shape[0], x.shape[0] // 32
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, ns, R, np.float32, 4)
-    off = 4 * ns * R
-    m = _sec(flat, off if has_min else 0, ns, R, np.float32, 4)   # d again without a min (unused)
-    off += 4 * ns * R if has_min else 0
-    h = _sec(flat, off, ns, R, np.uint32, 4)
-    p = _sec(flat, off + 4 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    bias = _F32(16)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            _sum5(p, h, s, x, t0, t1, acc)
-            ds = d[s][t0:t1]
-            if has_min:
-                xsum, ms = xs[s], m[s][t0:t1]
-                for i in range(t1 - t0):
-                    yt[i] += ds[i] * acc[i] + ms[i] * xsum
-            else:
-                shift = bias * xs[s]
-                for i in range(t1 - t0):
-                    yt[i] += ds[i] * (acc[i] - shift)
-
-
-@njit(inline="always")
-def _k_combine(yt: Any, acc: Any, d: Any, dmin: Any, sc: Any, mn: Any, s: int, xsum: float,
-               t0: int, t1: int) -> None:
-    b = s // 8
-    db, mb, scs, mns = d[b][t0:t1], dmin[b][t0:t1], sc[s][t0:t1], mn[s][t0:t1]
-    for i in range(t1 - t0):
-        yt[i] += db[i] * _F32(scs[i]) * acc[i] - mb[i] * _F32(mns[i]) * xsum
-
-
-@_jit
-def _mv_kquant(w: Any, x: Any, y: Any, r0: int, r1: int, five: bool) -> None:
-    """q4_k, q5_k (``five``): rows r0..r1 of ``W @ x``."""
-    R, ns = w.shape[0], x.shape[0] // 32
-    nb = ns // 8
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, nb, R, np.float32, 4)
-    dmin = _sec(flat, 4 * nb * R, nb, R, np.float32, 4)
-    off = 8 * nb * R
-    h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)       # unused without 5th bits
-    off += 4 * ns * R if five else 0
-    sc = _sec(flat, off, ns, R, np.uint8, 1)
-    mn = _sec(flat, off + ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, off + 2 * ns * R, 16 * ns, R, np.uint8, 1)
-    xs = _xsums(x, 32)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for s in range(ns):
-            if five:
-                _sum5(p, h, s, x, t0, t1, acc)
-            else:
-                _sum4(p, s, x, t0, t1, acc)
-            _k_combine(yt, acc, d, dmin, sc, mn, s, xs[s], t0, t1)
-
-
-@_jit
-def _mv_q6_k(w: Any, x: Any, y: Any, r0: int, r1: int) -> None:
-    R, ng = w.shape[0], x.shape[0] // 16
-    nb = ng // 16
-    flat = w.reshape(-1)
-    d = _sec(flat, 0, nb, R, np.float32, 4)
-    h = _sec(flat, 4 * nb * R, 4 * ng, R, np.uint8, 1)
-    sc = _sec(flat, 4 * nb * R + 4 * ng * R, ng, R, np.int8, 1)
-    p = _sec(flat, 4 * nb * R + 5 * ng * R, 8 * ng, R, np.uint8, 1)
-    xs = _xsums(x, 16)
-    acc = np.empty(TILE, np.float32)
-    for t0 in range(r0, r1, TILE):
-        t1 = min(t0 + TILE, r1)
-        yt = y[t0:t1]
-        yt[:] = 0
-        for g in range(ng):
-            _sum6(p, h, g, x, t0, t1, acc)
-            db, sg, off = d[g // 16][t0:t1], sc[g][t0:t1], _F32(32) * xs[g]
-            for i in range(t1 - t0):
-                yt[i] += db[i] * _F32(sg[i]) * (acc[i] - off)
+# ------------------------------------------------------------------------ matrix-vector, f16/bf16
 
 
 def _bfloat_typing(typingctx: Any, bits: Any) -> Any:
@@ -498,9 +339,9 @@ KERNELS: dict[str, tuple[Any, Any, tuple[bool, ...]]] = {
     "f16": (_mv_u16, _dq_u16, (False,)), "bf16": (_mv_u16, _dq_u16, (True,)),
     "q8_0": (mv_q8_0, _dq_q8_0, ()),
     "q4_0": (mv_q4, _dq_q4, (False,)), "q4_1": (mv_q4, _dq_q4, (True,)),
-    "q5_0": (_mv_q5, _dq_q5, (False,)), "q5_1": (_mv_q5, _dq_q5, (True,)),
-    "q4_k": (_mv_kquant, _dq_kquant, (False,)), "q5_k": (_mv_kquant, _dq_kquant, (True,)),
-    "q6_k": (_mv_q6_k, _dq_q6_k, ()),
+    "q5_0": (mv_q5, _dq_q5, (False,)), "q5_1": (mv_q5, _dq_q5, (True,)),
+    "q4_k": (mv_kquant, _dq_kquant, (False,)), "q5_k": (mv_kquant, _dq_kquant, (True,)),
+    "q6_k": (mv_q6_k, _dq_q6_k, ()),
 }
 """qtype -> (``mv(w, x, y, r0, r1, *flags)``: rows r0..r1 of ``y = W @ x``; ``dq(w, k, r0, r1, out, c0,
 *flags)``: rows r0..r1 dequantized into ``out[:, r - c0]``; the flags that pick the type in a family).

@@ -29,7 +29,7 @@ Use: :func:`run` ``(kernel, head, lo, hi, tail, n)`` calls ``kernel(*head, a, b,
 from ``lo``, so vector sweeps of 16 rows never straddle two threads), at once. ``kernel`` is a
 numba dispatcher compiled with ``nogil=True`` whose rows ``a..b`` write only rows ``a..b`` of its
 output, with a parallel wrapper in :data:`PARALLEL` (the matrix-vector and dequantization kernels
-of :mod:`.jit`, :mod:`.intdot` and :mod:`.intgemm` here; a new kernel adds its own with
+of :mod:`.jit`, :mod:`.intdot`, :mod:`.unpackdot` and :mod:`.intgemm` here; a new kernel adds its own with
 :func:`register`). The wrappers are compiled on first use and cached on disk like the kernels
 (``cache=True``: compiled once, loaded in milliseconds after). numba keys each cached
 function on its own file's time stamp only: a wrapper here holds the kernel it calls, so after
@@ -49,7 +49,7 @@ import numba as _numba
 import numpy as np
 from numba import njit, prange
 
-from . import amxgemm, halfgemm, intdot, intgemm, jit, unpacked
+from . import amxgemm, halfgemm, intdot, intgemm, jit, unpackdot, unpacked
 
 numba: Any = _numba      # numba's config and thread functions are untyped
 
@@ -99,19 +99,19 @@ def _mv_q8_0(w: Any, x: Any, y: Any, b: Any) -> None:   # pragma: no cover (comp
 @_parallel
 def _mv_q5(w: Any, x: Any, y: Any, b: Any, has_min: bool) -> None:   # pragma: no cover (compiled)
     for i in prange(b.shape[0] - 1):
-        jit._mv_q5(w, x, y, b[i], b[i + 1], has_min)
+        unpackdot.mv_q5(w, x, y, b[i], b[i + 1], has_min)
 
 
 @_parallel
 def _mv_kquant(w: Any, x: Any, y: Any, b: Any, five: bool) -> None:   # pragma: no cover (compiled)
     for i in prange(b.shape[0] - 1):
-        jit._mv_kquant(w, x, y, b[i], b[i + 1], five)
+        unpackdot.mv_kquant(w, x, y, b[i], b[i + 1], five)
 
 
 @_parallel
 def _mv_q6_k(w: Any, x: Any, y: Any, b: Any) -> None:   # pragma: no cover (compiled)
     for i in prange(b.shape[0] - 1):
-        jit._mv_q6_k(w, x, y, b[i], b[i + 1])
+        unpackdot.mv_q6_k(w, x, y, b[i], b[i + 1])
 
 
 @_parallel
@@ -196,8 +196,8 @@ def _gemm_amx(w: Any, xl: Any, y: Any, b: Any, bf16: bool, cfg: Any) -> None:   
 
 
 PARALLEL: dict[Any, Any] = {
-    intdot.mv_q4: _mv_q4, intdot.mv_q8_0: _mv_q8_0, jit._mv_q5: _mv_q5, jit._mv_kquant: _mv_kquant,
-    jit._mv_q6_k: _mv_q6_k, jit._mv_u16: _mv_u16,
+    intdot.mv_q4: _mv_q4, intdot.mv_q8_0: _mv_q8_0, unpackdot.mv_q5: _mv_q5, unpackdot.mv_kquant: _mv_kquant,
+    unpackdot.mv_q6_k: _mv_q6_k, jit._mv_u16: _mv_u16,
     jit._dq_q4: _dq_q4, jit._dq_q5: _dq_q5, jit._dq_q8_0: _dq_q8_0, jit._dq_kquant: _dq_kquant,
     jit._dq_q6_k: _dq_q6_k, jit._dq_u16: _dq_u16,
     intgemm.gemm_q4: _gemm_q4, intgemm.gemm_q8_0: _gemm_q8_0, unpacked.gemm_unpacked: _gemm_unpacked,

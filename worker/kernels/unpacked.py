@@ -100,55 +100,52 @@ def _store(builder: ir.IRBuilder, dst: ir.Value, offset: ir.Value, value: ir.Val
     builder.store(value, _at(builder, dst, offset, _V16I), align=64)
 
 
+def sub_codes(builder: ir.IRBuilder, kind: str, p: ir.Value, h: ir.Value, stride: ir.Value) -> list[ir.Value]:
+    """The code vectors of one sub-block of 16 rows (q6_k: one group of 16 inputs), unpacked: vector ``g``
+    holds inputs ``4g..4g+3`` interleaved by fours (byte ``b`` of lane ``i``: input ``4g + b`` of row
+    ``i``). ``p`` (and ``h``) address the sub-block's first byte column (5th-bit word, q6_k bit-pair
+    column) of the first row, ``stride`` the bytes between byte positions (``R``); ``kind`` as
+    :func:`_unpack_codegen`'s. Shared by the GEMM's unpack and the decode sweeps (:mod:`.unpackdot`)."""
+    low, top2 = _words(0x0F0F0F0F), _words(0x30303030)
+    four, two = _words(4), _words(2)
+    if kind == "q6":
+        a = _fours(builder, p, stride)
+        b = _fours(builder, builder.add(p, builder.mul(stride, ir.Constant(_I64, 4))), stride)
+        hb = _fours(builder, h, stride)
+        parts = [(builder.and_(a, low), builder.shl(hb, four)),
+                 (builder.and_(b, low), hb),
+                 (builder.and_(builder.lshr(a, four), low), builder.shl(hb, two)),
+                 (builder.and_(builder.lshr(b, four), low), builder.lshr(hb, two))]
+        return [builder.or_(code, builder.and_(bits, top2)) for code, bits in parts]
+    hv = builder.bitcast(builder.load(_at(builder, h, ir.Constant(_I64, 0), _V16I), align=4), _V64B) \
+        if kind == "q5" else None
+    codes: list[Any] = [None] * 8
+    for jq in range(4):
+        v = _fours(builder, builder.add(p, builder.mul(stride, ir.Constant(_I64, 4 * jq))), stride)
+        for g, code in ((jq, builder.and_(v, low)), (jq + 4, builder.and_(builder.lshr(v, four), low))):
+            codes[g] = code if hv is None else builder.or_(code, _fifth_bits(builder, hv, g))
+    return codes
+
+
 def _unpack_codegen(kind: str) -> Any:
     """IR that unpacks the codes of 16 weight rows into the scratch ``dst`` (64-byte aligned): ``kind``
     ``"q4"`` (nibble pairs ``p``), ``"q5"`` (and the 5th bits ``h`` u32 per sub-block) or ``"q6"``
     (q6_k's pairs per 16-weight group and bit pairs). Arguments (addresses as int64): ``dst``, ``p``
     and ``h`` at the block's first row, ``stride`` the bytes between byte positions (``R``), ``n``
     the sub-blocks (q6_k: groups of 16)."""
+    per_p, per_h, groups = (8, 4, 4) if kind == "q6" else (16, 4, 8)
+
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
         dst, p, h, stride, n = args
-        low, top2 = _words(0x0F0F0F0F), _words(0x30303030)
-        four, two = _words(4), _words(2)
         with cgutils.for_range(builder, n, intp=_I64) as loop:
             s = loop.index
-            if kind == "q6":
-                out = builder.mul(s, ir.Constant(_I64, 4 * 64))
-                a = _fours(builder, builder.add(p, builder.mul(s, builder.mul(stride, ir.Constant(_I64, 8)))),
-                           stride)
-                b = _fours(builder, builder.add(p, builder.mul(builder.add(builder.mul(s, ir.Constant(_I64, 8)),
-                                                                           ir.Constant(_I64, 4)), stride)), stride)
-                hb = _fours(builder, builder.add(h, builder.mul(s, builder.mul(stride, ir.Constant(_I64, 4)))),
-                            stride)
-                parts = [(builder.and_(a, low), builder.shl(hb, four)),
-                         (builder.and_(b, low), hb),
-                         (builder.and_(builder.lshr(a, four), low), builder.shl(hb, two)),
-                         (builder.and_(builder.lshr(b, four), low), builder.lshr(hb, two))]
-                for c, (code, bits) in enumerate(parts):
-                    value = builder.or_(code, builder.and_(bits, top2))
-                    _store(builder, dst, builder.add(out, ir.Constant(_I64, 64 * c)), value)
-            else:
-                _unpack_sub(builder, dst, p, h, stride, s, kind == "q5")
+            ps = builder.add(p, builder.mul(s, builder.mul(stride, ir.Constant(_I64, per_p))))
+            hs = builder.add(h, builder.mul(s, builder.mul(stride, ir.Constant(_I64, per_h))))
+            out = builder.mul(s, ir.Constant(_I64, groups * 64))
+            for g, code in enumerate(sub_codes(builder, kind, ps, hs, stride)):
+                _store(builder, dst, builder.add(out, ir.Constant(_I64, 64 * g)), code)
         return context.get_dummy_value()
     return codegen
-
-
-def _unpack_sub(builder: ir.IRBuilder, dst: ir.Value, p: ir.Value, h: ir.Value, stride: ir.Value, s: ir.Value,
-                five: bool) -> None:
-    """Sub-block ``s`` of 32 (nibble pairs, with ``five`` the 5th bits) into its 8 code vectors."""
-    low, four = _words(0x0F0F0F0F), _words(4)
-    out = builder.mul(s, ir.Constant(_I64, 8 * 64))
-    pbase = builder.add(p, builder.mul(s, builder.mul(stride, ir.Constant(_I64, 16))))
-    hv = None
-    if five:
-        hv = builder.bitcast(builder.load(_at(builder, h, builder.mul(s, builder.mul(stride, ir.Constant(
-            _I64, 4))), _V16I), align=4), _V64B)
-    for jq in range(4):
-        v = _fours(builder, builder.add(pbase, builder.mul(stride, ir.Constant(_I64, 4 * jq))), stride)
-        for g, code in ((jq, builder.and_(v, low)), (jq + 4, builder.and_(builder.lshr(v, four), low))):
-            if hv is not None:
-                code = builder.or_(code, _fifth_bits(builder, hv, g))
-            _store(builder, dst, builder.add(out, ir.Constant(_I64, 64 * g)), code)
 
 
 def _fifth_bits(builder: ir.IRBuilder, hv: ir.Value, g: int) -> ir.Value:
