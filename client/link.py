@@ -53,7 +53,10 @@ class Link:
         self.up = False
         self.ever_up = False
         self.lost: RpcError | None = None
-        """Set for good when the worker no longer knows our session."""
+        """Set for good when the worker no longer knows our session, or libzmq gave up on the
+        connection (:meth:`unsendable`)."""
+        self.refused: RpcError | None = None
+        """The last handshake failure (the worker's ZAP said no, or the handshake broke)."""
         self.last_sent = time.monotonic()
         self.signer: Signer | None = None
         """Signs every request header from the HELLO reply on, when the worker exchanged keys
@@ -132,7 +135,24 @@ class Link:
         else:
             why = (f"the handshake with {where} failed ({handshake_error(value)}): the worker "
                    "may require CURVE (pass curve_key= and the worker's key)")
-        self.on_failure(AuthenticationFailed(why))
+        self.refused = AuthenticationFailed(why)
+        self.on_failure(self.refused)
+
+    def unsendable(self) -> RpcError:
+        """A send found no connection to queue on (``EAGAIN``: the DEALER's queue is unbounded,
+        so that is the only cause): libzmq dropped the connection on a handshake that broke
+        (a worker that requires CURVE, a wrong key) and does not reconnect. Every request
+        fails from now on, with the handshake's failure where the monitor has told it; a
+        blocking send would have waited forever (with the socket's lock held: nothing else
+        could fail either)."""
+        self.read_monitor()
+        if self.lost is None:
+            self.lost = self.refused or ConnectionLost(
+                f"cannot send to {self.endpoint.partition('#')[0]}: libzmq has no connection "
+                "to it and does not reconnect (the handshake broke: does the worker require "
+                "CURVE, or another key?)")
+        self.up = False
+        return self.lost
 
     def session_lost(self, said: object) -> None:
         """The worker answered NO_SESSION: every request from now on fails, for good."""
@@ -154,13 +174,21 @@ class Link:
             self.ping()
 
     def ping(self) -> None:
-        self.dealer.send(self.signed(PING_HEADER))
+        try:
+            self.dealer.send(self.signed(PING_HEADER), zmq.NOBLOCK)
+        except zmq.Again:
+            self.on_failure(self.unsendable())
+            return
         self.last_sent = time.monotonic()
 
     def goodbye(self) -> None:
         """Tell the worker to free our session now (best effort, not waited for)."""
         if self.up and self.lost is None:
-            self.dealer.send(self.signed(p.encode_request(Cmd.GOODBYE, 0, p.Empty())))
+            try:
+                self.dealer.send(self.signed(p.encode_request(Cmd.GOODBYE, 0, p.Empty())),
+                                 zmq.NOBLOCK)
+            except zmq.Again:
+                pass        # no connection left to say it on: the worker expires the session
 
     def signed(self, header: bytes) -> bytes:
         """``header`` as it goes on the wire: with the session's signature when it has one."""

@@ -327,12 +327,16 @@ class Loop:
             call.sent_ns = time.perf_counter_ns()
         frames = call.frames
         signer = self.link.signer
-        if isinstance(frames, bytes):
-            _send(self.dealer, frames if signer is None else signer.sign(frames))
-        else:
-            if signer is not None:
-                frames = [signer.sign(frames[0]), *frames[1:]]
-            self.dealer.send_multipart(frames, copy=call.nbytes < zmq.COPY_THRESHOLD)
+        try:    # never blocking: the queue is unbounded, EAGAIN says there is no connection
+            if isinstance(frames, bytes):
+                _send(self.dealer, frames if signer is None else signer.sign(frames), zmq.NOBLOCK)
+            else:
+                if signer is not None:
+                    frames = [signer.sign(frames[0]), *frames[1:]]
+                self.dealer.send_multipart(frames, zmq.NOBLOCK, copy=call.nbytes < zmq.COPY_THRESHOLD)
+        except zmq.Again:
+            fail_call(call, self.link.unsendable())
+            return
         call.frames = SENT
         call.sent = True
         self.in_flight[call.req_id] = call

@@ -35,6 +35,7 @@ from zmq_rpc.broker.wire import printable
 from zmq_rpc.broker.zap import RESCAN_S
 from zmq_rpc.client import AuthenticationFailed, Client, TransferError
 from zmq_rpc.client.security import resolve_curve
+from zmq_rpc.client.session import Session
 from zmq_rpc.worker.peer.endpoints import check_numeric, resolve_endpoint
 from zmq_rpc.worker.server import InsecureBind, WorkerConfig, WorkerServer
 
@@ -189,6 +190,33 @@ def test_refused_client_fails_fast_with_a_clear_error(
         assert any("key not authorized" in r.getMessage() for r in caplog.records)
     else:
         assert "handshake" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_hello_sent_after_the_handshake_broke_fails_instead_of_hanging(
+        curve_worker: Callable[..., tuple[WorkerServer, str]], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A client without CURVE whose HELLO goes out only after the worker's CURVE handshake
+    has already broken: libzmq dropped the connection and does not reconnect, so the DEALER
+    has nowhere to queue the HELLO, and a blocking send waited forever with the socket's
+    lock held (CI run 1 of db52418, loaded: ``Client()`` stuck in zmq's send for the test's
+    60 s). The half second before the HELLO stands for the loaded machine; the handshake on
+    loopback takes milliseconds. Now the send finds no connection and the client fails with
+    the handshake's error, at once."""
+    server, _ = curve_worker()
+    say_hello = Session._say_hello
+    sent: list[float] = []
+
+    def late(self: Session, hello: p.Hello, timeout: float) -> object:
+        time.sleep(0.5)
+        sent.append(time.monotonic())
+        return say_hello(self, hello, timeout)
+
+    monkeypatch.setattr(Session, "_say_hello", late)
+    with pytest.raises(AuthenticationFailed, match="handshake") as info:
+        Client(server.endpoint)                              # default timeouts
+    failed = time.monotonic() - sent[0]
+    assert failed < 1.0, f"the HELLO failed {failed:.2f} s after it was sent: {info.value}"
 
 
 def test_authorized_keys_reread_when_the_directory_changes(
