@@ -37,9 +37,12 @@ pytestmark = pytest.mark.timeout(120)
 PING_BOUND_S = 0.25
 """What another client's request may add to a ping's worst latency. A ping is a few hundred
 microseconds of service; this 2-vCPU VM is shared (load 6-11), and its own worst over 12 s
-quiet windows is ~0.2 s. So the bound is over the ping's normal service, measured with the same
-client: the worst of an equally long quiet window right after a hash, of BASELINE_S before a
-request; and a ping sent before the request counts only what it waited after it was sent."""
+quiet windows is ~0.2 s. So the bound is over the ping's normal service: for the hash, the worst
+ping of a second worker with nothing to hash, pinged over the same seconds (the machine's load
+then, whatever it is: compared with a quiet window after the hash, a load spike during a 10.8 s
+hash gave 0.74 s against 0.02 s, CI loop run 1 of db52418 beside other jobs); for the others,
+the worst of BASELINE_S before a request. A ping sent before the request counts only what it
+waited after it was sent."""
 REFUSAL_CPU_S = 0.1
 """CPU time (the worker process's, all threads) an oversize request may cost: it is refused from
 its length prefixes and counts, not decoded. CPU, not wall time: this VM's 2 vCPUs are shared
@@ -51,7 +54,6 @@ applies."""
 HASH_FILE = 1 << 30
 """Half the issue's file (whose hash took 4.6 s of every client's time on the backend thread):
 2-7 s before the fix, 5-20 s on its own thread on the loaded VM."""
-QUIET_MAX_S = 15.0
 BASELINE_S = 2.0
 """The window before an attack whose worst ping is the normal service it is compared with."""
 
@@ -127,21 +129,21 @@ def test_hashing_a_big_model_file_does_not_hold_other_clients(
     big = models / "big.safetensors"
     write_big_safetensors(big, HASH_FILE)
     worker = spawn_worker("--model-dir", str(models))
-    with Client(worker.endpoint) as asker, Pinger(worker.endpoint).running() as pinger:
+    control = spawn_worker()
+    with Client(worker.endpoint) as asker, Pinger(worker.endpoint).running() as pinger, \
+            Pinger(control.endpoint).running() as baseline:
         started = time.monotonic()
         reply = query_file(asker, big.name).result(90)
         hashed = time.monotonic()
         repeat = query_file(asker, big.name).result(60)
         repeated = time.monotonic() - hashed
-        time.sleep(min(hashed - started, QUIET_MAX_S))     # a measurement window: normal service
-        quiet_end = time.monotonic()
     worst, overlapping = pinger.worst_between(started, hashed)
-    normal, _ = pinger.worst_between(hashed + repeated, quiet_end)
+    normal, _ = baseline.worst_between(started, hashed)
     assert reply.found and reply.size == HASH_FILE, reply     # its digest: the next test
     assert overlapping >= 3, f"only {overlapping} pings while the {hashed - started:.2f} s hash ran"
     assert worst < normal + PING_BOUND_S, (
         f"a ping waited {worst:.3f} s while another client's file was hashed "
-        f"({hashed - started:.2f} s); {normal:.3f} s at worst without the hash")
+        f"({hashed - started:.2f} s); {normal:.3f} s at worst on a worker without it, meanwhile")
     assert repeat.digest == reply.digest and repeated < PING_BOUND_S, \
         f"asking again took {repeated:.3f} s: the digest is not cached"
 
