@@ -26,7 +26,7 @@ When a step fails as a lost worker fails it (:data:`.runtime.LOSSES`: the worker
    (:attr:`.runtime.KVCache.fed`) replayed so that they hold the bits the fault-free run's
    held, and greedy decoding goes on with the token the fault-free run would have picked: as
    prefill chunks when every product of the model is batch-invariant (a row's bits the same in
-   a chunk as in a decode step: the integer kernels of Q4_0, Q4_1 and Q8_0, SmolLM2's types),
+   a chunk as in a decode step: the integer kernels of every quantized block type),
    else exactly as it was fed (the prompt's prefill chunks, then one decode step per decoded
    token, all issued at once: several times slower).
 
