@@ -13,7 +13,7 @@ from conftest import WorkerProcess
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client
-from zmq_rpc.worker.peer.stash import Aborted, Stash
+from zmq_rpc.worker.peer.stash import MAX_LOST_EARLY, Aborted, Stash
 from zmq_rpc.worker.sessions.memory import MemoryBudget
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,6 +63,38 @@ def test_a_chunk_with_no_room_in_mem_fails_its_receive_as_it_starts() -> None:
     stashed, why = stash.claim(owner, full)
     assert why is None and stashed is not None and stashed.nbytes == 900
     assert budget.used == 0
+
+
+def test_a_transfer_that_lost_an_early_chunk_fails_its_receive_when_announced() -> None:
+    """A hand-off that reaches a worker before its run is queued, when --mem has no room to
+    keep it: the chunk is dropped, and the receive announced later fails at once, saying why,
+    instead of waiting 48 s for the transfer deadline (CI loop run 1 of 3aa0586: a prefill of a
+    split model on workers whose stages filled --mem). Later chunks of it are not kept."""
+    stash, owner, budget = Stash(1 << 20), object(), MemoryBudget(1000)
+    stash.use_budget(budget)
+    budget.reserve(1000, "a session's buffers")
+    tok = os.urandom(wire.TOKEN_BYTES)
+    stash.keep(wire.Chunk(tok, 0, 2, 0, 400, "tcp://127.0.0.1:9"), zmq.Frame(bytes(200)), "a")
+    assert len(stash) == 0 and stash.dropped == 1
+    budget.release(1000)
+    stash.keep(*chunk(tok, 200, 1, 2), "a")          # room now, but the transfer is lost
+    assert len(stash) == 0 and budget.used == 0
+    stash.announce(owner, tok)
+    stashed, why = stash.claim(owner, tok)
+    assert stashed is None and why is not None
+    assert "before the receive was queued" in why.why and "--mem had no room" in why.why
+    assert why.reply_to == "tcp://127.0.0.1:9"
+    assert not stash.lost_early and not stash.aborted
+
+
+def test_lost_early_transfers_are_remembered_up_to_a_bound() -> None:
+    stash, budget = Stash(1 << 20), MemoryBudget(0)
+    stash.use_budget(budget)
+    tokens = [os.urandom(wire.TOKEN_BYTES) for _ in range(MAX_LOST_EARLY + 5)]
+    for tok in tokens:
+        stash.keep(*chunk(tok, 10), "a")
+    assert len(stash.lost_early) == MAX_LOST_EARLY
+    assert tokens[0] not in stash.lost_early and tokens[-1] in stash.lost_early
 
 
 def test_each_sender_has_its_own_byte_share() -> None:

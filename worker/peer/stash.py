@@ -19,6 +19,11 @@ Two kinds of early chunks, kept apart:
   chunks first, so each of N senders keeps at least ``limit / N`` bytes: a flood only displaces
   its own sender's chunks while any other sender stashes less. Sessions needing memory shed
   them first (:meth:`Stash.shed`): garbage never keeps a session from its ``--mem``.
+
+An unannounced transfer that loses a chunk here (dropped for want of room, evicted, expired) can
+never complete: its token is remembered (the last MAX_LOST_EARLY), and a receive announced for it
+later fails as it starts, saying why, instead of waiting for the transfer deadline (48 s: a
+pipeline's hand-off that reached a worker whose ``--mem`` was full before its run was queued).
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ MAX_STASHED_PER_SENDER = 1024
 512 copies in flight can have that many chunks arrive ahead of their receives when the
 destination's request queue is backed up; 1,100 made-up ones from one address once denied every
 legitimate copy: now they only push out that sender's oldest)."""
+MAX_LOST_EARLY = MAX_STASHED_TRANSFERS
+"""Unannounced transfers whose early chunks were lost, remembered so that their receives fail
+at once; past that the oldest is forgotten (its receive then waits for its deadline, as before)."""
 
 
 class Budget(Protocol):
@@ -109,6 +117,9 @@ class Stash:
         """Announced tokens whose transfer failed before its receive started, and why: the
         receive fails as soon as it starts instead of waiting for its deadline. A subset of
         ``announced`` (bounded by the sessions' queue quotas), forgotten with it."""
+        self.lost_early: dict[bytes, Aborted] = {}
+        """Unannounced tokens whose early chunks were lost, and why, oldest first (module
+        docstring): :meth:`announce` turns one into an abort."""
         self.dropped = 0
 
     def use_budget(self, budget: Budget) -> None:
@@ -129,6 +140,12 @@ class Stash:
         if token in self.announced:
             return
         self.announced[token] = owner
+        lost = self.lost_early.pop(token, None)
+        if lost is not None:
+            self.aborted[token] = Aborted(
+                f"its chunks began to arrive before the receive was queued and one was lost "
+                f"({lost.why})", lost.reply_to)
+            return
         entry = self.entries.get(token)
         if entry is not None and not entry.announced:
             self._forget(entry.sender, token, entry.nbytes)
@@ -157,7 +174,7 @@ class Stash:
     def keep(self, chunk: wire.Chunk, frame: zmq.Frame, sender: str) -> None:
         """Keep a chunk whose receive has not started yet (see the module docstring for what
         is kept and what makes room)."""
-        if chunk.token in self.aborted:
+        if chunk.token in self.aborted or chunk.token in self.lost_early:
             return                        # its receive fails when it starts: nothing to keep
         entry = self.entries.get(chunk.token)
         if entry is not None and entry.sender != sender:
@@ -166,8 +183,10 @@ class Stash:
         size = len(frame)
         if chunk.token in self.announced:
             self._keep_announced(chunk, frame, sender, size)
-        elif self._room_unannounced(sender, size, entry is None):
+        elif (why := self._room_unannounced(sender, size, entry is None)) is None:
             self._add(chunk, frame, sender, size)
+        else:
+            self._lose(chunk.token, why, chunk.reply_to)
 
     def _keep_announced(self, chunk: wire.Chunk, frame: zmq.Frame, sender: str,
                         size: int) -> None:
@@ -182,28 +201,40 @@ class Stash:
                    f"(--mem) had no room left to keep it ({self.budget.free()} bytes free, "
                    f"{self.nbytes} held by early chunks)", chunk.reply_to)
 
-    def _room_unannounced(self, sender: str, size: int, new: bool) -> bool:
+    def _room_unannounced(self, sender: str, size: int, new: bool) -> str | None:
         """Make room for ``size`` more unannounced bytes from ``sender`` (a new transfer when
-        ``new``): its own oldest go first when it is the heaviest, else the heaviest's."""
+        ``new``): its own oldest go first when it is the heaviest, else the heaviest's. None
+        when there is room, else why not (the chunk is dropped)."""
+        why = self._no_room_unannounced(sender, size, new)
+        if why is not None:
+            self._drop(sender, why)
+        return why
+
+    def _no_room_unannounced(self, sender: str, size: int, new: bool) -> str | None:
         if size > self.limit:
-            self._drop(sender, "a chunk larger than the stash")
-            return False
+            return "a chunk larger than the stash"
         while self.unannounced_bytes + size > self.limit:
             if not self._evict_heaviest(by_bytes=True, joining=(sender, size)):
-                self._drop(sender, "its share of the stash is full")
-                return False
+                return "its sender's share of the early-chunk stash is full"
         if new:
             mine = self.by_sender.get(sender, {})
             if len(mine) >= MAX_STASHED_PER_SENDER:
                 self._evict(sender)
             elif len(self.entries) >= MAX_STASHED_TRANSFERS:
                 if not self._evict_heaviest(by_bytes=False, joining=(sender, 1)):
-                    self._drop(sender, "stash full")
-                    return False
+                    return "the early-chunk stash is full"
         if size > self.budget.free():      # sessions hold --mem: early chunks wait their turn
-            self._drop(sender, "no room in --mem")
-            return False
-        return True
+            return f"the worker's --mem had no room to keep it: {self.budget.free()} bytes free"
+        return None
+
+    def _lose(self, token: bytes, why: str, reply_to: str) -> None:
+        """An unannounced transfer lost a chunk: what came of it goes, and its receive, if one
+        is ever announced, fails at once (module docstring)."""
+        self._unstash(token)
+        self.lost_early.pop(token, None)
+        self.lost_early[token] = Aborted(why, reply_to)
+        if len(self.lost_early) > MAX_LOST_EARLY:
+            del self.lost_early[next(iter(self.lost_early))]
 
     def _add(self, chunk: wire.Chunk, frame: zmq.Frame, sender: str, size: int) -> None:
         entry = self.entries.pop(chunk.token, None)
@@ -235,7 +266,11 @@ class Stash:
             token, entry = next(iter(self.entries.items()))
             if now < entry.expires:
                 break
-            self._unstash(token)
+            if entry.announced:
+                self._unstash(token)
+            else:
+                self._lose(token, f"kept {STASH_TTL:g} s with no receive for it",
+                           entry.messages[0][0].reply_to if entry.messages else "")
 
     def forget(self, owner: object) -> None:
         """A session closed: its announced tokens, and what came for them, go."""
@@ -261,7 +296,11 @@ class Stash:
         return True
 
     def _evict(self, sender: str) -> None:
-        self._unstash(next(iter(self.by_sender[sender])))
+        token = next(iter(self.by_sender[sender]))
+        entry = self._unstash(token)
+        reply_to = entry.messages[0][0].reply_to if entry and entry.messages else ""
+        self._lose(token, "evicted from the early-chunk stash: its sender held the most there",
+                   reply_to)
         self._drop(sender, "its oldest early transfer evicted")
 
     def _forget(self, sender: str, token: bytes, nbytes: int) -> None:
