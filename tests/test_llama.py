@@ -149,25 +149,32 @@ def test_prefill_logits_match_reference(model: Callable[..., LlamaModel], stages
     assert m.n_past == len(prompt_ids)
 
 
+def older_worker(client: Client, without: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make ``client`` see its worker as one that does not advertise ``without`` (as an older
+    worker's HELLO says); the ops of every graph it registers from now on, recorded."""
+    import dataclasses
+    client.info = dataclasses.replace(client.info, capabilities=tuple(
+        c for c in client.info.capabilities if c != without))
+    sent: list[str] = []
+    register = client.register_async
+
+    def recording(graph: Graph) -> Any:
+        sent.extend(node.op for node in graph.nodes)
+        return register(graph)
+
+    monkeypatch.setattr(client, "register_async", recording)
+    return sent
+
+
 @pytest.mark.timeout(180)
 def test_a_worker_without_fused_ops_gets_unfused_graphs_and_the_same_tokens(
         gguf: LlamaGGUF, clients: list[Client], prompt_ids: list[int], ref_greedy: list[int],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that does not advertise ``fused-ops`` (protocol 1.6) is never sent an
     ``attention`` or ``swiglu`` node: its decode graph attends through matmul / soft_max."""
-    import dataclasses
     old = Client(clients[2].endpoint, timeout=60.0)
     try:
-        old.info = dataclasses.replace(old.info, capabilities=tuple(
-            c for c in old.info.capabilities if c != "fused-ops"))
-        sent: list[str] = []
-        register = old.register_async
-
-        def recording(graph: Graph) -> Any:
-            sent.extend(node.op for node in graph.nodes)
-            return register(graph)
-
-        monkeypatch.setattr(old, "register_async", recording)
+        sent = older_worker(old, "fused-ops", monkeypatch)
         with LlamaModel.load(gguf, [old]) as m:
             assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
         assert "soft_max" in sent and not {"attention", "swiglu"} & set(sent)
@@ -194,8 +201,6 @@ def test_a_decoded_token_sends_its_position_and_no_mask(
     position per stage (4 bytes), where it used to send a float32 mask row of n_ctx per stage
     (2 KiB per stage at 512). A worker that does not advertise ``causal-mask`` (1.12) is sent
     the masks as before and gives the same tokens."""
-    import dataclasses
-    sent: list[str] = []
     old = Client(clients[2].endpoint, timeout=60.0)
     try:
         with LlamaModel.load(gguf, clients[:2]) as m:
@@ -203,15 +208,7 @@ def test_a_decoded_token_sends_its_position_and_no_mask(
             per_token = decode_bytes(m, prompt_ids, ref_greedy)
             assert per_token == 4 * 2, f"{per_token:.0f} bytes per token on 2 stages"
             n_ctx = m.n_ctx
-        old.info = dataclasses.replace(old.info, capabilities=tuple(
-            c for c in old.info.capabilities if c != "causal-mask"))      # as a 1.12 worker says
-        register = old.register_async
-
-        def recording(graph: Graph) -> Any:
-            sent.extend(node.op for node in graph.nodes)
-            return register(graph)
-
-        monkeypatch.setattr(old, "register_async", recording)
+        sent = older_worker(old, "causal-mask", monkeypatch)             # as a 1.12 worker
         with LlamaModel.load(gguf, [old]) as m:
             assert decode_bytes(m, prompt_ids, ref_greedy) == 4 + 4 * n_ctx
         assert "attention" in sent and "causal_mask" not in sent

@@ -26,6 +26,7 @@ import socket
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from typing import TypeVar
 
 import numpy as np
 
@@ -42,6 +43,7 @@ RESTART_BOUND_S = 1.0
 """A restarted worker's NO_SESSION reaches the old client within this once it listens (zmq
 reconnects every 0.1 s)."""
 MiB = 1 << 20
+T = TypeVar("T")
 
 
 def _worker(stack: ExitStack, bind: str = "tcp://127.0.0.1:*") -> ServerProcess:
@@ -154,8 +156,9 @@ def _rows(case: str, label: str, samples: list[float], bound: float) -> list[Cas
                        Target(1.0, higher_is_better=False), higher_is_better=False, stat="max")]
 
 
-def _trials(ctx: BenchContext, name: str, trial: Callable[[], float], full: int = 10,
-            quick: int = 3) -> list[float]:
+def _trials(ctx: BenchContext, name: str, trial: Callable[[], T], full: int = 10,
+            quick: int = 3) -> list[T]:
+    """``trial()``'s results, 10 times (3 with ``--quick``), with a progress bar."""
     reps = ctx.reps(full, quick)
     samples = []
     with ctx.progress(reps, name) as bar:
@@ -242,7 +245,7 @@ def case_recovery(ctx: BenchContext) -> list[CaseResult]:
     rng = random.Random(28)     # the same victims and tokens in every run
     rows = []
     for label, from_file in (("--model-dir", True), ("upload", False)):
-        trials = _trials_of(ctx, f"recovery {label}", functools.partial(trial_recovery,
+        trials = _trials(ctx, f"recovery {label}", functools.partial(trial_recovery,
                                                                         from_file, rng))
         for k, part in enumerate(("detection", "load", "re-prefill", "total")):
             rows += _rows("recovery", f"{label}: kill -9 -> {part}", [t[k] for t in trials],
@@ -255,11 +258,3 @@ RECOVERY_BOUND_S = DETECT_BOUND_S + 4.0
 rows show each part against it)."""
 
 
-def _trials_of(ctx: BenchContext, name: str, trial: Callable[[], list[float]]) -> list[list[float]]:
-    reps = ctx.reps(10, 3)
-    samples = []
-    with ctx.progress(reps, name) as bar:
-        for _ in range(reps):
-            samples.append(trial())
-            bar.update(1)
-    return samples
