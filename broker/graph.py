@@ -22,6 +22,7 @@ from typing import Any
 
 from . import peer
 from .errors import BadRequest
+from .limits import MAX_NODES
 from .ops import OPS, OpError, OpKind, TensorMeta, infer
 from .wire import (
     ErrorCode,
@@ -38,11 +39,6 @@ from .wire import (
 )
 
 GRAPH_VERSION = 1
-MAX_NODES = 8192
-"""Nodes of one graph. Each costs the worker a decode, a check and plan, and a run even when tiny,
-so this bounds a graph's fixed cost before its element work (:func:`~zmq_rpc.broker.ops.node_work`)
-does: about a second at worst (the figures: docs/SECURITY.md, "What one request may cost"). A llama
-layer is ~34 nodes: SmolLM2's 30-layer graph has ~1,000, a 240-layer stage would fit."""
 MAX_TENSORS = 4096
 """External tensors of one graph (a llama layer reads ~11: weights and its KV cache)."""
 MAX_PARAMS = 32

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
+from .limits import DEFAULT_MAX_WORK, NODE_WORK
 from .wire import describe
 
 __all__ = [
@@ -821,16 +822,6 @@ def _infer(spec: OpSpec, inputs: Sequence[TensorMeta], params: object) -> tuple[
 
 
 # -------------------------------------------------------------------------------------------- work
-
-DEFAULT_MAX_WORK: Final = 1 << 35
-"""Element-ops (:func:`~zmq_rpc.broker.ops.node_work`) one graph run may ask for by default:
-~3.4e10, tens of seconds of numpy on one core in the worst case (elementwise work over repeated
-views); SmolLM2's 128-token prefill on one worker asks ~1e9. ``--max-graph-work`` sets it."""
-
-NODE_WORK: Final = 1 << 17
-"""Element-ops one node counts for being a node, whatever its size: checking, planning and
-dispatching a tiny node costs about what numpy does ~1e5 element-ops in (docs/DESIGN.md). A graph of many tiny nodes is then bounded by ``--max-graph-work`` like one of
-few big ones (and by :data:`~zmq_rpc.broker.graph.MAX_NODES` before it is even decoded)."""
 
 MAC_WEIGHT: Final = 32
 """Multiply-adds of a product that cost as much as one element-op of an elementwise kernel (BLAS

@@ -7,6 +7,7 @@ starts; SIGINT/SIGTERM (even one after the other) end a worker with exit 0 withi
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -188,3 +189,28 @@ def test_a_worker_whose_stdout_reader_went_away_serves_and_stops_on_sigterm() ->
         proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_a_worker_listens_before_it_loads_numpy_and_answers_who_came_early() -> None:
+    """Start-up order (a worker listening within 100 ms of exec: ``zmq-rpc-bench --cases
+    startup`` measures it): the worker binds and says so before numpy and the executor load, and
+    a client that connects in between is answered once they have. ``-X importtime`` writes each
+    import to stderr as it ends, in order with the worker's log lines."""
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m",
+                             "zmq_rpc.tools.worker_command", "--bind", "tcp://127.0.0.1:*"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        endpoint = proc.stdout.readline().rsplit(" ", 1)[-1].strip()
+        with Client(endpoint) as client:
+            client.ping()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=SHUTDOWN_BOUND_S + 20)
+    lines = err.splitlines()
+    listening = next(i for i, line in enumerate(lines) if "listening on" in line)
+    numpy, executor = (next(i for i, line in enumerate(lines)
+                            if re.fullmatch(rf"import time:.*\|\s+{re.escape(name)}", line))
+                       for name in ("numpy", "zmq_rpc.worker.dispatch.executor"))
+    assert listening < numpy < executor, "\n".join(lines[listening - 3:listening + 3])
+    assert proc.returncode == 0

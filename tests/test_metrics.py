@@ -156,7 +156,7 @@ def test_null_recorder_records_nothing() -> None:
 
 
 def test_metrics_are_off_by_default(worker: WorkerServer) -> None:
-    assert worker.metrics_address == "" and not worker.metrics.enabled
+    assert worker.metrics_address == "" and worker.metrics is None
 
 
 def test_requests_bytes_and_gauges(make_worker: Callable[..., WorkerServer],

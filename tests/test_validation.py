@@ -29,7 +29,7 @@ from zmq_rpc.broker.errors import VersionMismatch
 from zmq_rpc.broker.graph import MAX_NODES
 from zmq_rpc.broker.protocol import Cmd, DType, ErrorCode, TensorRef
 from zmq_rpc.client import Client
-from zmq_rpc.worker.backends.numpy_backend import physical_memory
+from zmq_rpc.worker.process.devices import physical_memory
 from zmq_rpc.worker.server import WorkerServer
 
 pytestmark = pytest.mark.timeout(30)

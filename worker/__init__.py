@@ -4,8 +4,9 @@ Module map, one subpackage per job (thread that runs it); each subpackage's docs
 modules, and none imports anything on import:
 
 - ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``).
-- ``server``: :class:`WorkerServer` (the creating thread: start, stop, join) and
-  :class:`BackendThread` (the backend thread's poll loop: PAIR, peer PULL, control, timers).
+- ``server``: :class:`WorkerServer` (the creating thread: listen, start, stop, join).
+- ``backend_thread``: :class:`BackendThread` (the backend thread's poll loop: PAIR, peer PULL,
+  control, timers), loaded once the worker listens.
 - ``dispatch``: the request path: ``inbox`` (requests read ahead from the PAIR, handed on one
   client at a time in turn), ``executor`` (sessions' queues and the ``Cmd -> Route`` dispatch
   table), ``self_report`` (HELLO's reply, STATUS, capabilities, the metrics' gauges), ``outbox``

@@ -1,10 +1,13 @@
 """``zmq-rpc-worker``: run one worker process until SIGINT/SIGTERM.
 
 The main thread parses and checks flags (endpoints, sizes), pins BLAS threads (before numpy is
-imported), starts a :class:`~zmq_rpc.worker.server.WorkerServer`, freezes what start-up made
-(:mod:`.process.gc_pacing`), prints the endpoint it listens on, and waits for a signal (or for one of
-the worker's threads to end on its own); then it stops the server (in-flight requests answered
-or failed) within :data:`SHUTDOWN_BOUND_S` and exits 0.
+imported), makes a :class:`~zmq_rpc.worker.server.WorkerServer` listen and prints the endpoint,
+then loads the backend (numpy, the executor, the kernels' settings: clients that connect
+meanwhile wait in its queue), freezes what start-up made (:mod:`.process.gc_pacing`), and waits
+for a signal (or for one of the worker's threads to end on its own); then it stops the server
+(in-flight requests answered or failed) within :data:`SHUTDOWN_BOUND_S` and exits 0.
+Until it listens it imports only what parsing and binding need (:mod:`zmq_rpc.broker.limits` for
+the defaults ``--help`` shows), so that it listens within tens of milliseconds of exec.
 A worker that cannot start (address in use, bad ``--mem``) says why and exits 1 at once.
 """
 
@@ -23,13 +26,10 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
-from ..broker.graph import MAX_NODES
-from ..broker.ops import DEFAULT_MAX_WORK, NODE_WORK
+from ..broker.limits import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_WORK, MAX_NODES, NODE_WORK
 from .observe.logs import configure_logging
 from .process.devices import parse_device
 from .process.gc_pacing import freeze_start_up
-from .process.version import package_version
-from .sessions.quotas import DEFAULT_MAX_SESSIONS
 
 if TYPE_CHECKING:
     from .server import WorkerServer
@@ -149,6 +149,21 @@ EPILOG = (f"SIGINT/SIGTERM: requests already received are answered or failed, th
           f"asks running workers what they are doing.")
 
 
+class VersionAction(argparse.Action):
+    """``--version``: the installed package's version, looked up only when asked
+    (importlib.metadata costs tens of milliseconds, and every start parses the flags)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        from .process.version import package_version
+        print(f"zmq-rpc {package_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The worker's command line."""
     ap = argparse.ArgumentParser(prog="zmq-rpc-worker", description=DESCRIPTION, epilog=EPILOG)
@@ -239,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "printed on stdout; default: no metrics)")
     ap.add_argument("--metrics-host", default="127.0.0.1",
                     help="address the metrics endpoint listens on (default %(default)s)")
-    ap.add_argument("--version", action="version", version=f"zmq-rpc {package_version()}")
+    ap.add_argument("--version", action=VersionAction, help="show the version and exit")
     return ap
 
 
@@ -266,15 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()
     configure_logging(args.log_level, args.log_format)
     from ..broker.keys import KeyFileError, load_keypair
-    from . import kernels
-    from .server import WorkerConfig, WorkerServer  # after the BLAS variables are set
+    from .server import WorkerConfig, WorkerServer
 
     try:
         curve = load_keypair(args.curve_secret_key) if args.curve_secret_key else None
     except KeyFileError as exc:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
-    kernels.set_threads(args.threads)
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,
@@ -295,21 +308,31 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server = WorkerServer(config)
     try:
-        endpoint = server.start()
+        endpoint = server.listen()
     except Exception as exc:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
         return 1
     code = 1
-    freeze_start_up()       # full collections walk only what clients make (worker/process/gc_pacing.py)
     try:
-        lines = [f"zmq-rpc-worker listening on {endpoint}"]
+        announce([f"zmq-rpc-worker listening on {endpoint}"])
+        start_backend(server, args.threads)
+        freeze_start_up()   # full collections walk only what clients make (worker/process/gc_pacing.py)
         if server.metrics_address:
-            lines.append(f"zmq-rpc-worker metrics on {server.metrics_address}/metrics")
-        announce(lines)
+            announce([f"zmq-rpc-worker metrics on {server.metrics_address}/metrics"])
         code = serve_until(stop, server)
+    except Exception as exc:
+        print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
     finally:     # whatever went wrong, the server's threads must not outlive main()
         code = stop_within(server, SHUTDOWN_BOUND_S, code)
     return code
+
+
+def start_backend(server: WorkerServer, threads: int) -> None:
+    """The worker's backend, once it listens: numpy and the kernels load now, with the BLAS
+    variables already set (clients that connected meanwhile wait in the backend's queue)."""
+    from . import kernels
+    kernels.set_threads(threads)
+    server.start()
 
 
 def announce(lines: list[str]) -> None:

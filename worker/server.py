@@ -3,7 +3,13 @@
 :class:`WorkerServer` is created and stopped by one thread (the CLI's main thread, or a test). It owns
 the zmq context and the control sockets that tell the other two threads to stop; the broker thread
 owns the ROUTER (:mod:`zmq_rpc.broker.broker`), the backend thread owns every byte of tensor state
-(:class:`BackendThread`, running :class:`~zmq_rpc.worker.dispatch.executor.Executor`).
+(:class:`~zmq_rpc.worker.backend_thread.BackendThread`, running
+:class:`~zmq_rpc.worker.dispatch.executor.Executor`).
+
+Start-up comes in two steps: :meth:`WorkerServer.listen` binds the client port and starts the
+broker (this module imports only that: zmq, the endpoint and key rules), :meth:`WorkerServer.start`
+then imports and starts the backend thread; requests that arrive in between wait in the
+backend's PAIR.
 
 Shutdown (``stop()``, SIGINT/SIGTERM in the CLI): the backend answers every request it already
 holds, fails those still waiting with SHUTTING_DOWN, then the broker stops forwarding and closes the
@@ -14,52 +20,36 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING
 
 import zmq
 
-from ..broker.broker import BACKEND_HWM, BrokerConfig, BrokerThread
+from ..broker.broker import BrokerConfig, BrokerThread
 from ..broker.endpoints import EndpointError, bind_endpoint, is_loopback_endpoint
 from ..broker.keys import KeyPair
-from ..broker.ops import DEFAULT_MAX_WORK
-from ..broker.protocol import ErrorCode
+from ..broker.limits import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_WORK
 from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
-from .backends.base import Backend
-from .dispatch.executor import DRAIN_BATCH, Executor
-from .dispatch.frames import recv_message, send_message
-from .dispatch.inbox import READ_AHEAD_EVERY_NS, Inbox
-from .files.model_files import ModelFiles
-from .files.tensor_cache import TensorCache
-from .formats import hashing
-from .observe.metrics import PUBLISH_INTERVAL, NullRecorder, Recorder
-from .peer.endpoints import PeerSecurity
-from .peer.links import PeerLinks
-from .process.devices import parse_device
-from .process.gc_pacing import FullCollections
-from .process.heap import IdleTrim
-from .process.version import package_version
-from .sessions.identities import KeyCheck
-from .sessions.quotas import default_session_share
-from .sessions.session import WorkerLimits
+from .process.devices import parse_device, physical_memory
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:       # the rest loads after the worker listens (see WorkerServer.listen)
+    from .backend_thread import BackendThread
+    from .backends.base import Backend
+    from .files.model_files import ModelFiles
+    from .files.tensor_cache import TensorCache
     from .observe.exporter import MetricsServer
+    from .observe.metrics import Recorder
+    from .sessions.session import WorkerLimits
 
 log = logging.getLogger("zmq_rpc.worker")
 
 _ids = itertools.count()
 
 DEFAULT_BIND = "tcp://127.0.0.1:50052"
-SHUTDOWN_DRAIN_S = 2.0
-"""At shutdown, requests already sent keep being answered until none arrives for 20 ms, at most
-this long; later ones get SHUTTING_DOWN or find the worker gone."""
 
 
 @dataclass
@@ -79,7 +69,7 @@ class WorkerConfig:
     session_memory: int = 0
     """Bytes one session may hold; 0 means :func:`~zmq_rpc.worker.sessions.quotas.default_session_share`
     of the memory limit (see worker/sessions/quotas.py)."""
-    max_sessions: int = 64
+    max_sessions: int = DEFAULT_MAX_SESSIONS
     """Sessions open at once (see worker/sessions/quotas.py)."""
     identity_memory: int = 0
     """Bytes all sessions of one client identity may hold; 0: 3/4 of the memory limit
@@ -163,17 +153,6 @@ def _loopback_host(host: str) -> bool:
         return False
 
 
-def make_backend(device: str) -> Backend:
-    """The compute backend for ``--device`` (cupy is imported only when asked for: without it,
-    or without that GPU, a ``DeviceUnavailable`` error names the extra to install)."""
-    kind, index = parse_device(device)
-    if kind == "cpu":
-        from .backends.numpy_backend import NumpyBackend
-        return NumpyBackend()
-    from .backends.cupy_backend import CupyBackend
-    return CupyBackend(index)
-
-
 def check_memory_limit(limit: int, total: int, device: str) -> None:
     """The rule for ``--mem``: 0 (the default: 80 % of the device) or 1 byte up to all of it.
 
@@ -188,181 +167,23 @@ def check_memory_limit(limit: int, total: int, device: str) -> None:
                          f"(80 % of it)")
 
 
-class BackendThread(threading.Thread):
-    """Polls the PAIR from the broker and the control PAIR from the server; runs the executor."""
+@dataclass(frozen=True)
+class _Endpoints:
+    """The inproc endpoints between a worker's threads (unique per server in the process)."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], backend: Backend, limits: WorkerLimits,
-                 endpoints: tuple[str, str], name: str, peer: tuple[str, str],
-                 curve: KeyPair | None = None, worker_keys: str | None = None,
-                 metrics: Recorder | None = None, authorized_keys: str | None = None) -> None:
-        super().__init__(name="zmq-rpc-backend", daemon=False)
-        self.client_keys = None if curve is None else KeyCheck(
-            curve.secret, KeySet(directory=authorized_keys).keys)
-        """Whose HELLO key proofs this worker checks (its own KeySet: the ZAP thread's is the
-        ZAP thread's), see worker/sessions/identities.py."""
-        self.metrics = metrics or NullRecorder()
-        self.peer_security = PeerSecurity(curve, KeySet(
-            fixed=frozenset([curve.public]) if curve else frozenset(), directory=worker_keys))
-        self.ctx = ctx
-        self.backend = backend
-        self.limits = limits
-        self.pair_endpoint, self.control_endpoint = endpoints
-        self.server_name = name
-        self.peer_bind, self.peer_advertise = peer
-        self.peers: PeerLinks | None = None
-        self.peer_bound = ""
-        """What the peer port listens on (``LAST_ENDPOINT``), once ready."""
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self.pair: zmq.Socket[bytes] | None = None
-        self.executor: Executor | None = None
-        self.disk: tuple[ModelFiles | None, TensorCache | None] = (None, None)
-        """The model files and tensor cache the executor serves (handed over before start)."""
-        self.inbox = Inbox()
+    uid: str
 
-    def run(self) -> None:
-        pair = self.ctx.socket(zmq.PAIR)
-        control = self.ctx.socket(zmq.PAIR)
-        try:
-            self.backend.attach()                   # a GPU is current per thread: this one
-            pair.setsockopt(zmq.SNDHWM, 0)                # replies: never block the backend
-            pair.setsockopt(zmq.RCVHWM, BACKEND_HWM)      # requests: see broker.py
-            pair.bind(self.pair_endpoint)
-            control.bind(self.control_endpoint)
-            self.peers = PeerLinks(self.ctx, self.backend, bind=self.peer_bind,
-                                   advertise=self.peer_advertise,
-                                   stash_limit=max(self.limits.memory_limit // 4, 64 << 20),
-                                   security=self.peer_security)
-            self.executor = Executor(self.backend, self.limits, partial(send_message, pair),
-                                     self.server_name, self.peers, metrics=self.metrics,
-                                     keys=self.client_keys)
-            self.executor.serve_files(*self.disk)
-            self.peers.metrics = self.metrics
-            self.peer_bound = self.peers.bound
-            self.pair = pair
-            self.ready.set()
-            self._loop(pair, control)
-        except BaseException as exc:
-            self.error = exc
-            if self.ready.is_set():     # a failure to start is the starter's to report
-                log.exception("backend thread failed")
-        finally:
-            self.ready.set()
-            if self.peers is not None:
-                self.peers.close()
-            if self.executor is not None:
-                self.executor.loading.close()
-            pair.close(linger=1000)
-            control.close(linger=0)
+    @property
+    def pair(self) -> str:
+        return f"inproc://zmq-rpc-backend-{self.uid}"
 
-    def _loop(self, pair: zmq.Socket[bytes], control: zmq.Socket[bytes]) -> None:
-        assert self.executor is not None
-        poller = zmq.Poller()
-        poller.register(pair, zmq.POLLIN)
-        poller.register(control, zmq.POLLIN)
-        peers = self.peers
-        assert peers is not None
-        if peers.pull is not None:
-            poller.register(peers.pull, zmq.POLLIN)
-        hasher = self.executor.loading.hasher
-        if hasher is not None:
-            poller.register(hasher.wake_fd, zmq.POLLIN)
-        waiting = False
-        next_expiry = time.monotonic() + 1.0
-        next_publish = 0.0
-        idle_trim, full_gc = IdleTrim(), FullCollections()
-        while True:
-            events = dict(poller.poll(self._timeout_ms(waiting)))
-            busy = bool(events) or bool(self.inbox)
-            idle_trim.poll_result(busy or waiting)
-            full_gc.poll_result(busy or waiting)        # between requests (worker/process/gc_pacing.py)
-            if pair in events or self.inbox:
-                self._drain(pair)
-            if peers.pull is not None and peers.pull in events:
-                peers.drain()
-            if hasher is not None and hasher.wake_fd in events:
-                hasher.collect()         # a file's hash is in: its request runs (and replies)
-            if control in events:
-                self._shutdown(pair, control.recv())
-                return
-            waiting = self.executor.pump_all() if (waiting or busy) else False
-            self.executor.reap()
-            now = time.monotonic()
-            self.executor.release_held(now)
-            peers.expire(now)
-            if now >= next_expiry:
-                # What came while a request ran is not read yet when that request ran from
-                # pump_all or a hash's end (no read follows it there): read it, or its sender
-                # looks silent for as long as that request ran.
-                self._read_ahead(pair)
-                self.executor.expire_sessions(now, self.inbox.holds)
-                next_expiry = now + min(1.0, self.limits.session_timeout / 4)
-            if now >= next_publish and self.metrics.enabled:
-                self.metrics.publish(self.executor.report.snapshot())
-                next_publish = now + PUBLISH_INTERVAL
+    @property
+    def backend_ctl(self) -> str:
+        return f"inproc://zmq-rpc-backend-ctl-{self.uid}"
 
-    def _timeout_ms(self, waiting: bool) -> int:
-        if self.inbox:
-            return 0      # requests read ahead wait: look at the other sockets, then go on
-        if waiting or (self.peers is not None and self.peers.incoming):
-            return 1      # a transfer is due: short naps keep this core quick to wake
-        deadlines = [self.peers.next_deadline() if self.peers is not None else None,
-                     self.executor.next_release() if self.executor is not None else None]
-        deadline = min((d for d in deadlines if d is not None), default=None)
-        if deadline is None:
-            return 250
-        return max(0, min(250, math.ceil((deadline - time.monotonic()) * 1000)))
-
-    def _drain(self, pair: zmq.Socket[bytes]) -> None:
-        """Handle up to DRAIN_BATCH requests, the client with the least backend time used
-        first (worker/dispatch/inbox.py: why); each request's time is charged to its client.
-
-        After a request is handled, the PAIR is read empty into the inbox (once per
-        READ_AHEAD_EVERY_NS); an empty inbox takes the PAIR's next message alone, the oldest of
-        all. The PAIR is read after a request, not before it: reading it to its end
-        (``zmq.Again``) first would put that read in every ping's round trip (docs/DESIGN.md)."""
-        assert self.executor is not None
-        inbox = self.inbox
-        next_read = 0
-        for _ in range(DRAIN_BATCH):
-            taken = inbox.take()
-            if taken is None:       # nothing read ahead: the PAIR's next message, handled as is
-                try:
-                    taken = recv_message(pair), 0
-                except zmq.Again:
-                    return
-            started = time.perf_counter_ns()
-            try:
-                self.executor.handle_frames(*taken)
-            except Exception:   # whatever a message does, this thread keeps serving the others
-                log.exception("unexpected error handling a message; the worker goes on")
-            now = time.perf_counter_ns()
-            frames = taken[0]
-            inbox.charge(frames[0].bytes if frames else b"", now - started)
-            if now >= next_read:
-                self._read_ahead(pair)
-                next_read = now + READ_AHEAD_EVERY_NS
-
-    def _read_ahead(self, pair: zmq.Socket[bytes]) -> None:
-        """Move what the PAIR holds into the inbox, until it is empty or the inbox full."""
-        inbox = self.inbox
-        while not inbox.full():
-            try:
-                inbox.put(recv_message(pair))
-            except zmq.Again:
-                return
-
-    def _shutdown(self, pair: zmq.Socket[bytes], command: bytes) -> None:
-        """Answer what is already queued, fail what still waits (the server then joins us)."""
-        assert self.executor is not None
-        executor = self.executor
-        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
-        while time.monotonic() < deadline and (self.inbox or pair.poll(20)):   # the PAIR is
-            self._drain(pair)     # bounded: what clients sent before the signal is still coming
-        executor.pump_all()
-        executor.release_held()
-        executor.fail_queued(ErrorCode.SHUTTING_DOWN, "the worker is shutting down")
-        log.info("backend drained; %d session(s) were open", len(executor.sessions))
+    @property
+    def broker_ctl(self) -> str:
+        return f"inproc://zmq-rpc-broker-ctl-{self.uid}"
 
 
 class WorkerServer:
@@ -373,19 +194,24 @@ class WorkerServer:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.endpoint = ""
         self._uid = f"{os.getpid()}-{next(_ids)}"
+        self._endpoints = _Endpoints(self._uid)
+        self._peer_endpoint = ""
         self._backend_thread: BackendThread | None = None
         self._broker_thread: BrokerThread | None = None
         self._backend_ctl: zmq.Socket[bytes] | None = None
         self._broker_ctl: zmq.Socket[bytes] | None = None
         self._zap: ZapThread | None = None
         self._stopped = False
-        self.metrics: Recorder = NullRecorder()
+        self.metrics: Recorder | None = None
+        """What the backend thread records for the metrics endpoint (with a metrics port)."""
         self.metrics_server: MetricsServer | None = None
         self.metrics_address = ""
         """``http://host:port`` of the metrics endpoint once started ("" without one)."""
 
     def limits(self, backend: Backend) -> WorkerLimits:
         """The effective limits (defaults resolved against the device's memory)."""
+        from .sessions.quotas import default_session_share  # after listening: see listen()
+        from .sessions.session import WorkerLimits
         cfg = self.config
         check_memory_limit(cfg.memory_limit, backend.total_memory(), cfg.device)
         memory = cfg.memory_limit or int(backend.total_memory() * 0.8) or (8 << 30)
@@ -400,60 +226,72 @@ class WorkerServer:
                             identity_memory=min(cfg.identity_memory, memory),
                             identity_sessions=cfg.identity_sessions)
 
-    def start(self) -> str:
-        """Start both threads; returns the bound endpoint (a ``*`` port resolved)."""
+    def listen(self) -> str:
+        """Bind the client port and start forwarding; returns the bound endpoint (a ``*`` port
+        resolved). Requests that arrive before :meth:`start` has the backend thread up wait in
+        the backend's PAIR (inproc: connected before it is bound): the worker listens before
+        numpy and the executor are imported. A bad configuration (security, ``--mem`` beyond a
+        CPU's memory, the port) fails here, before anything listens."""
         cfg = self.config
-        peer_bind = self._peer_bind()
+        self._peer_endpoint = self._peer_bind()
         try:
-            check_security(cfg, peer_bind)
+            check_security(cfg, self._peer_endpoint)
+            if parse_device(cfg.device)[0] == "cpu":     # a GPU's memory: once cupy is loaded
+                check_memory_limit(cfg.memory_limit, physical_memory(), cfg.device)
             if cfg.curve is not None:
                 self._start_zap(cfg.curve)
-            backend = make_backend(cfg.device)
-            limits = self.limits(backend)
+            self._broker_ctl = self.ctx.socket(zmq.PAIR)
+            self._broker_ctl.bind(self._endpoints.broker_ctl)
+            self._broker_thread = BrokerThread(self.ctx, BrokerConfig(
+                bind=cfg.bind, backend_endpoint=self._endpoints.pair,
+                control_endpoint=self._endpoints.broker_ctl,
+                max_message_size=cfg.max_message_size, curve=cfg.curve))
+            self._broker_thread.start()
+            self._wait_ready(self._broker_thread)
+            self.endpoint = self._broker_thread.endpoint
+            check_bound(cfg, self.endpoint)
         except BaseException:
             self.stop()
             raise
-        if cfg.metrics_port is not None:
-            self.metrics = Recorder()
-        pair_ep = f"inproc://zmq-rpc-backend-{self._uid}"
-        backend_ctl_ep = f"inproc://zmq-rpc-backend-ctl-{self._uid}"
-        broker_ctl_ep = f"inproc://zmq-rpc-broker-ctl-{self._uid}"
-        self._backend_thread = BackendThread(self.ctx, backend, limits,
-                                             (pair_ep, backend_ctl_ep), cfg.name,
-                                             (peer_bind, cfg.peer_advertise), cfg.curve,
-                                             cfg.worker_keys, self.metrics,
-                                             cfg.authorized_keys)
-        self._backend_thread.disk = self._disk()
-        self._backend_thread.start()
-        self._wait_ready(self._backend_thread)
-        self._backend_ctl = self._control(backend_ctl_ep)
-        self._broker_ctl = self.ctx.socket(zmq.PAIR)
-        self._broker_ctl.bind(broker_ctl_ep)
-        self._broker_thread = BrokerThread(self.ctx, BrokerConfig(
-            bind=cfg.bind, backend_endpoint=pair_ep, control_endpoint=broker_ctl_ep,
-            max_message_size=cfg.max_message_size, curve=cfg.curve))
-        self._broker_thread.start()
-        self._wait_ready(self._broker_thread)
-        self.endpoint = self._broker_thread.endpoint
+        log.info("worker %s listening on %s (device %s)", cfg.name, self.endpoint, cfg.device)
+        return self.endpoint
+
+    def start(self) -> str:
+        """:meth:`listen` (unless done), then start the backend thread and, with a metrics
+        port, the metrics endpoint; returns the bound endpoint."""
+        if self._broker_thread is None:
+            self.listen()
+        cfg = self.config
         try:
-            for bound in (self.endpoint, self._backend_thread.peer_bound):
-                check_bound(cfg, bound)
-        except InsecureBind:
+            from .backend_thread import BackendThread, make_backend  # numpy: see listen()
+            backend = make_backend(cfg.device)
+            limits = self.limits(backend)
+            if cfg.metrics_port is not None:
+                from .observe.metrics import Recorder
+                self.metrics = Recorder()
+            self._backend_thread = BackendThread(
+                self.ctx, backend, limits, (self._endpoints.pair, self._endpoints.backend_ctl),
+                cfg.name, (self._peer_endpoint, cfg.peer_advertise), cfg.curve,
+                cfg.worker_keys, self.metrics, cfg.authorized_keys)
+            self._backend_thread.disk = self._disk()
+            self._backend_thread.start()
+            self._wait_ready(self._backend_thread)
+            self._backend_ctl = self._control(self._endpoints.backend_ctl)
+            check_bound(cfg, self._backend_thread.peer_bound)
+            if cfg.metrics_port is not None:
+                self._start_metrics(backend)
+        except BaseException:
             self.stop()
             raise
-        if cfg.metrics_port is not None:
-            try:
-                self._start_metrics(backend)
-            except BaseException:
-                self.stop()
-                raise
-        log.info("worker %s listening on %s (device %s)", cfg.name, self.endpoint, cfg.device)
+        log.info("worker %s serving on %s", cfg.name, self.endpoint)
         return self.endpoint
 
     def _start_metrics(self, backend: Backend) -> None:
         """Serve the recorder's metrics over HTTP (prometheus_client is imported only here)."""
         cfg = self.config
+        assert self.metrics is not None
         from ..broker.protocol import PROTOCOL_VERSION
+        from .process.version import package_version
         try:
             from .observe.exporter import MetricsServer
         except ImportError as exc:
@@ -476,6 +314,9 @@ class WorkerServer:
 
     def _disk(self) -> tuple[ModelFiles | None, TensorCache | None]:
         """The ``--model-dir`` files and the ``--cache-dir`` cache (both hash with BLAKE3)."""
+        from .files.model_files import ModelFiles  # after listening: see listen()
+        from .files.tensor_cache import TensorCache
+        from .formats import hashing
         cfg = self.config
         if (cfg.model_dirs or cfg.cache_dir) and not hashing.available():
             raise RuntimeError("--model-dir and --cache-dir need the blake3 package: "

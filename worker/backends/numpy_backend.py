@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ...broker.protocol import DType, TensorRef
+from ..process.devices import physical_memory
 from .base import Backend
 from .numpy_ops import NUMPY_KERNELS
 
@@ -24,14 +25,6 @@ HUGE_PAGE = 2 << 20
 
 STORAGE_DTYPES: dict[DType, np.dtype[Any]] = {d: np.dtype(d.storage) for d in DType}
 """The numpy dtype that stores each wire dtype (bfloat16 as raw uint16 words)."""
-
-
-def physical_memory() -> int:
-    """Bytes of RAM on this machine (0 if unknown)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)

@@ -1,6 +1,6 @@
 """The backend thread's scheduler: sessions, their queues, and one dispatch table for every command.
 
-Owned by the backend thread (:class:`~zmq_rpc.worker.server.BackendThread`), the single owner of
+Owned by the backend thread (:class:`~zmq_rpc.worker.backend_thread.BackendThread`), the single owner of
 sessions, buffers and every tensor byte on a worker; no other thread touches anything here. It
 receives requests from the broker thread over the inproc PAIR as ``[client_id, header, *payload]``,
 decodes them, and answers every one of them on the same PAIR, an error reply included.

@@ -1,7 +1,7 @@
 """Requests read ahead from the broker's PAIR and handed to the executor by backend time used.
 
 Owns the read-ahead queues and every client's virtual time; run by the backend thread
-(:class:`~zmq_rpc.worker.server.BackendThread`); no socket here. The PAIR is one FIFO for every
+(:class:`~zmq_rpc.worker.backend_thread.BackendThread`); no socket here. The PAIR is one FIFO for every
 client, and libzmq's proxy (broker.py) fills it with blocking sends and forwards no reply while it
 waits for room: served straight from the PAIR, a well-behaved client's request would wait behind
 every request queued there, and its reply behind every request queued at the ROUTER.

@@ -8,6 +8,8 @@ import numpy (a test checks that parsing every flag leaves numpy unloaded).
 
 from __future__ import annotations
 
+import os
+
 
 def parse_device(device: str) -> tuple[str, int]:
     """``("cpu", 0)`` for "cpu", ``("cuda", N)`` for "cuda" (GPU 0) or "cuda:N"; ValueError
@@ -19,6 +21,14 @@ def parse_device(device: str) -> tuple[str, int]:
         return "cuda", int(index or 0)
     raise ValueError(f"unknown device {device!r}: expected cpu, cuda (GPU 0) or cuda:N "
                      "(N = 0, 1, ...; one worker per GPU)")
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (0 if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
 
 
 CUDA_EXTRA = "pip install 'zmq-rpc[cuda]'"

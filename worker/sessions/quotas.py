@@ -3,7 +3,7 @@
 Owned by the backend thread (the executor keeps one :class:`InFlight` and each session one
 :class:`Usage`). Enforced by the worker, never taken from the client:
 
-- **sessions** (``--max-sessions``, default :data:`DEFAULT_MAX_SESSIONS`): the HELLO that would
+- **sessions** (``--max-sessions``, default :data:`~zmq_rpc.broker.limits.DEFAULT_MAX_SESSIONS`): the HELLO that would
   open one more is refused with OUT_OF_MEMORY saying so (after closing sessions silent for
   ``session_table.PRESSURE_SILENCE``: their clients are gone);
 - **memory** (``--session-mem``, default :func:`default_session_share`: 3/4 of ``--mem``, so one
@@ -29,9 +29,6 @@ from typing import Any
 import zmq
 
 from ...broker.protocol import ErrorCode, WireError
-
-DEFAULT_MAX_SESSIONS = 64
-"""Sessions a worker serves at once unless told otherwise (``--max-sessions``)."""
 
 
 def default_session_share(memory_limit: int) -> int:
