@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -91,6 +91,8 @@ METRICS_TIMEOUT_S = 120.0
 on a loaded machine, for a core: 30 s was once not enough at a load average of 25 on 2 cores)."""
 START_S = 180.0
 """Seconds a server may take to load the model and listen."""
+LOG_TAIL = 3000
+"""Bytes of the end of each llama.cpp process's log a failed round shows."""
 TARGET_VS_LLAMA = 2.0
 TARGET_SCALING = 1.7
 NO_LLAMA = "no llama-server"
@@ -256,10 +258,34 @@ def our_server(model: Path, workers: Sequence[Worker], slots: int,
 
 @dataclass
 class LlamaServer:
-    """llama-server and its rpc-servers: the URL and the rpc-servers' processes."""
+    """llama-server and its rpc-servers: the URL, the processes and where each logs."""
 
     url: str
+    server: subprocess.Popen[Any]
     rpc: list[subprocess.Popen[Any]]
+    logs: list[IO[bytes]]
+    """llama-server's log, then each rpc-server's."""
+
+    def measured(self, run: Measure) -> Measure:
+        """``run``, failing with what llama-server and its rpc-servers said when it fails."""
+        def checked() -> tuple[RoundResult, list[float], list[float]]:
+            try:
+                return run()
+            except Exception as exc:
+                raise RuntimeError(f"a round against llama-server failed ({exc!r}); "
+                                   f"{self.report()}") from exc
+        return checked
+
+    def report(self) -> str:
+        """Each process's state and the end of its log."""
+        names = ["llama-server"] + [f"rpc-server {i + 1}" for i in range(len(self.rpc))]
+        parts = []
+        for name, proc, log in zip(names, [self.server, *self.rpc], self.logs):
+            state = "running" if proc.poll() is None else f"exited with {proc.returncode}"
+            log.seek(0)
+            tail = log.read()[-LOG_TAIL:].decode(errors="replace")
+            parts.append(f"{name} {state}; its log ends:\n{tail}")
+        return "\n".join(parts)
 
 
 def llama_folder(ctx: BenchContext) -> tuple[Path | None, str]:
@@ -279,12 +305,12 @@ def llama_server(folder: Path, model: Path, count: int, slots: int) -> Iterator[
     """``llama-server --rpc`` to ``count`` fresh ``rpc-server -t 1``; every layer offloaded,
     ``-np slots``, ``CTX_PER_SLOT`` tokens per slot, one thread."""
     with ExitStack() as stack:
-        rpc, addresses = [], []
+        rpc, addresses, logs = [], [], []
         for _ in range(count):
             port = _free_port()
+            logs.append(stack.enter_context(tempfile.TemporaryFile()))
             proc = subprocess.Popen([str(rpc_server(folder)), "-H", "127.0.0.1", "-p", str(port),
-                                     "-t", "1"], stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+                                     "-t", "1"], stdout=logs[-1], stderr=logs[-1])
             stack.callback(_stop, proc)
             _wait_port(proc, port)
             rpc.append(proc)
@@ -299,7 +325,7 @@ def llama_server(folder: Path, model: Path, count: int, slots: int) -> Iterator[
         stack.callback(_stop, server)
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(server, url, log)
-        yield LlamaServer(url, rpc)
+        yield LlamaServer(url, server, rpc, [log, *logs])
 
 
 def _wait_healthy(proc: subprocess.Popen[Any], url: str, log: Any) -> None:
@@ -399,8 +425,8 @@ def placement(settings: Settings, workers: Sequence[Worker], llama: Path | None,
         runners["ours"] = _measured(url, streams, s.requests, s.max_tokens, compute, pids)
         if llama is not None:
             theirs = stack.enter_context(llama_server(llama, s.model, n, streams))
-            runners[LLAMA] = _measured(theirs.url, streams, s.requests, s.max_tokens, [],
-                                       [p.pid for p in theirs.rpc])
+            runners[LLAMA] = theirs.measured(_measured(
+                theirs.url, streams, s.requests, s.max_tokens, [], [p.pid for p in theirs.rpc]))
         if streams == 1:
             url = stack.enter_context(our_server(s.model, workers, 1, serial=True))
             runners[SERIAL] = _measured(url, 1, s.requests, s.max_tokens, compute, pids)
