@@ -446,3 +446,24 @@ def test_serve_case_rows_on_a_toy_model_without_llama_server(
     assert rows[f"serve tok/s {where}"]["note"].startswith("no llama-server:")
     assert "lacks ['llama-server', 'rpc-server']" in printed
     assert printed.count("tokens/request 4.0") == 2       # ours and --serial: max_tokens each
+
+
+def test_startup_case_times_real_worker_processes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The startup case end to end (--quick): fresh ``zmq-rpc-worker`` processes timed to a TCP
+    connect and to a client's first ping; a bare listening interpreter as the floor; a
+    --llama-bin without llama.cpp's binaries is said so (no rpc-server baseline)."""
+    out = tmp_path / "bench.json"
+    code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "startup",
+                       "--llama-bin", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["errors"] == []
+    rows = {r["label"]: r for r in doc["results"]}
+    assert list(rows) == ["worker listens", "worker listens vs budget", "worker answers a client"]
+    listens, answers = rows["worker listens"], rows["worker answers a client"]
+    assert set(listens["baselines"]) == {"python -c"}
+    assert all(v > 0 for v in listens["ours"] + listens["baselines"]["python -c"])
+    assert min(answers["ours"]) > 0
+    assert "no rpc-server baseline" in printed

@@ -1,0 +1,127 @@
+"""``zmq-rpc-bench`` case ``startup``: how soon a fresh worker process listens and answers.
+
+Each trial starts a process and polls its port from this one (a TCP connect every millisecond):
+
+- **listens**: from exec to the first connect that succeeds, for ``zmq-rpc-worker`` and, with
+  ``--llama-bin``, llama.cpp's ``rpc-server -t 1`` (the worker it replaces), alternated trial by
+  trial; against the 100 ms budget too;
+- **answers**: from exec to a :class:`~zmq_rpc.client.Client` connected (its HELLO answered) and
+  its first ping back: the worker's backend loaded (numpy, the executor), what a client waits for.
+
+Runs on the bench's main thread; every process it starts is stopped before the trial ends.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..client import Client
+from .bench import BenchContext, CaseResult, Target, register_case
+from .bench_families import _free_port, _stop, rpc_server
+from .bench_serve import llama_folder
+
+LISTEN_BUDGET_S = 0.1
+"""Issue 29's bound: a worker listening within 100 ms of its start."""
+POLL_S = 0.001
+START_LIMIT_S = 30.0
+"""A process that does not listen (or answer) this long after exec failed to start."""
+
+
+def _worker(port: int) -> list[str]:
+    return [str(Path(sys.executable).with_name("zmq-rpc-worker")),
+            "--bind", f"tcp://127.0.0.1:{port}"]
+
+
+def _listens(argv: list[str], port: int) -> float:
+    """Seconds from exec until ``port`` accepts a TCP connection."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return time.perf_counter() - start
+            except OSError:
+                _check_alive(proc, start, argv)
+                time.sleep(POLL_S)
+    finally:
+        _stop(proc)
+
+
+def _answers(port: int) -> float:
+    """Seconds from a worker's exec to a client's first ping answered."""
+    start = time.perf_counter()
+    argv = _worker(port)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                _check_alive(proc, start, argv)
+                time.sleep(POLL_S)
+        with Client(f"tcp://127.0.0.1:{port}") as client:
+            client.ping()
+        return time.perf_counter() - start
+    finally:
+        _stop(proc)
+
+
+def _check_alive(proc: subprocess.Popen[Any], start: float, argv: list[str]) -> None:
+    if proc.poll() is not None:
+        raise RuntimeError(f"{argv[0]} exited with {proc.returncode} before it listened")
+    if time.perf_counter() - start > START_LIMIT_S:
+        raise RuntimeError(f"{argv[0]} did not listen within {START_LIMIT_S:g} s")
+
+
+def _alternate(trials: int, runs: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+    """``trials`` rounds, each running every measurement once, in turn."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(trials):
+        for name, run in runs.items():
+            samples[name].append(run())
+    return samples
+
+
+@register_case("startup", "a fresh worker process: exec to listening (vs llama.cpp's rpc-server, "
+               "--llama-bin) and to its first ping answered", default=False)
+def case_startup(ctx: BenchContext) -> list[CaseResult]:
+    llama, why = llama_folder(ctx)
+    rpc = rpc_server(llama) if llama is not None else None
+    runs: dict[str, Callable[[], float]] = {
+        "ours": lambda: _listens(_worker(port := _free_port()), port),
+        "python -c": lambda: _listens([sys.executable, "-c", _BARE_LISTENER.format(
+            port := _free_port())], port),
+        "answers": lambda: _answers(_free_port()),
+    }
+    if rpc is not None:
+        runs["rpc-server"] = lambda: _listens(
+            [str(rpc), "-H", "127.0.0.1", "-p", str(port := _free_port()), "-t", "1"], port)
+    else:
+        print(f"startup: no rpc-server baseline ({why})", flush=True)
+    s = _alternate(ctx.reps(9, 2), runs)
+    listen_baselines: dict[str, list[float]] = {k: s[k] for k in ("rpc-server", "python -c")
+                                                if k in s}
+    note = "exec to a TCP connect accepted (polled every ms from the bench)"
+    return [
+        CaseResult("startup", "worker listens", "s", s["ours"], listen_baselines, None, False,
+                   note=note, compared_with=("rpc-server",) if rpc is not None else ()),
+        CaseResult("startup", "worker listens vs budget", "s", s["ours"],
+                   {"100 ms budget": [LISTEN_BUDGET_S]}, Target(1.0, False), False,
+                   note="issue 29: listening within 100 ms of exec"),
+        CaseResult("startup", "worker answers a client", "s", s["answers"], listen_baselines, None,
+                   False, note="exec to a Client's HELLO and first ping answered (backend loaded)",
+                   compared_with=("rpc-server",) if rpc is not None else ()),
+    ]
+
+
+_BARE_LISTENER = ("import socket; s = socket.socket(); s.bind(('127.0.0.1', {})); s.listen(); "
+                  "import time; time.sleep(30)")
+"""A bare interpreter that listens: the floor for any Python worker."""
