@@ -41,7 +41,7 @@ from typing import Any, Final
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .chat_template import CHATML_TEMPLATE, ChatTemplate
+from .chat_template import ChatTemplate, fallback_template
 from .gguf_file import GGUFFormatError, read_gguf
 from .gguf_model import GGUFMetadata, GGUFModelError, LlamaGGUF
 from .sentencepiece import SPACE_MARK, SentencePieceVocab
@@ -260,7 +260,8 @@ class Tokenizer:
         self._eog_ids = eog_ids
         self._chat = chat_template
         self.has_chat_template = has_chat_template
-        """Whether the GGUF has its own ``tokenizer.chat_template`` (else ChatML is used)."""
+        """Whether the GGUF has its own ``tokenizer.chat_template`` (else the format its
+        vocabulary's turn markers name, or ChatML: ``chat_template.fallback_template``)."""
         self.kind = kind
         """``model/pre``, e.g. ``gpt2/qwen2`` or ``llama/spm``."""
 
@@ -291,7 +292,7 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> ChatTemplate:
-        """The GGUF's chat template (ChatML when it has none)."""
+        """The GGUF's chat template (when it has none: the format its vocabulary names, else ChatML)."""
         return self._chat
 
     def encode(self, text: str) -> list[int]:
@@ -512,7 +513,8 @@ def _eog_ids(meta: GGUFMetadata, vocab: _Vocab, eos_id: int) -> frozenset[int]:
 
 
 def _chat_template(meta: GGUFMetadata, vocab: _Vocab, bos_id: int, eos_id: int) -> ChatTemplate:
-    source = meta.get_str("tokenizer.chat_template", CHATML_TEMPLATE)
+    source = meta.get_str("tokenizer.chat_template", "") or fallback_template(
+        frozenset(vocab.tokens))[1]
     try:
         return ChatTemplate(source, vocab.tokens[bos_id], vocab.tokens[eos_id])
     except ValueError as exc:

