@@ -321,3 +321,28 @@ def test_batched_sequences_survive_a_killed_worker(
         assert move.spare == with_spare and model.stages[victim].client.endpoint == move.onto
         assert recovery.tokens >= sum(len(p) for p in BATCH_PROMPTS)
         assert drive(BatchedSteps(model, prefill_chunk=BATCH_CHUNK)) == expected   # stays whole
+
+
+def test_batched_sequences_wait_for_a_worker_that_comes_back(
+        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """SIGSTOP past the heartbeat, SIGCONT once the connection dropped: the lane steps in flight
+    are issued again on the same stages, nothing re-placed or replayed, and every sequence's
+    tokens are the fault-free run's."""
+    procs = [spawn_worker() for _ in range(3)]
+    with BatchedModel.load(str(six_layers), [clients(p.endpoint) for p in procs], n_ctx=64,
+                           slots=4, rows=2 + BATCH_CHUNK) as model:
+        expected = drive(BatchedSteps(model, prefill_chunk=BATCH_CHUNK))
+        slow, thawed = model.stages[1].client, threading.Event()
+
+        def freeze(busy: dict[int, Seq]) -> bool:
+            if len(busy) < 4 or not all(seq.tokens for seq in busy.values()):
+                return False
+            thaw_when_dropped(procs[1], slow, thawed)
+            return True
+        out = drive(BatchedSteps(model, prefill_chunk=BATCH_CHUNK), freeze)
+        assert thawed.wait(BOUND_S + 5)
+        assert out == expected
+        (recovery,) = model.recoveries
+        assert recovery.moves == () and recovery.returned == (procs[1].endpoint,)
+        assert model.stages[1].client is slow
