@@ -36,7 +36,16 @@ decoding sequence: the decode kernel, as :class:`~.model.LlamaModel` runs it), a
 or BF16 product, or float32 weights) never fewer than :data:`MIN_ROWS` (:func:`min_rows`;
 checked by the tests).
 
-Threads: the caller's thread builds and launches steps and blocks only on a lane step's result.
+**Recovery.** The model keeps each live slot's tokens (as its lane steps are launched) and the
+lane steps in flight. A step whose result fails as a lost worker fails it is mended by the
+:class:`~.recovery.Recoverer` :class:`~.model.LlamaModel` uses (this model is its
+:class:`~.recovery.Recoverable`): the lost stages re-placed with every lane's graphs of every
+size, each live slot replayed as prefill chunks up to where a step in flight feeds it (batch
+invariance: the same bits), then every step in flight issued again, in order, so each sequence
+gets its tokens once and the fault-free run's.
+
+Threads: the caller's thread builds and launches steps and blocks only on a lane step's result
+(and recovers there).
 """
 
 from __future__ import annotations
