@@ -12,8 +12,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from conftest import WorkerProcess
@@ -21,8 +23,11 @@ from gguf import GGMLQuantizationType as GT
 from requantize import cache_dir
 from zmq_rpc.client import Client, ConnectionLost, RecoveryFailed
 from zmq_rpc.client.llama import LlamaModel
+from zmq_rpc.client.llama.batch import BatchedModel
 from zmq_rpc.client.llama.recovery import MAX_RETURNS, RETURN_GRACE_S, Recovery
 from zmq_rpc.client.llama.runtime import LOSSES
+from zmq_rpc.client.serve.engine import BatchedSteps
+from zmq_rpc.client.serve.jobs import Sampling
 from zmq_rpc.tools.synthetic_gguf import FAMILIES, write_family
 
 pytestmark = pytest.mark.timeout(240)
@@ -235,3 +240,109 @@ def test_a_worker_that_comes_back_keeps_its_layers(
             assert recovery.moves[0].lost == procs[1].endpoint
             assert model.stages[1].client is not slow
         assert model.generate(PROMPT, NEW_TOKENS, stop_ids=()) == expected   # and stays whole
+
+
+# ------------------------------------------------------------------ the batched model (server)
+
+
+BATCH_PROMPTS = [PROMPT[:3], PROMPT * 2, PROMPT[2:], PROMPT + PROMPT[:4]]
+BATCH_NEW = [12, 22, 16, 26]
+BATCH_CHUNK = 4
+
+
+@dataclass(eq=False)
+class Seq:
+    """What BatchedSteps reads of the engine's Running: the prompt left, the tokens, the job."""
+
+    pending: list[int]
+    sampling: Sampling
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def job(self) -> Any:
+        return SimpleNamespace(sampling=self.sampling)
+
+
+def drive(steps: BatchedSteps, fault: Callable[[dict[int, Seq]], bool] | None = None
+          ) -> list[list[int]]:
+    """The 4 sequences in slots 0-3 from the first step, run as the engine runs them;
+    ``fault(busy)`` is asked after each step until it says it struck."""
+    busy: dict[int, Seq] = {}
+    for slot, (prompt, new) in enumerate(zip(BATCH_PROMPTS, BATCH_NEW)):
+        steps.start(slot)
+        busy[slot] = Seq(list(prompt), Sampling(max_tokens=new, temperature=0.0))
+    seqs = dict(busy)
+    for _ in range(1000):
+        if not busy:
+            return [seqs[slot].tokens for slot in sorted(seqs)]
+        for slot, token in steps.step(busy).items():   # type: ignore[arg-type]
+            busy[slot].tokens.append(token)
+            if len(busy[slot].tokens) >= busy[slot].sampling.max_tokens:
+                del busy[slot]
+        if fault is not None and fault(busy):
+            fault = None
+    raise AssertionError("the sequences never finished")
+
+
+@pytest.mark.parametrize("with_spare", [False, True])
+def test_batched_sequences_survive_a_killed_worker(
+        with_spare: bool, six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """4 sequences of different lengths in a BatchedModel on 3 workers (3 lanes in flight),
+    a random worker killed at a random step once every sequence is decoding: each sequence's
+    greedy tokens are the fault-free run's (none lost, none repeated), and the recovery is
+    reported once."""
+    procs = [spawn_worker() for _ in range(4 if with_spare else 3)]
+    spare: dict[str, Any] = {"spares": [clients(procs[3].endpoint)]} if with_spare else {}
+    with BatchedModel.load(str(six_layers), [clients(p.endpoint) for p in procs[:3]], n_ctx=64,
+                           slots=4, rows=2 + BATCH_CHUNK, **spare) as model:
+        expected = drive(BatchedSteps(model, prefill_chunk=BATCH_CHUNK))
+        rng = random.Random()
+        victim, extra = rng.randrange(3), rng.randint(0, 8)
+        layers = model.stages[victim].layers
+        struck: list[int] = []
+
+        def kill(busy: dict[int, Seq]) -> bool:
+            nonlocal extra
+            if len(busy) < 4 or not all(seq.tokens for seq in busy.values()):
+                return False
+            extra -= 1
+            if extra >= 0:
+                return False
+            struck.extend(len(seq.tokens) for seq in busy.values())
+            procs[victim].proc.send_signal(signal.SIGKILL)
+            return True
+        out = drive(BatchedSteps(model, prefill_chunk=BATCH_CHUNK), kill)
+        assert struck, "the kill never came"
+        assert out == expected, f"worker {victim} killed at tokens {struck}"
+        (recovery,) = model.recoveries
+        (move,) = recovery.moves
+        assert move.lost == procs[victim].endpoint and move.layers == layers
+        assert move.spare == with_spare and model.stages[victim].client.endpoint == move.onto
+        assert recovery.tokens >= sum(len(p) for p in BATCH_PROMPTS)
+        assert drive(BatchedSteps(model, prefill_chunk=BATCH_CHUNK)) == expected   # stays whole
+
+
+def test_batched_sequences_wait_for_a_worker_that_comes_back(
+        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """SIGSTOP past the heartbeat, SIGCONT once the connection dropped: the lane steps in flight
+    are issued again on the same stages, nothing re-placed or replayed, and every sequence's
+    tokens are the fault-free run's."""
+    procs = [spawn_worker() for _ in range(3)]
+    with BatchedModel.load(str(six_layers), [clients(p.endpoint) for p in procs], n_ctx=64,
+                           slots=4, rows=2 + BATCH_CHUNK) as model:
+        expected = drive(BatchedSteps(model, prefill_chunk=BATCH_CHUNK))
+        slow, thawed = model.stages[1].client, threading.Event()
+
+        def freeze(busy: dict[int, Seq]) -> bool:
+            if len(busy) < 4 or not all(seq.tokens for seq in busy.values()):
+                return False
+            thaw_when_dropped(procs[1], slow, thawed)
+            return True
+        out = drive(BatchedSteps(model, prefill_chunk=BATCH_CHUNK), freeze)
+        assert thawed.wait(BOUND_S + 5)
+        assert out == expected
+        (recovery,) = model.recoveries
+        assert recovery.moves == () and recovery.returned == (procs[1].endpoint,)
+        assert model.stages[1].client is slow

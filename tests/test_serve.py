@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
@@ -397,6 +399,62 @@ def _kill_mid_stream(serve: Server, worker: ServerProcess) -> None:
         client.completions.create(model="any", prompt="hi", max_tokens=2)
     assert refused.value.status_code == 503
     assert serve.metric("zmq_rpc_serve_healthy") == 0
+
+
+def test_streams_go_on_across_a_killed_worker() -> None:
+    """4 concurrent streams on 3 workers; one worker (at random) killed with SIGKILL once every
+    stream has text and none has ended: every stream ends as it did without the fault (the same
+    text, finish and token count: no token lost or repeated), /health stays 200, and the
+    recovery is counted in /metrics."""
+    workers = [ServerProcess(worker_argv()) for _ in range(3)]
+    try:
+        serve = Server("--workers", ",".join(w.wait_ready() for w in workers), "--slots", "4")
+        try:
+            expected = _four_streams(serve, None)
+            victim = random.choice(workers)
+            assert _four_streams(serve, victim) == expected, f"killed {victim.endpoint}"
+            assert victim.proc.poll() is not None                    # it was killed mid-stream
+            assert serve.http.get("/health").status_code == 200
+            assert serve.metric("zmq_rpc_serve_recoveries_total", outcome="moved") == 1
+            assert serve.metric("zmq_rpc_serve_recovery_seconds_count", part="total") == 1
+            assert serve.metric("zmq_rpc_serve_healthy") == 1
+            assert serve.metric("zmq_rpc_serve_sequences_finished_total", reason="error") == 0
+            assert f"worker {victim.endpoint} lost" in serve.proc.stderr()    # logged
+        finally:
+            assert serve.stop() == 0, serve.proc.stderr()
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def _four_streams(serve: Server, victim: ServerProcess | None) -> list[tuple[str, str, int]]:
+    """Each stream's text, finish reason and completion tokens; ``victim`` is killed once every
+    stream has had text and none has ended."""
+    client = serve.openai()
+    lock = threading.Lock()
+    seen = [0] * len(PROMPTS)
+    ended = [False] * len(PROMPTS)
+
+    def run(i: int) -> tuple[str, str, int]:
+        text, finish, used = "", "", -1
+        for chunk in client.completions.create(
+                model="any", prompt=PROMPTS[i], max_tokens=24 + 8 * i, temperature=0,
+                stream=True, stream_options={"include_usage": True}):
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+            with lock:
+                seen[i] += bool(chunk.choices[0].text)
+                ended[i] = ended[i] or bool(finish)
+                if victim is not None and victim.proc.poll() is None and min(seen) >= 2 \
+                        and not any(ended):
+                    victim.proc.kill()
+        return text, finish, used
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(run, range(len(PROMPTS))))
 
 
 # ------------------------------------------------------------------ its own workers, SIGTERM

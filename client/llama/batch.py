@@ -36,31 +36,42 @@ decoding sequence: the decode kernel, as :class:`~.model.LlamaModel` runs it), a
 or BF16 product, or float32 weights) never fewer than :data:`MIN_ROWS` (:func:`min_rows`;
 checked by the tests).
 
-Threads: the caller's thread builds and launches steps and blocks only on a lane step's result.
+**Recovery.** The model keeps each live slot's tokens (as its lane steps are launched) and the
+lane steps in flight. A step whose result fails as a lost worker fails it is mended by the
+:class:`~.recovery.Recoverer` :class:`~.model.LlamaModel` uses (this model is its
+:class:`~.recovery.Recoverable`): the lost stages re-placed with every lane's graphs of every
+size, each live slot replayed as prefill chunks up to where a step in flight feeds it (batch
+invariance: the same bits), then every step in flight issued again, in order, so each sequence
+gets its tokens once and the fault-free run's.
+
+Threads: the caller's thread builds and launches steps and blocks only on a lane step's result
+(and recovers there).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ...broker.errors import RpcError
 from ...worker.kernels import INVARIANT_INTEGER
-from ..client import Client, RegisteredGraph, RemoteTensor, RunResult
-from ..futures import settled_by
+from ..client import Client, RemoteTensor, RunResult
+from ..futures import failed, settled_by
 from ..gguf_model import LlamaConfig, LlamaGGUF, default_model_path, load_gguf
 from ..graph import Graph, GraphTensor
 from ..pipeline import LinkedRun, run_chain
-from .graph import Layer, StageGraphs, StepMasks, step_buffer
+from .graph import Layer, Registrations, StageGraphs, StepMasks, step_buffer
 from .load import LoadStats, Progress, WeightLoader
 from .model import KVDType, Status, free_stages
 from .plan import ModeIO, Stage, head_tensor, layer_tensor, make_stages, need
-from .runtime import KVCache, embed_tokens
+from .recovery import OnRecovery, Recoverer, Recovery
+from .runtime import KVCache, Recover, embed_tokens, guarded
 from .source import SourceChoice, WeightSource
 from .weights import WeightFormat, WeightsMode, weight_format
 
@@ -135,19 +146,32 @@ class RowIO(ModeIO):
 
 
 class LaneStep:
-    """A lane step in flight: :meth:`result` waits for it and maps its rows back to slots."""
+    """A lane step in flight: :meth:`result` waits for it and maps its rows back to slots.
 
-    def __init__(self, future: Future[RunResult], producers: list[int], logits: bool,
-                 rows: int) -> None:
+    When it fails as a lost worker fails it, its model recovers (the lost stages re-placed, the
+    slots replayed) and issues it again, with every other step still in flight, in their
+    order (:meth:`BatchedModel.launch`); :meth:`result` then waits for the new one."""
+
+    def __init__(self, lane: int, parts: Sequence[Rows], logits: bool, rows: int,
+                 future: Future[RunResult], recover: Recover | None = None) -> None:
+        self.lane = lane
+        self.parts = tuple(parts)
         self.future = future
-        self.producers = producers
+        """The step's last run as issued last (a recovery issues it again)."""
+        self.producers = [p.slot for p in parts if p.sample is not None]
         self.logits = logits
         self.rows = rows
         """Rows the step runs (the registered size its rows were padded to)."""
+        self.recover = recover
+        self.taken = False
+        """Its result was taken (it is no longer in flight)."""
 
     def result(self) -> tuple[dict[int, int], dict[int, np.ndarray]]:
         """The token each producing slot got, and (when asked) its logits row."""
-        fetched = self.future.result()
+        try:
+            fetched = guarded(lambda: self.future.result(), self.recover)
+        finally:
+            self.taken = True
         tokens = fetched[0].reshape(-1)
         picked = {slot: int(tokens[k]) for k, slot in enumerate(self.producers)}
         rows = {slot: fetched[1][k] for k, slot in enumerate(self.producers)} if self.logits \
@@ -248,6 +272,14 @@ class BatchedModel:
         self.graphs = BatchGraphs(cfg, n_ctx, slots)
         self.load_stats: LoadStats | None = None
         self.bytes_sent = 0
+        self.recoverer: Recoverer | None = None
+        """Re-places a lost worker's layers (set by :meth:`load` unless ``recover=False``)."""
+        self._fed: dict[int, list[int]] = {}
+        """Each live slot's tokens, by position, as its lane steps were launched: what a
+        recovery replays (:meth:`release` forgets a slot)."""
+        self._flying: list[LaneStep] = []
+        """Lane steps launched whose result is not taken yet, in launch order."""
+        self._done = 0
         self._closed = False
 
     @classmethod
@@ -256,12 +288,21 @@ class BatchedModel:
              weights: WeightsMode = "quantized", kv_dtype: KVDType = "float32",
              lanes: int | None = None, progress: Progress | None = None,
              status: Status | None = None, sources: SourceChoice = "auto",
-             worker_path: str | None = None) -> BatchedModel:
+             worker_path: str | None = None, recover: bool = True,
+             spares: Sequence[Client] = (),
+             on_recovery: OnRecovery | None = None) -> BatchedModel:
         """Load the GGUF at ``path`` onto ``clients`` as :meth:`LlamaModel.load
         <.model.LlamaModel.load>` does, for ``slots`` sequences of up to ``n_ctx`` tokens.
 
         ``rows``: rows one lane step runs at most (default: the lane's slots plus 32 prompt
-        tokens); ``lanes``: micro-batches (default: one per stage)."""
+        tokens); ``lanes``: micro-batches (default: one per stage).
+
+        ``recover``, ``spares``, ``on_recovery``: as :meth:`LlamaModel.load
+        <.model.LlamaModel.load>`'s. A lane step that fails as a lost worker fails it
+        (:meth:`LaneStep.result`) re-places the lost stages (every lane's graphs of every size
+        registered there), replays each live slot's tokens so far as prefill chunks (the step
+        graphs are batch-invariant), then issues again every lane step in flight, in order:
+        each sequence gets the tokens the fault-free run would have given it, once."""
         if not clients:
             raise ValueError("need at least one client")
         if slots < 1:
@@ -272,12 +313,15 @@ class BatchedModel:
         default_rows = math.ceil(slots / max(1, min(n_lanes, slots))) + 32
         model = cls(gguf, clients, n_ctx=n_ctx, slots=slots, rows=rows or default_rows,
                     weights=weights, kv_dtype=kv_dtype, lanes=lanes)
+        source = WeightSource(gguf, sources, worker_path)
         try:
-            model._load(progress, status or (lambda line: None),
-                        WeightSource(gguf, sources, worker_path))
+            model._load(progress, status or (lambda line: None), source)
         except BaseException:
             model.close()
             raise
+        if recover:
+            model.recoverer = Recoverer(gguf, model.format, source, model, spares, on_recovery,
+                                        invariant=True)
         return model
 
     def _load(self, progress: Progress | None, status: Status, source: WeightSource) -> None:
@@ -288,7 +332,7 @@ class BatchedModel:
         for stage in self.stages:
             self.cache.allocate(stage)
         pending.wait_fills(progress, status)
-        registrations = self._register()
+        registrations = self._register(self.stages)
         try:
             loaded = pending.wait_builds()
         except Exception:
@@ -304,10 +348,10 @@ class BatchedModel:
             total_seconds=time.perf_counter() - start, sources=loaded.sources,
             kernel_seconds=loaded.kernel_seconds)
 
-    def _register(self) -> dict[tuple[Stage, str], Future[RegisteredGraph]]:
+    def _register(self, stages: Sequence[Stage]) -> Registrations:
         """Per stage, lane and size: its step tensors and graph (issued, not waited for)."""
-        futures: dict[tuple[Stage, str], Future[RegisteredGraph]] = {}
-        for stage in self.stages:
+        futures: Registrations = {}
+        for stage in stages:
             for lane in range(len(self.lane_slots)):
                 for rows in self.sizes:
                     key = _key(lane, rows)
@@ -329,7 +373,7 @@ class BatchedModel:
     def launch(self, lane: int, parts: Sequence[Rows], *, logits: bool = False) -> LaneStep:
         """Issue one step of ``lane`` running ``parts`` (their slots in the lane, at most
         :attr:`rows` tokens in all); nothing waits. ``logits``: also fetch each sampled row's
-        logits (tests)."""
+        logits (tests). A part at position 0 starts its slot's sequence anew."""
         if self._closed:
             raise RuntimeError("the model is closed")
         used = sum(len(p.tokens) for p in parts)
@@ -337,6 +381,33 @@ class BatchedModel:
         if not 1 <= used <= self.rows:
             raise ValueError(f"a lane step runs 1 to {self.rows} rows, not {used}")
         rows = next(n for n in self.sizes if n >= used and min(n, self.outs) >= samples)
+        future = self._issue(lane, parts, rows, logits)
+        for part in parts:
+            self._record(part)
+        step = LaneStep(lane, parts, logits, rows, future,
+                        self._recover if self.recoverer is not None else None)
+        self._prune()
+        self._flying.append(step)
+        return step
+
+    def release(self, slot: int) -> None:
+        """``slot``'s sequence is over: a recovery no longer replays it."""
+        self._fed.pop(slot, None)
+
+    def _record(self, part: Rows) -> None:
+        """Keep ``part``'s tokens as its slot's at their positions (a gap: the slot's earlier
+        positions were never fed by this model, so a recovery cannot replay it)."""
+        fed = self._fed.get(part.slot, [] if part.start == 0 else None)
+        if fed is None or len(fed) < part.start:
+            self._fed.pop(part.slot, None)
+            return
+        del fed[part.start:]
+        fed.extend(part.tokens)
+        self._fed[part.slot] = fed
+
+    def _issue(self, lane: int, parts: Sequence[Rows], rows: int,
+               logits: bool) -> Future[RunResult]:
+        """Issue the runs of one lane step of ``rows`` rows on every stage; its last run."""
         inputs = self._inputs(lane, parts, rows)
         key = _key(lane, rows)
         runs = []
@@ -353,9 +424,80 @@ class BatchedModel:
                 fetch = [need(io.token)] + ([need(io.logits)] if logits else [])
             self.bytes_sent += sum(a.nbytes for _, a in sent)
             runs.append(LinkedRun(stage.graphs[key], sent, fetch, x=io.x_in, y=io.x_out))
-        chain = run_chain(runs)
-        producers = [p.slot for p in parts if p.sample is not None]
-        return LaneStep(settled_by(chain.runs[-1], chain.runs), producers, logits, rows)
+        try:
+            chain = run_chain(runs)
+        except RpcError as exc:    # a connection already lost: the step's result says so
+            return failed(exc)
+        return settled_by(chain.runs[-1], chain.runs)
+
+    def _prune(self) -> None:
+        """Forget the steps whose result was taken."""
+        self._done += sum(s.taken for s in self._flying)
+        self._flying = [s for s in self._flying if not s.taken]
+
+    # ----------------------------------------------------------------------------- recovery
+
+    def _recover(self, error: RpcError) -> None:
+        """Make the model whole after ``error`` (:meth:`.recovery.Recoverer.recover`: the
+        lost stages re-placed and the slots replayed, or nothing when the worker came back),
+        then issue every step in flight again, in order."""
+        if self.recoverer is None:
+            raise error
+        self.recoverer.recover(error)
+        self._prune()
+        for step in self._flying:
+            step.future = self._issue(step.lane, step.parts, step.rows, step.logits)
+
+    def steps_done(self) -> int:
+        self._prune()
+        return self._done
+
+    def allocate_kv(self, stage: Stage) -> None:
+        self.cache.allocate(stage)
+
+    def register_stage(self, stage: Stage, like: Stage) -> Registrations:
+        """Every lane's graphs of every size (whatever ``like`` had)."""
+        return self._register([stage])
+
+    def replay(self, *, as_fed: bool = False) -> int:
+        """Write each live slot's tokens again, up to the first position a step in flight
+        feeds (those steps are issued again after), as prefill chunks filling each lane's
+        steps, all issued at once and waited for. Batch invariance makes them the bits the
+        slots held (``as_fed`` is not needed: every size's rows round alike). The tokens
+        replayed."""
+        self._prune()
+        upto = {slot: len(fed) for slot, fed in self._fed.items()}
+        for step in self._flying:
+            for part in step.parts:
+                if part.slot in upto:
+                    upto[part.slot] = min(upto[part.slot], part.start)
+        futures = [self._issue(lane, parts, self._size(parts), False)
+                   for lane in range(self.lanes)
+                   for parts in self._replay_steps(lane, upto)]
+        for future in futures:
+            future.result()
+        return sum(upto.values())
+
+    def _replay_steps(self, lane: int, upto: dict[int, int]) -> Iterator[list[Rows]]:
+        """``lane``'s replay as steps of at most :attr:`rows` rows, each slot's tokens in
+        order (a slot's chunks in consecutive steps)."""
+        left = [(slot, 0) for slot in self.lane_slots[lane] if upto.get(slot, 0) > 0]
+        while left:
+            parts: list[Rows] = []
+            room = self.rows
+            for k, (slot, at) in enumerate(left):
+                if room == 0:
+                    break
+                n = min(room, upto[slot] - at)
+                parts.append(Rows(slot, self._fed[slot][at:at + n], at))
+                left[k] = (slot, at + n)
+                room -= n
+            left = [(slot, at) for slot, at in left if at < upto[slot]]
+            yield parts
+
+    def _size(self, parts: Sequence[Rows]) -> int:
+        used = sum(len(p.tokens) for p in parts)
+        return next(n for n in self.sizes if n >= used)
 
     def _inputs(self, lane: int, parts: Sequence[Rows], rows: int) -> dict[str, np.ndarray]:
         """The step's row arrays: padding rows at position -1 writing the scratch row."""
@@ -397,6 +539,11 @@ class BatchedModel:
                              f"{self.config.vocab_size}")
 
     # ---------------------------------------------------------------------------- lifecycle
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """Every recovery so far, in order."""
+        return [] if self.recoverer is None else self.recoverer.recoveries
 
     @property
     def registrations(self) -> int:

@@ -122,8 +122,8 @@ class LlamaModel:
             model.close()
             raise
         if recover:
-            model.recoverer = Recoverer(gguf, model.format, source, model.graphs, model.runner,
-                                        spares, on_recovery)
+            model.recoverer = Recoverer(gguf, model.format, source, model.runner, spares,
+                                        on_recovery)
             model.generator.recover = model.recoverer.recover
         return model
 

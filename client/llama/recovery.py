@@ -22,13 +22,19 @@ When a step fails as a lost worker fails it (:data:`.runtime.LOSSES`: the worker
    and graphs are made as at load. What it needs is the lost stage's own buffers (weights, KV,
    step tensors) plus the staging buffer its file ranges pass through; when no worker has that
    free, :class:`~zmq_rpc.client.RecoveryFailed` says what each would hold.
-3. **re-prefill**: the caches are cleared and the sequence the model kept
-   (:attr:`.runtime.KVCache.fed`) replayed so that they hold the bits the fault-free run's
-   held, and greedy decoding goes on with the token the fault-free run would have picked: as
-   prefill chunks when every product of the model is batch-invariant (a row's bits the same in
-   a chunk as in a decode step: the integer kernels of every quantized block type),
-   else exactly as it was fed (the prompt's prefill chunks, then one decode step per decoded
-   token, all issued at once: several times slower).
+3. **re-prefill**: the sequences the model kept are replayed into the caches so that they
+   hold the bits the fault-free run's held, and greedy decoding goes on with the token the
+   fault-free run would have picked: as prefill chunks when every product of the model is
+   batch-invariant (a row's bits the same in a chunk as in a decode step: the integer kernels
+   of every quantized block type; every model in :class:`~.batch.BatchedModel`, whose step
+   sizes are chosen so), else exactly as it was fed (the prompt's prefill chunks, then one
+   decode step per decoded token, all issued at once: several times slower).
+
+What is mended is a :class:`Recoverable`: :class:`~.runtime.StepRunner` (one sequence, its
+tokens in :attr:`.runtime.KVCache.fed`; the failed step is then issued again by
+:func:`~.runtime.guarded`) or :class:`~.batch.BatchedModel` (a sequence per KV slot, each
+slot's tokens kept as its lane steps are launched; the lane steps in flight are then issued
+again in their order, so no token is lost or repeated).
 
 Each recovery is reported as a :class:`Recovery` (to ``on_recovery``, and logged): which worker
 was lost, which layers went where, and its three costs, measured. Not recovered: a model on one
@@ -47,6 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from ...broker.errors import (
     ConnectionLost,
@@ -60,14 +67,14 @@ from ...worker.kernels import INVARIANT_INTEGER
 from ..client import Client, MemoryInfo
 from ..gguf_model import LlamaGGUF
 from ..peer import call_off_again
-from .graph import Mode, StageGraphs
+from .graph import Registrations, StageGraphs
 from .load import WeightLoader, staging_places
 from .plan import Stage, stage_sources
-from .runtime import StepRunner
 from .source import StageSource, WeightSource
 from .weights import MATMUL_QTYPES, WeightFormat
 
-__all__ = ["MAX_RETURNS", "RETURN_GRACE_S", "Move", "OnRecovery", "Recoverer", "Recovery"]
+__all__ = ["MAX_RETURNS", "RETURN_GRACE_S", "Move", "OnRecovery", "Recoverable", "Recoverer",
+           "Recovery"]
 
 log = logging.getLogger("zmq_rpc.client.llama")
 
@@ -152,31 +159,59 @@ OnRecovery = Callable[[Recovery], None]
 """``on_recovery(recovery)``: called after each recovery, before generation goes on."""
 
 
+class Recoverable(Protocol):
+    """What a recovery mends: a model's stages and the sequences in its caches. The
+    one-sequence :class:`~.runtime.StepRunner` (of :class:`~.model.LlamaModel`) and the
+    continuous-batching :class:`~.batch.BatchedModel` implement it."""
+
+    stages: list[Stage]
+    """The pipeline's stages in order; a recovery puts each moved stage in its lost one's place."""
+
+    def steps_done(self) -> int:
+        """Steps completed so far (a come-back counts as one in a row while this stays put)."""
+        ...
+
+    def allocate_kv(self, stage: Stage) -> None:
+        """Place ``stage``'s KV cache on its worker, as at load (issued, not waited for)."""
+        ...
+
+    def register_stage(self, stage: Stage, like: Stage) -> Registrations:
+        """Build and issue the registration of every graph ``stage`` needs, those the lost
+        ``like`` had (its step tensors made anew); :meth:`StageGraphs.collect` waits."""
+        ...
+
+    def replay(self, *, as_fed: bool) -> int:
+        """Refill the caches with every live sequence's tokens so far (``as_fed``: in the
+        modes and chunks it was fed; else as prefill chunks); the tokens replayed."""
+        ...
+
+
 class Recoverer:
-    """Re-places a runner's lost stages (onto ``spares`` first) and replays its sequence."""
+    """Re-places a model's lost stages (onto ``spares`` first) and replays its sequences."""
 
     def __init__(self, gguf: LlamaGGUF, fmt: WeightFormat, source: WeightSource,
-                 graphs: StageGraphs, runner: StepRunner, spares: Sequence[Client] = (),
-                 on_recovery: OnRecovery | None = None) -> None:
+                 target: Recoverable, spares: Sequence[Client] = (),
+                 on_recovery: OnRecovery | None = None, *, invariant: bool | None = None) -> None:
         self.gguf = gguf
         self.fmt = fmt
         self.source = source
-        self.graphs = graphs
-        self.runner = runner
+        self.target = target
         self.spares = list(spares)
         self.on_recovery = on_recovery
-        self.invariant = fmt.mode == "quantized" and all(
-            t.qtype in INVARIANT_INTEGER for t in gguf.tensors.values() if t.qtype in MATMUL_QTYPES)
+        self.invariant = invariant if invariant is not None else (
+            fmt.mode == "quantized" and all(t.qtype in INVARIANT_INTEGER for t in
+                                            gguf.tensors.values() if t.qtype in MATMUL_QTYPES))
         """Every product of the model gives a row the same bits in a prefill chunk as in a decode
-        step (the integer kernels of Q4_0, Q4_1, Q8_0 on every CPU path): the sequence is
-        replayed as prefill chunks; else as it was fed (one decode step per decoded token)."""
+        step (the integer kernels of Q4_0, Q4_1, Q8_0 on every CPU path; any model of the
+        batched model's step graphs, whose sizes are chosen so): the sequences are replayed as
+        prefill chunks; else as they were fed (one decode step per decoded token)."""
         self.lost: list[Client] = []
         """Workers given up on (never used again by this model)."""
         self.recoveries: list[Recovery] = []
         self.max_returns = MAX_RETURNS
         self.return_grace = RETURN_GRACE_S
         self._returns = (0, -1)
-        """Come-backs in a row, and the runner's completed steps at the last one."""
+        """Come-backs in a row, and the model's completed steps at the last one."""
 
     # ----------------------------------------------------------------------------- recovery
 
@@ -197,13 +232,13 @@ class Recoverer:
             raise error
         self.lost += lost
         try:
-            moves = self._replace([s for s in self.runner.stages if s.client in lost], cause)
+            moves = self._replace([s for s in self.target.stages if s.client in lost], cause)
         except RecoveryFailed as exc:
             if exc.__cause__ is None:
                 raise exc from error
             raise
         loaded = time.monotonic()
-        tokens = self.runner.replay(as_fed=not self.invariant)
+        tokens = self.target.replay(as_fed=not self.invariant)
         done = time.monotonic()
         self._report(Recovery(cause, tuple(moves), failed_at, detected - failed_at,
                               loaded - detected, done - loaded, tokens, not self.invariant))
@@ -216,7 +251,7 @@ class Recoverer:
 
     def _may_return(self) -> bool:
         """Count a come-back; False past :attr:`max_returns` in a row (no step done since)."""
-        done = len(self.runner.stats)
+        done = self.target.steps_done()
         count = self._returns[0] + 1 if done == self._returns[1] else 1
         self._returns = (count, done)
         return count <= self.max_returns
@@ -229,7 +264,7 @@ class Recoverer:
         answered): those are pinged once more, behind the failure now. When every ping
         answered at once but ``error`` was a dropped connection, it came back before the pings:
         the worker it names is back."""
-        clients = list({id(s.client): s.client for s in self.runner.stages}.values())
+        clients = list({id(s.client): s.client for s in self.target.stages}.values())
         for client in clients:      # a connection back before the pings: its stale receives
             call_off_again(client)
         errors = self._ping(clients)
@@ -264,33 +299,33 @@ class Recoverer:
 
     def _replace(self, stages: list[Stage], cause: str) -> list[Move]:
         """Each of ``stages`` re-made on a spare or a survivor, its weights, KV cache and graphs
-        in place; they take their places in the runner's stage list."""
+        in place; they take their places in the model's stage list."""
         new: list[Stage] = []
         for stage in stages:
             target = self._target(stage, cause, new)
             new.append(Stage(stage.index, target, stage.layers, stage.first, stage.last))
         try:
-            sources = self._load(new, [tuple(s.graphs) for s in stages])
+            sources = self._load(new, stages)
         except RemoteError as exc:
             raise RecoveryFailed(f"lost a worker ({cause}); placing its layers again failed: "
                                  f"{exc}") from exc
         for old, stage in zip(stages, new):
-            self.runner.stages[self.runner.stages.index(old)] = stage
+            self.target.stages[self.target.stages.index(old)] = stage
         return [Move(old.client.endpoint, old.layers, s.client.endpoint, s.client in self.spares,
                      src) for old, s, src in zip(stages, new, sources)]
 
-    def _load(self, stages: list[Stage], modes: list[tuple[str, ...]]) -> list[StageSource]:
-        """As :meth:`LlamaModel.load` does it, for ``stages`` only."""
+    def _load(self, stages: list[Stage], lost: list[Stage]) -> list[StageSource]:
+        """As :meth:`LlamaModel.load` does it, for ``stages`` only (each in a ``lost`` one's
+        place)."""
         pending = WeightLoader(self.gguf, self.fmt, self.source).start(stages)
         for stage in stages:
-            self.runner.cache.allocate(stage)
+            self.target.allocate_kv(stage)
         pending.wait_fills()
-        registrations = {}
-        for stage, wanted in zip(stages, modes):
-            registrations.update(self.graphs.register_async(
-                [stage], [m for m in _MODES if m in wanted] or ["decode", "prefill"]))
+        registrations: Registrations = {}
+        for stage, like in zip(stages, lost):
+            registrations.update(self.target.register_stage(stage, like))
         pending.wait_builds()
-        self.graphs.collect(registrations)
+        StageGraphs.collect(registrations)
         return pending.sources
 
     # ---------------------------------------------------------------------------- placement
@@ -306,7 +341,7 @@ class Recoverer:
         """The first spare with the memory for ``stage``, else the survivor with the most free
         memory if it is enough; else :class:`RecoveryFailed` saying what would fit."""
         need = self.need_bytes(stage)
-        survivors = list({id(s.client): s.client for s in self.runner.stages
+        survivors = list({id(s.client): s.client for s in self.target.stages
                           if s.client not in self.lost}.values())
         spares = [c for c in self.spares if c not in self.lost and c not in survivors]
         free = {key: MemoryInfo(m.free - sum(self.need_bytes(s) for s in placed
@@ -335,11 +370,9 @@ class Recoverer:
         return (f"worker {stage.client.endpoint} lost ({cause}) and its layers "
                 f"{stage.layers.start}-{stage.layers.stop - 1} fit on no other worker: they need "
                 f"{need / MiB:.0f} MiB free on one ({where}). Pass a worker with --mem >= "
-                f"{-(-need // MiB) + 1} MiB as a spare (LlamaModel.load(..., spares=[...])), or "
+                f"{-(-need // MiB) + 1} MiB as a spare (spares=[...] of LlamaModel.load or "
+                f"BatchedModel.load, zmq-rpc-serve --spares), or "
                 f"load with a smaller n_ctx.")
-
-
-_MODES: tuple[Mode, ...] = ("decode", "prefill", "full")
 
 
 def _answered(error: BaseException | None) -> bool:

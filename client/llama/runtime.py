@@ -36,7 +36,7 @@ from ..futures import failed, settled_by
 from ..gguf_model import LlamaGGUF, dequantize_rows
 from ..peer import HandOff
 from ..pipeline import LinkedRun, run_chain
-from .graph import Mode, StageGraphs
+from .graph import Mode, Registrations, StageGraphs
 from .load import Layout
 from .plan import Stage, need
 
@@ -182,6 +182,19 @@ class StepRunner:
         """Position 0, caches zeroed on the workers (queued; the next wait covers it)."""
         self._pending += self.cache.clear(self.stages)
 
+    # What a recovery needs (:class:`~.recovery.Recoverable`).
+
+    def steps_done(self) -> int:
+        return len(self.stats)
+
+    def allocate_kv(self, stage: Stage) -> None:
+        self.cache.allocate(stage)
+
+    def register_stage(self, stage: Stage, like: Stage) -> Registrations:
+        """The modes ``like`` had (decode and prefill when it had none yet)."""
+        modes = [m for m in _MODES if m in like.graphs] or ["decode", "prefill"]
+        return self.graphs.register_async([stage], modes)
+
     def run_chunks(self, mode: Mode, token_ids: Sequence[int], *, fetch_each: bool,
                    fetch: str = "logits") -> list[RunResult]:
         """Launch every chunk at once (they pipeline over the stages); wait for all."""
@@ -298,6 +311,9 @@ class StepRunner:
         wanted = {"logits": io.logits, "token": io.token}.get(fetch) if stage.last else None
         return LinkedRun(stage.graphs[mode], [(need(t), a) for t, a in inputs if t is not None],
                          [wanted] if wanted is not None else [], x=io.x_in, y=io.x_out)
+
+
+_MODES: tuple[Mode, ...] = ("decode", "prefill", "full")
 
 
 def embed_tokens(gguf: LlamaGGUF, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from ...broker.errors import RpcError
-from ...worker.launch import LISTENING, add_worker_options, local_workers
+from ...worker.launch import LISTENING, add_worker_options, endpoint_list, local_workers
 from ..client import Client
 
 if TYPE_CHECKING:
@@ -45,6 +45,13 @@ def build_parser(prog: str = "zmq-rpc-serve") -> argparse.ArgumentParser:
                     help="the name /v1/models gives the model (default: the file's stem); "
                          "requests may name any model, this one answers")
     add_worker_options(ap)
+    ap.add_argument("--spares", type=endpoint_list, default=[],
+                    help="comma-separated spare workers (tcp://HOST:PORT or ipc://PATH), as "
+                         "--workers: none runs layers at first; when a worker is lost, its layers "
+                         "move to the first spare with the memory for them (else to the surviving "
+                         "worker with the most free memory), the sequences are replayed there and "
+                         "the streams go on; only when nothing can take them do the streams end "
+                         "with an error and /health answer 503 (default: none)")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to listen on (default %(default)s: this machine only)")
     ap.add_argument("--port", type=int, default=8000,
@@ -116,27 +123,32 @@ def _serve(args: argparse.Namespace) -> None:
 
     with ExitStack() as stack:
         endpoints = stack.enter_context(_workers(args))
-        _status(f"connecting to {len(endpoints)} worker(s)")
-        clients = [stack.enter_context(Client(e, timeout=args.timeout,
-                                              connect_timeout=args.timeout)) for e in endpoints]
+        _status(f"connecting to {len(endpoints)} worker(s)"
+                + (f" and {len(args.spares)} spare(s)" if args.spares else ""))
+        clients, spares = ([stack.enter_context(Client(e, timeout=args.timeout,
+                                                       connect_timeout=args.timeout))
+                            for e in group] for group in (endpoints, args.spares))
+        metrics = ServeMetrics()
         path = Path(args.model or default_model_path())
         _status(f"loading {path.name}")
         gguf = load_gguf(path)
         steps: StepFunction
         if args.serial:
             model = LlamaModel.load(gguf, clients, n_ctx=args.ctx, weights=args.weights,
-                                    prefill_chunk=args.prefill_chunk, status=_status)
+                                    prefill_chunk=args.prefill_chunk, status=_status,
+                                    spares=spares, on_recovery=metrics.recovered)
             stack.callback(model.close)
             steps = SerialSteps(model)
         else:
             lanes = min(args.slots, len(clients))     # a lane needs a slot: fewer slots, fewer lanes
             batched = BatchedModel.load(gguf, clients, n_ctx=args.ctx, slots=args.slots,
                                         weights=args.weights, status=_status, lanes=lanes,
-                                        rows=_lane_rows(args.slots, lanes, args.prefill_chunk))
+                                        rows=_lane_rows(args.slots, lanes, args.prefill_chunk),
+                                        spares=spares, on_recovery=metrics.recovered)
             stack.callback(batched.close)
             steps = BatchedSteps(batched, prefill_chunk=args.prefill_chunk)
         engine = Engine(steps, load_tokenizer(gguf), max_queue=args.max_queue,
-                        metrics=ServeMetrics())
+                        metrics=metrics)
         engine.start()
         stack.callback(engine.close)
         _run_http(args, engine, args.model_id or path.stem)

@@ -15,9 +15,15 @@ into text (:mod:`.text`) and handed to its stream. The step function is the seam
 :class:`SerialSteps` drives :class:`~zmq_rpc.client.llama.LlamaModel`, which holds one sequence
 (one slot); a batching step function holding many KV slots replaces it without touching the rest.
 
-A worker lost (an :class:`~zmq_rpc.client.RpcError` from a step: a lost connection, or a failure
-that leaves the model's state unknown) ends the busy streams with an error event and marks the
-engine unhealthy: later requests are refused (503), the thread keeps answering. The model and
+A worker lost is recovered from inside the step, on this thread (the model's
+:mod:`~zmq_rpc.client.llama.recovery`: its layers re-placed onto a spare or a survivor, every
+live slot replayed, the lane steps in flight issued again): the streams wait for it and go on
+with the next token, none lost or repeated; it is logged and counted in the metrics
+(``on_recovery``, set where the model is loaded). A step that still fails (an
+:class:`~zmq_rpc.client.RpcError`: a :class:`~zmq_rpc.client.RecoveryFailed`, nothing left to
+take the layers; or a failure that leaves the model's state unknown) ends the busy streams with
+an error event and marks the engine unhealthy: later requests are refused (503), the thread
+keeps answering. The model and
 the scheduler are touched by the engine thread only; the event loop calls :meth:`Engine.submit`,
 :meth:`Stream.get`, :meth:`Stream.cancel` and the read-only properties.
 """
@@ -199,6 +205,9 @@ class BatchedSteps:
         self._seeds.pop(slot, None)
 
     def step(self, busy: Mapping[int, Running]) -> dict[int, int]:
+        for slot in range(self.slots):
+            if slot not in busy:            # its sequence is over: a recovery skips it
+                self.model.release(slot)
         flying = {lane for lane, _, _ in self._in_flight}
         for lane in range(self.model.lanes):
             if lane not in flying:

@@ -8,19 +8,25 @@ binds. prometheus_client's metrics are thread-safe.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from ..llama.recovery import Recovery
 
 __all__ = ["ServeMetrics"]
 
 PREFIX = "zmq_rpc_serve_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
+RECOVERY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 7.0, 10.0, 20.0, 40.0, 80.0)
+RECOVERY_PARTS = ("detection", "load", "prefill", "total")
 
 
 class ServeMetrics:
     """Requests by status, time to first token, inter-token latency, generated tokens, queue
-    depth and slots in use."""
+    depth, slots in use, and the recoveries from lost workers with their seconds."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -42,8 +48,18 @@ class ServeMetrics:
                                  registry=r)
         self.slots_in_use = Gauge(PREFIX + "slots_in_use", "KV slots running a sequence",
                                   registry=r)
-        self.healthy = Gauge(PREFIX + "healthy", "1 while every worker answers, 0 once one is "
-                             "lost", registry=r)
+        self.healthy = Gauge(PREFIX + "healthy", "1 while the model can run (a lost worker's "
+                             "layers re-placed), 0 once a worker is lost for good", registry=r)
+        self.recoveries = Counter(PREFIX + "recoveries", "Times the model was made whole after "
+                                  "a worker dropped: moved (its layers re-placed onto a spare or "
+                                  "a survivor) or returned (it came back with its session)",
+                                  ["outcome"], registry=r)
+        self.recovery_seconds = Histogram(PREFIX + "recovery_seconds", "A recovery's parts: "
+                                          "detection, load (the moved layers), prefill (the "
+                                          "sequences replayed) and total", ["part"],
+                                          buckets=RECOVERY_BUCKETS, registry=r)
+        for outcome in ("moved", "returned"):
+            self.recoveries.labels(outcome)
 
     def bind(self, *, queue_depth: Callable[[], int], slots_in_use: Callable[[], int],
              healthy: Callable[[], bool]) -> None:
@@ -57,6 +73,14 @@ class ServeMetrics:
         sequence's previous token."""
         (self.ttft if first else self.itl).observe(seconds)
         self.tokens.inc()
+
+    def recovered(self, recovery: Recovery) -> None:
+        """A recovery is done (the model's thread, before the streams go on)."""
+        self.recoveries.labels("moved" if recovery.moves else "returned").inc()
+        parts = (recovery.detect_seconds, recovery.load_seconds, recovery.prefill_seconds,
+                 recovery.total_seconds)
+        for part, seconds in zip(RECOVERY_PARTS, parts):
+            self.recovery_seconds.labels(part).observe(seconds)
 
     def finished(self, reason: str) -> None:
         self.finishes.labels(reason).inc()
