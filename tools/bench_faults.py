@@ -14,6 +14,10 @@ Cases:
   token of a 64-token greedy generation; the model's recovery (client/llama/recovery.py) split
   into detection (from the kill), load of the moved layers and re-prefill, with the model in
   the workers' ``--model-dir`` and uploaded; every output checked against the fault-free one.
+- ``chaos`` (not default: ~21 SmolLM2 loads): the recovery trial 21 times, each with one fault
+  of :data:`FAULTS` (kill -9, SIGSTOP, kill -9 and a restart at the same address) of a random
+  worker at a random token; every output checked, detection and total recovery against the
+  bounds (a frozen worker's: + the grace it has to come back).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..client import Client, ConnectionLost, SessionLost
+from ..client.llama.recovery import RETURN_GRACE_S
 from ..worker.launch import ServerProcess, worker_argv
 from .bench import BenchContext, CaseResult, Target, register_case
 
@@ -194,12 +199,12 @@ RECOVERY_TOKENS = 64
 RECOVERY_PROMPT = "The three laws of thermodynamics are"
 
 
-def trial_recovery(from_file: bool, rng: random.Random) -> list[float]:
+def trial_recovery(from_file: bool, rng: random.Random, fault: str = "kill") -> list[float]:
     """SmolLM2 on 3 fresh local workers (with the model in their ``--model-dir`` when
-    ``from_file``, else uploaded): a 64-token
-    greedy generation, and again with one worker, picked at random, killed -9 at a random
-    token. The outputs must match. Seconds of [detection (from the kill), load of the moved
-    layers, re-prefill, total]."""
+    ``from_file``, else uploaded): a 64-token greedy generation, and again with one worker,
+    picked at random, hit by ``fault`` (:data:`FAULTS`) at a random token. The outputs must
+    match. Seconds of [detection (from the fault), load of the moved layers, re-prefill,
+    total]."""
     from ..client.gguf_model import default_model_path, load_gguf
     from ..client.llama import LlamaModel
     from ..client.tokenizer import load_tokenizer
@@ -208,31 +213,50 @@ def trial_recovery(from_file: bool, rng: random.Random) -> list[float]:
     gguf = load_gguf(path)
     args = ["--model-dir", str(path.parent)] if from_file else []
     with ExitStack() as stack:
-        servers = [_worker_with(stack, args) for _ in range(3)]
+        binds = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(3)]
+        servers = [_worker_with(stack, args, bind) for bind in binds]
         model = LlamaModel.load(gguf, [_client(stack, s.endpoint) for s in servers])
         stack.callback(model.close)
         prompt = load_tokenizer(gguf).encode(RECOVERY_PROMPT)
         expected = model.generate(prompt, RECOVERY_TOKENS, stop_ids=())
         victim, at = rng.randrange(3), rng.randrange(1, RECOVERY_TOKENS - 1)
-        seen, killed = [0], [0.0]
+        seen, hit = [0], [0.0]
 
         def stream(_: int) -> None:
             seen[0] += 1
             if seen[0] == at:
-                killed[0] = time.monotonic()
-                servers[victim].proc.kill()
+                hit[0] = time.monotonic()
+                _hit(stack, servers[victim], fault, args, binds[victim])
         out = model.generate(prompt, RECOVERY_TOKENS, stop_ids=(), stream=stream)
         if out != expected or len(model.recoveries) != 1:
-            raise RuntimeError(f"worker {victim} killed at token {at}: output differs or "
+            raise RuntimeError(f"worker {victim} hit by {fault} at token {at}: output differs or "
                                f"{len(model.recoveries)} recoveries")
         r = model.recoveries[0]
-        detection = r.failed_at - killed[0] + r.detect_seconds
+        detection = r.failed_at - hit[0] + r.detect_seconds
         return [detection, r.load_seconds, r.prefill_seconds,
                 detection + r.load_seconds + r.prefill_seconds]
 
 
-def _worker_with(stack: ExitStack, args: list[str]) -> ServerProcess:
-    server = ServerProcess(worker_argv(*args, bind="tcp://127.0.0.1:*"))
+FAULTS = ("kill", "stop", "restart")
+"""What a trial does to its victim: ``kill -9``; ``SIGSTOP`` (left stopped: frozen, as a host
+that stopped scheduling it, until the trial ends); ``kill -9`` and a fresh worker started at
+the same address at once (as a supervisor restarts it)."""
+
+
+def _hit(stack: ExitStack, server: ServerProcess, fault: str, args: list[str], bind: str) -> None:
+    if fault == "stop":
+        server.proc.send_signal(signal.SIGSTOP)
+        stack.callback(server.proc.send_signal, signal.SIGCONT)    # before _reap kills it
+        return
+    server.proc.kill()
+    if fault == "restart":
+        server.proc.wait()
+        _worker_with(stack, args, bind)
+
+
+def _worker_with(stack: ExitStack, args: list[str], bind: str = "tcp://127.0.0.1:*"
+                 ) -> ServerProcess:
+    server = ServerProcess(worker_argv(*args, bind=bind))
     stack.callback(_reap, server)
     server.wait_ready()
     return server
@@ -256,5 +280,33 @@ def case_recovery(ctx: BenchContext) -> list[CaseResult]:
 RECOVERY_BOUND_S = DETECT_BOUND_S + 4.0
 """Detection + 4 s for the load and the re-prefill of a SmolLM2-size stage on this host (the
 rows show each part against it)."""
+FROZEN_RECOVERY_BOUND_S = RECOVERY_BOUND_S + RETURN_GRACE_S
+"""A frozen worker's connection drops at the heartbeat (within :data:`DETECT_BOUND_S`), then it
+has ``RETURN_GRACE_S`` to come back before it is taken for lost (client/llama/recovery.py)."""
+CHAOS_TRIALS = 21
+
+
+@register_case("chaos", "SmolLM2 on 3 workers: kill -9, SIGSTOP, or kill -9 and restart at the "
+               "same address, of a random worker at a random token of a 64-token greedy "
+               "generation, 21 trials: every output identical, recovery times vs the bounds",
+               default=False)
+def case_chaos(ctx: BenchContext) -> list[CaseResult]:
+    rng = random.Random(2828)   # the same faults, victims and tokens in every run
+    faults = [FAULTS[i % len(FAULTS)] for i in range(ctx.reps(CHAOS_TRIALS, len(FAULTS)))]
+    rng.shuffle(faults)
+    order = iter(faults)
+
+    def trial() -> tuple[str, list[float]]:
+        fault = next(order)
+        return fault, trial_recovery(False, rng, fault)
+    results = _trials(ctx, "chaos", trial, len(faults), len(faults))
+    rows = []
+    for fault in FAULTS:
+        samples = [r for f, r in results if f == fault]
+        bound = FROZEN_RECOVERY_BOUND_S if fault == "stop" else RECOVERY_BOUND_S
+        rows += _rows("chaos", f"{fault}: detection", [t[0] for t in samples],
+                      bound - 4.0)
+        rows += _rows("chaos", f"{fault}: total recovery", [t[3] for t in samples], bound)
+    return rows
 
 
