@@ -16,19 +16,24 @@ Cases:
   the workers' ``--model-dir`` and uploaded; every output checked against the fault-free one.
 - ``chaos`` (not default: ~21 SmolLM2 loads): the recovery trial 21 times, each with one fault
   of :data:`FAULTS` (kill -9, SIGSTOP, kill -9 and a restart at the same address) of a random
-  worker at a random token; every output checked, detection and total recovery against the
-  bounds (a frozen worker's: + the grace it has to come back).
+  worker at a random token, then the same fault in a ``zmq-rpc-serve`` run of 4 greedy streams
+  at a random streamed chunk; every output checked, detection and total recovery against the
+  bounds (a frozen worker's: + the grace it has to come back), and for the server the longest
+  any stream waited for its next chunk and the server's own recovery time.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import signal
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import TypeVar
 
@@ -284,11 +289,91 @@ FROZEN_RECOVERY_BOUND_S = RECOVERY_BOUND_S + RETURN_GRACE_S
 """A frozen worker's connection drops at the heartbeat (within :data:`DETECT_BOUND_S`), then it
 has ``RETURN_GRACE_S`` to come back before it is taken for lost (client/llama/recovery.py)."""
 CHAOS_TRIALS = 21
+SERVE_STREAMS = 4
+SERVE_TOKENS = 48
+"""Tokens each of the server trials' streams generates (greedy)."""
+
+
+def trial_serve(fault: str, rng: random.Random) -> list[float]:
+    """A ``zmq-rpc-serve`` on 3 fresh local workers, 4 concurrent greedy streams, then again with
+    one worker, picked at random, hit by ``fault`` at a random streamed chunk (after every
+    stream's first). Every stream's text must be the fault-free one's, with one recovery counted
+    in the server's /metrics. Seconds of [the longest wait of any stream for its next chunk
+    after the fault (what a user sees), the server's own total (detection + load + re-prefill)]."""
+    from .bench_serve import PROMPTS, SERVE
+
+    binds = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(3)]
+    with ExitStack() as stack:
+        servers = [_worker_with(stack, [], bind) for bind in binds]
+        serve = ServerProcess([SERVE, "--workers", ",".join(s.endpoint for s in servers),
+                               "--port", "0", "--slots", str(SERVE_STREAMS)])
+        stack.callback(serve.stop)
+        url = serve.wait_ready()
+        prompts = PROMPTS[:SERVE_STREAMS]
+        expected, _ = _streams(url, prompts, lambda: None, -1)
+        victim, at = rng.randrange(3), rng.randrange(SERVE_STREAMS, SERVE_STREAMS * 12)
+        got, waited = _streams(url, prompts, lambda: _hit(stack, servers[victim], fault, [],
+                                                          binds[victim]), at)
+        if got != expected:
+            raise RuntimeError(f"worker {victim} hit by {fault} at chunk {at}: streams differ")
+        recoveries = _metric(url, 'zmq_rpc_serve_recoveries_total{outcome="moved"}') + \
+            _metric(url, 'zmq_rpc_serve_recoveries_total{outcome="returned"}')
+        if recoveries != 1:
+            raise RuntimeError(f"{fault} at chunk {at}: {recoveries:g} recoveries")
+        return [waited, _metric(url, 'zmq_rpc_serve_recovery_seconds_sum{part="total"}')]
+
+
+def _streams(url: str, prompts: Sequence[str], hit: Callable[[], None], at: int
+             ) -> tuple[list[str], float]:
+    """Each prompt's streamed greedy text (one thread each); ``hit()`` once ``at`` text chunks
+    have arrived in all; the longest any stream then waited for its next chunk."""
+    import httpx
+
+    lock = threading.Lock()
+    count, hit_at, waits = [0], [0.0], [0.0]
+
+    def run(prompt: str) -> str:
+        text, first_after = "", True
+        body = {"model": "any", "prompt": prompt, "max_tokens": SERVE_TOKENS, "temperature": 0,
+                "stream": True}
+        with httpx.Client(base_url=url, timeout=120) as http, \
+                http.stream("POST", "/v1/completions", json=body) as answer:
+            for line in answer.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                piece = "".join(c.get("text", "") for c in chunk.get("choices", ()))
+                text += piece
+                with lock:
+                    if hit_at[0] and first_after and piece:
+                        waits[0] = max(waits[0], time.monotonic() - hit_at[0])
+                        first_after = False
+                    count[0] += bool(piece)
+                    if count[0] == at:
+                        hit_at[0] = time.monotonic()
+                        first_after = False     # this stream's chunk came before the fault
+                        hit()
+        return text
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(run, prompts)), waits[0]
+
+
+def _metric(url: str, sample: str) -> float:
+    """The value of ``sample`` (name and labels as /metrics prints them; 0 when absent)."""
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 @register_case("chaos", "SmolLM2 on 3 workers: kill -9, SIGSTOP, or kill -9 and restart at the "
                "same address, of a random worker at a random token of a 64-token greedy "
-               "generation, 21 trials: every output identical, recovery times vs the bounds",
+               "generation and of a 4-stream server run, 21 trials each: every output "
+               "identical, recovery times vs the bounds",
                default=False)
 def case_chaos(ctx: BenchContext) -> list[CaseResult]:
     rng = random.Random(2828)   # the same faults, victims and tokens in every run
@@ -296,17 +381,20 @@ def case_chaos(ctx: BenchContext) -> list[CaseResult]:
     rng.shuffle(faults)
     order = iter(faults)
 
-    def trial() -> tuple[str, list[float]]:
+    def trial() -> tuple[str, list[float], list[float]]:
         fault = next(order)
-        return fault, trial_recovery(False, rng, fault)
+        return fault, trial_recovery(False, rng, fault), trial_serve(fault, rng)
     results = _trials(ctx, "chaos", trial, len(faults), len(faults))
     rows = []
     for fault in FAULTS:
-        samples = [r for f, r in results if f == fault]
+        samples = [(model, serve) for f, model, serve in results if f == fault]
         bound = FROZEN_RECOVERY_BOUND_S if fault == "stop" else RECOVERY_BOUND_S
-        rows += _rows("chaos", f"{fault}: detection", [t[0] for t in samples],
-                      bound - 4.0)
-        rows += _rows("chaos", f"{fault}: total recovery", [t[3] for t in samples], bound)
+        rows += _rows("chaos", f"{fault}: detection", [m[0] for m, _ in samples], bound - 4.0)
+        rows += _rows("chaos", f"{fault}: total recovery", [m[3] for m, _ in samples], bound)
+        rows += _rows("chaos", f"{fault}: 4-stream server, longest wait for a chunk",
+                      [v[0] for _, v in samples], bound)
+        rows += _rows("chaos", f"{fault}: 4-stream server, its recovery", [v[1] for _, v in samples],
+                      bound)
     return rows
 
 
