@@ -140,6 +140,13 @@ class Client:
     def peer_copy(self, peer_copy: bool) -> None:
         self.session.peer_copy = peer_copy
 
+    @property
+    def reconnect_refused(self) -> bool:
+        """The connection is down and the worker's address refused a reconnection since: no
+        process listens there (killed, or not restarted yet), as opposed to a worker that is
+        slow or frozen (its host still accepts the connection)."""
+        return self.session.connection.reconnect_refused()
+
     def timings(self) -> list[RequestTiming]:
         """Where each traced request's time went since the last call (``trace=True``)."""
         return self.session.connection.drain_timings()

@@ -203,6 +203,13 @@ class Connection:
         if self._loop is not None:             # always, once a reply came in
             self._loop.link.signer = Signer(key)
 
+    def reconnect_refused(self) -> bool:
+        """Since the connection went down, the worker's address refused a reconnection (no
+        process listens there: killed, or not restarted yet); False while up, or before the
+        first retry (zmq retries every 0.1 s). Any thread."""
+        loop = self._loop
+        return loop is not None and loop.link.reconnect_refused.is_set()
+
     def drain_timings(self) -> list[RequestTiming]:
         """The timings recorded since the last call, oldest first (``options.trace``)."""
         out = []

@@ -10,6 +10,7 @@ on the same thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -57,6 +58,10 @@ class Link:
         connection (:meth:`unsendable`)."""
         self.refused: RpcError | None = None
         """The last handshake failure (the worker's ZAP said no, or the handshake broke)."""
+        self.reconnect_refused = threading.Event()
+        """Set (by the I/O thread) when, since the connection went down, a reconnection was
+        refused: no process listens at the worker's address (it was killed, or is not back
+        yet). A frozen worker's host still accepts the TCP connection: not set for it."""
         self.last_sent = time.monotonic()
         self.signer: Signer | None = None
         """Signs every request header from the HELLO reply on, when the worker exchanged keys
@@ -64,7 +69,8 @@ class Link:
         try:
             self._configure(options)
             self.monitor = self.dealer.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
+                | zmq.EVENT_CLOSED)
             self.dealer.connect(endpoint)
         except BaseException:
             self.close()
@@ -109,12 +115,18 @@ class Link:
             event = message["event"]
             if event & HANDSHAKE_FAILED:
                 self._handshake_failed(event, message["value"])
+            elif event == zmq.EVENT_CLOSED and self.ever_up and not self.up:
+                # a reconnection's socket closed unconnected (refused); a frozen worker's host
+                # accepts it (EVENT_CONNECTED) and then stays silent
+                self.reconnect_refused.set()
             elif event == zmq.EVENT_DISCONNECTED and self.up:
                 self.up = False
+                self.reconnect_refused.clear()
                 self.on_failure(ConnectionLost(
                     f"connection to {self.endpoint} lost; requests in flight may or may "
                     "not have run, queued ones were not sent"))
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.reconnect_refused.clear()
                 again = self.ever_up and not self.up
                 self.up = self.ever_up = True
                 if again and self.lost is None:

@@ -7,7 +7,9 @@ When a step fails as a lost worker fails it (:data:`.runtime.LOSSES`: the worker
 1. **detection**: every worker of the model is pinged; those whose ping fails with a
    ``TransportError`` are lost (a dead process fails at once, a frozen one within the heartbeat
    bound of docs/FAILURES.md, 6 s). A worker whose connection is down is given
-   :data:`RETURN_GRACE_S` to come back (zmq reconnects every 0.1 s): one that then answers
+   :data:`RETURN_GRACE_S` to come back (zmq reconnects every 0.1 s), unless its address
+   refuses the reconnection (``Client.reconnect_refused``: no process listens there, it was
+   killed), which makes it lost at once: one that answers within the grace
    with its session is **slow, not lost** (its host starved it past the heartbeat; its
    stage's weights and KV cache are still there), and the failed step is simply issued again,
    nothing re-placed or replayed, at most :data:`MAX_RETURNS` times in a row (no step done in
@@ -288,6 +290,9 @@ class Recoverer:
         back: list[Client] = []
         deadline = time.monotonic() + self.return_grace
         while down and time.monotonic() < deadline:
+            down = [c for c in down if not c.reconnect_refused]   # nothing listens: lost now
+            if not down:
+                break
             time.sleep(RETURN_POLL_S)   # zmq reconnects on its own; nothing to wait on but time
             for client in down:         # the stale runs' receives, released before the ping
                 call_off_again(client)
