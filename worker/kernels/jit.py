@@ -95,6 +95,8 @@ def _fours_at(c: int, r: int, row: int) -> int:
 _I8, _I16, _I24 = np.int32(8), np.int32(16), np.int32(24)
 _W4, _W8, _W12, _W15, _W16, _W20, _W24, _W28 = (np.uint32(v) for v in (4, 8, 12, 15, 16, 20, 24, 28))
 _BIT = np.array([1 << i for i in range(32)], np.uint32)
+_H5 = np.array([8 * (j % 4) + j // 4 for j in range(32)], np.uint32)
+"""The bit of a q5 type's 5th-bit word that holds weight ``j``'s (:mod:`.layout`)."""
 """``1 << i`` as uint32: a bit mask read from an array keeps the bit tests in 32-bit vector lanes (numba
 computes integer expressions in 64 bits; LLVM narrows them back only when every operand is a 32-bit value)."""
 
@@ -180,7 +182,7 @@ def _dq4_fours(p: Any, s: int, g: int, r0: int, r1: int, out: Any, c0: int) -> N
 def _dq5(p: Any, h: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
     row, hs = _col(p, 16 * s + j, r0, r1), h[s][r0:r1]
     a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
-    mlo, mhi = _BIT[j], _BIT[j + 16]
+    mlo, mhi = _BIT[_H5[j]], _BIT[_H5[j + 16]]
     for i in range(r1 - r0):
         v = np.int32(row[i])
         hb = hs[i]
@@ -374,6 +376,18 @@ PACK_TILE = 64
 
 
 @njit(inline="always")
+def _fifth_order(word: Any) -> Any:
+    """GGUF's 5th bits (bit ``j`` = weight ``j``) in the layout's order (bit ``8 (j % 4) + j // 4``)."""
+    out = np.uint32(0)
+    for g in range(8):
+        nib = (word >> np.uint32(4 * g)) & _W15
+        spread = (nib & np.uint32(1)) | ((nib & np.uint32(2)) << np.uint32(7)) | ((nib & np.uint32(4)) << np.uint32(14)) \
+            | ((nib & np.uint32(8)) << np.uint32(21))
+        out |= spread << np.uint32(g)
+    return out
+
+
+@njit(inline="always")
 def _f16_bytes(lo: Any, hi: Any) -> Any:
     """Little-endian float16 bytes -> float32 value (exact)."""
     return _half(np.uint16(np.uint16(lo) | (np.uint16(hi) << np.uint16(8))))
@@ -407,10 +421,13 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
                 dst = bits[(f * nb + b) * R:(f * nb + b + 1) * R]
                 for r in range(t0, t1):
                     dst[r] = _f16_bytes(src[r, base + 2 * f], src[r, base + 2 * f + 1])
-            for i in range(hbytes):
-                hb = h[b * R * 4:(b + 1) * R * 4]
+            if hbytes:
+                h32 = h[b * R * 4:(b + 1) * R * 4].view(np.uint32)
                 for r in range(t0, t1):
-                    hb[4 * r + i] = src[r, base + 2 * nf + i]
+                    o = base + 2 * nf
+                    word = (np.uint32(src[r, o]) | (np.uint32(src[r, o + 1]) << _W8) | (np.uint32(src[r, o + 2]) << _W16)
+                            | (np.uint32(src[r, o + 3]) << _W24))
+                    h32[r] = _fifth_order(word)
             for j in range(qbytes):
                 col = base + 2 * nf + hbytes + j
                 g, lane = j // 4, j % 4
@@ -462,7 +479,7 @@ def _pack_k45(src: Any, out: Any, five: bool) -> None:
                     for i in range(8):
                         word = np.uint32(0)
                         for j in range(32):
-                            word |= np.uint32((row[base + 16 + j] >> i) & 1) << np.uint32(j)
+                            word |= np.uint32((row[base + 16 + j] >> i) & 1) << _H5[j]
                         h[(8 * b + i) * R + r] = word
 
 

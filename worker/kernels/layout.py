@@ -40,7 +40,9 @@ of 16 rows into that vector: docs/DESIGN.md). q8_0, q4_0 and q4_1 (:data:`INTERL
 scales float16, as in GGUF (a decode
 token reads 17% fewer bytes of q4_1: the kernels are bound by memory bandwidth); the bytes after them
 (``0``: zeros, never read) keep the section offsets and the packed sizes of ``PACKED_BLOCKS`` (the
-sizes clients allocate by) as they were with float32 scales. ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``. q6_k works
+sizes clients allocate by) as they were with float32 scales. ``h``: the 5th bit of weight ``32s + j`` is bit
+``8 (j % 4) + j // 4`` of ``h[s]`` (byte ``b`` of the word holds in its bit ``g`` the bit of weight ``4g + b``: the
+lane of inputs ``4g..4g+3`` gets its 16s by one shift and one mask, :func:`.unpacked.sub_codes`). q6_k works
 in its 16-weight scale groups ``g`` instead: byte ``8g + j`` (j < 8) of ``p`` pairs weights ``16g + j``
 and ``16g + 8 + j`` (one accumulator per scale), and byte ``4g + j`` (j < 4) of ``h`` holds the 5th-6th
 bits of weights ``16g + j``, ``16g + 8 + j``, ``16g + 4 + j``, ``16g + 12 + j`` in its bit pairs 0-1,
@@ -212,9 +214,9 @@ def _pairs(codes: np.ndarray) -> np.ndarray:
 
 
 def _high1(codes: np.ndarray) -> npt.NDArray[np.uint32]:
-    """(R, K) 5-bit codes -> u32 (K/32, R): bit j = 5th bit of weight 32s+j."""
+    """(R, K) 5-bit codes -> u32 (K/32, R): bit ``8 (j % 4) + j // 4`` = 5th bit of weight 32s+j."""
     rows = codes.shape[0]
-    bits = ((codes.astype(np.uint8) >> 4) & 1).reshape(rows, -1, 32)
+    bits = ((codes.astype(np.uint8) >> 4) & 1).reshape(rows, -1, 8, 4).transpose(0, 1, 3, 2).reshape(rows, -1, 32)
     words: npt.NDArray[np.uint32] = np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0].T
     return words
 

@@ -23,7 +23,7 @@ scratch that stays in L1/L2: the codes as whole bytes interleaved by fours as q8
 (byte ``4g + b`` of a sub-block's row at ``[g, row, b]``: one 64-byte vector per 4 inputs of 16
 rows; 16 bytes per weight row and input, 24 KiB for SmolLM2's longest rows), ``s`` and ``m`` as
 float32 per sub-block and row. The unpack (:func:`_unpack_codegen`, LLVM IR: one 64-byte load per
-4 byte columns of 16 rows, stored by fours, nibbles split, the 5th bits picked by a byte shuffle and a test,
+4 byte columns of 16 rows, stored by fours, nibbles split, the 5th bits moved into place by one shift and a mask,
 q6_k's bit pairs by shifts and masks) costs ~1/30 of a 128-row pass, and every activation row then
 meets the codes as in q8_0's kernel, with no unpacking in the passes (:func:`_pass_codegen`). The
 packed layouts and their decode kernels are unchanged (no memory grows). Rows past the last
@@ -62,7 +62,6 @@ KINDS: Final = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 _F32 = np.float32
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16)
-_V64B = ir.VectorType(_I8, 64)
 
 _alloca: Any = cgutils.alloca_once_value
 
@@ -71,10 +70,6 @@ def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Val
     """``a * b + c`` over 16 float32 lanes, rounded once."""
     fn = _declare(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
     return builder.call(fn, [a, b, c])
-
-
-def _mask(values: list[int]) -> ir.Constant:
-    return ir.Constant(ir.VectorType(_I32, len(values)), values)
 
 
 def _words(value: int) -> ir.Constant:
@@ -113,8 +108,7 @@ def sub_codes(builder: ir.IRBuilder, kind: str, p: ir.Value, h: ir.Value, stride
                  (builder.and_(builder.lshr(a, four), low), builder.shl(hb, two)),
                  (builder.and_(builder.lshr(b, four), low), builder.lshr(hb, two))]
         return [builder.or_(code, builder.and_(bits, top2)) for code, bits in parts]
-    hv = builder.bitcast(builder.load(_at(builder, h, ir.Constant(_I64, 0), _V16I), align=4), _V64B) \
-        if kind == "q5" else None
+    hv = builder.load(_at(builder, h, ir.Constant(_I64, 0), _V16I), align=4) if kind == "q5" else None
     codes: list[Any] = [None] * 8
     for jq in range(4):
         v = _fours(builder, builder.add(p, builder.mul(stride, ir.Constant(_I64, 4 * jq))))
@@ -145,13 +139,11 @@ def _unpack_codegen(kind: str) -> Any:
 
 
 def _fifth_bits(builder: ir.IRBuilder, hv: ir.Value, g: int) -> ir.Value:
-    """16 in byte ``b`` of lane ``i`` where bit ``4g + b`` of row ``i``'s 5th-bit word is set."""
-    undef = ir.Constant(_V64B, ir.Undefined)
-    picked = builder.shuffle_vector(hv, undef, _mask([4 * (k // 4) + g // 2 for k in range(64)]))
-    bits = ir.Constant(_V64B, [1 << (4 * (g % 2) + k % 4) for k in range(64)])
-    hit = builder.icmp_unsigned("!=", builder.and_(picked, bits), ir.Constant(_V64B, [0] * 64))
-    sixteen = builder.select(hit, ir.Constant(_V64B, [16] * 64), ir.Constant(_V64B, [0] * 64))
-    return builder.bitcast(sixteen, _V16I)
+    """16 in byte ``b`` of lane ``i`` where row ``i``'s 5th bit of input ``4g + b`` is set: bit ``g`` of
+    byte ``b`` of its word (:mod:`.layout`), moved to bit 4 by one shift of the lane (no bit crosses a
+    byte: the shift is at most 4) and masked."""
+    moved = builder.shl(hv, _words(4 - g)) if g < 4 else builder.lshr(hv, _words(g - 4)) if g > 4 else hv
+    return builder.and_(moved, _words(0x10101010))
 
 
 _UNPACK_SIG = types.void(types.intp, types.intp, types.intp, types.intp, types.intp)
@@ -300,7 +292,7 @@ def unpack_rows(w: Any, k: int, kind: int, r: int, cnt: int, codes: Any, s: Any,
                 code = (byte & 15) if c < 16 else (byte >> 4)
                 if oh >= 0:
                     word = np.int64(flat[oh:oh + 4 * n * R].view(np.uint32)[sub * R + row])
-                    code |= ((word >> c) & 1) << 4
+                    code |= ((word >> (8 * (c % 4) + c // 4)) & 1) << 4
                 codes[sub, c // 4, i, c % 4] = code
             if kind <= 1:
                 s[sub, i] = flat[od:od + 4 * n * R].view(np.float32)[sub * R + row]
