@@ -74,9 +74,29 @@ def _sec(flat: Any, off: int, n0: int, r: int, dtype: Any, size: int) -> Any:
     return flat[off:off + n0 * r * size].view(dtype).reshape((n0, r))
 
 
+@njit(inline="always")
+def _sec4(flat: Any, off: int, n0: int, r: int) -> Any:
+    """Byte section of ``n0`` columns stored by fours (:mod:`.layout`) at byte ``off``: ``(n0 / 4, r, 4)``."""
+    return flat[off:off + n0 * r].reshape((n0 // 4, r, 4))
+
+
+@njit(inline="always")
+def _col(p4: Any, c: int, r0: int, r1: int) -> Any:
+    """Column ``c`` (rows r0..r1) of a section stored by fours (:func:`_sec4`)."""
+    return p4[c // 4, r0:r1, c % 4]
+
+
+@njit(inline="always")
+def _fours_at(c: int, r: int, row: int) -> int:
+    """Byte offset of column ``c``, row ``row`` in a section of ``r`` rows stored by fours."""
+    return (c - c % 4) * r + 4 * row + c % 4
+
+
 _I8, _I16, _I24 = np.int32(8), np.int32(16), np.int32(24)
 _W4, _W8, _W12, _W15, _W16, _W20, _W24, _W28 = (np.uint32(v) for v in (4, 8, 12, 15, 16, 20, 24, 28))
 _BIT = np.array([1 << i for i in range(32)], np.uint32)
+_H5 = np.array([8 * (j % 4) + j // 4 for j in range(32)], np.uint32)
+"""The bit of a q5 type's 5th-bit word that holds weight ``j``'s (:mod:`.layout`)."""
 """``1 << i`` as uint32: a bit mask read from an array keeps the bit tests in 32-bit vector lanes (numba
 computes integer expressions in 64 bits; LLVM narrows them back only when every operand is a 32-bit value)."""
 
@@ -132,7 +152,7 @@ def _mv_u16(w: Any, x: Any, y: Any, r0: int, r1: int, bf16: bool) -> None:
 
 @njit(inline="always")
 def _dq4(p: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    row = p[16 * s + j][r0:r1]
+    row = _col(p, 16 * s + j, r0, r1)
     a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
     for i in range(r1 - r0):
         v = np.int32(row[i])
@@ -160,9 +180,9 @@ def _dq4_fours(p: Any, s: int, g: int, r0: int, r1: int, out: Any, c0: int) -> N
 
 @njit(inline="always")
 def _dq5(p: Any, h: Any, s: int, j: int, r0: int, r1: int, out: Any, c0: int) -> None:
-    row, hs = p[16 * s + j][r0:r1], h[s][r0:r1]
+    row, hs = _col(p, 16 * s + j, r0, r1), h[s][r0:r1]
     a, b = out[32 * s + j][r0 - c0:r1 - c0], out[32 * s + j + 16][r0 - c0:r1 - c0]
-    mlo, mhi = _BIT[j], _BIT[j + 16]
+    mlo, mhi = _BIT[_H5[j]], _BIT[_H5[j + 16]]
     for i in range(r1 - r0):
         v = np.int32(row[i])
         hb = hs[i]
@@ -200,7 +220,7 @@ def _dq_blocks(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, has_min: boo
     off += 4 * ns * R if has_min else 0
     h = _sec(flat, off if five else 0, ns, R, np.uint32, 4)
     off += 4 * ns * R if five else 0
-    p = _sec(flat, off, 16 * ns, R, np.uint8, 1)
+    p = _sec4(flat, off, 16 * ns, R)
     words = _sec(flat, off, 4 * ns, R, np.uint32, 4)                 # q4_0, q4_1: by fours,
     d16 = _sec(flat, 0, ns, R, np.uint16, 2)                          # float16 scales
     m16 = _sec(flat, 2 * ns * R if has_min else 0, ns, R, np.uint16, 2)
@@ -279,7 +299,7 @@ def _dq_kquant(w: Any, k: int, r0: int, r1: int, out: Any, c0: int, five: bool) 
     off += 4 * ns * R if five else 0
     sc = _sec(flat, off, ns, R, np.uint8, 1)
     mn = _sec(flat, off + ns * R, ns, R, np.uint8, 1)
-    p = _sec(flat, off + 2 * ns * R, 16 * ns, R, np.uint8, 1)
+    p = _sec4(flat, off + 2 * ns * R, 16 * ns, R)
     for s in range(ns):
         for j in range(16):
             if five:
@@ -295,14 +315,14 @@ def _dq_q6_k(w: Any, k: int, r0: int, r1: int, out: Any, c0: int) -> None:
     nb = ng // 16
     flat = w.reshape(-1)
     d = _sec(flat, 0, nb, R, np.float32, 4)
-    h = _sec(flat, 4 * nb * R, 4 * ng, R, np.uint8, 1)
+    h = _sec4(flat, 4 * nb * R, 4 * ng, R)
     sc = _sec(flat, 4 * nb * R + 4 * ng * R, ng, R, np.int8, 1)
-    p = _sec(flat, 4 * nb * R + 5 * ng * R, 8 * ng, R, np.uint8, 1)
+    p = _sec4(flat, 4 * nb * R + 5 * ng * R, 8 * ng, R)
     n, o0, o1 = r1 - r0, r0 - c0, r1 - c0
     for g in range(ng):
         db, sg = d[g // 16][r0:r1], sc[g][r0:r1]
         for j in range(4):
-            ra, rb, hr = p[8 * g + j][r0:r1], p[8 * g + 4 + j][r0:r1], h[4 * g + j][r0:r1]
+            ra, rb, hr = _col(p, 8 * g + j, r0, r1), _col(p, 8 * g + 4 + j, r0, r1), _col(h, 4 * g + j, r0, r1)
             oa, ob = out[16 * g + j][o0:o1], out[16 * g + 8 + j][o0:o1]
             oc, od = out[16 * g + 4 + j][o0:o1], out[16 * g + 12 + j][o0:o1]
             for i in range(n):
@@ -356,6 +376,18 @@ PACK_TILE = 64
 
 
 @njit(inline="always")
+def _fifth_order(word: Any) -> Any:
+    """GGUF's 5th bits (bit ``j`` = weight ``j``) in the layout's order (bit ``8 (j % 4) + j // 4``)."""
+    out = np.uint32(0)
+    for g in range(8):
+        nib = (word >> np.uint32(4 * g)) & _W15
+        spread = (nib & np.uint32(1)) | ((nib & np.uint32(2)) << np.uint32(7)) | ((nib & np.uint32(4)) << np.uint32(14)) \
+            | ((nib & np.uint32(8)) << np.uint32(21))
+        out |= spread << np.uint32(g)
+    return out
+
+
+@njit(inline="always")
 def _f16_bytes(lo: Any, hi: Any) -> Any:
     """Little-endian float16 bytes -> float32 value (exact)."""
     return _half(np.uint16(np.uint16(lo) | (np.uint16(hi) << np.uint16(8))))
@@ -365,7 +397,8 @@ def _f16_bytes(lo: Any, hi: Any) -> Any:
 def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: int, fours: bool) -> None:
     """q8_0, q4_0, q4_1, q5_0, q5_1: ``nf`` float16 factors, ``hbytes`` of 5th bits, ``qbytes`` of
     quants per block, each copied to its section (transposed: block-major, row last; the quants by
-    fours of bytes with ``fours``: byte ``4g + b`` of row ``r`` at ``[g, r, b]``)."""
+    fours of bytes: byte ``4g + b`` of row ``r`` at ``[g, r, b]``); with ``fours`` (:data:`.layout.INTERLEAVED`)
+    the scales stay float16."""
     R, nb = src.shape[0], src.shape[1] // block
     flat = out.reshape(-1)
     bits = flat[:4 * nf * nb * R].view(np.float32)
@@ -388,21 +421,19 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
                 dst = bits[(f * nb + b) * R:(f * nb + b + 1) * R]
                 for r in range(t0, t1):
                     dst[r] = _f16_bytes(src[r, base + 2 * f], src[r, base + 2 * f + 1])
-            for i in range(hbytes):
-                hb = h[b * R * 4:(b + 1) * R * 4]
+            if hbytes:
+                h32 = h[b * R * 4:(b + 1) * R * 4].view(np.uint32)
                 for r in range(t0, t1):
-                    hb[4 * r + i] = src[r, base + 2 * nf + i]
+                    o = base + 2 * nf
+                    word = (np.uint32(src[r, o]) | (np.uint32(src[r, o + 1]) << _W8) | (np.uint32(src[r, o + 2]) << _W16)
+                            | (np.uint32(src[r, o + 3]) << _W24))
+                    h32[r] = _fifth_order(word)
             for j in range(qbytes):
                 col = base + 2 * nf + hbytes + j
-                if fours:
-                    g, lane = j // 4, j % 4
-                    dst4 = q[(b * qbytes + 4 * g) * R:(b * qbytes + 4 * g + 4) * R]
-                    for r in range(t0, t1):
-                        dst4[4 * r + lane] = src[r, col]
-                    continue
-                dst8 = q[(b * qbytes + j) * R:(b * qbytes + j + 1) * R]
+                g, lane = j // 4, j % 4
+                dst4 = q[(b * qbytes + 4 * g) * R:(b * qbytes + 4 * g + 4) * R]
                 for r in range(t0, t1):
-                    dst8[r] = src[r, col]
+                    dst4[4 * r + lane] = src[r, col]
 
 
 @njit(inline="always")
@@ -442,13 +473,13 @@ def _pack_k45(src: Any, out: Any, five: bool) -> None:
                 for c in range(4):
                     for j in range(16):
                         g0, g1 = row[base + qoff + 32 * c + j], row[base + qoff + 32 * c + j + 16]
-                        p[(16 * (8 * b + 2 * c) + j) * R + r] = (g0 & _U15) | ((g1 & _U15) << _U4)
-                        p[(16 * (8 * b + 2 * c + 1) + j) * R + r] = (g0 >> _U4) | (g1 & np.uint8(0xF0))
+                        p[_fours_at(16 * (8 * b + 2 * c) + j, R, r)] = (g0 & _U15) | ((g1 & _U15) << _U4)
+                        p[_fours_at(16 * (8 * b + 2 * c + 1) + j, R, r)] = (g0 >> _U4) | (g1 & np.uint8(0xF0))
                 if five:
                     for i in range(8):
                         word = np.uint32(0)
                         for j in range(32):
-                            word |= np.uint32((row[base + 16 + j] >> i) & 1) << np.uint32(j)
+                            word |= np.uint32((row[base + 16 + j] >> i) & 1) << _H5[j]
                         h[(8 * b + i) * R + r] = word
 
 
@@ -483,10 +514,10 @@ def _pack_q6_k(src: Any, out: Any) -> None:
                 for g in range(16):
                     for j in range(8):
                         a, c = q[16 * g + j], q[16 * g + 8 + j]
-                        p[(8 * (16 * b + g) + j) * R + r] = (a & _U15) | ((c & _U15) << _U4)
+                        p[_fours_at(8 * (16 * b + g) + j, R, r)] = (a & _U15) | ((c & _U15) << _U4)
                     for j in range(4):
                         e = 16 * g + j
-                        h[(4 * (16 * b + g) + j) * R + r] = ((q[e] >> _U4) | ((q[e + 8] >> _U4) << np.uint8(2))
+                        h[_fours_at(4 * (16 * b + g) + j, R, r)] = ((q[e] >> _U4) | ((q[e + 8] >> _U4) << np.uint8(2))
                                                              | ((q[e + 4] >> _U4) << _U4)
                                                              | ((q[e + 12] >> _U4) << np.uint8(6)))
 

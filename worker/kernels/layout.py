@@ -22,21 +22,27 @@ or ``K/256``) and ``ns = K/32`` sub-blocks of 32 weights::
     q8_0       d    f16 [nb, R]   0 [2nb*R]   q   i8 [nb*8, R, 4]                 w = d*q
     q4_0       d    f16 [nb, R]   0 [2nb*R]   p   u8 [ns*4, R, 4]                 w = d*(q - 8)
     q4_1       d, m f16 [nb, R]   0 [4nb*R]   p   u8 [ns*4, R, 4]                 w = d*q + m
-    q5_0       d    f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*16, R]             w = d*(q - 16)
-    q5_1       d, m f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*16, R]             w = d*q + m
-    q4_k       d, dmin f32 [nb, R]  sc, mn u8 [ns, R]  p u8 [ns*16, R]          w = d*sc*q - dmin*mn
-    q5_k       d, dmin f32 [nb, R]  h u32 [ns, R]  sc, mn u8 [ns, R]  p u8 [ns*16, R]     (same)
-    q6_k       d    f32 [nb, R]   h  u8 [ns*8, R]   sc i8 [ns*2, R]  p u8 [ns*16, R]  w = d*sc*(q - 32)
+    q5_0       d    f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*4, R, 4]           w = d*(q - 16)
+    q5_1       d, m f32 [nb, R]   h  u32 [ns, R]     p  u8 [ns*4, R, 4]           w = d*q + m
+    q4_k       d, dmin f32 [nb, R]  sc, mn u8 [ns, R]  p u8 [ns*4, R, 4]        w = d*sc*q - dmin*mn
+    q5_k       d, dmin f32 [nb, R]  h u32 [ns, R]  sc, mn u8 [ns, R]  p u8 [ns*4, R, 4]   (same)
+    q6_k       d    f32 [nb, R]   h  u8 [ns*2, R, 4]  sc i8 [ns*2, R]  p u8 [ns*4, R, 4]  w = d*sc*(q - 32)
 
 ``p`` (pairs): byte ``j`` of sub-block ``s`` holds the low 4 bits of weight ``32s + j`` in its low nibble
 and those of weight ``32s + j + 16`` in its high nibble (Q4_0's own pairing; K-quants pair differently in
-GGUF and are regrouped). q8_0, q4_0 and q4_1 (:data:`INTERLEAVED`) store these bytes *by fours*: byte
+GGUF and are regrouped). Every block type stores these bytes *by fours*: byte
 ``4g + b`` (b < 4) of a sub-block's row sits at ``[4s + g, r, b]`` (q8_0: code ``32s + 4g + b`` at
-``[8s + g, r, b]``), so the 4 bytes one int32 lane of the integer kernels (:mod:`.intdot`,
-:mod:`.intgemm`) takes are adjacent, and 16 rows of them fill one 64-byte vector. Their scales stay float16, as in GGUF (a decode
+``[8s + g, r, b]``; q6_k's ``p`` and ``h`` alike, column ``c`` of row ``r`` at ``[c // 4, r, c % 4]``), so
+the 4 bytes one int32 lane of the integer kernels (:mod:`.intdot`, :mod:`.intgemm`, :mod:`.unpackdot`,
+:mod:`.unpacked`) takes are adjacent, and 16 rows of them fill one 64-byte vector that one load brings
+(stored column by column, the K-quants' decode spent a third of its instructions transposing 4 columns
+of 16 rows into that vector: docs/DESIGN.md). q8_0, q4_0 and q4_1 (:data:`INTERLEAVED`) keep their
+scales float16, as in GGUF (a decode
 token reads 17% fewer bytes of q4_1: the kernels are bound by memory bandwidth); the bytes after them
 (``0``: zeros, never read) keep the section offsets and the packed sizes of ``PACKED_BLOCKS`` (the
-sizes clients allocate by) as they were with float32 scales. ``h``: the 5th bit of weight ``32s + j`` is bit ``j`` of ``h[s]``. q6_k works
+sizes clients allocate by) as they were with float32 scales. ``h``: the 5th bit of weight ``32s + j`` is bit
+``8 (j % 4) + j // 4`` of ``h[s]`` (byte ``b`` of the word holds in its bit ``g`` the bit of weight ``4g + b``: the
+lane of inputs ``4g..4g+3`` gets its 16s by one shift and one mask, :func:`.unpacked.sub_codes`). q6_k works
 in its 16-weight scale groups ``g`` instead: byte ``8g + j`` (j < 8) of ``p`` pairs weights ``16g + j``
 and ``16g + 8 + j`` (one accumulator per scale), and byte ``4g + j`` (j < 4) of ``h`` holds the 5th-6th
 bits of weights ``16g + j``, ``16g + 8 + j``, ``16g + 4 + j``, ``16g + 12 + j`` in its bit pairs 0-1,
@@ -62,8 +68,8 @@ __all__ = ["INTERLEAVED", "PACKED", "QTYPES", "gguf_row_bytes", "pack_numpy", "p
 PACKED: Final[dict[str, tuple[int, int, int]]] = dict(PACKED_BLOCKS)
 QTYPES: Final = tuple(PACKED)
 INTERLEAVED: Final = frozenset({"q8_0", "q4_0", "q4_1"})
-"""Types whose code bytes are stored by fours (the integer kernels of :mod:`.intdot` and
-:mod:`.intgemm` read them)."""
+"""Types whose scales stay float16 and whose codes need no unpacking (the integer kernels of
+:mod:`.intdot` and :mod:`.intgemm`; every block type's code bytes are stored by fours)."""
 
 U8 = npt.NDArray[np.uint8]
 F32 = npt.NDArray[np.float32]
@@ -208,9 +214,9 @@ def _pairs(codes: np.ndarray) -> np.ndarray:
 
 
 def _high1(codes: np.ndarray) -> npt.NDArray[np.uint32]:
-    """(R, K) 5-bit codes -> u32 (K/32, R): bit j = 5th bit of weight 32s+j."""
+    """(R, K) 5-bit codes -> u32 (K/32, R): bit ``8 (j % 4) + j // 4`` = 5th bit of weight 32s+j."""
     rows = codes.shape[0]
-    bits = ((codes.astype(np.uint8) >> 4) & 1).reshape(rows, -1, 32)
+    bits = ((codes.astype(np.uint8) >> 4) & 1).reshape(rows, -1, 8, 4).transpose(0, 1, 3, 2).reshape(rows, -1, 32)
     words: npt.NDArray[np.uint32] = np.packbits(bits, axis=-1, bitorder="little").view("<u4")[..., 0].T
     return words
 
@@ -235,7 +241,7 @@ def _pairs16(codes: np.ndarray) -> U8:
 
 
 def _by_fours(section: np.ndarray) -> np.ndarray:
-    """(J, R) -> (J/4, R, 4): the 4 bytes ``4g..4g+3`` of each row side by side (INTERLEAVED types)."""
+    """(J, R) -> (J/4, R, 4): the 4 bytes ``4g..4g+3`` of each row side by side (every block type's codes)."""
     rows = section.shape[1]
     out: np.ndarray = section.reshape(-1, 4, rows).transpose(0, 2, 1)
     return out
@@ -254,13 +260,13 @@ def _sections(qtype: str, codes: np.ndarray, f: dict[str, np.ndarray]) -> list[n
     if qtype == "q8_0":
         return [*_half_scales(t["d"]), _by_fours(codes.astype(np.int8).T)]
     if qtype == "q6_k":
-        return [t["d"], _high2(codes), t["sc"], _pairs16(codes)]
+        return [t["d"], _by_fours(_high2(codes)), t["sc"], _by_fours(_pairs16(codes))]
     scales = [t["d"], t["m"]] if "m" in t else [t["d"], t["dmin"]] if "dmin" in t else [t["d"]]
     high = [_high1(codes)] if qtype in ("q5_0", "q5_1", "q5_k") else []
     sub = [t["sc"], t["mn"]] if "sc" in t else []
     if qtype in INTERLEAVED:
         return [*_half_scales(*scales), _by_fours(_pairs(codes))]
-    return scales + high + sub + [_pairs(codes)]
+    return scales + high + sub + [_by_fours(_pairs(codes))]
 
 
 def packed_output(data: np.ndarray, qtype: str, out: np.ndarray | None = None) -> U8:

@@ -34,7 +34,10 @@ of :mod:`.jit`, :mod:`.intdot`, :mod:`.unpackdot` and :mod:`.intgemm` here; a ne
 (``cache=True``: compiled once, loaded in milliseconds after). numba keys each cached
 function on its own file's time stamp only: a wrapper here holds the kernel it calls, so after
 editing a kernel in place (a developer's checkout; an install rewrites every file) clear the
-``__pycache__`` beside these files, or the wrappers keep running the old kernel. A split changes
+``__pycache__`` beside these files, or the wrappers keep running the old kernel (a change of a
+kernel's packed layout, such as the K-quants' codes going by fours, then reads the new bytes the
+old way: wrong products, not an error; so a commit that changes a kernel also touches this file,
+whose new time stamp recompiles every wrapper). A split changes
 no output bit: each output's arithmetic is its kernel's, whichever thread runs it (the products'
 batch invariance, ``kernels/__init__``).
 """

@@ -16,7 +16,8 @@ GEMM's arithmetic runs as :mod:`.intdot`'s sweeps do: the input is rounded by th
 inputs) one sweep (:func:`_sweep_codegen`) goes down the rows 16 at a time, unpacks their codes in
 registers with the GEMM's own IR (:func:`.unpacked.sub_codes`: nothing goes through memory), takes
 the integer sums with :func:`.intdot._dots` (exact: the same integers), and applies the scales with
-the GEMM pass's float operations in its order::
+the GEMM pass's float operations in its order (the codes are stored by fours, :mod:`.layout`: one
+64-byte load per 4 inputs of 16 rows, each stream prefetched :data:`.intdot.PREFETCH` bytes ahead)::
 
     s = d (q5_x) | d * float(sc) (K-quants) ;  m = m (q5_1) | -(dmin * float(mn)) (q4_k, q5_k)
     fsum = float(HI * a1 + a2 + off)               (q6_k: fma(float(a1), HI, float(a2 + off)))
@@ -37,7 +38,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .intdot import HI, _at, _declare, _dots, _splat
+from .intdot import HI, PREFETCH, _at, _declare, _dots, _prefetch, _splat
 from .intgemm import quantize_rows_into
 from .unpacked import _blocks, _offsets, _sections, sub_codes
 
@@ -51,7 +52,7 @@ _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _F = ir.FloatType()
 _V16I, _V16F, _V16B = ir.VectorType(_I32, 16), ir.VectorType(_F, 16), ir.VectorType(_I8, 16)
 
-_SWEEP_SIG = types.void(*([types.intp] * 10), types.float32, types.float32, types.int32, types.intp)
+_SWEEP_SIG = types.void(*([types.intp] * 10), types.float32, types.float32, types.int32, types.intp, types.intp)
 
 _SPEC = {0: ("q5", 8, 31), 1: ("q5", 8, 31), 2: ("q4", 8, 15), 3: ("q5", 8, 31), 4: ("q6", 4, 63)}
 """kind (:data:`.unpacked.KINDS`) -> (unpack kind, code vectors per sub-block, the largest code)."""
@@ -90,15 +91,18 @@ def _sweep_codegen(kind: int) -> Any:
     unpack, groups, top = _SPEC[kind]
 
     def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
-        y, p, h, sv, mv, scp, mnp, stride, xw1, xw2, fx, sx, off, n = args
+        y, p, h, sv, mv, scp, mnp, stride, xw1, xw2, fx, sx, off, n, pf = args
+        cols = [builder.add(p, builder.mul(stride, ir.Constant(_I64, 4 * g))) for g in range(groups // 2)]
+        streams = cols + ([h] if unpack != "q4" else [])
         xs = [[_splat(builder, builder.load(_at(builder, xw, ir.Constant(_I64, 4 * c), _I32), align=4), _V16I)
                for c in range(groups)] for xw in (xw1, xw2)]
         hi_scale, hi_float = ir.Constant(_V16I, [HI] * 16), ir.Constant(_V16F, [float(HI)] * 16)
         fxv, sxv, offv = _splat(builder, fx, _V16F), _splat(builder, sx, _V16F), _splat(builder, off, _V16I)
         with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), n, ir.Constant(_I64, 16), intp=_I64) as (i, _):
             at4 = builder.mul(i, ir.Constant(_I64, 4))
-            hi_at = at4 if unpack == "q5" else i
-            codes = sub_codes(builder, unpack, builder.add(p, i), builder.add(h, hi_at), stride)
+            for at in streams:      # each stream of 64-byte vectors, PREFETCH bytes on
+                _prefetch(builder, builder.add(at, at4), pf)
+            codes = sub_codes(builder, unpack, builder.add(p, at4), builder.add(h, at4), stride)
             a1, a2 = _dots(builder, codes, xs, top)
             if kind in (0, 4):
                 a2 = builder.add(a2, offv)
@@ -118,7 +122,7 @@ def _sweep_codegen(kind: int) -> Any:
 
 def _sweep_typing(kind: int) -> Any:
     def typing(typingctx: Any, y: Any, p: Any, h: Any, sv: Any, mv: Any, scp: Any, mnp: Any, stride: Any,
-               xw1: Any, xw2: Any, fx: Any, sx: Any, off: Any, n: Any) -> Any:
+               xw1: Any, xw2: Any, fx: Any, sx: Any, off: Any, n: Any, pf: Any) -> Any:
         return _SWEEP_SIG, _sweep_codegen(kind)
     return typing
 
@@ -162,7 +166,7 @@ def _mv(w: Any, x: Any, y: Any, r0: int, r1: int, kind: int) -> None:
     flat = w.reshape(-1)
     base = flat.ctypes.data
     od, om, oh, osc, omn, op, n = _sections(w, k, kind)
-    per_p, per_h = (8, 4) if kind == 4 else (16, 4)
+    per_p = 8 if kind == 4 else 16
     per_d = 16 if kind == 4 else 8 if kind >= 2 else 1     # sub-blocks per d
     xa1, xa2 = xq1.ctypes.data, xq2.ctypes.data
     r16 = r0 + (r1 - r0) // 16 * 16
@@ -171,11 +175,10 @@ def _mv(w: Any, x: Any, y: Any, r0: int, r1: int, kind: int) -> None:
         y[t0:t1] = 0
         ya = y[t0:t1].ctypes.data
         for s in range(n):
-            hrow = 4 * t0 if kind != 4 else t0
-            args = (ya, base + op + per_p * s * R + t0, base + oh + per_h * s * R + hrow,
+            args = (ya, base + op + per_p * s * R + 4 * t0, base + oh + 4 * (s * R + t0),
                     base + od + 4 * ((s // per_d) * R + t0), base + (om if om >= 0 else od) + 4 * ((s // per_d) * R + t0),
                     base + osc + s * R + t0, base + omn + s * R + t0, R, xa1 + width * s, xa2 + width * s,
-                    dxw[0, s], sx[0, s * width // 32], offs[0, s], t1 - t0)
+                    dxw[0, s], sx[0, s * width // 32], offs[0, s], t1 - t0, PREFETCH)
             _sweep(kind, args)
     if r16 < r1:
         _blocks(w, xq1, xq2, dxw, offs, sx, y.reshape((1, R)), r16, r1, kind, width)

@@ -1,4 +1,4 @@
-"""Integer prefill of the types whose codes are not stored by fours: q5_0, q5_1, q4_k, q5_k, q6_k.
+"""Integer prefill of the types whose codes are packed below a byte: q5_0, q5_1, q4_k, q5_k, q6_k.
 
 Owns their integer GEMM. Only the worker's backend thread calls it, or the helper threads it hands
 disjoint row ranges to (``kernels.set_threads``): the kernel releases the GIL and each call keeps
@@ -6,8 +6,8 @@ its own scratch. Compiled code is cached on disk as :mod:`.jit`'s is.
 
 :mod:`.intgemm`'s method (read its docstring first: activation rows rounded to two int8 levels per
 block of 32, ``vpdpbusd``, :data:`~.intgemm.TB` activation rows per pass over 16 weight rows) for the
-types whose packed layout (:mod:`.layout`) keeps the codes in byte columns (``p[j, r]``) and their
-5th/6th bits apart. Every one of them is ``w = s * c + m`` with small unsigned integer codes ``c``
+types whose packed layout (:mod:`.layout`) keeps the codes' low 4 bits in nibble pairs (by fours, as
+q4_0's) and their 5th/6th bits apart. Every one of them is ``w = s * c + m`` with small unsigned integer codes ``c``
 and a float scale ``s`` and offset ``m`` per sub-block of ``L`` weights::
 
     q5_0   c 0..31  L 32   s = d            m = -16 d          y[t] += s dx[t] (isum - 16 sq[t])
@@ -22,8 +22,8 @@ call.) So the kernel first *unpacks* each block of 16 weight rows, losslessly, i
 scratch that stays in L1/L2: the codes as whole bytes interleaved by fours as q8_0 stores them
 (byte ``4g + b`` of a sub-block's row at ``[g, row, b]``: one 64-byte vector per 4 inputs of 16
 rows; 16 bytes per weight row and input, 24 KiB for SmolLM2's longest rows), ``s`` and ``m`` as
-float32 per sub-block and row. The unpack (:func:`_unpack_codegen`, LLVM IR: 4 byte columns of 16
-rows interleaved by one shuffle, nibbles split, the 5th bits picked by a byte shuffle and a test,
+float32 per sub-block and row. The unpack (:func:`_unpack_codegen`, LLVM IR: one 64-byte load per
+4 byte columns of 16 rows, stored by fours, nibbles split, the 5th bits moved into place by one shift and a mask,
 q6_k's bit pairs by shifts and masks) costs ~1/30 of a 128-row pass, and every activation row then
 meets the codes as in q8_0's kernel, with no unpacking in the passes (:func:`_pass_codegen`). The
 packed layouts and their decode kernels are unchanged (no memory grows). Rows past the last
@@ -62,7 +62,6 @@ KINDS: Final = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 _F32 = np.float32
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16)
-_V16B, _V32B, _V64B = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32), ir.VectorType(_I8, 64)
 
 _alloca: Any = cgutils.alloca_once_value
 
@@ -73,10 +72,6 @@ def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Val
     return builder.call(fn, [a, b, c])
 
 
-def _mask(values: list[int]) -> ir.Constant:
-    return ir.Constant(ir.VectorType(_I32, len(values)), values)
-
-
 def _words(value: int) -> ir.Constant:
     """A 16-lane int32 constant (each lane ``value``: a byte pattern repeated)."""
     return ir.Constant(_V16I, [value] * 16)
@@ -85,15 +80,10 @@ def _words(value: int) -> ir.Constant:
 # ------------------------------------------------------------------------------- the unpack
 
 
-def _fours(builder: ir.IRBuilder, base: ir.Value, stride: ir.Value) -> ir.Value:
-    """The 16-byte columns at ``base + b * stride`` (b < 4: 4 byte positions of 16 rows) interleaved
-    by fours, as 16 int32 lanes: byte ``b`` of lane ``i`` is byte ``i`` of column ``b``."""
-    cols = [builder.load(_at(builder, base, builder.mul(stride, ir.Constant(_I64, b)), _V16B), align=1)
-            for b in range(4)]
-    lo = builder.shuffle_vector(cols[0], cols[1], _mask(list(range(32))))
-    hi = builder.shuffle_vector(cols[2], cols[3], _mask(list(range(32))))
-    both = builder.shuffle_vector(lo, hi, _mask([16 * (k % 4) + k // 4 for k in range(64)]))
-    return builder.bitcast(both, _V16I)
+def _fours(builder: ir.IRBuilder, base: ir.Value) -> ir.Value:
+    """The 4 byte columns of 16 rows at ``base`` (stored by fours, :mod:`.layout`) as 16 int32 lanes:
+    byte ``b`` of lane ``i`` is column ``b`` of row ``i``. One load."""
+    return builder.load(_at(builder, base, ir.Constant(_I64, 0), _V16I), align=1)
 
 
 def _store(builder: ir.IRBuilder, dst: ir.Value, offset: ir.Value, value: ir.Value) -> None:
@@ -103,25 +93,25 @@ def _store(builder: ir.IRBuilder, dst: ir.Value, offset: ir.Value, value: ir.Val
 def sub_codes(builder: ir.IRBuilder, kind: str, p: ir.Value, h: ir.Value, stride: ir.Value) -> list[ir.Value]:
     """The code vectors of one sub-block of 16 rows (q6_k: one group of 16 inputs), unpacked: vector ``g``
     holds inputs ``4g..4g+3`` interleaved by fours (byte ``b`` of lane ``i``: input ``4g + b`` of row
-    ``i``). ``p`` (and ``h``) address the sub-block's first byte column (5th-bit word, q6_k bit-pair
-    column) of the first row, ``stride`` the bytes between byte positions (``R``); ``kind`` as
+    ``i``). ``p`` (and ``h``) address the first row's bytes of the sub-block's first group of 4 byte
+    columns (its 5th-bit word; q6_k: its bit-pair columns), ``stride`` the bytes between byte
+    positions (``R``: a group of 4 is ``4 R`` bytes); ``kind`` as
     :func:`_unpack_codegen`'s. Shared by the GEMM's unpack and the decode sweeps (:mod:`.unpackdot`)."""
     low, top2 = _words(0x0F0F0F0F), _words(0x30303030)
     four, two = _words(4), _words(2)
     if kind == "q6":
-        a = _fours(builder, p, stride)
-        b = _fours(builder, builder.add(p, builder.mul(stride, ir.Constant(_I64, 4))), stride)
-        hb = _fours(builder, h, stride)
+        a = _fours(builder, p)
+        b = _fours(builder, builder.add(p, builder.mul(stride, ir.Constant(_I64, 4))))
+        hb = _fours(builder, h)
         parts = [(builder.and_(a, low), builder.shl(hb, four)),
                  (builder.and_(b, low), hb),
                  (builder.and_(builder.lshr(a, four), low), builder.shl(hb, two)),
                  (builder.and_(builder.lshr(b, four), low), builder.lshr(hb, two))]
         return [builder.or_(code, builder.and_(bits, top2)) for code, bits in parts]
-    hv = builder.bitcast(builder.load(_at(builder, h, ir.Constant(_I64, 0), _V16I), align=4), _V64B) \
-        if kind == "q5" else None
+    hv = builder.load(_at(builder, h, ir.Constant(_I64, 0), _V16I), align=4) if kind == "q5" else None
     codes: list[Any] = [None] * 8
     for jq in range(4):
-        v = _fours(builder, builder.add(p, builder.mul(stride, ir.Constant(_I64, 4 * jq))), stride)
+        v = _fours(builder, builder.add(p, builder.mul(stride, ir.Constant(_I64, 4 * jq))))
         for g, code in ((jq, builder.and_(v, low)), (jq + 4, builder.and_(builder.lshr(v, four), low))):
             codes[g] = code if hv is None else builder.or_(code, _fifth_bits(builder, hv, g))
     return codes
@@ -149,13 +139,11 @@ def _unpack_codegen(kind: str) -> Any:
 
 
 def _fifth_bits(builder: ir.IRBuilder, hv: ir.Value, g: int) -> ir.Value:
-    """16 in byte ``b`` of lane ``i`` where bit ``4g + b`` of row ``i``'s 5th-bit word is set."""
-    undef = ir.Constant(_V64B, ir.Undefined)
-    picked = builder.shuffle_vector(hv, undef, _mask([4 * (k // 4) + g // 2 for k in range(64)]))
-    bits = ir.Constant(_V64B, [1 << (4 * (g % 2) + k % 4) for k in range(64)])
-    hit = builder.icmp_unsigned("!=", builder.and_(picked, bits), ir.Constant(_V64B, [0] * 64))
-    sixteen = builder.select(hit, ir.Constant(_V64B, [16] * 64), ir.Constant(_V64B, [0] * 64))
-    return builder.bitcast(sixteen, _V16I)
+    """16 in byte ``b`` of lane ``i`` where row ``i``'s 5th bit of input ``4g + b`` is set: bit ``g`` of
+    byte ``b`` of its word (:mod:`.layout`), moved to bit 4 by one shift of the lane (no bit crosses a
+    byte: the shift is at most 4) and masked."""
+    moved = builder.shl(hv, _words(4 - g)) if g < 4 else builder.lshr(hv, _words(g - 4)) if g > 4 else hv
+    return builder.and_(moved, _words(0x10101010))
 
 
 _UNPACK_SIG = types.void(types.intp, types.intp, types.intp, types.intp, types.intp)
@@ -268,6 +256,12 @@ def _sections(w: Any, k: int, kind: int) -> tuple[Any, Any, Any, Any, Any, int, 
     return 0, -1, 4 * nb * R, 4 * nb * R + 4 * ng * R, -1, 4 * nb * R + 5 * ng * R, ng
 
 
+@njit(inline="always")
+def _fours_at(c: int, r: int, row: int) -> int:
+    """Byte offset of column ``c``, row ``row`` in a section of ``r`` rows stored by fours (:mod:`.layout`)."""
+    return (c - c % 4) * r + 4 * row + c % 4
+
+
 @njit(cache=True, nogil=True)
 def unpack_rows(w: Any, k: int, kind: int, r: int, cnt: int, codes: Any, s: Any, m: Any) -> None:
     """Rows ``r..r + cnt`` (cnt <= 16) of packed ``w`` into the scratch, rows past ``cnt`` zero: the
@@ -285,20 +279,20 @@ def unpack_rows(w: Any, k: int, kind: int, r: int, cnt: int, codes: Any, s: Any,
         for sub in range(n):
             if kind == 4:
                 for c in range(16):
-                    byte = np.int64(flat[op + (8 * sub + c % 8) * R + row])
+                    byte = np.int64(flat[op + _fours_at(8 * sub + c % 8, R, row)])
                     nib = (byte & 15) if c < 8 else (byte >> 4)
-                    hb = np.int64(flat[oh + (4 * sub + c % 4) * R + row])
+                    hb = np.int64(flat[oh + _fours_at(4 * sub + c % 4, R, row)])
                     shift = np.int64((0, 4, 2, 6)[c // 4])
                     codes[sub, c // 4, i, c % 4] = nib | (((hb >> shift) & 3) << 4)
                 d = flat[od:od + 4 * (n // 16) * R].view(np.float32)[(sub // 16) * R + row]
                 s[sub, i] = d * _F32(flat[osc + sub * R + row:osc + sub * R + row + 1].view(np.int8)[0])
                 continue
             for c in range(32):
-                byte = np.int64(flat[op + (16 * sub + c % 16) * R + row])
+                byte = np.int64(flat[op + _fours_at(16 * sub + c % 16, R, row)])
                 code = (byte & 15) if c < 16 else (byte >> 4)
                 if oh >= 0:
                     word = np.int64(flat[oh:oh + 4 * n * R].view(np.uint32)[sub * R + row])
-                    code |= ((word >> c) & 1) << 4
+                    code |= ((word >> (8 * (c % 4) + c // 4)) & 1) << 4
                 codes[sub, c // 4, i, c % 4] = code
             if kind <= 1:
                 s[sub, i] = flat[od:od + 4 * n * R].view(np.float32)[sub * R + row]
@@ -320,7 +314,7 @@ def _unpack_block(w: Any, k: int, kind: int, r: int, codes: Any, ca: int, s: Any
     base = flat.ctypes.data
     od, om, oh, osc, omn, op, n = _sections(w, k, kind)
     if kind == 4:
-        _unpack_q6(ca, base + op + r, base + oh + r, R, n)
+        _unpack_q6(ca, base + op + 4 * r, base + oh + 4 * r, R, n)
         d = flat[od:od + 4 * (n // 16) * R].view(np.float32).reshape((n // 16, R))
         sc = flat[osc:osc + n * R].view(np.int8).reshape((n, R))
         for sub in range(n):
@@ -328,9 +322,9 @@ def _unpack_block(w: Any, k: int, kind: int, r: int, codes: Any, ca: int, s: Any
                 s[sub, i] = d[sub // 16, r + i] * _F32(sc[sub, r + i])
         return
     if oh >= 0:
-        _unpack_q5(ca, base + op + r, base + oh + 4 * r, R, n)
+        _unpack_q5(ca, base + op + 4 * r, base + oh + 4 * r, R, n)
     else:
-        _unpack_q4(ca, base + op + r, base, R, n)
+        _unpack_q4(ca, base + op + 4 * r, base, R, n)
     if kind <= 1:
         d = flat[od:od + 4 * n * R].view(np.float32).reshape((n, R))
         mm = flat[om if kind == 1 else od:][:4 * n * R].view(np.float32).reshape((n, R))
