@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -120,6 +121,10 @@ HALF_GEMM: Final = frozenset({"f16", "bf16"})
 
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
+_fused_lock = threading.Lock()
+"""Held while the fused kernels warm: a second backend thread in the process (tests, benches)
+that warmed them at the same time would meet compiling disabled by the first, mid-compile
+(``RuntimeError: compilation disabled``, its graph failing)."""
 _fused: list[ModuleType] = []
 _split: list[ModuleType | None] = []
 _amx: list[ModuleType | None] = []
@@ -202,11 +207,13 @@ def fused_kernels() -> ModuleType | None:
     if not _fused:
         if not available():
             return None
-        from . import fused as module
-        start = time.perf_counter()
-        _warm_fused(module)
-        _warm["fused"] = time.perf_counter() - start
-        _fused.append(module)
+        with _fused_lock:       # workers in one process: one warms, the others wait for it
+            if not _fused:
+                from . import fused as module
+                start = time.perf_counter()
+                _warm_fused(module)
+                _warm["fused"] = time.perf_counter() - start
+                _fused.append(module)
     return _fused[0]
 
 
