@@ -549,19 +549,23 @@ def _attention(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, ou
     """``softmax(scale * q k^T + mask) v`` per query row and head, GQA-grouped (``ops._attention``):
     q (T, H, D), k and v (S, H_kv, D), optional mask broadcasting to (T, S), out (T, H, D).
 
-    On the host with numba and float32 inputs: one fused loop (``kernels.fused.attention``) that
-    skips masked keys. Otherwise the composition the unfused graph runs (per KV head: a batched
-    matmul, the masked softmax of :func:`_soft_max_rows`, a matmul), over any namespace."""
+    On the host with numba, float32 queries and mask, and a float32 or float16 cache: one fused
+    loop (``kernels.fused.attention``) that skips masked keys (a float16 cache read as its bits:
+    no float32 copy of the whole cache per step). Otherwise the
+    composition the unfused graph runs (per KV head: a batched matmul, the masked softmax of
+    :func:`_soft_max_rows`, a matmul), over any namespace."""
     q, k, v = xs[:3]
     T, S = q.shape[0], k.shape[0]
     fused = kernels.fused_kernels()
+    k16 = ms[1].dtype == "float16" and ms[2].dtype == "float16"
     if (fused is not None and type(out) is np.ndarray
-            and all(m.dtype == "float32" for m in ms)):
+            and all(m.dtype == "float32" for i, m in enumerate(ms) if not (k16 and i in (1, 2)))):
         mask = (np.zeros((1, S), np.float32) if len(xs) < 4
                 else xs[3] if xs[3].ndim == 2 and xs[3].shape[1] == S
                 else np.broadcast_to(xs[3], (T, S)))
-        q, k, v, mask = (np.ascontiguousarray(a) for a in (q, k, v, mask))
-        if _compiled(fused.attention, q, k, v, mask, _F32(p["scale"]), out):
+        kk, vv = (k.view(np.uint16), v.view(np.uint16)) if k16 else (k, v)
+        q, kk, vv, mask = (np.ascontiguousarray(a) for a in (q, kk, vv, mask))
+        if _compiled(fused.attention, q, kk, vv, mask, _F32(p["scale"]), out):
             return
     _attention_composed(xs, ms, p, out)
 
@@ -601,7 +605,7 @@ def _attend_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, 
 
     Batch-invariant, bit for bit: every row is computed from its own inputs alone, by the same
     arithmetic whatever else is in the batch. On the host with numba: one loop
-    (``kernels.fused.attend_rows``) that reads float16 caches through an exact table. Otherwise
+    (``kernels.fused.attend_rows``) that reads float16 caches as their bits. Otherwise
     (a GPU, or no numba), one call per row of :func:`_attention_composed` on that row's slice
     of the cache: the arithmetic of the ``attention`` op with a mask that admits exactly those
     rows."""
@@ -614,14 +618,9 @@ def _attend_rows(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, 
         kk, vv = ((k.view(np.uint16), v.view(np.uint16)) if k16 else (k, v))
         q, kk, vv = (np.ascontiguousarray(a) for a in (q, kk, vv))
         if _compiled(fused.attend_rows, q, kk, vv, np.ascontiguousarray(pos_h), np.ascontiguousarray(base_h),
-                     _F32(p["scale"]), int(p["window"]), _HALF_VALUES if k16 else _NO_TABLE, out):
+                     _F32(p["scale"]), int(p["window"]), out):
             return
     _attend_rows_composed(xs, ms, p, out, pos_h, base_h)
-
-
-_HALF_VALUES: Final = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-"""Every float16 bit pattern's float32 value (exact): how the numba loop reads float16 caches."""
-_NO_TABLE: Final = np.zeros(1, np.float32)
 
 
 def _host_ints(arr: Any) -> npt.NDArray[Any]:

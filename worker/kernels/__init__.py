@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -120,6 +121,10 @@ HALF_GEMM: Final = frozenset({"f16", "bf16"})
 
 _state: dict[str, int] = {"threads": 1}
 _warm: dict[str, float] = {}
+_fused_lock = threading.Lock()
+"""Held while the fused kernels warm: a second backend thread in the process (tests, benches)
+that warmed them at the same time would meet compiling disabled by the first, mid-compile
+(``RuntimeError: compilation disabled``, its graph failing)."""
 _fused: list[ModuleType] = []
 _split: list[ModuleType | None] = []
 _amx: list[ModuleType | None] = []
@@ -202,11 +207,13 @@ def fused_kernels() -> ModuleType | None:
     if not _fused:
         if not available():
             return None
-        from . import fused as module
-        start = time.perf_counter()
-        _warm_fused(module)
-        _warm["fused"] = time.perf_counter() - start
-        _fused.append(module)
+        with _fused_lock:       # workers in one process: one warms, the others wait for it
+            if not _fused:
+                from . import fused as module
+                start = time.perf_counter()
+                _warm_fused(module)
+                _warm["fused"] = time.perf_counter() - start
+                _fused.append(module)
     return _fused[0]
 
 
@@ -382,14 +389,15 @@ def _warm_fused(module: ModuleType) -> None:
     graph whose arrays would need another specialization gets a TypeError, and its op runs the
     numpy composition, instead of holding the backend thread for seconds of compilation."""
     q, kv, out = np.zeros((1, 4, 4), np.float32), np.zeros((3, 1, 4), np.float32), np.zeros((1, 4, 4), np.float32)
-    module.attention(q, kv, kv, np.zeros((1, 3), np.float32), np.float32(0.5), out)
+    for cache in (kv, np.zeros(kv.shape, np.uint16)):      # float32 caches, float16 ones as bits
+        module.attention(q, cache, cache, np.zeros((1, 3), np.float32), np.float32(0.5), out)
     for dtype in (np.int32, np.int64):
         module.rope(q, np.zeros(1, dtype), np.ones(2), False, 4, out)
     module.swiglu(np.zeros((1, 8), np.float32), np.zeros((1, 4), np.float32))
     module.rms_norm(np.zeros((1, 4), np.float32), np.float32(1e-5), np.zeros((1, 4), np.float32))
-    rows, table = np.zeros(1, np.int32), np.zeros(1, np.float32)
+    rows = np.zeros(1, np.int32)
     for cache in (kv, np.zeros(kv.shape, np.uint16)):      # float32 caches, float16 ones as bits
-        module.attend_rows(q, cache, cache, rows, rows, np.float32(0.5), 0, table, out)
+        module.attend_rows(q, cache, cache, rows, rows, np.float32(0.5), 0, out)
     ints, floats = np.zeros(1, np.int32), np.ones(1, np.float32)
     module.sample_rows(np.zeros((1, 4), np.float32), floats, ints, floats, np.zeros(1, np.uint32), ints, ints)
     for kernel in (module.attention, module.attend_rows, module.rope, module.sample_rows, module.swiglu,

@@ -17,9 +17,11 @@ a strided cache) cost far more than the arithmetic (docs/DESIGN.md, "Quantized k
   fastmath (reassociation, contraction) in the dot products and sums, like the matvec kernels.
 - :func:`attend_rows`: the same softmax-weighted sums for rows of different sequences in one
   call, each row over its own span of cache rows (``base + j`` for ``j`` up to its position, or
-  the last ``window`` of them), the causal mask never materialized; float16 caches are read
-  through an exact table of their values. Batch-invariant: a row's loops read only its own
+  the last ``window`` of them), the causal mask never materialized. Batch-invariant: a row's loops read only its own
   query, position and cache rows, in the same order whatever the other rows are.
+- Both read a float16 cache as its uint16 bits, each element converted exactly where it is
+  used (``intdot._half``: LLVM's ``fpext``, one ``vcvtph2ps`` per vector with F16C), so a step
+  reads the cache's 2 bytes per element and makes no float32 copy of it.
 - :func:`sample_rows`: one token per row of logits (greedy, or temperature / top-k / top-p with
   a counter-based draw, :func:`uniform`): the rule is ``numpy_ops._sample_rows``'s docstring.
   Strict float semantics (no fastmath) so its sums run in the stated order.
@@ -39,6 +41,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from .intdot import _half
+
 __all__ = ["attend_rows", "attention", "rms_norm", "rope", "sample_rows", "swiglu", "uniform"]
 
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
@@ -46,21 +50,21 @@ _F32 = np.float32
 _NEG_INF = -np.inf
 
 
-def _value(x: Any, half: Any) -> Any:
-    """A cache element as float32: itself, or a float16's value through the table ``half``
-    (its uint16 bits index it); compiled by :func:`_value_overload`."""
+def _value(x: Any) -> Any:
+    """A cache element as float32: itself, or a float16's exact value from its uint16 bits (one
+    ``vcvtph2ps`` per vector with F16C); compiled by :func:`_value_overload`."""
     raise NotImplementedError("only called from compiled code")
 
 
 @overload(_value)
-def _value_overload(x: Any, half: Any) -> Any:
-    def from_table(x: Any, half: Any) -> Any:
-        return half[x]
+def _value_overload(x: Any) -> Any:
+    def from_bits(x: Any) -> Any:
+        return _half(x)
 
-    def itself(x: Any, half: Any) -> Any:
+    def itself(x: Any) -> Any:
         return x
 
-    return from_table if x == types.uint16 else itself
+    return from_bits if x == types.uint16 else itself
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True, error_model="numpy")
@@ -74,7 +78,7 @@ def _scores(q: Any, k: Any, kh: int, mask: Any, scale: float, s: Any) -> float:
             continue
         acc = _F32(0.0)
         for d in range(q.shape[0]):
-            acc += q[d] * k[j, kh, d]
+            acc += q[d] * _value(k[j, kh, d])
         value = _F32(acc * scale + mj)
         s[j] = value
         if value > peak or math.isnan(value):     # a NaN score makes the row NaN, as in numpy
@@ -93,7 +97,7 @@ def _weighted(s: Any, peak: float, v: Any, kh: int, out: Any) -> None:
         p = _F32(math.exp(s[j] - peak))
         total += p
         for d in range(out.shape[0]):
-            out[d] += p * v[j, kh, d]
+            out[d] += p * _value(v[j, kh, d])
     if total != 0.0:
         inv = _F32(1.0) / total
         for d in range(out.shape[0]):
@@ -103,8 +107,9 @@ def _weighted(s: Any, peak: float, v: Any, kh: int, out: Any) -> None:
 @njit(fastmath=FASTMATH, cache=True, nogil=True, error_model="numpy")
 def attention(q: Any, k: Any, v: Any, mask: Any, scale: float, out: Any) -> None:
     """``out[t, h] = softmax(scale * q[t, h] . k[:, kh] + mask[t]) @ v[:, kh]`` for q (T, H, D),
-    k and v (S, H_kv, D), mask (T, S) (a (1, S) mask serves every row), out (T, H, D); all
-    float32, any strides."""
+    k and v (S, H_kv, D), mask (T, S) (a (1, S) mask serves every row), out (T, H, D); float32,
+    any strides, but k and v may be float16 as their uint16 bits (as :func:`attend_rows` reads
+    them)."""
     group = q.shape[1] // k.shape[1]
     s = np.empty(k.shape[0], np.float32)
     for t in range(q.shape[0]):
@@ -168,14 +173,14 @@ def rms_norm(x: Any, eps: float, out: Any) -> None:
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True, error_model="numpy")
-def _row_scores(q: Any, k: Any, lo: int, hi: int, kh: int, scale: float, half: Any, s: Any) -> float:
+def _row_scores(q: Any, k: Any, lo: int, hi: int, kh: int, scale: float, s: Any) -> float:
     """``s[j - lo] = scale * q . k[j, kh]`` for cache rows ``j`` in ``[lo, hi)`` (float16 rows
-    read as uint16 bits through the exact table ``half``); the peak."""
+    read as their uint16 bits, converted exactly); the peak."""
     peak = _NEG_INF
     for j in range(lo, hi):
         acc = _F32(0.0)
         for d in range(q.shape[0]):
-            acc += q[d] * _value(k[j, kh, d], half)
+            acc += q[d] * _value(k[j, kh, d])
         value = _F32(acc * scale)
         s[j - lo] = value
         if value > peak or math.isnan(value):
@@ -184,7 +189,7 @@ def _row_scores(q: Any, k: Any, lo: int, hi: int, kh: int, scale: float, half: A
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True, error_model="numpy")
-def _row_weighted(s: Any, peak: float, v: Any, lo: int, hi: int, kh: int, half: Any, out: Any) -> None:
+def _row_weighted(s: Any, peak: float, v: Any, lo: int, hi: int, kh: int, out: Any) -> None:
     """``out = sum_j exp(s[j] - peak) v[j, kh] / sum_j exp(s[j] - peak)`` over rows [lo, hi)."""
     out[:] = 0.0
     total = _F32(0.0)
@@ -192,7 +197,7 @@ def _row_weighted(s: Any, peak: float, v: Any, lo: int, hi: int, kh: int, half: 
         p = _F32(math.exp(s[j - lo] - peak))
         total += p
         for d in range(out.shape[0]):
-            out[d] += p * _value(v[j, kh, d], half)
+            out[d] += p * _value(v[j, kh, d])
     if total != 0.0:
         inv = _F32(1.0) / total
         for d in range(out.shape[0]):
@@ -201,11 +206,10 @@ def _row_weighted(s: Any, peak: float, v: Any, lo: int, hi: int, kh: int, half: 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def attend_rows(q: Any, k: Any, v: Any, pos: Any, base: Any, scale: float, window: int,
-                half: Any, out: Any) -> None:
+                out: Any) -> None:
     """Row ``b`` of q (B, H, D) attends to the cache rows ``base[b] + j``, ``j`` in
     ``[max(0, pos[b] - window + 1) if window else 0, pos[b]]``, of k and v (R, H_kv, D) (float32,
-    or float16 as uint16 bits with ``half`` the 65,536-entry float32 table of their values); a
-    row with ``pos[b] < 0`` comes out as zeros. Bounds are the caller's (``numpy_ops``).
+    or float16 as their uint16 bits); a row with ``pos[b] < 0`` comes out as zeros. Bounds are the caller's (``numpy_ops``).
 
     Batch-invariant: row ``b``'s result is computed from q[b], pos[b], base[b] and its own
     cache rows alone, by the same loops in the same order whatever the other rows are (nothing
@@ -223,11 +227,11 @@ def attend_rows(q: Any, k: Any, v: Any, pos: Any, base: Any, scale: float, windo
         kb, vb = k[lo:hi], v[lo:hi]
         for h in range(q.shape[1]):
             kh = h // group
-            peak = _row_scores(q[b, h], kb, 0, hi - lo, kh, scale, half, s)
+            peak = _row_scores(q[b, h], kb, 0, hi - lo, kh, scale, s)
             if peak == _NEG_INF:
                 out[b, h, :] = 0.0
                 continue
-            _row_weighted(s, peak, vb, 0, hi - lo, kh, half, out[b, h])
+            _row_weighted(s, peak, vb, 0, hi - lo, kh, out[b, h])
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
