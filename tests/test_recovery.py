@@ -189,6 +189,31 @@ def test_layers_that_fit_nowhere_fail_saying_what_would_fit(
         assert "receive was queued" not in str(e.value.__cause__)      # the kill's, not that
 
 
+def test_a_middle_worker_restarted_at_its_address_is_replaced_at_once(
+        llama_gguf: Any, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """kill -9 of the middle worker of 3, and a fresh one at the same address at once (as a
+    supervisor restarts it): the client calls off the failed step's hand-offs, then launches
+    the next chained step before it sees the failure, whose first stage receives the token the
+    called-off hand-off carried. That receive fails as it is queued (it waited for the
+    transfer deadline, 48 s, every time), and the output is the fault-free one. SmolLM2: its
+    steps are still in flight when the stream callback runs (a toy model's are done)."""
+    procs = [spawn_worker() for _ in range(3)]
+    with LlamaModel.load(llama_gguf, [clients(p.endpoint) for p in procs], n_ctx=64) as model:
+        expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
+        victim = procs[1]
+
+        def restart() -> None:
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait()
+            spawn_worker("--bind", victim.endpoint)      # listening again before it returns
+        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(4, restart))
+        assert out == expected
+        (recovery,) = model.recoveries
+        assert recovery.moves[0].lost == victim.endpoint
+        assert recovery.detect_seconds < BOUND_S
+
+
 def test_recover_false_keeps_the_failure_contract(
         six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
         clients: Callable[[str], Client]) -> None:

@@ -36,15 +36,39 @@ def test_an_abort_is_remembered_until_its_receive_starts() -> None:
     assert not stash.aborted and not stash.announced
 
 
-def test_an_abort_of_a_token_nobody_here_waits_for_keeps_nothing() -> None:
+def test_an_abort_of_another_sessions_token_keeps_nothing() -> None:
     stash, owner, tok = Stash(1 << 20), object(), os.urandom(wire.TOKEN_BYTES)
-    assert not stash.abort(owner, tok, "x")           # never announced
     stash.announce(owner, tok)
     assert not stash.abort(object(), tok, "x")        # another session's
-    assert not stash.aborted
+    assert not stash.aborted and not stash.called_off
     stash.abort(owner, tok, "x")
     stash.forget(owner)                               # the session closed
     assert not stash.aborted and not stash.announced
+
+
+def test_a_call_off_before_the_receive_is_queued_fails_it_when_announced() -> None:
+    """The client called off a hand-off (its sender's run failed) before it issued the run that
+    receives it: that run's receive fails as it is announced, for that session only."""
+    stash, owner, other = Stash(1 << 20), object(), object()
+    tok, tok2 = os.urandom(wire.TOKEN_BYTES), os.urandom(wire.TOKEN_BYTES)
+    assert not stash.abort(owner, tok, "the run that sends it failed")
+    assert not stash.abort(owner, tok2, "x")
+    stash.announce(other, tok2)                       # another session's receive of that token
+    assert tok2 not in stash.aborted
+    stash.announce(owner, tok)
+    assert stash.claim(owner, tok) == (None, Aborted("the run that sends it failed", ""))
+    stash.abort(owner, os.urandom(wire.TOKEN_BYTES), "x")
+    stash.forget(owner)                               # the session closed: its call-offs go
+    assert not stash.called_off
+
+
+def test_call_offs_before_their_receives_are_remembered_up_to_a_bound() -> None:
+    stash, owner = Stash(1 << 20), object()
+    tokens = [os.urandom(wire.TOKEN_BYTES) for _ in range(MAX_LOST_EARLY + 5)]
+    for token in tokens:
+        stash.abort(owner, token, "x")
+    assert len(stash.called_off) == MAX_LOST_EARLY
+    assert tokens[0] not in stash.called_off and tokens[-1] in stash.called_off
 
 
 def test_a_chunk_with_no_room_in_mem_fails_its_receive_as_it_starts() -> None:

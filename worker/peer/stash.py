@@ -24,6 +24,11 @@ An unannounced transfer that loses a chunk here (dropped for want of room, evict
 never complete: its token is remembered (the last MAX_LOST_EARLY), and a receive announced for it
 later fails as it starts, saying why, instead of waiting for the transfer deadline (48 s: a
 pipeline's hand-off that reached a worker whose ``--mem`` was full before its run was queued).
+So is a session's call-off of a token it has not queued the receive of yet (the last
+MAX_LOST_EARLY, for that session only): a client calls off the receives of a failed run's
+hand-offs at once, and may then issue a run that receives one of them (a chained step launched
+after the one that failed: kill -9 and a restart at the same address of a pipeline's middle
+worker made its first stage wait 48 s for the carried token).
 """
 
 from __future__ import annotations
@@ -120,6 +125,10 @@ class Stash:
         self.lost_early: dict[bytes, Aborted] = {}
         """Unannounced tokens whose early chunks were lost, and why, oldest first (module
         docstring): :meth:`announce` turns one into an abort."""
+        self.called_off: dict[bytes, tuple[object, Aborted]] = {}
+        """Unannounced tokens a session called off, with that session and why, oldest first,
+        the last MAX_LOST_EARLY (module docstring): that session's :meth:`announce` of one
+        turns it into an abort."""
         self.dropped = 0
 
     def use_budget(self, budget: Budget) -> None:
@@ -140,6 +149,10 @@ class Stash:
         if token in self.announced:
             return
         self.announced[token] = owner
+        early = self.called_off.pop(token, None)
+        if early is not None and early[0] is owner:
+            self.aborted[token] = early[1]
+            return
         lost = self.lost_early.pop(token, None)
         if lost is not None:
             self.aborted[token] = Aborted(
@@ -164,8 +177,16 @@ class Stash:
     def abort(self, owner: object, token: bytes, why: str, reply_to: str = "") -> bool:
         """``owner``'s transfer ``token`` failed before its receive started (its sender or the
         relaying client failed): remember why until the receive starts, and drop its early
-        chunks. False when ``owner`` announced no such receive (nothing is kept)."""
+        chunks. False when ``owner`` announced no such receive: when nobody did, the call-off
+        is remembered for ``owner`` (the client called off a hand-off whose sender failed
+        before it queued the receive), else nothing is kept (another session's token)."""
         if self.announced.get(token) is not owner:
+            if token not in self.announced:
+                self._unstash(token)
+                self.called_off.pop(token, None)
+                self.called_off[token] = (owner, Aborted(why, reply_to))
+                if len(self.called_off) > MAX_LOST_EARLY:
+                    del self.called_off[next(iter(self.called_off))]
             return False
         self.aborted.setdefault(token, Aborted(why, reply_to))
         self._unstash(token)
@@ -174,7 +195,8 @@ class Stash:
     def keep(self, chunk: wire.Chunk, frame: zmq.Frame, sender: str) -> None:
         """Keep a chunk whose receive has not started yet (see the module docstring for what
         is kept and what makes room)."""
-        if chunk.token in self.aborted or chunk.token in self.lost_early:
+        if chunk.token in self.aborted or chunk.token in self.lost_early or \
+                chunk.token in self.called_off:
             return                        # its receive fails when it starts: nothing to keep
         entry = self.entries.get(chunk.token)
         if entry is not None and entry.sender != sender:
@@ -273,11 +295,13 @@ class Stash:
                            entry.messages[0][0].reply_to if entry.messages else "")
 
     def forget(self, owner: object) -> None:
-        """A session closed: its announced tokens, and what came for them, go."""
+        """A session closed: its announced tokens, what came for them, and its call-offs go."""
         for token in [t for t, by in self.announced.items() if by is owner]:
             del self.announced[token]
             self.aborted.pop(token, None)
             self._unstash(token)
+        for token in [t for t, (by, _) in self.called_off.items() if by is owner]:
+            del self.called_off[token]
 
     def _evict_heaviest(self, by_bytes: bool, joining: tuple[str, int] | None = None) -> bool:
         """Evict the oldest unannounced transfer of the sender stashing the most (bytes, or
