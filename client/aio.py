@@ -125,6 +125,12 @@ class AsyncClient:
         """What the worker is doing (see :meth:`Client.status`)."""
         return await asyncio.wrap_future(self.sync.status_async())
 
+    @property
+    def reconnect_refused(self) -> bool:
+        """The connection is down and the worker's address refused a reconnection since (see
+        :attr:`Client.reconnect_refused`)."""
+        return self.sync.reconnect_refused
+
     def timings(self) -> list[RequestTiming]:
         """Where each traced request's time went since the last call (never blocks)."""
         return self.sync.timings()
