@@ -104,7 +104,9 @@ def local_workers(count: int, *extra: str, own_session: bool = False) -> Iterato
     procs: list[ServerProcess] = []
     failed = False
     try:
-        procs.extend(ServerProcess(worker_argv(*extra), own_session) for _ in range(count))
+        # Private workers, stopped with their parent: nobody else's model is there to move off.
+        procs.extend(ServerProcess(worker_argv("--drain-timeout", "0", *extra), own_session)
+                     for _ in range(count))
         yield [proc.wait_ready() for proc in procs]
     except Exception:               # not Ctrl-C or SIGTERM: the user stopped those
         failed = True
