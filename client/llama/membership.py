@@ -29,6 +29,7 @@ Each is reported as a :class:`~.recovery.Recovery` of kind ``"drained"`` or ``"j
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 
@@ -50,7 +51,9 @@ class Membership:
     def __init__(self, recoverer: Recoverer) -> None:
         self.recoverer = recoverer
         self.joining: deque[Client] = deque()
-        """Workers added and not yet placed (any thread appends, the model's thread takes)."""
+        """Workers added and not yet placed (any thread appends, the model's thread takes;
+        both under :attr:`_lock`)."""
+        self._lock = threading.Lock()
         self.stuck: set[int] = set()
         """Draining workers whose stages fit nowhere else (by id): left to leave."""
 
@@ -62,13 +65,14 @@ class Membership:
         """Queue ``client`` to take over layers at the next step boundary."""
         if client.closed:
             raise ValueError(f"the client of {client.endpoint} is closed")
-        if any(s.client is client for s in self.stages) or client in self.joining:
-            raise ValueError(f"worker {client.endpoint} already runs a stage of this model")
         capability = self.recoverer.fmt.capability
         if capability and capability not in client.info.capabilities:
             raise ValueError(f"worker {client.endpoint} lacks {capability!r}, which this "
                              f"model's weights need")
-        self.joining.append(client)
+        with self._lock:
+            if any(s.client is client for s in self.stages) or client in self.joining:
+                raise ValueError(f"worker {client.endpoint} already runs a stage of this model")
+            self.joining.append(client)
 
     def leaving(self) -> list[Client]:
         """The model's workers that said they are leaving (not those stuck)."""
@@ -83,8 +87,12 @@ class Membership:
         """Move off every draining worker, then place every worker that joined."""
         for client in self.leaving():
             self.leave(client)
-        while self.joining:
-            self.join(self.joining.popleft())
+        while (newcomer := self._next_joining()) is not None:
+            self.join(newcomer)
+
+    def _next_joining(self) -> Client | None:
+        with self._lock:
+            return self.joining.popleft() if self.joining else None
 
     # ---------------------------------------------------------------------------- leaving
 
