@@ -491,6 +491,30 @@ def test_a_worker_added_over_http_takes_over_layers() -> None:
             worker.stop()
 
 
+def test_admin_workers_answers_loopback_clients_only() -> None:
+    """The route that places weights on a machine of the caller's choosing: a request from any
+    address but loopback gets 403 before anything is read or connected (the ASGI app as uvicorn
+    runs it, the client's address as the server would see it; no traffic off this host)."""
+    from starlette.testclient import TestClient
+    from zmq_rpc.client.serve.app import build_app
+    from zmq_rpc.client.serve.metrics import ServeMetrics
+    connected: list[str] = []
+    engine: Any = type("Engine", (), {"metrics": ServeMetrics()})()
+
+    def connect(endpoint: str) -> Any:
+        connected.append(endpoint)
+        raise AssertionError("connected for a refused caller")
+    app = build_app(engine, None, "m", connect)  # type: ignore[arg-type]
+    for host in ("192.0.2.7", "10.1.2.3", "2001:db8::1", "testclient"):
+        with TestClient(app, client=(host, 50000)) as http:
+            refused = http.post("/admin/workers", json={"endpoint": "tcp://127.0.0.1:9"})
+        assert refused.status_code == 403, (host, refused.text)
+        assert refused.json()["error"]["code"] == "forbidden"
+    with TestClient(app, client=("::1", 50000)) as http:
+        bad = http.post("/admin/workers", json={"endpoint": 7})
+    assert bad.status_code == 400 and connected == []
+
+
 def _four_streams(serve: Server, victim: ServerProcess | None,
                   fault: Callable[[ServerProcess], None] = lambda w: w.proc.kill()
                   ) -> list[tuple[str, str, int]]:
