@@ -439,7 +439,7 @@ def test_streams_go_on_across_a_worker_that_drains() -> None:
     default), the model moves its layers off at the next step, every stream ends as it did
     without it, /health stays 200, the drain is counted, and the worker exits 0 by itself
     once the server closed its session (long before its drain timeout)."""
-    workers = [ServerProcess(worker_argv()) for _ in range(3)]
+    workers = [ServerProcess(worker_argv(drain_timeout=None)) for _ in range(3)]
     try:
         serve = Server("--workers", ",".join(w.wait_ready() for w in workers), "--slots", "4")
         try:
@@ -468,7 +468,7 @@ def test_streams_go_on_across_a_worker_that_drains() -> None:
 def test_a_worker_added_over_http_takes_over_layers() -> None:
     """``POST /admin/workers`` with a third worker's endpoint while 4 streams run: it joins at
     a step boundary (counted, logged), and every stream ends as it did on two workers."""
-    workers = [ServerProcess(worker_argv()) for _ in range(3)]
+    workers = [ServerProcess(worker_argv(drain_timeout=None)) for _ in range(3)]
     try:
         endpoints = [w.wait_ready() for w in workers]
         serve = Server("--workers", ",".join(endpoints[:2]), "--slots", "4")
