@@ -18,6 +18,7 @@ import pytest
 from conftest import WorkerProcess
 from gguf import GGMLQuantizationType as GT
 from requantize import cache_dir
+from waiting import wait_until
 from zmq_rpc.client import Client, ConnectionLost
 from zmq_rpc.client.llama import LlamaModel
 from zmq_rpc.client.llama.batch import BatchedModel, Rows, RowSampling
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.timeout(120)
 
 PROMPT = [1, 400, 2000, 31, 77, 12000, 5]
 NEW_TOKENS = 32
+HEARTBEAT_S = 2.0
+"""The client's heartbeat interval (Client's default)."""
 EXIT_BOUND_S = 10.0
 """From the model's drain (its client closed) to the worker's exit: its backend notices the
 last session gone within a poll (0.25 s), then stops as SIGINT stops it (SHUTDOWN_BOUND_S)."""
@@ -105,6 +108,23 @@ def test_sigterm_mid_generation_moves_the_layers_off_and_the_worker_exits_zero(
         assert victim.endpoint not in [s.client.endpoint for s in model.stages]
         assert victim.proc.wait(EXIT_BOUND_S) == 0
         assert model.generate(PROMPT, NEW_TOKENS, stop_ids=()) == expected   # and stays whole
+
+
+def test_an_idle_model_hears_the_drain_by_heartbeat_and_moves_at_its_next_step(
+        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        clients: Callable[[str], Client]) -> None:
+    """Nothing runs when the worker drains: the client's heartbeat (2 s of silence) brings the
+    flag, and the next generate moves off before its prompt (nothing to replay yet)."""
+    procs = [spawn_worker() for _ in range(3)]
+    with LlamaModel.load(str(six_layers), [clients(p.endpoint) for p in procs], n_ctx=64) as model:
+        expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
+        victim = model.stages[0].client
+        drain(procs[0])
+        wait_until(lambda: victim.draining, HEARTBEAT_S + 3, "the heartbeat said draining")
+        assert model.generate(PROMPT, NEW_TOKENS, stop_ids=()) == expected
+        (recovery,) = model.recoveries
+        assert recovery.kind == "drained" and recovery.tokens == 0 and victim.closed
+        assert procs[0].proc.wait(EXIT_BOUND_S) == 0
 
 
 def test_a_worker_added_mid_generation_takes_over_layers(

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 
-from ...broker.errors import RecoveryFailed, RemoteError
+from ...broker.errors import RecoveryFailed, RemoteError, RpcError
 from ..client import Client
 from .plan import Stage, split_stage
 from .recovery import Move, Recoverer, Recovery
@@ -114,7 +114,7 @@ class Membership:
         loaded = time.monotonic()
         tokens = recoverer.target.replay(as_fed=not recoverer.invariant)
         done = time.monotonic()
-        client.close()          # its session ends: the draining worker exits now
+        _close_after_replies(client)
         recovery = Recovery(cause, tuple(moves), start, 0.0, loaded - start, done - loaded,
                             tokens, not recoverer.invariant, kind="drained")
         recoverer.report(recovery)
@@ -158,3 +158,14 @@ class Membership:
                             kind="joined")
         recoverer.report(recovery)
         return recovery
+
+
+def _close_after_replies(client: Client) -> None:
+    """Close ``client`` once every request sent on it has been answered (a cache clear queued
+    before the move must not fail with ``ClientClosed``): its session ends, and the draining
+    worker exits."""
+    try:
+        client.synchronize()
+    except RpcError as exc:     # leaving anyway: nothing of the model's is there any more
+        log.debug("draining worker %s: %s", client.endpoint, exc)
+    client.close()
