@@ -33,6 +33,7 @@ from .wire import (
     check_handle,
     check_tensor,
     describe,
+    draining_field,
     list_of,
     timing_field,
     wire_message,
@@ -206,6 +207,9 @@ class GraphReply(Message):
     compute_ns: int = _f(check_handle)
     """How long the worker spent running the graph's nodes."""
     timing: tuple[int, ...] = timing_field()
+    draining: bool = draining_field()
+    """1.14: the worker is leaving (see :func:`~.wire.draining_field`): a model moves its
+    layers off it at its next step boundary."""
 
     def payload_sizes(self) -> list[int]:
         return list(self.sizes)

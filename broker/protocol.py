@@ -94,6 +94,7 @@ from .wire import (
     check_u63,
     contiguous_strides,
     describe,
+    draining_field,
     list_of,
     split_tensor,
     timing_field,
@@ -114,7 +115,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 13)
+PROTOCOL_VERSION = (1, 14)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -138,7 +139,9 @@ the causal / sliding-window mask built on the worker from the positions) and ``s
 (greedy / temperature / top-k / top-p sampling on the worker, a counter-based draw per row)
 (``row-attention``: both batch-invariant; the encoding is unchanged); 1.13 the graph op
 ``causal_mask`` (the attention mask of a chunk's rows built on the worker from their positions,
-so a step sends no mask rows; ``causal-mask``; the encoding is unchanged)."""
+so a step sends no mask rows; ``causal-mask``; the encoding is unchanged); 1.14 the replies'
+``draining`` (``Ack``'s and ``GraphReply``'s last field: the worker got SIGTERM and is leaving;
+capability ``draining``) and HELLO refused with SHUTTING_DOWN by a draining worker."""
 
 
 class Cmd(enum.IntEnum):
@@ -210,9 +213,11 @@ def _code_name(code: int) -> str:
 @wire_message
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ack(Message):
-    """The reply of a command that returns nothing (1.4: it may carry ``timing``)."""
+    """The reply of a command that returns nothing (1.4: it may carry ``timing``; 1.14
+    ``draining``: PING's reply, the heartbeat's included, says so)."""
 
     timing: tuple[int, ...] = timing_field()
+    draining: bool = draining_field()
 
 
 def _check_bytes(limit: int) -> Callable[[Any, str], bytes]:

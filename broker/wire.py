@@ -237,6 +237,15 @@ def timing_field() -> Any:
     return _f(_check_timing, since=(1, 5), default=())
 
 
+def draining_field() -> Any:
+    """A reply's ``draining`` (1.14, capability ``draining``): the worker is leaving (it got
+    SIGTERM with ``--drain-timeout``): it answers every request as before, takes no new
+    session, and exits once its sessions have closed or the timeout passed. Sent (True) only
+    to sessions whose HELLO said 1.14 or later; False otherwise, and then never on the wire.
+    The client library surfaces it as ``Client.draining``."""
+    return _f(check_bool, since=(1, 14), default=False)
+
+
 # ---------------------------------------------------------------------------------- tensors
 
 

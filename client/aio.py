@@ -62,6 +62,11 @@ class AsyncClient:
     def closed(self) -> bool:
         return self.sync.closed
 
+    @property
+    def draining(self) -> bool:
+        """The worker said it is leaving (see :attr:`Client.draining`)."""
+        return self.sync.draining
+
     async def close(self) -> None:
         """Free this session on the worker, fail pending requests, stop the I/O thread."""
         await asyncio.to_thread(self.sync.close)

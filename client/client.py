@@ -110,6 +110,15 @@ class Client:
         self.session.info = info
 
     @property
+    def draining(self) -> bool:
+        """The worker said it is leaving (it got SIGTERM; protocol 1.14, capability
+        ``draining``): it answers every request until its sessions close or its
+        ``--drain-timeout`` passes, and refuses new sessions. Learned from any reply (a graph
+        run's, a ping's, the idle heartbeat's); a model moves its layers off it at its next
+        step (:mod:`zmq_rpc.client.llama.membership`)."""
+        return self.connection.draining.is_set()
+
+    @property
     def name(self) -> str:
         return self.session.name
 

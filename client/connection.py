@@ -88,6 +88,8 @@ class Connection:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._timings: deque[RequestTiming] = deque(maxlen=MAX_TIMINGS)
+        self.draining = threading.Event()
+        """Set (by the I/O thread) once a reply said the worker is leaving (protocol 1.14)."""
         self._thread = threading.Thread(target=self._run, name="zmq-rpc-client-io", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -307,7 +309,7 @@ class Connection:
         io_thread.active = True
         try:
             self._loop = Loop(self.ctx, self.endpoint, self.options, self._mailbox,
-                              self._timings)
+                              self._timings, self.draining)
         except BaseException as exc:
             self._start_error = _as_rpc_error(self.endpoint, exc)
             self._finish(None)

@@ -76,12 +76,15 @@ class Loop:
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
                  opts: ConnectionOptions, mailbox: Mailbox,
-                 timings: deque[RequestTiming]) -> None:
+                 timings: deque[RequestTiming], draining: threading.Event | None = None) -> None:
         self.endpoint = endpoint
         self.options = opts
         self.mailbox = mailbox
         self.timings = timings
         """Appended when tracing; read by the connection's ``drain_timings`` (any thread)."""
+        self.draining = draining or threading.Event()
+        """Set when a reply says the worker is leaving (``draining``, protocol 1.14); read
+        by ``Client.draining`` (any thread)."""
         self.link = Link(ctx, endpoint, opts, self.fail_pending)
         self.dealer = self.link.dealer
         self.monitor = self.link.monitor
@@ -418,8 +421,13 @@ class Loop:
         if header[0] == ErrorCode.NO_SESSION:
             self.link.session_lost(header[2] if len(header) > 2 else "")
         call = self.in_flight.pop(header[1], None)
-        if call is None:
-            return  # a reply to a request that already timed out, or a heartbeat
+        if call is None:    # a reply to a request that already timed out, or a heartbeat
+            if header[1] == 0 and header[0] == STATUS_OK and len(header) > 2:
+                try:
+                    self._note(p.decode_reply(Cmd.PING, header))
+                except RpcError as exc:
+                    log.warning("dropping an unreadable heartbeat reply: %s", exc)
+            return
         self.in_flight_bytes -= call.nbytes
         received = time.perf_counter_ns() if self.trace else 0
         call.settled = True
@@ -433,6 +441,7 @@ class Loop:
             if isinstance(result, RpcError):
                 settle(call, None, result)
             else:
+                self._note(result)
                 check_reply_payload(call.cmd, result, frames)
                 settle(call, call.on_reply(result, frames[1:]) if call.on_reply else result,
                        None)
@@ -440,6 +449,12 @@ class Loop:
                     self.timings.append(timing(call, result, received))
         except BaseException as exc:
             fail_call(call, exc)
+
+    def _note(self, reply: p.Message | RpcError) -> None:
+        """What a reply says about the worker itself: that it is leaving (1.14)."""
+        if getattr(reply, "draining", False) and not self.draining.is_set():
+            log.warning("worker %s is draining (leaving): move off it", self.endpoint)
+            self.draining.set()
 
     def _settle_ack(self, data: bytes) -> bool:
         """Settle the call that ``data`` answers if it is that call's Ack (its bytes

@@ -122,7 +122,7 @@ class WorkerProcess:
     parsed from its first stdout line. Its stderr is a pipe: tests read the worker's logs."""
 
     def __init__(self, *args: str) -> None:
-        cmd = worker_argv(*args, bind=LOOPBACK, threads=None)
+        cmd = worker_argv(*args, bind=LOOPBACK, threads=None, drain_timeout=None)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert self.proc.stdout is not None

@@ -16,7 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import zmq
 from conftest import WorkerProcess
+from zmq_rpc.broker import protocol as p
+from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client
 from zmq_rpc.worker.cli import BLAS_THREAD_VARS, SHUTDOWN_BOUND_S
 
@@ -84,6 +87,57 @@ def test_sigint_then_sigterm_with_an_open_session_exits_zero(
         time.sleep(0.1)             # the scenario: a second signal while it shuts down
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(SHUTDOWN_BOUND_S + 5) == 0
+
+
+def said_draining(proc: WorkerProcess) -> None:
+    """Wait for the worker's log line that it drains (its replies say so from then on)."""
+    assert proc.proc.stderr is not None
+    while "draining:" not in (line := proc.proc.stderr.readline()):
+        assert line, "the worker exited without draining"
+
+
+def test_a_second_sigterm_stops_a_draining_worker_at_once(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    proc = spawn_worker()
+    with Client(proc.endpoint) as client:
+        client.alloc_buffer(1 << 20)
+        proc.proc.send_signal(signal.SIGTERM)
+        said_draining(proc)
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)        # the session is still open
+        assert proc.proc.wait(SHUTDOWN_BOUND_S + 5) == 0
+        assert time.monotonic() - started < SHUTDOWN_BOUND_S
+
+
+def test_a_drain_ends_at_its_timeout_with_a_session_still_open(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    proc = spawn_worker("--drain-timeout", "1")
+    with Client(proc.endpoint) as client:
+        client.alloc_buffer(1 << 20)
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        said_draining(proc)
+        assert proc.proc.wait(1 + SHUTDOWN_BOUND_S + 5) == 0
+        assert time.monotonic() - started >= 1.0
+        assert "1 s passed with sessions still open" in proc.proc.stderr.read()
+
+
+def test_a_client_of_13_is_served_by_a_draining_worker_without_the_flag(
+        spawn_worker: Callable[..., WorkerProcess],
+        raw_socket: Callable[[int], zmq.Socket[bytes]]) -> None:
+    """An older client (its HELLO says 1.13) gets the replies it always got: no field it
+    cannot decode; its GOODBYE ends the drain."""
+    proc = spawn_worker()
+    sock = raw_socket(zmq.DEALER)
+    sock.connect(proc.endpoint)
+    sock.send(p.encode_request(Cmd.HELLO, 1, p.Hello(major=1, minor=13, client="old")))
+    assert p.unpack_header(sock.recv_multipart()[0])[0] == p.STATUS_OK
+    proc.proc.send_signal(signal.SIGTERM)
+    said_draining(proc)
+    sock.send(p.encode_request(Cmd.PING, 2, p.Empty()))
+    assert p.unpack_header(sock.recv_multipart()[0]) == [p.STATUS_OK, 2]
+    sock.send(p.encode_request(Cmd.GOODBYE, 3, p.Empty()))
+    assert proc.proc.wait(SHUTDOWN_BOUND_S + 5) == 0
 
 
 def test_shutdown_past_its_bound_exits_one_without_waiting() -> None:

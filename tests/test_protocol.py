@@ -163,10 +163,12 @@ def test_error_message_is_capped() -> None:
 # 1.12: the graph ops attend_rows and sample_rows (capability row-attention; the encoding is
 #       unchanged).
 # 1.13: the graph op causal_mask (capability causal-mask; the encoding is unchanged).
+# 1.14: replies' draining (Ack's and GraphReply's last field: the worker is leaving; capability
+#       draining), sent only to sessions whose HELLO said 1.14 (test_golden_draining).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 13)
+    assert p.PROTOCOL_VERSION == (1, 14)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -811,6 +813,21 @@ def test_golden_timing() -> None:
     run = p.encode_reply(6, GraphReply(sizes=[4], compute_ns=9, timing=(1, 2)))
     assert run.hex() == "950006" "9104" "09" "920102"
     assert p.decode_reply(Cmd.GRAPH_RUN, p.unpack_header(run)).timing == (1, 2)
+
+
+def test_golden_draining() -> None:
+    """1.14: a draining worker's Ack and graph-run replies end with a true (an empty timing
+    before it when not timed); without it they are the 1.13 bytes."""
+    from zmq_rpc.broker.graph import GraphReply
+    leaving = p.encode_reply(5, p.Ack(draining=True))
+    assert leaving.hex() == "940005" "90" "c3"
+    assert p.encode_reply(5, p.Ack(draining=False)).hex() == "920005"
+    assert p.decode_reply(Cmd.PING, p.unpack_header(leaving)) == p.Ack(draining=True)
+    run = p.encode_reply(6, GraphReply(sizes=[4], compute_ns=9, timing=(1, 2), draining=True))
+    assert run.hex() == "960006" "9104" "09" "920102" "c3"
+    assert p.decode_reply(Cmd.GRAPH_RUN, p.unpack_header(run)).draining is True
+    with pytest.raises(BadRequest, match="draining"):
+        p.decode_reply(Cmd.PING, [0, 1, [], 1])
 
 
 @pytest.mark.parametrize("timing", [[1], [1, 2, 3], [-1, 0], [0.5, 1], "ab"])

@@ -13,10 +13,12 @@ import asyncio
 import json
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -41,6 +43,10 @@ SLOTS = 2
 """The shared server's KV slots (sequences at once)."""
 TIMEOUT = 60.0
 """Seconds any one HTTP request may take (a loaded CI machine decodes ~20 tokens/s)."""
+DRAIN_EXIT_S = 20.0
+"""From SIGTERM to a draining worker's exit: the next step boundary (a step), moving its layers
+(a load and a re-prefill, ~2 s here) and closing its session; under the 30 s default
+--drain-timeout, so an exit in time is the model's doing."""
 LOST_BOUND = 6.0 + 1.0
 """A killed worker's ConnectionLost bound (docs/FAILURES.md) + the step it interrupts."""
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fibonacci(n):"]
@@ -427,10 +433,95 @@ def test_streams_go_on_across_a_killed_worker() -> None:
             worker.stop()
 
 
-def _four_streams(serve: Server, victim: ServerProcess | None) -> list[tuple[str, str, int]]:
-    """Each stream's text, finish reason and completion tokens; ``victim`` is killed once every
-    stream has had text and none has ended."""
+def test_streams_go_on_across_a_worker_that_drains() -> None:
+    """4 concurrent streams on 3 workers (default settings); one worker (at random) sent
+    SIGTERM once every stream has text and none has ended: it drains (--drain-timeout's
+    default), the model moves its layers off at the next step, every stream ends as it did
+    without it, /health stays 200, the drain is counted, and the worker exits 0 by itself
+    once the server closed its session (long before its drain timeout)."""
+    workers = [ServerProcess(worker_argv(drain_timeout=None)) for _ in range(3)]
+    try:
+        serve = Server("--workers", ",".join(w.wait_ready() for w in workers), "--slots", "4")
+        try:
+            expected = _four_streams(serve, None)
+            victim = random.choice(workers)
+            signalled = [0.0]
+
+            def drain(worker: ServerProcess) -> None:
+                signalled[0] = time.monotonic()
+                worker.proc.send_signal(signal.SIGTERM)
+            assert _four_streams(serve, victim, drain) == expected, f"drained {victim.endpoint}"
+            assert victim.proc.wait(DRAIN_EXIT_S) == 0
+            assert time.monotonic() - signalled[0] < DRAIN_EXIT_S
+            assert serve.http.get("/health").status_code == 200
+            assert serve.metric("zmq_rpc_serve_recoveries_total", outcome="drained") == 1
+            assert serve.metric("zmq_rpc_serve_recoveries_total", outcome="moved") == 0
+            assert serve.metric("zmq_rpc_serve_sequences_finished_total", reason="error") == 0
+            assert f"worker {victim.endpoint} drained" in serve.proc.stderr()    # logged
+        finally:
+            assert serve.stop() == 0, serve.proc.stderr()
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_a_worker_added_over_http_takes_over_layers() -> None:
+    """``POST /admin/workers`` with a third worker's endpoint while 4 streams run: it joins at
+    a step boundary (counted, logged), and every stream ends as it did on two workers."""
+    workers = [ServerProcess(worker_argv(drain_timeout=None)) for _ in range(3)]
+    try:
+        endpoints = [w.wait_ready() for w in workers]
+        serve = Server("--workers", ",".join(endpoints[:2]), "--slots", "4")
+        try:
+            expected = _four_streams(serve, None)
+
+            def join(worker: ServerProcess) -> None:
+                added = serve.http.post("/admin/workers", json={"endpoint": worker.endpoint})
+                assert added.status_code == 202, added.text
+            assert _four_streams(serve, workers[2], join) == expected
+            wait_until(lambda: serve.metric("zmq_rpc_serve_recoveries_total",
+                                            outcome="joined") == 1, TIMEOUT, "joined")
+            assert f"worker {endpoints[2]} joined" in serve.proc.stderr()
+            again = serve.http.post("/admin/workers", json={"endpoint": "tcp://nowhere"})
+            assert again.status_code == 400, again.text
+        finally:
+            assert serve.stop() == 0, serve.proc.stderr()
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+def test_admin_workers_answers_loopback_clients_only() -> None:
+    """The route that places weights on a machine of the caller's choosing: a request from any
+    address but loopback gets 403 before anything is read or connected (the ASGI app as uvicorn
+    runs it, the client's address as the server would see it; no traffic off this host)."""
+    from starlette.testclient import TestClient
+    from zmq_rpc.client.serve.app import build_app
+    from zmq_rpc.client.serve.metrics import ServeMetrics
+    connected: list[str] = []
+    engine: Any = type("Engine", (), {"metrics": ServeMetrics()})()
+
+    def connect(endpoint: str) -> Any:
+        connected.append(endpoint)
+        raise AssertionError("connected for a refused caller")
+    app = build_app(engine, None, "m", connect)  # type: ignore[arg-type]
+    for host in ("192.0.2.7", "10.1.2.3", "2001:db8::1", "testclient"):
+        with TestClient(app, client=(host, 50000)) as http:
+            refused = http.post("/admin/workers", json={"endpoint": "tcp://127.0.0.1:9"})
+        assert refused.status_code == 403, (host, refused.text)
+        assert refused.json()["error"]["code"] == "forbidden"
+    with TestClient(app, client=("::1", 50000)) as http:
+        bad = http.post("/admin/workers", json={"endpoint": 7})
+    assert bad.status_code == 400 and connected == []
+
+
+def _four_streams(serve: Server, victim: ServerProcess | None,
+                  fault: Callable[[ServerProcess], None] = lambda w: w.proc.kill()
+                  ) -> list[tuple[str, str, int]]:
+    """Each stream's text, finish reason and completion tokens; ``fault(victim)`` (a kill) runs
+    once every stream has had text and none has ended."""
     client = serve.openai()
+    done = threading.Event()
     lock = threading.Lock()
     seen = [0] * len(PROMPTS)
     ended = [False] * len(PROMPTS)
@@ -449,9 +540,10 @@ def _four_streams(serve: Server, victim: ServerProcess | None) -> list[tuple[str
             with lock:
                 seen[i] += bool(chunk.choices[0].text)
                 ended[i] = ended[i] or bool(finish)
-                if victim is not None and victim.proc.poll() is None and min(seen) >= 2 \
+                if victim is not None and not done.is_set() and min(seen) >= 2 \
                         and not any(ended):
-                    victim.proc.kill()
+                    done.set()
+                    fault(victim)
         return text, finish, used
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         return list(pool.map(run, range(len(PROMPTS))))

@@ -85,7 +85,9 @@ def test_silent_client_loses_its_session(make_worker: Callable[..., WorkerServer
 
 def test_sigterm_answers_or_fails_in_flight(spawn_worker: Callable[..., WorkerProcess],
                                             make_client: Callable[..., Client]) -> None:
-    proc = spawn_worker()
+    """``--drain-timeout 0``: SIGTERM stops at once (the default drains first:
+    test_recovery.py's drain tests)."""
+    proc = spawn_worker("--drain-timeout", "0")
     client = make_client(proc.endpoint, timeout=15)
     buf = client.alloc_buffer(64 << 20)
     t = buf.tensor(16 << 20, "float32")

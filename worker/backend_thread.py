@@ -38,6 +38,10 @@ from .sessions.session import WorkerLimits
 
 log = logging.getLogger("zmq_rpc.worker")
 
+DRAIN = b"DRAIN"
+"""The control command that starts draining (:meth:`~.dispatch.executor.Executor.drain`); any
+other command stops the thread."""
+
 SHUTDOWN_DRAIN_S = 2.0
 """At shutdown, requests already sent keep being answered until none arrives for 20 ms, at most
 this long; later ones get SHUTTING_DOWN or find the worker gone."""
@@ -85,6 +89,9 @@ class BackendThread(threading.Thread):
         self.disk: tuple[ModelFiles | None, TensorCache | None] = (None, None)
         """The model files and tensor cache the executor serves (handed over before start)."""
         self.inbox = Inbox()
+        self.drained = threading.Event()
+        """Set once draining (the control command ``DRAIN``) and no session is left: the
+        server may stop (the CLI waits on it, up to ``--drain-timeout``)."""
 
     def run(self) -> None:
         pair = self.ctx.socket(zmq.PAIR)
@@ -149,10 +156,15 @@ class BackendThread(threading.Thread):
             if hasher is not None and hasher.wake_fd in events:
                 hasher.collect()         # a file's hash is in: its request runs (and replies)
             if control in events:
-                self._shutdown(pair, control.recv())
-                return
+                command = control.recv()
+                if command != DRAIN:
+                    self._shutdown(pair, command)
+                    return
+                self.executor.drain()
             waiting = self.executor.pump_all() if (waiting or busy) else False
             self.executor.reap()
+            if self.executor.draining and not self.executor.sessions:
+                self.drained.set()
             now = time.monotonic()
             self.executor.release_held(now)
             peers.expire(now)

@@ -6,6 +6,10 @@ then loads the backend (numpy, the executor, the kernels' settings: clients that
 meanwhile wait in its queue), freezes what start-up made (:mod:`.process.gc_pacing`), and waits
 for a signal (or for one of the worker's threads to end on its own); then it stops the server
 (in-flight requests answered or failed) within :data:`SHUTDOWN_BOUND_S` and exits 0.
+SIGTERM with ``--drain-timeout`` (default :data:`DRAIN_TIMEOUT_S`) drains first: the worker keeps
+answering, tells its clients it is leaving (protocol 1.14) so that their models move off it at
+their next step, refuses new sessions, and stops once its last session has closed or the timeout
+has passed; a second SIGTERM, or SIGINT, stops it at once.
 Until it listens it imports only what parsing and binding need (:mod:`zmq_rpc.broker.limits` for
 the defaults ``--help`` shows), so that it listens within tens of milliseconds of exec.
 A worker that cannot start (address in use, bad ``--mem``) says why and exits 1 at once.
@@ -21,6 +25,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -40,6 +45,11 @@ SHUTDOWN_BOUND_S = 10.0
 """Seconds a worker may take to answer or fail what it holds after SIGINT/SIGTERM."""
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+DRAIN_TIMEOUT_S = 30.0
+"""Default ``--drain-timeout``: long enough for a model to move a stage off (a load from the
+worker's own file or cache and a re-prefill take seconds, docs/FAILURES.md), short enough for a
+service manager's stop (systemd waits 90 s before SIGKILL)."""
 
 BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                     "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -139,8 +149,23 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
     return parse
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or more")
+    return value
+
+
 DESCRIPTION = "Run one zmq-rpc worker until SIGINT or SIGTERM."
-EPILOG = (f"SIGINT/SIGTERM: requests already received are answered or failed, then the worker "
+EPILOG = (f"SIGTERM drains first (--drain-timeout, default {DRAIN_TIMEOUT_S:g} s): the worker "
+          f"keeps answering, tells its clients it is leaving so that their models move their "
+          f"layers to other workers at their next step, refuses new sessions, and stops once its "
+          f"last session has closed or the timeout has passed (a second SIGTERM: at once). "
+          f"SIGINT (or SIGTERM with --drain-timeout 0): requests already received are answered "
+          f"or failed, then the worker "
           f"exits 0 (a later signal does not change that); if that takes more than "
           f"{SHUTDOWN_BOUND_S:g} s (one long graph run), it exits 1 without waiting. Exit 1 also "
           f"when it cannot start (address in use, bad --mem, no such device), 2 for bad flags. "
@@ -216,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-size", type=parse_size, default=8 << 30,
                     help="bytes the tensor cache may hold (least recently used go first; "
                          "default 8GiB)")
+    ap.add_argument("--drain-timeout", type=_non_negative, default=DRAIN_TIMEOUT_S,
+                    metavar="SECONDS",
+                    help="on SIGTERM, how long the worker goes on serving while the models "
+                         "using it move their layers off it (it leaves as soon as its last "
+                         "session closes); 0 stops at once (default %(default)s)")
     ap.add_argument("--session-timeout", type=_positive(float), default=30.0,
                     help="seconds of silence after which a client's session and its buffers are "
                          "freed (default %(default)s)")
@@ -303,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                           insecure=args.insecure, model_dirs=tuple(args.model_dir),
                           cache_dir=args.cache_dir, cache_size=args.cache_size,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host)
-    stop = threading.Event()
+    signals = Signals(drain=args.drain_timeout > 0)
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, signals.handle)
     server = WorkerServer(config)
     try:
         endpoint = server.listen()
@@ -319,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         freeze_start_up()   # full collections walk only what clients make (worker/process/gc_pacing.py)
         if server.metrics_address:
             announce([f"zmq-rpc-worker metrics on {server.metrics_address}/metrics"])
-        code = serve_until(stop, server)
+        code = serve_until(signals, server, args.drain_timeout)
     except Exception as exc:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
     finally:     # whatever went wrong, the server's threads must not outlive main()
@@ -347,12 +377,57 @@ def announce(lines: list[str]) -> None:
         sys.stdout = open(os.devnull, "w")    # no second error when the interpreter flushes it
 
 
-def serve_until(stop: threading.Event, server: WorkerServer) -> int:
-    """Wait for a stop signal (exit code 0) or for a worker thread to end on its own (1)."""
-    while not stop.wait(0.5):
+class Signals:
+    """What the stop signals asked for (set by the handlers on the main thread): SIGINT stops;
+    the first SIGTERM drains when ``drain``, any later one stops."""
+
+    def __init__(self, *, drain: bool) -> None:
+        self.stop = threading.Event()
+        self.drain = threading.Event()
+        self._may_drain = drain
+
+    def handle(self, sig: int, frame: object) -> None:
+        if sig == signal.SIGTERM and self._may_drain and not self.drain.is_set():
+            self.drain.set()
+        else:
+            self.stop.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True once a signal asked for a stop or a drain."""
+        return self.stop.wait(seconds) or self.drain.is_set()
+
+
+def serve_until(signals: Signals, server: WorkerServer, drain_timeout: float = 0.0) -> int:
+    """Wait for a stop signal (exit code 0), a drain (:func:`drain_until`) or for a worker
+    thread to end on its own (1)."""
+    while not signals.wait(0.1):
         if not server.running():
             log.error("a worker thread ended on its own; stopping")
             return 1
+    if signals.drain.is_set() and not signals.stop.is_set():
+        return drain_until(signals, server, drain_timeout)
+    return 0
+
+
+def drain_until(signals: Signals, server: WorkerServer, timeout: float) -> int:
+    """Drain ``server`` until its last session has closed, ``timeout`` seconds have passed or
+    a second signal came (exit code 0 each), or a worker thread ended on its own (1)."""
+    log.warning("SIGTERM: draining for up to %g s (clients are told to move off; new sessions "
+                "are refused); a second SIGTERM or SIGINT stops at once", timeout)
+    server.drain()
+    deadline = time.monotonic() + timeout
+    while not signals.stop.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.warning("draining: %g s passed with sessions still open; stopping", timeout)
+            return 0
+        if server.drained(min(0.1, left)):
+            log.info("drained: no session left; stopping")
+            return 0
+        if not server.running():
+            log.error("a worker thread ended on its own while draining; stopping")
+            return 1
+    log.warning("draining cut short by a second signal; stopping")
     return 0
 
 

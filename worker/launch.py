@@ -86,11 +86,15 @@ class ServerProcess:
 
 
 def worker_argv(*extra: str, bind: str = LOOPBACK, threads: int | None = 1,
-                log_level: str = "WARNING") -> list[str]:
-    """The command line of one local worker (``threads`` None: the worker's default)."""
+                log_level: str = "WARNING", drain_timeout: str | None = "0") -> list[str]:
+    """The command line of one local worker (``threads``, ``drain_timeout`` None: the worker's
+    default). A tool's workers are its own, stopped with it: nobody else's model is there to
+    move off, so SIGTERM stops them at once (``--drain-timeout 0``) unless asked."""
     argv = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", bind]
     if threads is not None:
         argv += ["--threads", str(threads)]
+    if drain_timeout is not None:
+        argv += ["--drain-timeout", drain_timeout]
     return [*argv, "--log-level", log_level, *extra]
 
 

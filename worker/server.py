@@ -401,6 +401,24 @@ class WorkerServer:
                 pass
         thread.join()
 
+    def drain(self) -> None:
+        """Leave on purpose: the backend goes on answering every request, marks its replies
+        ``draining`` (protocol 1.14) so that models move their layers off, and refuses new
+        sessions; :meth:`drained` says when no session is left. :meth:`stop` follows."""
+        thread = self._backend_thread
+        if self._stopped or thread is None or not thread.is_alive() or self._backend_ctl is None:
+            return
+        from .backend_thread import DRAIN
+        self._backend_ctl.send(DRAIN)
+
+    def drained(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a draining worker to have no session left; True
+        at once when the backend is not running."""
+        thread = self._backend_thread
+        if thread is None or not thread.is_alive():
+            return True
+        return thread.drained.wait(timeout)
+
     def running(self) -> bool:
         """Whether both threads still run (False once either died or the server stopped)."""
         threads = (self._backend_thread, self._broker_thread)

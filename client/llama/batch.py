@@ -68,10 +68,11 @@ from ..graph import Graph, GraphTensor
 from ..pipeline import LinkedRun, run_chain
 from .graph import Layer, Registrations, StageGraphs, StepMasks, step_buffer
 from .load import LoadStats, Progress, WeightLoader
+from .membership import Membership
 from .model import KVDType, Status, free_stages
 from .plan import ModeIO, Stage, head_tensor, layer_tensor, make_stages, need
 from .recovery import OnRecovery, Recoverer, Recovery
-from .runtime import KVCache, Recover, embed_tokens, guarded
+from .runtime import LOSSES, KVCache, Recover, embed_tokens, guarded, recover_from
 from .source import SourceChoice, WeightSource
 from .weights import WeightFormat, WeightsMode, weight_format
 
@@ -274,6 +275,8 @@ class BatchedModel:
         self.bytes_sent = 0
         self.recoverer: Recoverer | None = None
         """Re-places a lost worker's layers (set by :meth:`load` unless ``recover=False``)."""
+        self.membership: Membership | None = None
+        """Workers leaving (draining) and joining, at step boundaries (with the recoverer)."""
         self._fed: dict[int, list[int]] = {}
         """Each live slot's tokens, by position, as its lane steps were launched: what a
         recovery replays (:meth:`release` forgets a slot)."""
@@ -302,7 +305,12 @@ class BatchedModel:
         (:meth:`LaneStep.result`) re-places the lost stages (every lane's graphs of every size
         registered there), replays each live slot's tokens so far as prefill chunks (the step
         graphs are batch-invariant), then issues again every lane step in flight, in order:
-        each sequence gets the tokens the fault-free run would have given it, once."""
+        each sequence gets the tokens the fault-free run would have given it, once.
+
+        With ``recover``, a worker that says it is draining has its stages moved off it, and
+        one passed to :meth:`add_worker` takes over layers, at the next step boundary
+        (:meth:`step_boundary`, which :meth:`launch` calls first): the same way, no step
+        failed (:mod:`.membership`)."""
         if not clients:
             raise ValueError("need at least one client")
         if slots < 1:
@@ -322,6 +330,7 @@ class BatchedModel:
         if recover:
             model.recoverer = Recoverer(gguf, model.format, source, model, spares, on_recovery,
                                         invariant=True)
+            model.membership = Membership(model.recoverer)
         return model
 
     def _load(self, progress: Progress | None, status: Status, source: WeightSource) -> None:
@@ -376,6 +385,7 @@ class BatchedModel:
         logits (tests). A part at position 0 starts its slot's sequence anew."""
         if self._closed:
             raise RuntimeError("the model is closed")
+        self.step_boundary()
         used = sum(len(p.tokens) for p in parts)
         samples = sum(p.sample is not None for p in parts)
         if not 1 <= used <= self.rows:
@@ -389,6 +399,35 @@ class BatchedModel:
         self._prune()
         self._flying.append(step)
         return step
+
+    def add_worker(self, client: Client) -> None:
+        """Have the worker of ``client`` take over layers at the next step boundary (as
+        :meth:`LlamaModel.add_worker <.model.LlamaModel.add_worker>`). Any thread may call it."""
+        if self._closed:
+            raise RuntimeError("the model is closed")
+        if self.membership is None:
+            raise RuntimeError("add_worker needs a model loaded with recover=True")
+        self.membership.add(client)
+
+    def step_boundary(self) -> None:
+        """Let draining workers go and added ones join, if any: the lane steps in flight are
+        let finish on the stages they were issued to (a draining worker still answers), the
+        stages move (:mod:`.membership`), the slots are replayed up to those steps, and the
+        steps are issued again in order, as after a recovery. A step in flight that failed
+        leaves it to the next boundary (its :meth:`LaneStep.result` recovers first)."""
+        membership = self.membership
+        if membership is None or not membership.due():
+            return
+        self._prune()
+        if any(step.future.exception() is not None for step in self._flying):
+            return
+        try:
+            membership.run()
+        except LOSSES as exc:
+            recover_from(exc, self._recover)    # re-issues the steps in flight itself
+            return
+        for step in self._flying:
+            step.future = self._issue(step.lane, step.parts, step.rows, step.logits)
 
     def release(self, slot: int) -> None:
         """``slot``'s sequence is over: a recovery no longer replays it."""

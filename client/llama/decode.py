@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from functools import partial
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -23,9 +24,27 @@ from .plan import need
 from .runtime import LOSSES, Recover, Step, StepRunner, StepStat, guarded, recover_from
 from .sampling import sample_token
 
-__all__ = ["Generator"]
+__all__ = ["Boundary", "Generator"]
 
 Stream = Callable[[int], None]
+T = TypeVar("T")
+
+
+class Boundary(Protocol):
+    """What a model does between two steps (:class:`~.membership.Membership`: workers that
+    leave or join)."""
+
+    def due(self) -> bool:
+        """Something to do now (flags only: it is asked before every step)."""
+        ...
+
+    def run(self) -> None:
+        """Do it; nothing of the model's is in flight."""
+        ...
+
+
+class _AtBoundary(Exception):  # noqa: N818 - a signal between two methods, never raised out
+    """The chained decoding stops at a step boundary that has work (:class:`Boundary`)."""
 
 
 class Generator:
@@ -48,6 +67,9 @@ class Generator:
         """Called with the error when a step fails on a lost connection: it re-places the lost
         stages and replays the sequence (:mod:`.recovery`), or raises; generation then goes on
         from the next token. None: the error is raised."""
+        self.boundary: Boundary | None = None
+        """Asked before each step (and after each chained token) whether workers leave or
+        join; they do then, with nothing in flight (:mod:`.membership`)."""
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -66,15 +88,26 @@ class Generator:
             return int(row[0]) if greedy else sample_token(row, temperature, top_k, top_p, rng)
 
         run = self.runner.run_chunks
-        out = [pick(guarded(partial(run, "prefill", prompt_ids, fetch_each=False, fetch=fetch),
-                            self.recover)[-1])]
+        out = [pick(self._step(partial(run, "prefill", prompt_ids, fetch_each=False,
+                                       fetch=fetch))[-1])]
         if greedy and self.chain_greedy:
             self._generate_chained(out, max_new_tokens, stops, stream)
             return out
         for token in self._continue(out, max_new_tokens, stops, stream):
-            out.append(pick(guarded(partial(run, "decode", [token], fetch_each=False,
-                                            fetch=fetch), self.recover)[-1]))
+            out.append(pick(self._step(partial(run, "decode", [token], fetch_each=False,
+                                               fetch=fetch))[-1]))
         return out
+
+    def _step(self, call: Callable[[], T]) -> T:
+        """``call()`` after the step boundary's work, recovering from a lost worker."""
+        def at_boundary() -> T:
+            self._boundary()
+            return call()
+        return guarded(at_boundary, self.recover)
+
+    def _boundary(self) -> None:
+        if self.boundary is not None and self.boundary.due():
+            self.boundary.run()
 
     def _continue(self, out: list[int], limit: int, stops: set[int],
                   stream: Stream | None) -> Iterator[int]:
@@ -91,8 +124,9 @@ class Generator:
 
     def _generate_chained(self, out: list[int], limit: int, stops: set[int],
                           stream: Stream | None) -> None:
-        """Stream the prompt's token, then decode chained; after a recovery the chain starts
-        again from the last token, which the client embeds (the prompt's hand-off is gone)."""
+        """Stream the prompt's token, then decode chained; after a recovery, or workers that
+        left or joined at a step boundary, the chain starts again from the last token, which
+        the client embeds (the prompt's hand-off is gone)."""
         if stream is not None:
             stream(out[-1])
         if out[-1] in stops or len(out) >= limit:
@@ -104,6 +138,9 @@ class Generator:
                 return
             except LOSSES as exc:
                 recover_from(exc, self.recover)
+                restart = out[-1]
+            except _AtBoundary:
+                guarded(self._boundary, self.recover)
                 restart = out[-1]
 
     def _decode_chained(self, out: list[int], limit: int, stops: set[int],
@@ -143,6 +180,8 @@ class Generator:
                     stream(token)
                 if token in stops or len(out) >= limit or self._full():
                     return
+                if self.boundary is not None and self.boundary.due():
+                    raise _AtBoundary
         finally:
             self._finish_chain(pending, newest, carried)
 

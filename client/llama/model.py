@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Literal
 
@@ -27,9 +26,10 @@ from ..gguf_model import LlamaConfig, LlamaGGUF, default_model_path, load_gguf
 from .decode import Generator
 from .graph import Mode, StageGraphs
 from .load import LoadStats, Progress, WeightLoader
+from .membership import Membership
 from .plan import Stage, make_stages
 from .recovery import OnRecovery, Recoverer, Recovery
-from .runtime import KVCache, StepRunner, StepStat, guarded
+from .runtime import KVCache, StepRunner, StepStat, free_stages, guarded
 from .source import SourceChoice, WeightSource
 from .weights import WeightsMode, weight_format
 
@@ -72,6 +72,8 @@ class LlamaModel:
         self.generator = Generator(self.runner, cfg.eos_id)
         self.recoverer: Recoverer | None = None
         """Re-places a lost worker's layers (set by :meth:`load` unless ``recover=False``)."""
+        self.membership: Membership | None = None
+        """Workers leaving (draining) and joining, at step boundaries (with the recoverer)."""
         self._upload_bytes = 0
         self._closed = False
 
@@ -108,6 +110,12 @@ class LlamaModel:
         seconds). When the layers fit nowhere, :class:`~zmq_rpc.client.RecoveryFailed` (a
         ``ConnectionLost``) says what would fit. ``recover=False``: a lost worker fails the
         step with ``ConnectionLost`` as in docs/FAILURES.md.
+
+        With ``recover``, workers may also leave and join on purpose (:mod:`.membership`): a
+        worker that says it is draining (SIGTERM with ``--drain-timeout``) has its layers moved
+        off it at the next step boundary, as a recovery would, and its client closed; a worker
+        passed to :meth:`add_worker` takes over layers at the next step boundary. Both are
+        reported to ``on_recovery`` (kind ``"drained"``, ``"joined"``); no step fails.
         """
         if not clients:
             raise ValueError("need at least one client")
@@ -125,6 +133,8 @@ class LlamaModel:
             model.recoverer = Recoverer(gguf, model.format, source, model.runner, spares,
                                         on_recovery)
             model.generator.recover = model.recoverer.recover
+            model.membership = Membership(model.recoverer)
+            model.generator.boundary = model.membership
         return model
 
     def _load(self, progress: Progress | None, status: Status, source: WeightSource) -> None:
@@ -187,8 +197,30 @@ class LlamaModel:
 
     def _run(self, mode: Mode, token_ids: Sequence[int], *, fetch_each: bool) -> list[RunResult]:
         self._check_open()
-        return guarded(lambda: self.runner.run_chunks(mode, token_ids, fetch_each=fetch_each),
-                       self._recover)
+
+        def step() -> list[RunResult]:
+            self.step_boundary()
+            return self.runner.run_chunks(mode, token_ids, fetch_each=fetch_each)
+        return guarded(step, self._recover)
+
+    def add_worker(self, client: Client) -> None:
+        """Have the worker of ``client`` take over layers at the next step boundary: the stage
+        with the most layers is split with it (:mod:`.membership`: why that policy), the
+        sequence replayed, and the generation goes on with the output it would have had.
+        Any thread may call it; the client then belongs to the model's pipeline (the caller
+        still closes it). ValueError for a worker already in the model or lacking what the
+        weights need; RuntimeError for a model loaded with ``recover=False``."""
+        self._check_open()
+        if self.membership is None:
+            raise RuntimeError("add_worker needs a model loaded with recover=True")
+        self.membership.add(client)
+
+    def step_boundary(self) -> None:
+        """Let draining workers go and added ones join now, if any (every step does this
+        first; a caller idle between steps may call it to do it sooner)."""
+        self._check_open()
+        if self.membership is not None and self.membership.due():
+            guarded(self.membership.run, self._recover)
 
     def _recover(self, error: RpcError) -> None:
         if self.recoverer is None:
@@ -295,19 +327,3 @@ class LlamaModel:
         layers = ", ".join(f"{s.client.endpoint}: layers {s.layers.start}-{s.layers.stop - 1}"
                            for s in self.stages)
         return f"LlamaModel({self.weights}, n_ctx={self.n_ctx}, [{layers}])"
-
-
-def free_stages(stages: Sequence[Stage]) -> None:
-    """Free the stages' graphs and buffers on their workers (those still connected), waiting
-    for each; failures are logged (a buffer whose allocation failed, a worker gone)."""
-    frees: list[Future[None]] = []
-    for stage in stages:
-        if stage.client.closed:
-            continue
-        frees += [graph.free_async() for graph in stage.graphs.values()]
-        frees += [b.free_async() for b in [*stage.buffers, stage.kv_buffer] if b is not None]
-    for future in frees:
-        try:
-            future.result()
-        except RpcError as exc:
-            log.debug("freeing model state: %s", exc)

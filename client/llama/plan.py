@@ -22,7 +22,7 @@ from ..gguf_model import GGUFTensor, LlamaConfig, LlamaGGUF
 from .weights import MATMUL_QTYPES, LayerWeights, Linear, WeightFormat
 
 __all__ = ["ModeIO", "Stage", "layer_small_tensors", "make_stages", "plan_stages",
-           "stage_sources"]
+           "resident_bytes", "split_stage", "stage_sources"]
 
 
 def layer_small_tensors(config: LlamaConfig) -> list[str]:
@@ -112,6 +112,15 @@ def make_stages(gguf: LlamaGGUF, fmt: WeightFormat, clients: Sequence[Client]) -
                 raise ValueError(f"worker {c.endpoint} lacks {fmt.capability!r} (weights={fmt.mode!r} "
                                  "needs numba there: pip install 'zmq-rpc[llm]'); or load with "
                                  "weights='f32'")
+    layer_bytes, tables = resident_bytes(gguf, fmt)
+    ranges = plan_stages(layer_bytes, 0, tables, len(clients))
+    return [Stage(i, c, r, first=i == 0, last=i == len(clients) - 1)
+            for i, (c, r) in enumerate(zip(clients, ranges))]
+
+
+def resident_bytes(gguf: LlamaGGUF, fmt: WeightFormat) -> tuple[list[int], int]:
+    """Each layer's matmul weights' bytes on a worker in format ``fmt``, and the vocabulary
+    tables' (the last stage's); ValueError for a matmul weight of a type no format handles."""
     def resident(t: GGUFTensor) -> int:
         if t.qtype not in MATMUL_QTYPES:
             raise ValueError(f"{t.name}: matmul weights must be one of {sorted(MATMUL_QTYPES)}, "
@@ -121,10 +130,24 @@ def make_stages(gguf: LlamaGGUF, fmt: WeightFormat, clients: Sequence[Client]) -
     layer_bytes = [sum(resident(layer_tensor(gguf, i, n)) for names in
                        gguf.config.spec.fused.values() for n in names)
                    for i in range(gguf.config.n_layers)]
-    tables = sum(resident(gguf.tensors[n]) for n in vocab_tables(gguf))
-    ranges = plan_stages(layer_bytes, 0, tables, len(clients))
-    return [Stage(i, c, r, first=i == 0, last=i == len(clients) - 1)
-            for i, (c, r) in enumerate(zip(clients, ranges))]
+    return layer_bytes, sum(resident(gguf.tensors[n]) for n in vocab_tables(gguf))
+
+
+def split_stage(gguf: LlamaGGUF, fmt: WeightFormat, stage: Stage,
+                newcomer: Client) -> tuple[Stage, Stage]:
+    """``stage`` cut in two, balanced by bytes as :func:`plan_stages` balances a model: its
+    first layers stay on its worker, the rest (and the head, if it had it) go to ``newcomer``.
+    Each new stage is bare (loaded by the caller); ValueError for a stage of one layer."""
+    if len(stage.layers) < 2:
+        raise ValueError(f"stage {stage.index} has one layer: nothing to split")
+    layer_bytes, tables = resident_bytes(gguf, fmt)
+    lower, upper = plan_stages(layer_bytes[stage.layers.start:stage.layers.stop], 0,
+                               tables if stage.last else 0, 2)
+    at = stage.layers.start
+    return (Stage(stage.index, stage.client, range(at + lower.start, at + lower.stop),
+                  first=stage.first, last=False),
+            Stage(stage.index + 1, newcomer, range(at + upper.start, at + upper.stop),
+                  first=False, last=stage.last))
 
 
 def plan_stages(layer_bytes: Sequence[int], first_extra: int, last_extra: int,

@@ -99,7 +99,7 @@ class Move:
     """One stage of a lost worker, and where it went."""
 
     lost: str
-    """The lost worker's endpoint."""
+    """The endpoint of the worker the layers left (lost, drained, or split for a newcomer)."""
     layers: range
     onto: str
     spare: bool
@@ -108,7 +108,7 @@ class Move:
     """How its weights got there (the worker's file, its cache, an upload)."""
 
     def describe(self) -> str:
-        kind = "spare" if self.spare else "survivor"
+        kind = "spare" if self.spare else "survivor" if self.onto != self.lost else "kept"
         return (f"layers {self.layers.start}-{self.layers.stop - 1} of {self.lost} onto "
                 f"{self.onto} ({kind}, weights from its {self.source.source}"
                 f"{'' if self.source.source == 'file' else ' and'}"
@@ -137,6 +137,10 @@ class Recovery:
     returned: tuple[str, ...] = ()
     """Workers whose connection dropped and came back with their session (slow, not lost):
     nothing of theirs moved; with no ``moves`` the failed step was just issued again."""
+    kind: str = "lost"
+    """``"lost"`` (a worker failed a step), ``"drained"`` (a worker said it is leaving: its
+    stages moved off it at a step boundary, nothing failed) or ``"joined"`` (a worker added
+    to the model took over layers at a step boundary): :mod:`.membership`."""
 
     @property
     def total_seconds(self) -> float:
@@ -145,6 +149,8 @@ class Recovery:
     def describe(self) -> str:
         """``worker tcp://a lost (ConnectionLost: ...): re-placed layers 10-19 of ... in 1.2 s
         (detection 0.01 s, load 0.9 s, re-prefill of 70 tokens 0.3 s)``."""
+        if self.kind != "lost":
+            return self._describe_planned()
         if not self.moves:
             return (f"worker {', '.join(self.returned)} dropped its connection and came back "
                     f"with its session ({self.cause}): the step is issued again, nothing "
@@ -154,6 +160,19 @@ class Recovery:
                 f"{'; '.join(m.describe() for m in self.moves)} in {self.total_seconds:.2f} s "
                 f"(detection {self.detect_seconds:.2f} s, load {self.load_seconds:.2f} s, "
                 f"re-prefill of {self.tokens} tokens {'as fed' if self.as_fed else 'in chunks'} "
+                f"{self.prefill_seconds:.2f} s)")
+
+
+    def _describe_planned(self) -> str:
+        """``worker tcp://a drained (...): moved layers 10-19 ... in 1.2 s (load 0.9 s,
+        re-prefill of 70 tokens 0.3 s)``, or the same for a worker that joined."""
+        who = (sorted({m.lost for m in self.moves}) if self.kind == "drained"
+               else sorted({m.onto for m in self.moves} - {m.lost for m in self.moves}))
+        verb = "drained (left on purpose)" if self.kind == "drained" else "joined"
+        return (f"worker {', '.join(who)} {verb} ({self.cause}): moved "
+                f"{'; '.join(m.describe() for m in self.moves)} at a step boundary in "
+                f"{self.total_seconds:.2f} s (load {self.load_seconds:.2f} s, re-prefill of "
+                f"{self.tokens} tokens {'as fed' if self.as_fed else 'in chunks'} "
                 f"{self.prefill_seconds:.2f} s)")
 
 
@@ -244,6 +263,19 @@ class Recoverer:
         done = time.monotonic()
         self._report(Recovery(cause, tuple(moves), failed_at, detected - failed_at,
                               loaded - detected, done - loaded, tokens, not self.invariant))
+
+    def report(self, recovery: Recovery) -> None:
+        """Keep, log and tell ``on_recovery`` of ``recovery`` (a drain's and a join's too)."""
+        self._report(recovery)
+
+    def replace(self, stages: list[Stage], cause: str) -> list[Move]:
+        """Re-make ``stages`` on spares or survivors, as a recovery does (their workers must
+        already be in :attr:`lost`): see :meth:`_replace`."""
+        return self._replace(stages, cause)
+
+    def load(self, stages: list[Stage], like: list[Stage]) -> list[StageSource]:
+        """Place ``stages`` (weights, KV cache, graphs like ``like``'s), as a recovery does."""
+        return self._load(stages, like)
 
     def _report(self, recovery: Recovery) -> None:
         self.recoveries.append(recovery)
@@ -359,7 +391,9 @@ class Recoverer:
         raise RecoveryFailed(self._no_room(stage, cause, need, free, spares + survivors))
 
     def _usable(self, client: Client) -> bool:
-        return not self.fmt.capability or self.fmt.capability in client.info.capabilities
+        """Has what the weights format needs, and is not leaving."""
+        return (not self.fmt.capability or self.fmt.capability in client.info.capabilities) \
+            and not client.draining
 
     def _no_room(self, stage: Stage, cause: str, need: int, free: dict[int, MemoryInfo],
                  clients: list[Client]) -> str:

@@ -20,6 +20,7 @@ clients' I/O threads and only issues requests. One thread at a time drives a run
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -40,8 +41,10 @@ from .graph import Mode, Registrations, StageGraphs
 from .load import Layout
 from .plan import Stage, need
 
-__all__ = ["LOSSES", "KVCache", "Recover", "Step", "StepRunner", "StepStat", "embed_tokens", "guarded",
-           "recover_from"]
+__all__ = ["LOSSES", "KVCache", "Recover", "Step", "StepRunner", "StepStat", "embed_tokens",
+           "free_stages", "guarded", "recover_from"]
+
+log = logging.getLogger("zmq_rpc.client.llama")
 
 T = TypeVar("T")
 Recover = Callable[[RpcError], None]
@@ -328,3 +331,19 @@ def embed_tokens(gguf: LlamaGGUF, token_ids: Sequence[int] | np.ndarray) -> np.n
     if table.qtype in ("f32", "f16"):
         return rows.astype(np.float32)
     return dequantize_rows(rows, table.qtype)
+
+
+def free_stages(stages: Sequence[Stage]) -> None:
+    """Free the stages' graphs and buffers on their workers (those still connected), waiting
+    for each; failures are logged (a buffer whose allocation failed, a worker gone)."""
+    frees: list[Future[None]] = []
+    for stage in stages:
+        if stage.client.closed:
+            continue
+        frees += [graph.free_async() for graph in stage.graphs.values()]
+        frees += [b.free_async() for b in [*stage.buffers, stage.kv_buffer] if b is not None]
+    for future in frees:
+        try:
+            future.result()
+        except RpcError as exc:
+            log.debug("freeing model state: %s", exc)

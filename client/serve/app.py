@@ -1,7 +1,10 @@
 """The HTTP face: Starlette routes in the OpenAI API's shape, streams as server-sent events.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /health`` (200, or 503 once a worker is lost), ``GET /metrics`` (Prometheus). A generation
+``GET /health`` (200, or 503 once a worker is lost), ``GET /metrics`` (Prometheus), and
+``POST /admin/workers`` ``{"endpoint": "tcp://HOST:PORT"}`` (loopback clients only: 403
+otherwise), which connects to that worker and has it take over layers at the model's next step
+boundary (:meth:`~.engine.Engine.add_worker`; 202 once queued). A generation
 request is checked (:mod:`.jobs`), queued on the :class:`~.engine.Engine` and answered from its
 :class:`~.engine.Stream`: as one JSON body, or with ``stream: true`` as ``data: {chunk}`` events
 ending with ``data: [DONE]``. The response starts once the request's first token (or its error)
@@ -15,10 +18,11 @@ thread-safe methods.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -29,6 +33,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ...broker.errors import BadEndpoint, RpcError
+from ..client import Client
 from .engine import Engine, Event, Stream
 from .jobs import APIError, ChatTokenizer, Job, Kind, bad, parse_job
 
@@ -62,8 +68,11 @@ class EventStream(StreamingResponse):
 class API:
     """The routes' state: the engine, the tokenizer, the model's name and context."""
 
-    def __init__(self, engine: Engine, tokenizer: ChatTokenizer, model_id: str) -> None:
+    def __init__(self, engine: Engine, tokenizer: ChatTokenizer, model_id: str,
+                 connect: Callable[[str], Client] = Client) -> None:
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
+        self.connect = connect
+        """Opens the client of a worker added at runtime (the server's request timeout)."""
         self.metrics = engine.metrics
 
     def routes(self) -> list[Route]:
@@ -71,7 +80,8 @@ class API:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
-                Route("/metrics", self.prometheus, methods=["GET"])]
+                Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/admin/workers", self.add_worker, methods=["POST"])]
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -84,6 +94,44 @@ class API:
                                  "queue_depth": self.engine.scheduler.inbox.qsize()})
         return JSONResponse({"status": "unavailable", "error": self.engine.problem
                              or "the engine is not running"}, status_code=503)
+
+    async def add_worker(self, request: Request) -> Response:
+        """``{"endpoint": ...}``: connect to that worker (off the event loop: HELLO blocks) and
+        queue it to join the model. Loopback clients only (the HTTP port may face a network;
+        this route places weights on a machine of the caller's choosing)."""
+        route = "/admin/workers"
+        try:
+            endpoint = await self._admin_endpoint(request)
+            client = await asyncio.to_thread(self.connect, endpoint)
+        except APIError as exc:
+            return self._error(route, exc)
+        except BadEndpoint as exc:
+            return self._error(route, APIError(400, str(exc), code="bad_endpoint"))
+        except RpcError as exc:
+            return self._error(route, APIError(502, f"cannot connect to the worker at "
+                                               f"{endpoint}: {exc}", code="worker_unreachable"))
+        try:
+            self.engine.add_worker(client)
+        except ValueError as exc:
+            client.close()
+            return self._error(route, APIError(409, str(exc), code="worker_refused"))
+        self.metrics.answered(route, 202)
+        return JSONResponse({"status": "joining", "endpoint": endpoint}, status_code=202)
+
+    async def _admin_endpoint(self, request: Request) -> str:
+        host = request.client.host if request.client is not None else ""
+        try:
+            loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise APIError(403, "/admin/workers answers loopback clients only",
+                           code="forbidden")
+        body = await _json(request)
+        endpoint = body.get("endpoint") if isinstance(body, dict) else None
+        if not isinstance(endpoint, str) or not endpoint:
+            raise bad("endpoint", 'the body must be {"endpoint": "tcp://HOST:PORT"}')
+        return endpoint
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -257,6 +305,8 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
-def build_app(engine: Engine, tokenizer: ChatTokenizer, model_id: str) -> Starlette:
-    """The ASGI application serving ``engine``."""
-    return Starlette(routes=API(engine, tokenizer, model_id).routes())
+def build_app(engine: Engine, tokenizer: ChatTokenizer, model_id: str,
+              connect: Callable[[str], Client] = Client) -> Starlette:
+    """The ASGI application serving ``engine`` (``connect``: how ``/admin/workers`` opens a
+    worker's client)."""
+    return Starlette(routes=API(engine, tokenizer, model_id, connect).routes())

@@ -39,7 +39,15 @@ log = logging.getLogger("zmq_rpc.client.serve")
 def build_parser(prog: str = "zmq-rpc-serve") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=(
         "Serve a llama GGUF split over workers with the OpenAI API (/v1/completions, "
-        "/v1/chat/completions, /v1/models), /health and /metrics."))
+        "/v1/chat/completions, /v1/models), /health and /metrics."), epilog=(
+        "Workers may join and leave while it serves. Joining: POST /admin/workers "
+        "{\"endpoint\": \"tcp://HOST:PORT\"} (from this machine only: other addresses get "
+        "403) connects to that worker (202), and at the next step boundary it takes over half "
+        "of the stage with the most layers; a --spares worker can be added so too. Leaving: "
+        "SIGTERM a worker (zmq-rpc-worker --drain-timeout, default 30 s): at the next step "
+        "boundary its layers move to a spare or the worker with the most free memory, the "
+        "sequences are replayed there, the streams go on, and the worker exits. Both are "
+        "counted in /metrics (zmq_rpc_serve_recoveries_total{outcome=drained|joined})."))
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--model-id", default=None,
                     help="the name /v1/models gives the model (default: the file's stem); "
@@ -177,7 +185,9 @@ def _run_http(args: argparse.Namespace, engine: Engine, model_id: str) -> None:
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(
-        build_app(engine, engine.tokenizer, model_id), log_level=args.log_level,
+        build_app(engine, engine.tokenizer, model_id,
+                  lambda e: Client(e, timeout=args.timeout, connect_timeout=args.timeout)),
+        log_level=args.log_level,
         access_log=args.log_level in ("debug", "info"), timeout_graceful_shutdown=5,
         lifespan="off"))
     shown = f"[{host}]" if ":" in host else host

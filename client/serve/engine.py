@@ -51,6 +51,7 @@ from .metrics import ServeMetrics
 from .text import TextStream
 
 if TYPE_CHECKING:
+    from ..client import Client
     from ..llama import LlamaModel
     from ..llama.batch import BatchedModel
     from ..tokenizer import Tokenizer
@@ -62,6 +63,8 @@ log = logging.getLogger("zmq_rpc.client.serve")
 
 RETRY_AFTER_S = 1
 """What a 429 tells the client to wait before trying again."""
+IDLE_CHECK_S = 0.5
+"""How often an idle engine looks for workers that drain or join (their flags: no request)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +144,12 @@ class StepFunction(Protocol):
         tokens, taken off the list) or one decode step (its last token); returns the token each
         slot produced (a sequence produces one on its prompt's last chunk and each decode)."""
 
+    def add_worker(self, client: Client) -> None:
+        """Have ``client``'s worker take over layers at the next step boundary (any thread)."""
+
+    def step_boundary(self) -> None:
+        """Workers that drain leave, added ones join, now (engine thread, idle)."""
+
 
 class SerialSteps:
     """The step function on :class:`~zmq_rpc.client.llama.LlamaModel`: one slot (the model holds
@@ -154,6 +163,12 @@ class SerialSteps:
 
     def start(self, slot: int) -> None:
         self.model.reset()
+
+    def add_worker(self, client: Client) -> None:
+        self.model.add_worker(client)
+
+    def step_boundary(self) -> None:
+        self.model.step_boundary()
 
     def step(self, busy: Mapping[int, Running]) -> dict[int, int]:
         return {slot: token for slot, seq in busy.items()
@@ -198,6 +213,12 @@ class BatchedSteps:
         self.keep_logits = keep_logits
         self.last_logits: dict[int, np.ndarray] = {}
         """With ``keep_logits``: the logits of each token the last step returned (tests)."""
+
+    def add_worker(self, client: Client) -> None:
+        self.model.add_worker(client)
+
+    def step_boundary(self) -> None:
+        self.model.step_boundary()
 
     def start(self, slot: int) -> None:
         self._generation[slot] += 1
@@ -277,11 +298,12 @@ class Scheduler:
         return self.waiting() < self.max_queue
 
     def next_waiting(self, block: bool) -> Stream | None:
-        """The oldest waiting stream that is not cancelled; None when none (or at shutdown's
-        None, which :meth:`Engine.close` puts)."""
+        """The oldest waiting stream that is not cancelled; None when none (blocking: none
+        within :data:`IDLE_CHECK_S`), or at a wake-up's None (:meth:`Engine.close`,
+        :meth:`Engine.add_worker`)."""
         while True:
             try:
-                stream = self.inbox.get(block=block)
+                stream = self.inbox.get(block=block, timeout=IDLE_CHECK_S if block else None)
             except queue.Empty:
                 return None
             if stream is None or not stream.cancelled:
@@ -313,6 +335,8 @@ class Engine:
         self.problem: str | None = None
         """Why the engine is unhealthy (a worker lost); None while healthy."""
         self._stopping = False
+        self._added: list[Client] = []
+        """Clients of the workers added at runtime (closed with the engine)."""
         self._thread = threading.Thread(target=self._run, name="zmq-rpc-serve-engine")
         metrics.bind(queue_depth=self.scheduler.waiting, slots_in_use=self.slots_in_use,
                      healthy=lambda: self.healthy)
@@ -342,12 +366,21 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
+    def add_worker(self, client: Client) -> None:
+        """Have ``client``'s worker take over layers at the next step boundary (at once when
+        idle); the engine closes it when it closes. ValueError as the model's add_worker."""
+        self.steps.add_worker(client)
+        self._added.append(client)
+        self.scheduler.inbox.put_nowait(None)        # wakes an idle engine
+
     def close(self) -> None:
         """Stop after the current step; the streams still open end with an error. Idempotent."""
         self._stopping = True
         self.scheduler.inbox.put_nowait(None)        # wakes an idle engine
         if self._thread.is_alive():
             self._thread.join()
+        for client in self._added:
+            client.close()
 
     # ------------------------------------------------------------- engine thread
 
@@ -359,6 +392,8 @@ class Engine:
                     break
                 if self.scheduler.busy:
                     self._step()
+                elif self.problem is None:
+                    self._idle()
         finally:
             self._end_all(unavailable("the server is shutting down"))
 
@@ -403,6 +438,16 @@ class Engine:
         now = time.perf_counter()
         for slot, token in produced.items():
             self._deliver(slot, token, now)
+
+    def _idle(self) -> None:
+        """Nothing runs: workers that drain leave and added ones join now, not at the next
+        request's first step."""
+        try:
+            self.steps.step_boundary()
+        except RpcError as exc:
+            self._lost(exc)
+        except Exception:   # noqa: BLE001 - a bug must not end the thread
+            log.exception("moving workers in or out failed")
 
     def _deliver(self, slot: int, token: int, now: float) -> None:
         seq = self.scheduler.busy[slot]

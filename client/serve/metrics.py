@@ -52,13 +52,19 @@ class ServeMetrics:
                              "layers re-placed), 0 once a worker is lost for good", registry=r)
         self.recoveries = Counter(PREFIX + "recoveries", "Times the model was made whole after "
                                   "a worker dropped: moved (its layers re-placed onto a spare or "
-                                  "a survivor) or returned (it came back with its session)",
+                                  "a survivor) or returned (it came back with its session); "
+                                  "and the workers that left on purpose (drained: their layers "
+                                  "moved off at a step boundary) or joined (took over layers)",
                                   ["outcome"], registry=r)
         self.recovery_seconds = Histogram(PREFIX + "recovery_seconds", "A recovery's parts: "
                                           "detection, load (the moved layers), prefill (the "
                                           "sequences replayed) and total", ["part"],
                                           buckets=RECOVERY_BUCKETS, registry=r)
-        for outcome in ("moved", "returned"):
+        self.planned_seconds = Histogram(PREFIX + "planned_move_seconds", "A drain's or a "
+                                         "join's parts: load (the moved layers), prefill (the "
+                                         "sequences replayed) and total", ["part"],
+                                         buckets=RECOVERY_BUCKETS, registry=r)
+        for outcome in ("moved", "returned", "drained", "joined"):
             self.recoveries.labels(outcome)
 
     def bind(self, *, queue_depth: Callable[[], int], slots_in_use: Callable[[], int],
@@ -75,7 +81,13 @@ class ServeMetrics:
         self.tokens.inc()
 
     def recovered(self, recovery: Recovery) -> None:
-        """A recovery is done (the model's thread, before the streams go on)."""
+        """A recovery, drain or join is done (the model's thread, before the streams go on)."""
+        if recovery.kind != "lost":
+            self.recoveries.labels(recovery.kind).inc()
+            moved = (recovery.load_seconds, recovery.prefill_seconds, recovery.total_seconds)
+            for part, seconds in zip(RECOVERY_PARTS[1:], moved):
+                self.planned_seconds.labels(part).observe(seconds)
+            return
         self.recoveries.labels("moved" if recovery.moves else "returned").inc()
         parts = (recovery.detect_seconds, recovery.load_seconds, recovery.prefill_seconds,
                  recovery.total_seconds)

@@ -29,6 +29,7 @@ import zmq
 
 from ...broker import protocol as p
 from ...broker.errors import BadRequest
+from ...broker.graph import GraphReply
 from ...broker.protocol import Cmd, ErrorCode, WireError
 from ...broker.request_mac import strip_trailer
 from ..backends.base import Backend
@@ -98,6 +99,17 @@ class Executor:
                                   self.metrics, PeerCleanup(peers.drop_link, peers.forget),
                                   self.report, self.identities)
         self.routes = self._routes(Views(backend, limits.max_buffer_size, self.accounts))
+        self.draining = False
+        """The worker is leaving (SIGTERM with ``--drain-timeout``; :meth:`drain`)."""
+
+    def drain(self) -> None:
+        """Leave on purpose: answer every request as before, mark the replies of sessions that
+        understand it (1.14, ``draining``) so that their models move off this worker, refuse
+        new sessions (:meth:`SessionTable.hello`); the loop stops once no session is left."""
+        self.draining = True
+        self.table.draining = True
+        log.warning("draining: %d session(s) open; new sessions are refused",
+                    len(self.sessions))
 
     @property
     def quotas(self) -> Quotas:
@@ -278,6 +290,8 @@ class Executor:
             self.metrics.graph_run(compute)
         if session.timing:
             reply = timed(reply, req.arrived, started)
+        if self.draining and session.minor >= DRAINING_MINOR:
+            reply = marked_draining(reply)
         self.outbox.reply(session.client_id, req.req_id, (reply, payload), req.hold_us)
         self.metrics.request(req.cmd, 0, started - req.arrived, time.perf_counter_ns() - started)
 
@@ -401,6 +415,20 @@ def timed(reply: p.Message, arrived: int, started: int) -> p.Message:
     if type(reply) is p.Empty:
         return p.Ack(timing=timing)
     return dataclasses.replace(reply, timing=timing)  # type: ignore[call-arg]
+
+
+DRAINING_MINOR = 14
+"""The protocol minor from which a session's replies carry ``draining``."""
+
+
+def marked_draining(reply: p.Message) -> p.Message:
+    """``reply`` saying that the worker is leaving (1.14): an Ack's or a graph run's reply;
+    any other kind as it is (a model learns it from its next step or heartbeat)."""
+    if type(reply) is p.Empty:
+        return p.Ack(draining=True)
+    if isinstance(reply, (p.Ack, GraphReply)):
+        return dataclasses.replace(reply, draining=True)
+    return reply
 
 
 def _request_id(header: Any) -> int:

@@ -23,7 +23,8 @@ from .outbox import Outbox
 
 def capabilities(backend: Backend, peers: PeerLinks) -> list[str]:
     """What a worker on ``backend`` offers (files and cache are added when served)."""
-    offered = ["views", "chunked-transfer", "status", "timing", "key-proof", "request-mac"]
+    offered = ["views", "chunked-transfer", "status", "timing", "key-proof", "request-mac",
+               "draining"]
     if backend.zero_copy:
         offered.append("zero-copy")
     if backend.supports_graphs:

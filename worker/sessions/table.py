@@ -35,6 +35,9 @@ PRESSURE_SILENCE = 6.0
 """When memory is short, sessions silent this long (3 heartbeats of zmq-rpc's client) are closed
 to make room, instead of holding their memory for the whole session timeout."""
 
+DRAINING = ("HELLO refused: this worker is draining (it got SIGTERM and leaves once its "
+            "sessions have closed, within its --drain-timeout); connect to another worker")
+
 MIN_CLIENT_ID = 16
 WEAK_ID = (f"HELLO refused: this connection has no client-chosen routing id of at least "
            f"{MIN_CLIENT_ID} bytes. Sessions are keyed by it, so it must be unguessable: set "
@@ -83,6 +86,8 @@ class SessionTable:
         self.peers = peers
         self.greeter = greeter
         self._ids = 0
+        self.draining = False
+        """The worker is leaving: a HELLO that would open a session is refused."""
 
     def hello(self, session: Session, msg: p.Hello, req: Request) -> Outcome:
         """HELLO: open ``session`` (or refresh an open one) and say what this worker is."""
@@ -95,6 +100,8 @@ class SessionTable:
         identity = self.identities.of_hello(session, msg)
         exchange: tuple[bytes, Verifier] | None = None
         if self.sessions.get(session.client_id) is not session:
+            if self.draining:
+                raise WireError(ErrorCode.SHUTTING_DOWN, DRAINING)
             exchange = self._exchange(session, msg.exchange)
             self._open(session, msg.client, identity)
         else:
