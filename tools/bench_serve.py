@@ -173,7 +173,14 @@ async def _stream(http: Any, first: int, requests: int, max_tokens: int) -> list
 async def _drive(url: str, streams: int, requests: int, max_tokens: int) -> RoundResult:
     import httpx
 
-    clients = [httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) for _ in range(streams)]
+    # No kept-alive connections: llama-server (cpp-httplib) may close an idle kept-alive
+    # connection just as the next request goes out on it, which httpx reports as
+    # RemoteProtocolError "Server disconnected without sending a response" (a 16-stream round
+    # failed so, after minutes); a fresh loopback connection per request costs ~0.1 ms, the same
+    # for both servers.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    clients = [httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S, limits=limits)
+               for _ in range(streams)]
     try:
         start = time.perf_counter()
         done = await asyncio.gather(*(_stream(http, i, requests, max_tokens)
