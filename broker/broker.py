@@ -43,12 +43,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
 from .endpoints import needs_ipv6
-from .keys import KeyPair
-from .zap import CLIENT_DOMAIN
+
+if TYPE_CHECKING:
+    from .keys import KeyPair
 
 log = logging.getLogger("zmq_rpc.broker")
 
@@ -129,6 +131,7 @@ class BrokerThread(threading.Thread):
         router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
         router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
         if cfg.curve is not None:
+            from .zap import CLIENT_DOMAIN  # with CURVE only: a plain worker listens sooner
             make_curve_server(router, cfg.curve, CLIENT_DOMAIN)
         router.setsockopt(zmq.IPV6, needs_ipv6(cfg.bind))
         try:

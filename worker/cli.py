@@ -310,14 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(blas_env(args.threads))
     tune_malloc()
     configure_logging(args.log_level, args.log_format)
-    from ..broker.keys import KeyFileError, load_keypair
     from .server import WorkerConfig, WorkerServer
 
-    try:
-        curve = load_keypair(args.curve_secret_key) if args.curve_secret_key else None
-    except KeyFileError as exc:
-        print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
-        return 1
+    curve = None
+    if args.curve_secret_key:       # key files: only then (a plain worker listens sooner)
+        from ..broker.keys import KeyFileError, load_keypair
+        try:
+            curve = load_keypair(args.curve_secret_key)
+        except KeyFileError as exc:
+            print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
+            return 1
 
     config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,

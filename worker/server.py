@@ -31,12 +31,12 @@ import zmq
 
 from ..broker.broker import BrokerConfig, BrokerThread
 from ..broker.endpoints import EndpointError, bind_endpoint, is_loopback_endpoint
-from ..broker.keys import KeyPair
 from ..broker.limits import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_WORK
-from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
 from .process.devices import parse_device, physical_memory
 
 if TYPE_CHECKING:       # the rest loads after the worker listens (see WorkerServer.listen)
+    from ..broker.keys import KeyPair
+    from ..broker.zap import ZapThread
     from .backend_thread import BackendThread
     from .backends.base import Backend
     from .files.model_files import ModelFiles
@@ -326,6 +326,7 @@ class WorkerServer:
         return files, cache
 
     def _start_zap(self, keys: KeyPair) -> None:
+        from ..broker.zap import CLIENT_DOMAIN, PEER_DOMAIN, KeySet, ZapPolicy, ZapThread
         cfg = self.config
         policy = ZapPolicy({CLIENT_DOMAIN: KeySet(directory=cfg.authorized_keys),
                             PEER_DOMAIN: KeySet(fixed=frozenset([keys.public]),
