@@ -54,15 +54,20 @@ class FakeCudaWorker:
 
 
 @pytest.fixture
-def fake_cuda(make_client: Callable[..., Client]) -> Iterator[Callable[[], Client]]:
-    """``fake_cuda()``: a client of a new fake cuda worker (stopped, exit 0, at the end)."""
+def fake_cuda() -> Iterator[Callable[[], Client]]:
+    """``fake_cuda()``: a client of a new fake cuda worker (the client closed, then the worker
+    stopped, exit 0, at the end: a session still open would hold its SIGTERM drain)."""
     workers: list[FakeCudaWorker] = []
+    clients: list[Client] = []
 
     def start() -> Client:
         workers.append(FakeCudaWorker())
-        return make_client(workers[-1].endpoint)
+        clients.append(Client(workers[-1].endpoint, timeout=20.0))
+        return clients[-1]
 
     yield start
+    for client in clients:
+        client.close()
     for worker in workers:
         worker.stop()
 

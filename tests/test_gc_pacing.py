@@ -84,6 +84,10 @@ def flood(endpoint: str, pid: int) -> Flood:
                 assert status == p.ErrorCode.BAD_REQUEST, status
                 replies += 1
             rss_peak = max(rss_peak, rss_of(pid))
+        # GOODBYE, as a well-behaved client leaves: a session left open would hold the worker's
+        # SIGTERM drain (--drain-timeout) until it expires
+        sock.send(p.encode_request(p.Cmd.GOODBYE, 2, p.Empty()))
+        assert p.unpack_header(sock.recv_multipart()[0])[0] == p.STATUS_OK
         return Flood({}, {}, rss_before, rss_peak, replies)
     finally:
         sock.close(linger=0)
