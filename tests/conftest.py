@@ -21,12 +21,17 @@ if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
+from gguf import GGMLQuantizationType as GT
+from requantize import cache_dir
 from waiting import wait_until
 from zmq_rpc.client import Client
+from zmq_rpc.tools.synthetic_gguf import FAMILIES, write_family
 from zmq_rpc.worker.launch import LISTENING, local_workers, worker_argv
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
@@ -247,3 +252,33 @@ def worker_processes() -> Iterator[list[Client]]:
         finally:
             for c in opened:
                 c.close()
+
+
+def q4_1_mix(part: str, layer: int, n_layers: int, cols: int) -> GT:
+    """SmolLM2's type: the integer kernels, batch-invariant on every CPU path."""
+    return GT.Q4_1
+
+
+@pytest.fixture(scope="module")
+def six_layers_q4_1() -> Path:
+    """The synthetic llama of tests/synthetic_models.py with 6 layers (2 per worker of 3), in
+    Q4_1 only: a recovery replays it as prefill chunks (tests/test_recovery.py,
+    tests/test_membership.py)."""
+    path = cache_dir() / "synthetic-llama3-6layers-q4_1-v1.gguf"
+    if not path.exists():
+        write_family(replace(FAMILIES["llama3"], n_layers=6, mix=q4_1_mix), path, seed=62)
+    return path
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[[str], Client]]:
+    """``clients(endpoint)``: a Client with default settings, closed at teardown."""
+    opened: list[Client] = []
+
+    def open_client(endpoint: str) -> Client:
+        opened.append(Client(endpoint))
+        return opened[-1]
+
+    yield open_client
+    for c in opened:
+        c.close()

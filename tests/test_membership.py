@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import WorkerProcess
-from gguf import GGMLQuantizationType as GT
-from requantize import cache_dir
 from waiting import wait_until
 from zmq_rpc.client import Client, ConnectionLost
 from zmq_rpc.client.llama import LlamaModel
 from zmq_rpc.client.llama.batch import BatchedModel, Rows, RowSampling
 from zmq_rpc.client.llama.recovery import Recovery
-from zmq_rpc.tools.synthetic_gguf import FAMILIES, write_family
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,33 +30,6 @@ HEARTBEAT_S = 2.0
 EXIT_BOUND_S = 10.0
 """From the model's drain (its client closed) to the worker's exit: its backend notices the
 last session gone within a poll (0.25 s), then stops as SIGINT stops it (SHUTDOWN_BOUND_S)."""
-
-
-def q4_1_mix(part: str, layer: int, n_layers: int, cols: int) -> GT:
-    return GT.Q4_1
-
-
-@pytest.fixture(scope="module")
-def six_layers() -> Path:
-    """The synthetic llama with 6 layers in Q4_1 (tests/test_recovery.py's): replayed as
-    prefill chunks."""
-    path = cache_dir() / "synthetic-llama3-6layers-q4_1-v1.gguf"
-    if not path.exists():
-        write_family(replace(FAMILIES["llama3"], n_layers=6, mix=q4_1_mix), path, seed=62)
-    return path
-
-
-@pytest.fixture
-def clients() -> Iterator[Callable[[str], Client]]:
-    opened: list[Client] = []
-
-    def open_client(endpoint: str) -> Client:
-        opened.append(Client(endpoint))
-        return opened[-1]
-
-    yield open_client
-    for c in opened:
-        c.close()
 
 
 def at_token(token: int, action: Callable[[], None]) -> Callable[[int], None]:
@@ -89,11 +58,11 @@ def drain(proc: WorkerProcess) -> None:
 
 
 def test_sigterm_mid_generation_moves_the_layers_off_and_the_worker_exits_zero(
-        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        six_layers_q4_1: Path, spawn_worker: Callable[..., WorkerProcess],
         clients: Callable[[str], Client]) -> None:
     procs = [spawn_worker() for _ in range(3)]
     reported: list[Recovery] = []
-    with LlamaModel.load(str(six_layers), [clients(p.endpoint) for p in procs], n_ctx=64,
+    with LlamaModel.load(str(six_layers_q4_1), [clients(p.endpoint) for p in procs], n_ctx=64,
                          on_recovery=reported.append) as model:
         expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
         victim, layers = procs[1], model.stages[1].layers
@@ -111,12 +80,12 @@ def test_sigterm_mid_generation_moves_the_layers_off_and_the_worker_exits_zero(
 
 
 def test_an_idle_model_hears_the_drain_by_heartbeat_and_moves_at_its_next_step(
-        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        six_layers_q4_1: Path, spawn_worker: Callable[..., WorkerProcess],
         clients: Callable[[str], Client]) -> None:
     """Nothing runs when the worker drains: the client's heartbeat (2 s of silence) brings the
     flag, and the next generate moves off before its prompt (nothing to replay yet)."""
     procs = [spawn_worker() for _ in range(3)]
-    with LlamaModel.load(str(six_layers), [clients(p.endpoint) for p in procs], n_ctx=64) as model:
+    with LlamaModel.load(str(six_layers_q4_1), [clients(p.endpoint) for p in procs], n_ctx=64) as model:
         expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
         victim = model.stages[0].client
         drain(procs[0])
@@ -128,11 +97,11 @@ def test_an_idle_model_hears_the_drain_by_heartbeat_and_moves_at_its_next_step(
 
 
 def test_a_worker_added_mid_generation_takes_over_layers(
-        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        six_layers_q4_1: Path, spawn_worker: Callable[..., WorkerProcess],
         clients: Callable[[str], Client]) -> None:
     procs = [spawn_worker() for _ in range(3)]
     reported: list[Recovery] = []
-    with LlamaModel.load(str(six_layers), [clients(p.endpoint) for p in procs[:2]], n_ctx=64,
+    with LlamaModel.load(str(six_layers_q4_1), [clients(p.endpoint) for p in procs[:2]], n_ctx=64,
                          on_recovery=reported.append) as model:
         expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
         widest = max(model.stages, key=lambda s: len(s.layers))
@@ -172,12 +141,12 @@ def test_a_draining_worker_refuses_new_sessions_and_serves_its_own(
 
 
 def test_batched_sequences_move_off_a_draining_worker(
-        six_layers: Path, spawn_worker: Callable[..., WorkerProcess],
+        six_layers_q4_1: Path, spawn_worker: Callable[..., WorkerProcess],
         clients: Callable[[str], Client]) -> None:
     """Two lanes of a 4-slot batched model, lane steps in flight when the worker drains: each
     slot's tokens are the fault-free run's."""
     procs = [spawn_worker() for _ in range(3)]
-    with BatchedModel.load(str(six_layers), [clients(p.endpoint) for p in procs], n_ctx=64,
+    with BatchedModel.load(str(six_layers_q4_1), [clients(p.endpoint) for p in procs], n_ctx=64,
                            slots=4, lanes=2) as model:
         expected = greedy_slots(model, None)
         victim = procs[2]

@@ -11,7 +11,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 from conftest import WorkerProcess
-from gguf import GGMLQuantizationType as GT
 from requantize import cache_dir
 from zmq_rpc.client import Client, ConnectionLost, RecoveryFailed
 from zmq_rpc.client.llama import LlamaModel
@@ -46,33 +45,6 @@ def six_layers() -> Path:
     if not path.exists():
         write_family(replace(FAMILIES["llama3"], n_layers=6), path, seed=61)
     return path
-
-
-def q4_1_mix(part: str, layer: int, n_layers: int, cols: int) -> GT:
-    """SmolLM2's type: the integer kernels, batch-invariant on every CPU path."""
-    return GT.Q4_1
-
-
-@pytest.fixture(scope="module")
-def six_layers_q4_1() -> Path:
-    """The same in Q4_1 only: a recovery replays it as prefill chunks."""
-    path = cache_dir() / "synthetic-llama3-6layers-q4_1-v1.gguf"
-    if not path.exists():
-        write_family(replace(FAMILIES["llama3"], n_layers=6, mix=q4_1_mix), path, seed=62)
-    return path
-
-
-@pytest.fixture
-def clients() -> Iterator[Callable[[str], Client]]:
-    opened: list[Client] = []
-
-    def open_client(endpoint: str) -> Client:
-        opened.append(Client(endpoint))
-        return opened[-1]
-
-    yield open_client
-    for c in opened:
-        c.close()
 
 
 def split(path: Path, procs: list[WorkerProcess], open_client: Callable[[str], Client],
