@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import WorkerProcess
+from test_recovery import fault_at
 from waiting import wait_until
 from zmq_rpc.client import Client, ConnectionLost
 from zmq_rpc.client.llama import LlamaModel
@@ -30,17 +31,6 @@ HEARTBEAT_S = 2.0
 EXIT_BOUND_S = 10.0
 """From the model's drain (its client closed) to the worker's exit: its backend notices the
 last session gone within a poll (0.25 s), then stops as SIGINT stops it (SHUTDOWN_BOUND_S)."""
-
-
-def at_token(token: int, action: Callable[[], None]) -> Callable[[int], None]:
-    """A stream callback that runs ``action`` when the ``token``-th new token arrives."""
-    seen = [0]
-
-    def stream(_: int) -> None:
-        seen[0] += 1
-        if seen[0] == token:
-            action()
-    return stream
 
 
 def drain(proc: WorkerProcess) -> None:
@@ -66,7 +56,7 @@ def test_sigterm_mid_generation_moves_the_layers_off_and_the_worker_exits_zero(
                          on_recovery=reported.append) as model:
         expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
         victim, layers = procs[1], model.stages[1].layers
-        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=at_token(4, lambda:
+        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(4, lambda:
                                                                             drain(victim)))
         assert out == expected
         (recovery,) = reported
@@ -106,7 +96,7 @@ def test_a_worker_added_mid_generation_takes_over_layers(
         expected = model.generate(PROMPT, NEW_TOKENS, stop_ids=())
         widest = max(model.stages, key=lambda s: len(s.layers))
         newcomer = clients(procs[2].endpoint)
-        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=at_token(
+        out = model.generate(PROMPT, NEW_TOKENS, stop_ids=(), stream=fault_at(
             4, lambda: model.add_worker(newcomer)))
         assert out == expected
         (recovery,) = reported
