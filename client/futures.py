@@ -13,6 +13,8 @@ time). They are stock futures (public API only): a request's future is made as i
   chunks of one transfer, whose buffers must not be reused while any chunk is still on its way.
 - :func:`first_error`: fails as soon as any part fails, else ``result()`` once all have succeeded.
   For the halves of a copy or a linked run: a dead worker fails the whole at once.
+  A part's lost connection outranks the consequences it has already caused elsewhere (a
+  transfer called off because of it): the error reported names the worker lost.
 - :class:`Steps` / :func:`settled_by`: parts (added over time); fails with the first error, or
   settles with the final part's result as soon as that part is done (the parts before it need not
   be waited for).
@@ -25,6 +27,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+from ..broker.errors import TransportError
 
 T = TypeVar("T")
 
@@ -126,7 +130,7 @@ def first_error(parts: Sequence[Future[Any]], result: Callable[[], T]) -> Future
         error = part.exception()
         last = left.tick()
         if error is not None:
-            _set(out, None, error)
+            _set(out, None, _root_cause(error, parts))
         elif last:
             _settle(out, result)
 
@@ -173,13 +177,29 @@ class Steps:
 
     def _check(self, part: Future[Any]) -> None:
         error = part.exception()
-        if error is not None:
-            _set(self.future, None, error)
-            return
         with self._lock:
             final = self._final
+            parts = list(self.parts) if error is not None else []
+        if error is not None:
+            _set(self.future, None, _root_cause(error, parts))
+            return
         if final is not None and final.done() and final.exception() is None:
             _set(self.future, final.result(), None)
+
+
+def _root_cause(error: BaseException, parts: Sequence[Future[Any]]) -> BaseException:
+    """``error``, unless another part has already failed on its connection: then that part's
+    error. A lost worker fails the other parts as a consequence (the receive of a hand-off its run
+    never sent is called off, and that worker answers ``TransferError``), and the call-off is
+    sent by a done-callback registered before ours on the failed run's future, so its answer can
+    reach us first; the connection's error names the worker that was lost, and it is the error
+    the failure contract promises."""
+    if isinstance(error, TransportError):
+        return error
+    for part in parts:
+        if part.done() and isinstance(part.exception(), TransportError):
+            return part.exception() or error
+    return error
 
 
 def forward(source: Future[T], target: Future[T]) -> None:

@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 import pytest
+from zmq_rpc.broker.errors import ConnectionLost, TransferError
 from zmq_rpc.client.futures import (
     Steps,
     all_of,
@@ -83,6 +84,22 @@ def test_steps_settle_with_the_final_part_or_the_first_error() -> None:
     out = settled_by(parts[1], parts)
     parts[1].set_result(7)
     assert out.result(0) == 7
+
+
+@pytest.mark.parametrize("combine", ["steps", "first_error"])
+def test_a_lost_connection_is_reported_over_the_transfer_it_called_off(combine: str) -> None:
+    # The order a lost worker produces: its run's future fails, and a done-callback registered
+    # before the combinator's (the pipeline's call-off) fails the receive on another worker
+    # before the combinator hears of the run; the combinator must still report the connection.
+    run, receive = new_future(), new_future()
+    run.add_done_callback(lambda _: receive.set_exception(TransferError("called off")))
+    if combine == "steps":
+        whole = settled_by(receive, [run, receive])
+    else:
+        whole = first_error([run, receive], lambda: None)
+    run.set_exception(ConnectionLost("connection to tcp://w1 lost"))
+    with pytest.raises(ConnectionLost):
+        whole.result(timeout=0)
 
 
 def test_forward_and_combinators_settle_once_under_threads() -> None:
