@@ -16,6 +16,7 @@ index of an external tensor the result is written into (same shape; dtype conver
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -216,6 +217,11 @@ class GraphReply(Message):
 
 
 MAX_HOLD_REPLY_US = 1_000_000
+MAX_KEPT = 256
+"""Kept runs per session (GRAPH_RUN_LINKED's ``keep``): ids 0..255..."""
+MAX_KEPT_TENSORS = 16
+"""...each naming at most this many tensors (inputs, fetches and hand-offs together): what a
+session can make its worker keep stays small."""
 check_hold_reply = _int_in(0, MAX_HOLD_REPLY_US)
 
 
@@ -239,6 +245,62 @@ class GraphRunLinked(Message):
     """1.9 (``peer-link-watch``): per ``receive`` entry, the sending worker's peer endpoint
     ("" for none): the worker watches its own link to each and fails the run with
     PEER_UNREACHABLE once the link a pending receive needs is lost. Empty: none watched."""
+    keep: int = _f(_int_in(-1, MAX_KEPT - 1), since=(1, 15), default=-1)
+    """1.15 (``kept-runs``): the session also keeps this run, tokens aside, under id ``keep``
+    (replacing what it kept there), for GRAPH_RUN_KEPT to repeat; at most
+    ``MAX_KEPT_TENSORS`` tensors. -1: not kept."""
+
+    def __post_init__(self) -> None:
+        named = len(self.inputs) + len(self.fetch) + len(self.receive) + len(self.send)
+        if self.keep >= 0 and named > MAX_KEPT_TENSORS:
+            raise BadRequest(f"a kept run names at most {MAX_KEPT_TENSORS} tensors, not {named}",
+                             code=ErrorCode.BAD_REQUEST)
 
     def payload_sizes(self) -> list[int]:
         return [t.nbytes for t in self.inputs]
+
+    def tokens(self) -> tuple[bytes, ...]:
+        """Its transfer tokens: the receives', then the sends'."""
+        return tuple(r.token for r in self.receive) + tuple(s.token for s in self.send)
+
+
+def _check_tokens(value: Any, field: str) -> tuple[bytes, ...]:
+    """At most 2 x MAX_HAND_OFFS distinct transfer tokens."""
+    tokens = tuple(list_of(peer.check_token, 2 * peer.MAX_HAND_OFFS)(value, field))
+    if len(set(tokens)) != len(tokens):
+        raise BadRequest(f"field {field!r}: a transfer token appears twice",
+                         code=ErrorCode.BAD_REQUEST)
+    return tokens
+
+
+@wire_message
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphRunKept(Message):
+    """1.15 (``kept-runs``): the GRAPH_RUN_LINKED the session keeps under ``kept`` again, with
+    new transfer ``tokens`` (the receives', then the sends', as :meth:`GraphRunLinked.tokens`)
+    and new input bytes (payload frames of ``sizes``, which must be the kept inputs' sizes).
+    A decode step repeats the same run shape every token: this is what crosses the client's
+    link for it (tens of bytes, where the whole run's header is ~150)."""
+
+    kept: int = _f(_int_in(0, MAX_KEPT - 1))
+    tokens: tuple[bytes, ...] = _f(_check_tokens)
+    sizes: list[int] = _f(list_of(check_handle, MAX_IO))
+
+    def payload_sizes(self) -> list[int]:
+        return list(self.sizes)
+
+    def repeat(self, kept: GraphRunLinked) -> GraphRunLinked:
+        """``kept`` with this message's tokens (checked against it: their count, the inputs'
+        sizes), not kept again."""
+        old = kept.tokens()
+        if len(self.tokens) != len(old):
+            raise BadRequest(f"kept run {self.kept} takes {len(old)} transfer token(s), "
+                             f"got {len(self.tokens)}", code=ErrorCode.BAD_REQUEST)
+        if self.sizes != kept.payload_sizes():
+            raise BadRequest(f"kept run {self.kept} takes inputs of {kept.payload_sizes()} "
+                             f"bytes, got {self.sizes}", code=ErrorCode.SIZE_MISMATCH)
+        n = len(kept.receive)
+        receive = tuple(peer.Receive(t, r.dst) for t, r in zip(self.tokens, kept.receive))
+        send = tuple(peer.Send(t, s.src, s.endpoint)
+                     for t, s in zip(self.tokens[n:], kept.send))
+        return dataclasses.replace(kept, receive=receive, send=send, keep=-1)

@@ -62,6 +62,7 @@ from .graph import (
     GraphRegister,
     GraphReply,
     GraphRun,
+    GraphRunKept,
     GraphRunLinked,
 )
 from .peer import PeerFill, PeerProbe, PeerRecv, PeerSend
@@ -115,7 +116,7 @@ __all__ = [  # the protocol's vocabulary; wire's names are re-exported so caller
     "encode_reply", "encode_request", "error_for_code", "split_tensor", "unpack_header",
 ]
 
-PROTOCOL_VERSION = (1, 14)
+PROTOCOL_VERSION = (1, 15)
 """(major, minor). A major mismatch is refused at HELLO; minors add optional capabilities.
 
 1.1 GRAPH_RUN_LINKED (``linked-runs``); 1.2 its ``hold_reply_us`` (``held-replies``); 1.3 the
@@ -141,7 +142,10 @@ the causal / sliding-window mask built on the worker from the positions) and ``s
 ``causal_mask`` (the attention mask of a chunk's rows built on the worker from their positions,
 so a step sends no mask rows; ``causal-mask``; the encoding is unchanged); 1.14 the replies'
 ``draining`` (``Ack``'s and ``GraphReply``'s last field: the worker got SIGTERM and is leaving;
-capability ``draining``) and HELLO refused with SHUTTING_DOWN by a draining worker."""
+capability ``draining``) and HELLO refused with SHUTTING_DOWN by a draining worker; 1.15
+GRAPH_RUN_LINKED's ``keep`` and GRAPH_RUN_KEPT (``kept-runs``: a session keeps a linked run's
+shape, and repeats it from its id, new transfer tokens and input bytes: a decode step's header
+per stage shrinks from ~150 bytes to ~45)."""
 
 
 class Cmd(enum.IntEnum):
@@ -173,6 +177,8 @@ class Cmd(enum.IntEnum):
     SET_FROM_CACHE = 24
     STATUS = 25
     """1.5: what the worker is doing (sessions, memory, queue, uptime); capability ``status``."""
+    GRAPH_RUN_KEPT = 26
+    """1.15: a kept GRAPH_RUN_LINKED again, new tokens and inputs; capability ``kept-runs``."""
 
 
 
@@ -506,6 +512,7 @@ REQUESTS: dict[Cmd, type[Message]] = {
     Cmd.READ_FILE: ReadFile,
     Cmd.SET_FROM_CACHE: SetFromCache,
     Cmd.STATUS: Empty,
+    Cmd.GRAPH_RUN_KEPT: GraphRunKept,
 }
 """The request class of every command (graph and peer messages live beside their encodings in
 :mod:`.graph` and :mod:`.peer`; this table is the one place that says which command takes which)."""
@@ -518,6 +525,7 @@ REPLIES: dict[Cmd, type[Message]] = {
     Cmd.GRAPH_RUN: GraphReply,
     Cmd.GRAPH_COMPUTE: GraphReply,
     Cmd.GRAPH_RUN_LINKED: GraphReply,
+    Cmd.GRAPH_RUN_KEPT: GraphReply,
     Cmd.FILE_QUERY: FileQueryReply,
     Cmd.SET_FROM_CACHE: CacheReply,
     Cmd.STATUS: StatusReply,

@@ -63,7 +63,7 @@ import numpy as np
 
 from ..broker import graph as wire_graph
 from ..broker import peer as wire
-from ..broker.errors import BadRequest, ConnectionLost, SessionLost
+from ..broker.errors import BadRequest, ConnectionLost, InvalidHandle, SessionLost
 from ..broker.protocol import Cmd, DType, TensorRef, split_tensor
 from .arrays import RunResult, fetched, to_bfloat16
 from .calls import EMPTY, no_result
@@ -173,6 +173,25 @@ def copy_between(src: RemoteTensor, dst: RemoteTensor, timeout: float | None = N
         sent = _on_route(a, route, send_half)
     sent.add_done_callback(lambda f: _abort_if_failed(f, landed, b, token))
     return settled_by(landed, [landed, sent])
+
+
+def _run_kept(client: Owner, msg: wire_graph.GraphRunLinked, frames: list[np.ndarray],
+              on_reply: Any) -> Future[RunResult]:
+    """``msg`` as its worker's kept run when the session keeps it (:mod:`.kept`), else whole."""
+    kept = client.session.kept
+    cmd, short, shape = kept.shorten(msg)
+    try:
+        run: Future[RunResult] = _call(client, cmd, short, frames, on_reply=on_reply)
+    except BaseException:
+        if shape is not None:
+            kept.abandoned(shape)
+        raise
+    if shape is not None:
+        kept.issued(shape, short.keep, run)
+    elif isinstance(short, wire_graph.GraphRunKept):
+        run.add_done_callback(
+            lambda f: kept.forget(short) if isinstance(f.exception(), InvalidHandle) else None)
+    return run
 
 
 def _source(a: Owner, b: Owner) -> str:
@@ -385,7 +404,7 @@ def run_linked(client: Owner, graph: RegisteredGraph, refs: list[TensorRef],
         msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
                                              receive=receives, send=sends, timeout_ms=timeout_ms,
                                              hold_reply_us=hold_us, receive_from=sources)
-        run = _call(client, Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch_refs))
+        run = _run_kept(client, msg, frames, fetched(fetch_refs))
         direct = [h for h in send if h.route == "direct"]
         if direct:
             run.add_done_callback(lambda f: _abort_receives_if_failed(f, direct))

@@ -30,6 +30,7 @@ from ..broker.keys import KeyPair
 from ..broker.protocol import Cmd
 from ..broker.request_mac import derive, new_exchange
 from .connection import Connection
+from .kept import KeptRuns
 from .options import DEFAULT_WINDOW_BYTES, ConnectionOptions
 from .routes import Routes
 from .security import resolve_curve
@@ -70,6 +71,8 @@ class Session:
             self.connection.close()
             raise
         self.chunk_bytes = max(4096, min(chunk_bytes, self.info.max_message_size - (64 << 10)))
+        self.kept = KeptRuns("kept-runs" in self.info.capabilities)
+        """The linked runs this session's worker keeps (:mod:`.kept`)."""
 
     def _hello(self, timeout: float) -> p.HelloReply:
         major, minor = p.PROTOCOL_VERSION

@@ -24,6 +24,7 @@ from zmq_rpc.client import Client, ConnectionLost, Graph
 from zmq_rpc.client.gguf_model import LlamaGGUF
 from zmq_rpc.client.llama import LlamaModel, file_runs, plan_stages, sample_token
 from zmq_rpc.client.tokenizer import load_tokenizer
+from zmq_rpc.tools.linkmeter import LinkMeter, metered
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -134,6 +135,44 @@ def test_sample_token_greedy_topk_topp_and_seed() -> None:
 
 
 # ------------------------------------------------------------------------- against reference
+
+
+def link_bytes_per_token(m: LlamaModel, meters: list[LinkMeter], prompt_ids: list[int],
+                         ref_greedy: list[int]) -> list[tuple[float, float]]:
+    """Per stage, the bytes each way on its client link per decoded token, in the steady
+    state: a generation of N_NEW tokens less one of 1, after one that showed every run."""
+    assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
+    before = [mt.counts() for mt in meters]
+    assert m.generate(prompt_ids, 1, stop_ids=()) == ref_greedy[:1]
+    middle = [mt.counts() for mt in meters]
+    assert m.generate(prompt_ids, N_NEW, stop_ids=()) == ref_greedy
+    after = [mt.counts() for mt in meters]
+    return [tuple(((c - b) - (b - a)) / (N_NEW - 1) for a, b, c in zip(x, y, z))
+            for x, y, z in zip(before, middle, after)]
+
+
+@pytest.mark.timeout(180)
+def test_a_decoded_token_costs_each_stage_link_under_100_bytes_on_the_wire(
+        gguf: LlamaGGUF, clients: list[Client], prompt_ids: list[int],
+        ref_greedy: list[int]) -> None:
+    """Issue 29 point 4, measured on the wire (a TCP relay between the client and each worker:
+    ZMTP framing, the request's signature and the reply included): a chained greedy token
+    costs each stage's client link at most 100 bytes each way. Its run goes as a kept run
+    (protocol 1.15: the run's id, its two transfer tokens and the position); a session whose
+    worker keeps no runs sends the whole linked run, well over 100 bytes a stage."""
+    with metered(clients[0].endpoint) as m0, metered(clients[1].endpoint) as m1:
+        via = [Client(mt.endpoint, timeout=60.0) for mt in (m0, m1)]
+        try:
+            with LlamaModel.load(gguf, via) as m:
+                kept = link_bytes_per_token(m, [m0, m1], prompt_ids, ref_greedy)
+                for client in via:
+                    client.session.kept.enabled = False          # as a 1.14 worker
+                whole = link_bytes_per_token(m, [m0, m1], prompt_ids, ref_greedy)
+        finally:
+            for client in via:
+                client.close()
+    assert all(0 < b <= 100 for stage in kept for b in stage), f"kept: {kept}"
+    assert all(sent > 100 for sent, _ in whole), f"whole runs: {whole}"
 
 
 @pytest.mark.timeout(180)

@@ -19,6 +19,7 @@ import zmq
 from conftest import RelayLog, WorkerProcess
 from devices import TRIO_DEVICES
 from waiting import receiving, wait_until
+from zmq_rpc.broker import graph as wire_graph
 from zmq_rpc.broker import peer as wire
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.protocol import Cmd, DType
@@ -788,11 +789,67 @@ def test_linked_runs_chain_a_ring_with_one_message_per_stage(
     assert previous is not None
     trio[0].receive(previous)                   # the last hand-off, which no run receives
     results = wait_all(futures)
-    assert set(sent) == {Cmd.GRAPH_RUN_LINKED, Cmd.PEER_RECV}
-    assert sent.count(Cmd.GRAPH_RUN_LINKED) == 3 * rounds
+    assert set(sent) == {Cmd.GRAPH_RUN_LINKED, Cmd.GRAPH_RUN_KEPT, Cmd.PEER_RECV}
+    assert sent.count(Cmd.GRAPH_RUN_LINKED) + sent.count(Cmd.GRAPH_RUN_KEPT) == 3 * rounds
+    assert sent.count(Cmd.GRAPH_RUN_KEPT) >= 3 * (rounds - 3)  # repeated runs go kept (1.15)
     for r in range(rounds):
         np.testing.assert_array_equal(results[3 * r + 2][0], np.arange(n) + 6.0 * (r + 1))
     np.testing.assert_array_equal(trio[0].get_tensor(first_x), np.arange(n) + 6.0 * rounds)
+
+
+def two_stage_chain(a: Client, b: Client, rounds: int) -> list[np.ndarray]:
+    """``rounds`` steps of a two-stage chain issued without waiting: a's input (the step's
+    own values) plus 1 is handed to b, which adds 2; b's output of every step."""
+    ga, xa, ya = stage(a, 64, 1.0)
+    gb, xb, yb = stage(b, 64, 2.0)
+    steps = []
+    for r in range(rounds):
+        h = client_peer.hand_off(ya, xb)
+        a.run_async(ga, {xa: np.full(64, r, np.float32)}, send=[h])
+        steps.append(b.run_async(gb, receive=[h], fetch=[yb]))
+    return [f.result(timeout=20)[0] for f in steps]
+
+
+def test_a_repeated_linked_run_goes_as_its_kept_id_with_new_tokens_and_inputs(
+        trio: list[Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Protocol 1.15: a linked run sent a second time is kept by its session, and from then on
+    sent as GRAPH_RUN_KEPT (its id, its new transfer tokens, its input frames): every step
+    still computes on its own inputs and its own hand-off."""
+    a, b, _ = trio
+    assert client_peer.route(a, b).result(timeout=10)
+    sent = count_commands(monkeypatch, [a, b])
+    got = two_stage_chain(a, b, 8)
+    for r, y in enumerate(got):
+        np.testing.assert_array_equal(y, np.full(64, r + 3.0, np.float32))
+    runs = [c for c in sent if c in (Cmd.GRAPH_RUN_LINKED, Cmd.GRAPH_RUN_KEPT)]
+    assert runs[:4] == [Cmd.GRAPH_RUN_LINKED] * 4             # seen, then kept
+    assert runs[4:] == [Cmd.GRAPH_RUN_KEPT] * 12
+
+
+def test_kept_runs_that_do_not_fit_are_refused_and_the_session_serves_on(
+        trio: list[Client], make_client: Callable[..., Client]) -> None:
+    """A GRAPH_RUN_KEPT of an id its session never kept, with the wrong number of tokens or
+    the wrong input sizes, gets a clear error, and nothing else changes; another session of
+    the same worker cannot use this session's ids."""
+    a, b, _ = trio
+    two_stage_chain(a, b, 3)                                 # b keeps its run as id 0
+    connection = b.session.connection
+
+    def kept(msg: Any, frames: list[Any] | None = None) -> Any:
+        return connection.call(Cmd.GRAPH_RUN_KEPT, msg, frames or []).result(timeout=10)
+
+    with pytest.raises(InvalidHandle, match="no run kept under 9 in this session"):
+        kept(wire_graph.GraphRunKept(kept=9, tokens=(), sizes=[]))
+    with pytest.raises(BadRequest, match="kept run 0 takes 1 transfer token"):
+        kept(wire_graph.GraphRunKept(kept=0, tokens=(token(), token()), sizes=[]))
+    with pytest.raises(BadRequest, match=r"kept run 0 takes inputs of \[\] bytes, got \[4\]"):
+        kept(wire_graph.GraphRunKept(kept=0, tokens=(token(),), sizes=[4]), [b"\0" * 4])
+    other = make_client(b.endpoint)
+    with pytest.raises(InvalidHandle, match="no run kept under 0"):
+        other.session.connection.call(Cmd.GRAPH_RUN_KEPT, wire_graph.GraphRunKept(
+            kept=0, tokens=(token(),), sizes=[]), []).result(timeout=10)
+    got = two_stage_chain(a, b, 4)                           # the kept runs serve on
+    np.testing.assert_array_equal(got[-1], np.full(64, 6.0, np.float32))
 
 
 def test_linked_run_big_strided_and_local_hand_offs(trio: list[Client]) -> None:

@@ -165,10 +165,12 @@ def test_error_message_is_capped() -> None:
 # 1.13: the graph op causal_mask (capability causal-mask; the encoding is unchanged).
 # 1.14: replies' draining (Ack's and GraphReply's last field: the worker is leaving; capability
 #       draining), sent only to sessions whose HELLO said 1.14 (test_golden_draining).
+# 1.15: GRAPH_RUN_LINKED's keep (last, on the wire only when >= 0) and GRAPH_RUN_KEPT = 26
+#       (capability kept-runs; test_golden_kept_runs).
 
 
 def test_protocol_version_is_pinned() -> None:
-    assert p.PROTOCOL_VERSION == (1, 14)
+    assert p.PROTOCOL_VERSION == (1, 15)
 
 
 def pinned(enum: Any, table: dict[str, Any], value: Callable[[Any], Any] = lambda m: m.value
@@ -620,8 +622,8 @@ def test_golden_graph_run_linked_hold_reply() -> None:
 @pytest.mark.parametrize("value", [-1, 1_000_001, 1.5, "1"])
 def test_graph_run_linked_hold_reply_is_checked(value: Any) -> None:
     bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, value)], match="hold_reply_us")
-    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, 0, [], 0)],
-        match="6 to 8 fields")
+    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, [], [], [], [], 1000, 0, [], 0, 0)],
+        match="6 to 9 fields")
 
 
 def test_graph_run_linked_receive_from_is_checked_and_off_the_wire_when_empty() -> None:
@@ -634,6 +636,51 @@ def test_graph_run_linked_receive_from_is_checked_and_off_the_wire_when_empty() 
     decoded = p.decode_request([p.encode_request(Cmd.GRAPH_RUN_LINKED, 4, watched)])[2]
     assert isinstance(decoded, g.GraphRunLinked)
     assert decoded.receive_from == ("tcp://10.0.0.1:5",)
+
+
+def test_golden_kept_runs() -> None:
+    """1.15: ``keep`` is GRAPH_RUN_LINKED's last field, on the wire only when >= 0 (a 1.14
+    worker decodes the runs that do not ask); GRAPH_RUN_KEPT is [26, id, kept, tokens, sizes]
+    and its payload frames."""
+    from zmq_rpc.broker import peer
+    plain = linked()
+    kept = dataclasses.replace(plain, keep=7)
+    # [21, 9, 3, [[1, 0, [2], [4], 0]], [], [], [], 1000, 0, [], 7]
+    header = p.encode_request(Cmd.GRAPH_RUN_LINKED, 9, kept)
+    assert header.hex() == "9b150903919501009102910400909090" "cd03e8" "00" "90" "07"
+    assert p.decode_request([header, bytes(8)]) == (Cmd.GRAPH_RUN_LINKED, 9, kept)
+    assert p.encode_request(Cmd.GRAPH_RUN_LINKED, 9, plain) == b"\x98" + header[1:-3]
+    again = g.GraphRunKept(kept=7, tokens=(b"r" * 16,), sizes=[8])
+    header = p.encode_request(Cmd.GRAPH_RUN_KEPT, 10, again)
+    assert header.hex() == "951a0a0791c410" + "72" * 16 + "9108"
+    assert p.decode_request([header, bytes(8)]) == (Cmd.GRAPH_RUN_KEPT, 10, again)
+    repeated = again.repeat(dataclasses.replace(
+        kept, receive=(peer.Receive(b"o" * 16, ref((2,), buffer=4)),)))
+    assert repeated.receive == (peer.Receive(b"r" * 16, ref((2,), buffer=4)),)
+    assert repeated.keep == -1 and repeated.inputs == plain.inputs
+
+
+@pytest.mark.parametrize("fields, frames, match", [
+    ([256, [], []], 0, "kept"),
+    ([-1, [], []], 0, "kept"),
+    ([0, [b"t" * 15], []], 0, "16 bytes"),
+    ([0, [b"t" * 16, b"t" * 16], []], 0, "appears twice"),
+    ([0, [], [4]], 0, "takes 1 payload frame"),
+    ([0, [], [4]], 1, "payload of 3 bytes"),
+], ids=["id-high", "id-low", "short-token", "twice", "frames", "size"])
+def test_graph_run_kept_is_validated(fields: list[Any], frames: int, match: str) -> None:
+    code = ErrorCode.SIZE_MISMATCH if frames else ErrorCode.BAD_REQUEST
+    bad([pack(Cmd.GRAPH_RUN_KEPT, 4, *fields), *[bytes(3)] * frames], code, match=match)
+
+
+def test_a_kept_run_names_few_tensors() -> None:
+    """What a session makes its worker keep stays small: at most 16 tensors per kept run
+    (a run that is not kept may name up to 256 of each kind)."""
+    many = [wire(ref((2,), buffer=1))] * 17
+    bad([pack(Cmd.GRAPH_RUN_LINKED, 4, 3, many, [], [], [], 1000, 0, [], 0)],
+        match="a kept run names at most 16 tensors, not 17")
+    header = pack(Cmd.GRAPH_RUN_LINKED, 4, 3, many, [], [], [], 1000)
+    assert p.decode_request([header, *[bytes(8)] * 17])[0] is Cmd.GRAPH_RUN_LINKED
 
 
 def test_fields_added_by_a_later_minor_come_last_with_a_default() -> None:

@@ -200,6 +200,49 @@ def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
     return out
 
 
+# ------------------------------------------------------------------------- the client's link
+
+LINK_BUDGET_BYTES = 100.0
+
+
+def link_rows(ctx: BenchContext) -> list[CaseResult]:
+    """What a decoded token puts on each stage's client link, measured on the wire (a TCP relay
+    between the client and each of 2 workers: framing, signatures, replies): the kept runs of
+    protocol 1.15 against whole linked runs (what a 1.14 worker is sent), and the budget."""
+    from ..client.gguf_model import default_model_path, load_gguf
+    from ..client.llama import LlamaModel
+    from .linkmeter import metered
+
+    gguf = load_gguf(default_model_path())
+    samples: dict[bool, list[float]] = {True: [], False: []}
+    endpoints = [c.endpoint for c in ctx.workers(2)]
+    with metered(endpoints[0]) as m0, metered(endpoints[1]) as m1:
+        via = [Client(m.endpoint) for m in (m0, m1)]
+        try:
+            with LlamaModel.load(gguf, via) as model:
+                model.generate(PROMPT_TOKENS[:32], 17, stop_ids=())      # every run seen
+                for _ in range(ctx.reps(3, 1)):
+                    for kept in (True, False):                           # alternated
+                        for client in via:
+                            client.session.kept.enabled = kept
+                        before = [m.counts()[0] for m in (m0, m1)]
+                        model.generate(PROMPT_TOKENS[:32], 1, stop_ids=())
+                        middle = [m.counts()[0] for m in (m0, m1)]
+                        model.generate(PROMPT_TOKENS[:32], 33, stop_ids=())
+                        after = [m.counts()[0] for m in (m0, m1)]
+                        samples[kept].append(max(
+                            ((c - b) - (b - a)) / 32 for a, b, c in zip(before, middle, after)))
+        finally:
+            for client in via:
+                client.close()
+    return [CaseResult(
+        "llm", "llm client link bytes/token/stage", "B", samples[True],
+        {"whole linked runs (1.14)": samples[False], "100 B budget": [LINK_BUDGET_BYTES]},
+        Target(1.0, False), False, compared_with=("100 B budget",),
+        note="2 workers, chained greedy decode, client -> worker bytes on the wire per token, "
+             "the busier stage; target <=100 B (issue 29)")]
+
+
 # ---------------------------------------------------------------------------------- start-up
 
 FIRST_OUTPUT_BUDGET_S = 1.0
@@ -293,7 +336,7 @@ def case_llm(ctx: BenchContext) -> list[CaseResult]:
             for n in (1, 2, 3)]
     f32 = [measure(f"{n} worker{'s' if n > 1 else ''}", ctx.workers(n), ctx, weights="f32")
            for n in (1, 2)]
-    return rows(base, runs) + mode_rows(runs[:2], f32) + start_up
+    return rows(base, runs) + mode_rows(runs[:2], f32) + link_rows(ctx) + start_up
 
 
 if __name__ == "__main__":

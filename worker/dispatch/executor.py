@@ -23,13 +23,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
 from ...broker import protocol as p
 from ...broker.errors import BadRequest
-from ...broker.graph import GraphReply
+from ...broker.graph import GraphReply, GraphRunKept, GraphRunLinked
 from ...broker.protocol import Cmd, ErrorCode, WireError
 from ...broker.request_mac import strip_trailer
 from ..backends.base import Backend
@@ -37,7 +37,7 @@ from ..files.loading import Loading
 from ..files.model_files import ModelFiles
 from ..files.tensor_cache import TensorCache
 from ..graphs.commands import GraphCommands
-from ..graphs.linked import LinkedRuns
+from ..graphs.linked import LinkedRuns, unfold
 from ..observe.metrics import INVALID_COMMAND, NullRecorder, Recorder
 from ..peer.acks import LinkLost
 from ..peer.links import PeerLinks
@@ -66,6 +66,9 @@ __all__ = ["DRAIN_BATCH", "Executor", "WorkerLimits"]
 log = logging.getLogger("zmq_rpc.worker")
 
 NO_SESSION = "no session: send HELLO first (or the session expired)"
+
+_KEEPING = frozenset({Cmd.GRAPH_RUN_LINKED, Cmd.GRAPH_RUN_KEPT})
+"""Commands that keep a linked run, or repeat one (:func:`~..graphs.linked.unfold`)."""
 
 DRAIN_BATCH = 512
 """Most requests handled per poll wake-up before the peer port, waiting sessions and timers get
@@ -177,6 +180,12 @@ class Executor:
             self._refuse(client_id, 0, ErrorCode.BAD_REQUEST,
                          f"malformed request ({type(exc).__name__})")
             return
+        if session is not None and cmd in _KEEPING:
+            try:
+                msg = unfold(session, cast(GraphRunLinked | GraphRunKept, msg))
+            except BadRequest as exc:
+                self._refuse(client_id, req_id, ErrorCode(exc.code or 1), exc.message, cmd)
+                return
         req = self.routes[cmd].request(cmd, req_id, msg, frames[2:])
         req.arrived = arrived
         self._accept(client_id, session, req)

@@ -29,7 +29,7 @@ def capabilities(backend: Backend, peers: PeerLinks) -> list[str]:
         offered.append("zero-copy")
     if backend.supports_graphs:
         offered += [f"graph-v{g.GRAPH_VERSION}", "linked-runs", "held-replies", "scale-bias",
-                    "fused-ops", "rope-factors", "row-attention", "causal-mask"]
+                    "fused-ops", "rope-factors", "row-attention", "causal-mask", "kept-runs"]
         if backend.packed_kernels and kernels.available():
             offered.append("packed-kernels")
     if peers.endpoint:

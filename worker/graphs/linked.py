@@ -1,4 +1,5 @@
-"""Linked runs (GRAPH_RUN_LINKED) and the replies they may hold back.
+"""Linked runs (GRAPH_RUN_LINKED, and GRAPH_RUN_KEPT repeating a kept one) and the replies they
+may hold back.
 
 Owned by the backend thread. A linked run is one entry in its session's queue with its own
 states::
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ...broker import graph as g
-from ...broker.protocol import Cmd, WireError
+from ...broker.errors import BadRequest
+from ...broker.protocol import Cmd, ErrorCode, WireError
 from ..backends.base import Backend
 from ..peer.send import Push
 from ..peer.transfers import PeerCommands
@@ -99,8 +101,24 @@ class LinkedRun(Request):
         return self.link.hold_reply_us
 
 
+def unfold(session: Session, msg: g.GraphRunLinked | g.GraphRunKept) -> g.GraphRunLinked:
+    """A GRAPH_RUN_KEPT as the linked run it repeats (BadRequest when nothing is kept under
+    its id, or it does not fit what is); a GRAPH_RUN_LINKED as it is, kept first if it asks.
+    Done as a request arrives, so that the kept runs change in the order the client sent."""
+    if isinstance(msg, g.GraphRunLinked):
+        if msg.keep >= 0:
+            session.kept[msg.keep] = msg
+        return msg
+    kept = session.kept.get(msg.kept)
+    if kept is None:
+        raise BadRequest(f"no run kept under {msg.kept} in this session (GRAPH_RUN_LINKED's "
+                         f"keep sets one)", code=ErrorCode.INVALID_HANDLE)
+    return msg.repeat(kept)
+
+
 class LinkedRuns:
-    """The GRAPH_RUN_LINKED handler: moves a run on by one state each time it is called."""
+    """The GRAPH_RUN_LINKED and GRAPH_RUN_KEPT handler: moves a run on by one state each time
+    it is called (a kept run arrives unfolded: :func:`unfold`)."""
 
     def __init__(self, backend: Backend, views: Views, graphs: GraphCommands,
                  transfers: PeerCommands) -> None:
@@ -111,9 +129,10 @@ class LinkedRuns:
 
     def routes(self) -> dict[Cmd, Route]:
         """This module's part of the executor's dispatch table."""
-        return {Cmd.GRAPH_RUN_LINKED: Route(
+        route = Route(
             self.step, writes=GraphCommands.run_writes, entry=LinkedRun,
-            queued=lambda s, m: self.transfers.announce(s, [r.token for r in m.receive]))}
+            queued=lambda s, m: self.transfers.announce(s, [r.token for r in m.receive]))
+        return {Cmd.GRAPH_RUN_LINKED: route, Cmd.GRAPH_RUN_KEPT: route}
 
     def step(self, session: Session, msg: g.GraphRunLinked, req: Request) -> Outcome:
         """Start the next receive (the run stays at the head of its queue), or run."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from ...broker import graph as g
 from ...broker import protocol as p
 from ...broker.ops import DEFAULT_MAX_WORK
 from ...broker.protocol import Cmd, TensorRef
@@ -110,6 +111,9 @@ class Session:
     every later request must carry the session's signature, else it is refused untouched."""
     refused: int = 0
     """Requests refused for a missing or wrong signature (the first is logged)."""
+    kept: dict[int, g.GraphRunLinked] = field(default_factory=dict)
+    """Linked runs kept for GRAPH_RUN_KEPT (1.15), by the id the client gave (at most
+    ``MAX_KEPT``: the ids are bounded)."""
 
     @property
     def label(self) -> str:
