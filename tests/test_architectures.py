@@ -122,3 +122,13 @@ def test_a_tensor_the_loader_would_not_read_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(GGUFModelError, match="1 tensor.s. this loader does not read: output.bias"):
         load_gguf(path)
+
+
+def test_llama3_rope_factors_are_the_same_bytes_on_every_cpu() -> None:
+    """The synthetic llama3 file's rope factors, pinned: numpy's float32 power gave one factor
+    a last bit off on an AVX-512 CPU, so that the file was not the one llama.cpp's fixture was
+    recorded on (its SHA-256 differed) on such machines only."""
+    from zmq_rpc.tools.synthetic_gguf import llama3_rope_factors
+    assert llama3_rope_factors().tobytes().hex()[:80] == (
+        "0000803f0000803f0000803f0000803f00a1a53fdbfced3f9bf83040b86d8b40385bf54000000041")
+    assert llama3_rope_factors().tobytes().hex()[80:] == "00000041" * 22

@@ -228,7 +228,13 @@ def llama3_rope_factors(base: float = 10000.0, factor: float = 8.0, low: float =
                         high: float = 4.0, original: int = 64, head_dim: int = 64) -> np.ndarray:
     """The ``rope_freqs`` factors llama.cpp's converter writes for rope_type "llama3"
     (``conversion/llama.py``), for an original context of ``original`` tokens."""
-    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    # The powers in float64, rounded once to float32: numpy's float32 power dispatches by CPU
+    # (its AVX-512 loop and its AVX2 one differ in the last bit for some exponents), and a
+    # file must be the same bytes on every machine (the oracle fixtures name its SHA-256).
+    # These are the correctly rounded values, which the AVX2 loop gives.
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / head_dim
+    powers = np.array([math.pow(base, float(e)) for e in exponents], np.float32)
+    freqs = np.float32(1.0) / powers
     low_wavelen, high_wavelen = original / low, original / high
     out = []
     for freq in freqs:
