@@ -522,14 +522,35 @@ def test_fused_attention_and_swiglu_match_their_numpy_composition() -> None:
     k, v = rng.standard_normal((2, 40, 3, 64)).astype(np.float32)
     mask = np.where(np.arange(40)[None, :] <= np.array([[10], [25], [39]]), 0, -np.inf).astype(np.float32)
     metas = [meta_of(a) for a in (q, k, v, mask)]
-    fused, composed = np.empty_like(q), np.empty_like(q)
-    numpy_ops._attention([q, k, v, mask], metas, {"scale": 0.125}, fused)
+    composed, chunk = np.empty_like(q), np.empty_like(q)
     numpy_ops._attention_composed([q, k, v, mask], metas, {"scale": 0.125}, composed)
-    np.testing.assert_allclose(fused, composed, rtol=1e-5, atol=1e-6)
+    for t in range(3):                        # one row: the fused loop
+        fused = np.empty_like(q[t:t + 1])
+        row = [meta_of(a) for a in (q[t:t + 1], k, v, mask[t:t + 1])]
+        numpy_ops._attention([q[t:t + 1], k, v, mask[t:t + 1]], row, {"scale": 0.125}, fused)
+        np.testing.assert_allclose(fused, composed[t:t + 1], rtol=1e-5, atol=1e-6)
+    numpy_ops._attention([q, k, v, mask], metas, {"scale": 0.125}, chunk)   # live keys only
+    np.testing.assert_allclose(chunk, composed, rtol=1e-5, atol=1e-6)
     x = rng.standard_normal((4, 96)).astype(np.float32)
     with np.errstate(all="ignore"):
         silu = run("silu", [x[:, :48]])
         np.testing.assert_allclose(run("swiglu", [x]), run("mul", [silu, x[:, 48:]]), rtol=1e-6)
+
+
+def test_a_chunk_attends_over_the_live_keys_only() -> None:
+    """A prefill chunk early in a long cache reads the keys between the first and the last
+    that some row's mask leaves live (NaN past and before them does not reach the result),
+    and gives what attention over the whole cache gives."""
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((4, 4, 16)).astype(np.float32)
+    k, v = rng.standard_normal((2, 64, 2, 16)).astype(np.float32)
+    pos = np.arange(20, 24)
+    keys = np.arange(64)[None, :]
+    mask = np.where((keys <= pos[:, None]) & (keys > pos[:, None] - 8), 0, -np.inf)
+    mask = mask.astype(np.float32)                              # a window of 8: keys 13..23
+    expected = attention_ref(q.astype(np.float64), k, v, mask, 0.25)
+    k[:13], v[:13], k[24:], v[24:] = np.nan, np.nan, np.nan, np.nan
+    close(run("attention", [q, k, v, mask], {"scale": 0.25}), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_kernels_never_compile_while_a_graph_runs() -> None:

@@ -146,10 +146,11 @@ class StageGraphs:
     def _attention(self, g: Graph, h: GraphTensor, at: Layer, io: ModeIO, T: int,
                    masks: StepMasks, fused: bool) -> GraphTensor:
         """A decode step (T = 1) ropes q and k in one node (neighbours in the QKV product, and
-        a one-row q stays contiguous) where nothing sits between the product and the rope, and,
-        on a worker with ``fused-ops``, attends in one ``attention`` node; longer chunks go
-        through the matmul / soft_max / matmul composition (BLAS does their products faster
-        than the fused loop). Sliding-window layers read the step's window mask."""
+        a one-row q stays contiguous) where nothing sits between the product and the rope. On a
+        worker with ``fused-ops`` a step attends in one ``attention`` node (a chunk there runs
+        the matmul / soft_max / matmul composition over the keys its mask leaves live, not the
+        whole cache); elsewhere the graph spells that composition out. Sliding-window layers
+        read the step's window mask."""
         cfg, n_ctx, w = self.config, self.n_ctx, at.weights
         n_h, n_kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q, k, v = self._qkv(g, h, at, io, T)
@@ -157,7 +158,7 @@ class StageGraphs:
         g.set_rows(k_cache, k, io.pos)
         g.set_rows(v_cache, v, io.pos)
         mask = masks.get(cfg.is_swa(at.index))
-        if fused and T == 1:
+        if fused:
             att = g.attention(q, k_cache[:n_ctx], v_cache[:n_ctx], mask, scale=cfg.kq_scale)
             return w.linear["wo"].apply(g, g.reshape(att, (T, n_h * hd)))
         scores = g.matmul(self._by_kv_head(g, q, T), _heads_first(k_cache[:n_ctx]),

@@ -549,13 +549,19 @@ def _attention(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, ou
     """``softmax(scale * q k^T + mask) v`` per query row and head, GQA-grouped (``ops._attention``):
     q (T, H, D), k and v (S, H_kv, D), optional mask broadcasting to (T, S), out (T, H, D).
 
-    On the host with numba, float32 queries and mask, and a float32 or float16 cache: one fused
-    loop (``kernels.fused.attention``) that skips masked keys (a float16 cache read as its bits:
-    no float32 copy of the whole cache per step). Otherwise the
-    composition the unfused graph runs (per KV head: a batched matmul, the masked softmax of
-    :func:`_soft_max_rows`, a matmul), over any namespace."""
+    One query row (a decode step), on the host with numba, float32 queries and mask, and a
+    float32 or float16 cache: one fused loop (``kernels.fused.attention``) that skips masked
+    keys (a float16 cache read as its bits: no float32 copy of the whole cache per step).
+    Otherwise (a prefill chunk: BLAS does its products faster than the loop) the composition
+    the unfused graph runs (per KV head: a batched matmul, the masked softmax of
+    :func:`_soft_max_rows`, a matmul), over any namespace, on the keys some row's mask leaves
+    live: a chunk early in a long cache reads (and converts, for a float16 cache) its first
+    rows only."""
     q, k, v = xs[:3]
     T, S = q.shape[0], k.shape[0]
+    if T > 1:
+        _attention_composed(_live_keys(xs), ms, p, out)
+        return
     fused = kernels.fused_kernels()
     k16 = ms[1].dtype == "float16" and ms[2].dtype == "float16"
     if (fused is not None and type(out) is np.ndarray
@@ -568,6 +574,21 @@ def _attention(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params, ou
         if _compiled(fused.attention, q, kk, vv, mask, _F32(p["scale"]), out):
             return
     _attention_composed(xs, ms, p, out)
+
+
+def _live_keys(xs: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
+    """``xs`` (q, k, v, mask) cut to the keys between the first and the last that some query
+    row's mask does not hide (-inf); all of them without a mask. A key every row hides adds
+    nothing to any row (exp(-inf) is 0), so the cut changes no result."""
+    if len(xs) < 4:
+        return xs
+    q, k, v, mask = xs
+    xp = namespace(mask)
+    live = xp.flatnonzero(xp.isfinite(mask.reshape(-1, mask.shape[-1])).any(axis=0))
+    if len(live) == 0 or mask.shape[-1] != k.shape[0]:
+        return xs
+    lo, hi = int(live[0]), int(live[-1]) + 1
+    return q, k[lo:hi], v[lo:hi], mask[..., lo:hi]
 
 
 def _attention_composed(xs: Sequence[np.ndarray], ms: Sequence[TensorMeta], p: Params,
