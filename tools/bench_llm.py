@@ -166,6 +166,45 @@ def mode_rows(quantized: list[Placement], f32: list[Placement]) -> list[CaseResu
     return out
 
 
+KV_F16_VS_F32 = 0.97
+"""Issue 29: the float16 cache by default only if generation stays within 3 % of float32's."""
+
+
+def kv_rows(ctx: BenchContext) -> list[CaseResult]:
+    """The default float16 KV cache against a float32 one on 1 worker: both models loaded,
+    measured in alternated rounds (prefill 32 and 128, greedy generation)."""
+    from ..client.gguf_model import default_model_path, load_gguf
+    from ..client.llama import LlamaModel
+
+    gguf = load_gguf(default_model_path())
+    clients = ctx.workers(1)
+    got = {kv: Placement(kv) for kv in ("float16", "float32")}
+    models = {kv: LlamaModel.load(gguf, clients, kv_dtype=kv) for kv in got}  # type: ignore[arg-type]
+    try:
+        for _ in range(ctx.reps(6, 2)):
+            for kv, model in models.items():
+                for n, samples in ((32, got[kv].prefill32), (128, got[kv].prefill128)):
+                    model.reset()
+                    start = time.perf_counter()
+                    model.prefill(PROMPT_TOKENS[:n])
+                    samples.append(n / (time.perf_counter() - start))
+                model.stats.clear()
+                model.generate(PROMPT_TOKENS[:32], ctx.reps(33, 9), stop_ids=())
+                decode = [s for s in model.stats if s.mode == "decode"][2:]
+                got[kv].generate.append(len(decode) / sum(s.seconds for s in decode))
+    finally:
+        for model in models.values():
+            model.close()
+    f16, f32 = got["float16"], got["float32"]
+    return [CaseResult("llm", f"llm {label} f16 KV vs f32 KV 1 worker", "tok/s", ours,
+                       {"f32 KV": ref}, Target(KV_F16_VS_F32, True), True,
+                       note="the default cache (half the bytes), alternated rounds; "
+                            "target >=0.97x")
+            for label, ours, ref in (("generate", f16.generate, f32.generate),
+                                     ("prefill 32", f16.prefill32, f32.prefill32),
+                                     ("prefill 128", f16.prefill128, f32.prefill128))]
+
+
 def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
     """Rate rows per placement against in-process, and the 2-worker overhead row."""
     out = []
@@ -336,7 +375,8 @@ def case_llm(ctx: BenchContext) -> list[CaseResult]:
             for n in (1, 2, 3)]
     f32 = [measure(f"{n} worker{'s' if n > 1 else ''}", ctx.workers(n), ctx, weights="f32")
            for n in (1, 2)]
-    return rows(base, runs) + mode_rows(runs[:2], f32) + link_rows(ctx) + start_up
+    return (rows(base, runs) + mode_rows(runs[:2], f32) + kv_rows(ctx) + link_rows(ctx)
+            + start_up)
 
 
 if __name__ == "__main__":
