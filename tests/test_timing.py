@@ -83,15 +83,19 @@ def test_an_older_worker_is_not_traced(worker: WorkerServer, make_client: Callab
     assert any("carry no timing" in r.getMessage() for r in caplog.records)
 
 
-def timing(run: float, compute: float, queue: float = 0.0) -> RequestTiming:
-    return RequestTiming("GRAPH_RUN_LINKED", 1e-5, 2e-4, queue, run, 3e-5, compute)
+def timing(run: float, compute: float, queue: float = 0.0,
+           cmd: str = "GRAPH_RUN_LINKED") -> RequestTiming:
+    return RequestTiming(cmd, 1e-5, 2e-4, queue, run, 3e-5, compute)
 
 
 def test_token_split_of_a_two_stage_chain() -> None:
+    """Steps sent whole (GRAPH_RUN_LINKED) and, once their worker keeps them, short
+    (GRAPH_RUN_KEPT, protocol 1.15) are the same steps."""
     prefill = [timing(0.02, 0.019)]
-    stage_a = prefill + [timing(0.004, 0.003) for _ in range(5)]
+    stage_a = prefill + [timing(0.004, 0.003, cmd="GRAPH_RUN_KEPT" if i > 1 else
+                                "GRAPH_RUN_LINKED") for i in range(5)]
     stage_b = prefill + [RequestTiming("PING", 0, 0, 0, 0, 0)] + \
-        [timing(0.005, 0.0045) for _ in range(5)]
+        [timing(0.005, 0.0045, cmd="GRAPH_RUN_KEPT") for _ in range(5)]
     split = token_split([stage_a, stage_b], [0.0100] * 5)
     assert split is not None and split.steps == 5
     assert split.compute == pytest.approx(0.0075)

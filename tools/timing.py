@@ -2,7 +2,8 @@
 
 Pure functions, called on the main thread of ``generate`` and of the bench once decoding is over.
 
-A chained decode step is one GRAPH_RUN_LINKED per stage, each worker's run started by the hand-off
+A chained decode step is one linked run per stage (GRAPH_RUN_LINKED, or GRAPH_RUN_KEPT once the
+worker keeps it), each worker's run started by the hand-off
 of the stage before it (the last stage's token goes back to the first). The workers run one after
 another, so a token's time T splits into: **compute** (inside the graphs, as the workers report
 it), **worker work** (the rest of the runs: writing inputs, pushing the hand-off, fetching,
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 
 from ..client.calls import RequestTiming
 
-LINKED = "GRAPH_RUN_LINKED"
+LINKED = ("GRAPH_RUN_LINKED", "GRAPH_RUN_KEPT")
+"""A decode step's run, whole or kept (protocol 1.15)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def token_split(stages: Sequence[Sequence[RequestTiming]], token_seconds: Sequen
     (the last ``len(token_seconds)`` linked runs of each are the decode steps). None when the
     traces do not cover every step (an untraced worker, too few runs)."""
     steps = len(token_seconds)
-    runs = [[t for t in timings if t.cmd == LINKED][-steps:] for timings in stages]
+    runs = [[t for t in timings if t.cmd in LINKED][-steps:] for timings in stages]
     if steps == 0 or not runs or any(len(r) < steps for r in runs):
         return None
     per_step = list(zip(*runs))

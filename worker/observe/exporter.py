@@ -70,7 +70,7 @@ class WorkerCollector(Collector):
         yield from self._bytes(counters.bytes)
         yield from self._transfers(counters.transfers)
         runs = CounterMetricFamily("zmq_rpc_graph_runs", "Graphs run (GRAPH_RUN, "
-                                   "GRAPH_RUN_LINKED and GRAPH_COMPUTE)")
+                                   "GRAPH_RUN_LINKED, GRAPH_RUN_KEPT and GRAPH_COMPUTE)")
         runs.add_metric([], counters.graph_runs)
         yield runs
         compute = CounterMetricFamily("zmq_rpc_graph_compute_seconds", "Time spent inside graphs")
