@@ -78,7 +78,7 @@ def build_parser(prog: str = "zmq-rpc-bench generate") -> argparse.ArgumentParse
     ap.add_argument("--worker-path", default=None,
                     help="the model file's path under the workers' --model-dir (default: its "
                          "file name)")
-    ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+    ap.add_argument("--kv-dtype", choices=["float32", "float16"], default="float16",
                     help="KV cache element type (default %(default)s)")
     ap.add_argument("--n-ctx", type=int, default=512, help="context length (default %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=32,

@@ -288,7 +288,7 @@ class BatchedModel:
     @classmethod
     def load(cls, path: str | Path | LlamaGGUF | None, clients: Sequence[Client], *,
              n_ctx: int = 512, slots: int = 8, rows: int | None = None,
-             weights: WeightsMode = "quantized", kv_dtype: KVDType = "float32",
+             weights: WeightsMode = "quantized", kv_dtype: KVDType = "float16",
              lanes: int | None = None, progress: Progress | None = None,
              status: Status | None = None, sources: SourceChoice = "auto",
              worker_path: str | None = None, recover: bool = True,

@@ -81,7 +81,7 @@ class LlamaModel:
 
     @classmethod
     def load(cls, path: str | Path | LlamaGGUF | None, clients: Sequence[Client], *,
-             n_ctx: int = 512, weights: WeightsMode = "quantized", kv_dtype: KVDType = "float32",
+             n_ctx: int = 512, weights: WeightsMode = "quantized", kv_dtype: KVDType = "float16",
              prefill_chunk: int = 32, progress: Progress | None = None,
              status: Status | None = None, sources: SourceChoice = "auto",
              worker_path: str | None = None, recover: bool = True,
@@ -93,10 +93,10 @@ class LlamaModel:
         One pipeline stage per client, in order. ``weights="quantized"`` (the default) keeps the
         uploaded blocks quantized, repacked once on each worker for its numba kernels (workers
         need numba: the ``packed-kernels`` capability); ``"f32"`` dequantizes them once on each
-        worker (~5x the memory, slower decoding). ``kv_dtype``: the KV cache's element type:
-        float32 by default; float16 holds half the bytes (llama.cpp's default) and prefills as
-        fast, but its decode steps measured 0.78-1.0x float32's on this project's machines
-        (docs/DESIGN.md), so it is not the default yet. ``progress(done, total)`` reports upload
+        worker (~5x the memory, slower decoding). ``kv_dtype``: the KV cache's element type,
+        float16 by default (half the bytes, llama.cpp's default too; the workers' attention reads
+        it as it is, within 3 % of float32's speed: docs/DESIGN.md), float32 where logits must
+        follow a float32 reference closely. ``progress(done, total)`` reports upload
         bytes as they are acknowledged; ``status(line)`` each later phase as it starts.
 
         ``sources``: where each worker gets its weights (:mod:`.source`): ``"auto"`` takes the
