@@ -251,10 +251,13 @@ class GraphRunLinked(Message):
     ``MAX_KEPT_TENSORS`` tensors. -1: not kept."""
 
     def __post_init__(self) -> None:
-        named = len(self.inputs) + len(self.fetch) + len(self.receive) + len(self.send)
-        if self.keep >= 0 and named > MAX_KEPT_TENSORS:
-            raise BadRequest(f"a kept run names at most {MAX_KEPT_TENSORS} tensors, not {named}",
-                             code=ErrorCode.BAD_REQUEST)
+        if self.keep >= 0 and self.named() > MAX_KEPT_TENSORS:
+            raise BadRequest(f"a kept run names at most {MAX_KEPT_TENSORS} tensors, "
+                             f"not {self.named()}", code=ErrorCode.BAD_REQUEST)
+
+    def named(self) -> int:
+        """How many tensors it names: inputs, fetches and hand-offs together."""
+        return len(self.inputs) + len(self.fetch) + len(self.receive) + len(self.send)
 
     def payload_sizes(self) -> list[int]:
         return [t.nbytes for t in self.inputs]

@@ -60,7 +60,7 @@ class KeptRuns:
     def shorten(self, msg: GraphRunLinked) -> tuple[Cmd, Any, Hashable | None]:
         """What to send for ``msg``: (command, message, shape being kept or None). A caller
         that gets a shape must call :meth:`issued` once the request is issued."""
-        if not self.enabled or msg.keep >= 0 or _named(msg) > MAX_KEPT_TENSORS:
+        if not self.enabled or msg.keep >= 0 or msg.named() > MAX_KEPT_TENSORS:
             return Cmd.GRAPH_RUN_LINKED, msg, None
         shape = _shape(msg)
         with self._lock:
@@ -110,7 +110,3 @@ class KeptRuns:
         if len(self._seen) > SEEN:
             self._seen.popitem(last=False)
         return False
-
-
-def _named(msg: GraphRunLinked) -> int:
-    return len(msg.inputs) + len(msg.fetch) + len(msg.receive) + len(msg.send)
