@@ -105,3 +105,19 @@ def test_token_split_of_a_two_stage_chain() -> None:
     assert split.wire == pytest.approx(2e-4) and "hand-offs" in split.line()
     assert token_split([stage_a, stage_b[:3]], [0.01] * 5) is None    # a stage missing steps
     assert token_split([stage_a], []) is None
+    assert split.stage_compute == pytest.approx((0.003, 0.0045))
+
+
+def test_token_split_of_one_stage() -> None:
+    """On one worker a decode step is a plain GRAPH_RUN, the token's embedding copied into the
+    next step's input between runs: that copy counts with the time between runs."""
+    stage = [timing(0.02, 0.019, cmd="GRAPH_RUN")]
+    for _ in range(4):
+        stage += [timing(0.009, 0.0085, cmd="GRAPH_RUN"), RequestTiming("COPY_TENSOR", 0, 0, 0,
+                                                                        1e-4, 0)]
+    split = token_split([stage], [0.0100] * 4)
+    assert split is not None and split.steps == 4
+    assert split.compute == pytest.approx(0.0085) and split.stage_compute == (
+        pytest.approx(0.0085),)
+    assert split.worker_work == pytest.approx(0.0005)
+    assert split.hand_offs == pytest.approx(0.001)

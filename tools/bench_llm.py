@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -239,6 +240,81 @@ def rows(base: Placement, runs: list[Placement]) -> list[CaseResult]:
     return out
 
 
+# ------------------------------------------------------------------------- the second stage
+
+TWO_VS_ONE = 0.95
+"""Issue 29: a second stage for free, 2 workers decode at >= 0.95x one worker's rate."""
+
+STAGINGS = ("1 worker", "2 stages on 1 worker", "2 workers")
+"""The placements :func:`stage_rows` alternates: the split graph on one worker separates what
+the split costs from what a second process costs."""
+
+TIMELINE = ("compute", "worker work", "between runs")
+
+
+def stage_rows(ctx: BenchContext) -> list[CaseResult]:
+    """Greedy decode on 1 worker against 2 (and against 2 stages on the first worker), traced,
+    in alternated rounds: the rate rows, and where each placement's token went
+    (:func:`~.timing.token_split`: compute per stage, the rest of the runs, the time between
+    them)."""
+    from ..client.gguf_model import default_model_path, load_gguf
+    from ..client.llama import LlamaModel
+    from .timing import token_split
+
+    gguf = load_gguf(default_model_path())
+    first, *others = [c.endpoint for c in ctx.workers(3)]
+    layout = {"1 worker": [first], "2 stages on 1 worker": [first, first],
+              "2 workers": others[:2]}
+    rates: dict[str, list[float]] = {name: [] for name in STAGINGS}
+    parts: dict[tuple[str, str], list[float]] = {}
+    stage_ms: dict[str, list[tuple[float, ...]]] = {name: [] for name in STAGINGS}
+    with ExitStack() as stack:
+        clients = {name: [stack.enter_context(Client(e, trace=True)) for e in layout[name]]
+                   for name in STAGINGS}
+        models = {name: stack.enter_context(LlamaModel.load(gguf, clients[name]))
+                  for name in STAGINGS}
+        for round_ in range(ctx.reps(8, 2)):
+            for name in STAGINGS if round_ % 2 == 0 else STAGINGS[::-1]:
+                model = models[name]
+                model.stats.clear()
+                for client in clients[name]:
+                    client.timings()
+                model.generate(PROMPT_TOKENS[:32], ctx.reps(35, 11), stop_ids=())
+                decode = [s.seconds for s in model.stats if s.mode == "decode"][2:]
+                split = token_split([c.timings() for c in clients[name]], decode)
+                if split is None:
+                    raise RuntimeError("the traces do not cover every decode step")
+                rates[name].append(1 / split.token)
+                for part, value in zip(TIMELINE + ("token",), (split.compute, split.worker_work,
+                                                              split.hand_offs, split.token)):
+                    parts.setdefault((name, part), []).append(value * 1e3)
+                stage_ms[name].append(tuple(c * 1e3 for c in split.stage_compute))
+    return _stage_rate_rows(rates) + [
+        CaseResult("llm", f"llm token timeline {name}: {part}", "ms", parts[name, part],
+                   {"token": parts[name, "token"]}, None, False,
+                   note=_timeline_note(part, stage_ms[name]))
+        for name in STAGINGS for part in TIMELINE]
+
+
+def _stage_rate_rows(rates: dict[str, list[float]]) -> list[CaseResult]:
+    return [
+        CaseResult("llm", "llm generate 2 workers vs 1 worker", "tok/s", rates["2 workers"],
+                   {"1 worker": rates["1 worker"]}, Target(TWO_VS_ONE, True), True,
+                   note="greedy decode, traced, alternated rounds; target >=0.95x (issue 29)"),
+        CaseResult("llm", "llm generate 2 stages on 1 worker vs 1 worker", "tok/s",
+                   rates["2 stages on 1 worker"], {"1 worker": rates["1 worker"]}, None, True,
+                   note="the split graph without a second process")]
+
+
+def _timeline_note(part: str, stage_ms: list[tuple[float, ...]]) -> str:
+    if part == "compute":
+        per_stage = [statistics.median(s) for s in zip(*stage_ms)]
+        return "per stage " + " + ".join(f"{ms:.2f}" for ms in per_stage) + " ms (medians)"
+    if part == "worker work":
+        return "the runs less their compute: inputs, pushes, fetch, reply"
+    return "the token less its runs: hand-offs, wake-ups, the client's copy on 1 worker"
+
+
 # ------------------------------------------------------------------------- the client's link
 
 LINK_BUDGET_BYTES = 100.0
@@ -375,8 +451,8 @@ def case_llm(ctx: BenchContext) -> list[CaseResult]:
             for n in (1, 2, 3)]
     f32 = [measure(f"{n} worker{'s' if n > 1 else ''}", ctx.workers(n), ctx, weights="f32")
            for n in (1, 2)]
-    return (rows(base, runs) + mode_rows(runs[:2], f32) + kv_rows(ctx) + link_rows(ctx)
-            + start_up)
+    return (rows(base, runs) + mode_rows(runs[:2], f32) + stage_rows(ctx) + kv_rows(ctx)
+            + link_rows(ctx) + start_up)
 
 
 if __name__ == "__main__":

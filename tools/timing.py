@@ -4,7 +4,8 @@ Pure functions, called on the main thread of ``generate`` and of the bench once 
 
 A chained decode step is one linked run per stage (GRAPH_RUN_LINKED, or GRAPH_RUN_KEPT once the
 worker keeps it), each worker's run started by the hand-off
-of the stage before it (the last stage's token goes back to the first). The workers run one after
+of the stage before it (the last stage's token goes back to the first); on one worker it is one
+GRAPH_RUN, the token's embedding copied into the next step's input by a COPY_TENSOR. The workers run one after
 another, so a token's time T splits into: **compute** (inside the graphs, as the workers report
 it), **worker work** (the rest of the runs: writing inputs, pushing the hand-off, fetching,
 replying), and **hand-offs** (T minus the runs: bytes moving between workers and each worker
@@ -24,6 +25,9 @@ from ..client.calls import RequestTiming
 LINKED = ("GRAPH_RUN_LINKED", "GRAPH_RUN_KEPT")
 """A decode step's run, whole or kept (protocol 1.15)."""
 
+STEP_RUNS = (*LINKED, "GRAPH_RUN")
+"""A decode step's run on any number of stages (one stage: a plain run)."""
+
 
 @dataclass(frozen=True)
 class TokenSplit:
@@ -38,6 +42,8 @@ class TokenSplit:
     wire: float
     back: float
     steps: int
+    stage_compute: tuple[float, ...] = ()
+    """The compute's mean per stage, in pipeline order."""
 
     def line(self) -> str:
         """One line for a summary."""
@@ -54,10 +60,10 @@ class TokenSplit:
 def token_split(stages: Sequence[Sequence[RequestTiming]], token_seconds: Sequence[float]
                 ) -> TokenSplit | None:
     """Split the decode steps' time; ``stages`` holds each stage's traced requests in order
-    (the last ``len(token_seconds)`` linked runs of each are the decode steps). None when the
+    (the last ``len(token_seconds)`` runs of each are the decode steps). None when the
     traces do not cover every step (an untraced worker, too few runs)."""
     steps = len(token_seconds)
-    runs = [[t for t in timings if t.cmd in LINKED][-steps:] for timings in stages]
+    runs = [[t for t in timings if t.cmd in STEP_RUNS][-steps:] for timings in stages]
     if steps == 0 or not runs or any(len(r) < steps for r in runs):
         return None
     per_step = list(zip(*runs))
@@ -70,4 +76,5 @@ def token_split(stages: Sequence[Sequence[RequestTiming]], token_seconds: Sequen
         worker_work=mean(r - c for r, c in zip(run, compute)),
         hand_offs=mean(s - r for s, r in zip(token_seconds, run)),
         client_queue=med(t.client_queue for t in every), wire=med(t.wire for t in every),
-        back=med(t.back for t in every), steps=steps)
+        back=med(t.back for t in every), steps=steps,
+        stage_compute=tuple(mean(t.compute for t in stage) for stage in runs))
