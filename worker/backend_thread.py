@@ -147,8 +147,8 @@ class BackendThread(threading.Thread):
         while True:
             events = dict(poller.poll(self._timeout_ms(waiting)))
             busy = bool(events) or bool(self.inbox)
-            idle_trim.poll_result(busy or waiting)
             full_gc.poll_result(busy or waiting)        # between requests (worker/process/gc_pacing.py)
+            idle_trim.poll_result(busy or waiting)      # after it: what the collection freed too
             if pair in events or self.inbox:
                 self._drain(pair)
             if peers.pull is not None and peers.pull in events:
