@@ -1,5 +1,5 @@
 """Batch invariance of the packed products (``worker/kernels``, "Batch invariance"): row i of
-``X @ W.T`` against the same row computed alone, for B = 1, 2, 3, 7, 16, 33 rows, at the first,
+``X @ W.T`` against the same row computed alone, for B = 1, 2, 3, 5, 7, 8, 16, 33 rows, at the first,
 middle and last place, with other rows of every scale around it, on one and on two threads.
 
 The types :func:`kernels.batch_invariant` names must give the same bits; the others must not (so a
@@ -18,7 +18,7 @@ from zmq_rpc.worker import kernels  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)  # a first call compiles its type's kernels
 
-BATCHES = (1, 2, 3, 7, 16, 33)
+BATCHES = (1, 2, 3, 5, 7, 8, 16, 33)
 
 
 @pytest.fixture(autouse=True)

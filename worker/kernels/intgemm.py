@@ -20,8 +20,8 @@ in registers until the whole row length is summed (:func:`_gemm_codegen`)::
 
 The loops: row blocks of 16 outside (their codes, 0.3-0.6 KiB per sub-block, stay in L1 while every
 activation row passes over them), blocks of :data:`TB` activation rows inside, the sub-blocks
-innermost. Activation rows past the last multiple of ``TB`` take a one-row pass; weight rows past
-the last multiple of 16 a scalar loop.
+innermost. Activation rows past the last multiple of ``TB`` take one pass of as many rows; weight
+rows past the last multiple of 16 a scalar loop.
 
 Why not BLAS: f32 BLAS does 16 multiply-adds per instruction, after a dequantization pass, on weights
 read at 32 bits; ``vpdpbusd`` does 64 (32 with the two levels) on weights read at 4.5-8.5 bits; 96
@@ -162,12 +162,66 @@ def _typing_for(kind: int, tb: int) -> Any:
     return typing
 
 
-_q4_0_tb: Any = intrinsic(_typing_for(0, TB))
-_q4_0_one: Any = intrinsic(_typing_for(0, 1))
-_q4_1_tb: Any = intrinsic(_typing_for(1, TB))
-_q4_1_one: Any = intrinsic(_typing_for(1, 1))
-_q8_0_tb: Any = intrinsic(_typing_for(2, TB))
-_q8_0_one: Any = intrinsic(_typing_for(2, 1))
+def _passes(kind: int) -> tuple[Any, ...]:
+    """The passes of 1, 2, ..., TB activation rows of one kind (0 q4_0, 1 q4_1, 2 q8_0)."""
+    return tuple(intrinsic(_typing_for(kind, tb)) for tb in range(1, TB + 1))
+
+
+_q4_0_1, _q4_0_2, _q4_0_3, _q4_0_4, _q4_0_5, _q4_0_6 = _passes(0)
+_q4_1_1, _q4_1_2, _q4_1_3, _q4_1_4, _q4_1_5, _q4_1_6 = _passes(1)
+_q8_0_1, _q8_0_2, _q8_0_3, _q8_0_4, _q8_0_5, _q8_0_6 = _passes(2)
+
+
+# One pass over the ``rows`` (1..TB) activation rows left: a batch of 8 is a 6-row and a 2-row pass,
+# not a 6-row pass and two one-row ones (a one-row pass costs ~2.5x a row of the 6-row pass; the
+# per-row work is the same in every pass, so the rows' bits do not depend on the split).
+
+@njit(cache=True, nogil=True)
+def _q4_0_rows(rows: int, args: Any) -> None:
+    if rows == 6:
+        _q4_0_6(*args)
+    elif rows == 5:
+        _q4_0_5(*args)
+    elif rows == 4:
+        _q4_0_4(*args)
+    elif rows == 3:
+        _q4_0_3(*args)
+    elif rows == 2:
+        _q4_0_2(*args)
+    else:
+        _q4_0_1(*args)
+
+
+@njit(cache=True, nogil=True)
+def _q4_1_rows(rows: int, args: Any) -> None:
+    if rows == 6:
+        _q4_1_6(*args)
+    elif rows == 5:
+        _q4_1_5(*args)
+    elif rows == 4:
+        _q4_1_4(*args)
+    elif rows == 3:
+        _q4_1_3(*args)
+    elif rows == 2:
+        _q4_1_2(*args)
+    else:
+        _q4_1_1(*args)
+
+
+@njit(cache=True, nogil=True)
+def _q8_0_rows(rows: int, args: Any) -> None:
+    if rows == 6:
+        _q8_0_6(*args)
+    elif rows == 5:
+        _q8_0_5(*args)
+    elif rows == 4:
+        _q8_0_4(*args)
+    elif rows == 3:
+        _q8_0_3(*args)
+    elif rows == 2:
+        _q8_0_2(*args)
+    else:
+        _q8_0_1(*args)
 
 
 # ------------------------------------------------------------------------------------ the kernels
@@ -253,21 +307,15 @@ def gemm_q4(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, r0: i
     ys, ss = y.strides[0], 4 * ns
     pa, da, ma, ya = p.ctypes.data, d.ctypes.data, m.ctypes.data, y.ctypes.data
     xa1, xa2, dxa, sqa, sxa = xq1.ctypes.data, xq2.ctypes.data, dx.ctypes.data, sq.ctypes.data, sx.ctypes.data
-    r16, ntb = r0 + (r1 - r0) // 16 * 16, n // TB * TB
+    r16 = r0 + (r1 - r0) // 16 * 16
     for r in range(r0, r16, 16):
         for t in range(0, n, TB):
-            one = t >= ntb
-            for u in range(t, n if one else t + 1):
-                args = (ya + u * ys + 4 * r, ys, pa + 4 * r, 4 * R, da + 2 * r, ma + 2 * r, 2 * R, xa1 + u * k,
-                        xa2 + u * k, k, dxa + u * ss, sqa + u * ss, sxa + u * ss, ss, ns, PREFETCH)
-                if one and has_min:
-                    _q4_1_one(*args)
-                elif one:
-                    _q4_0_one(*args)
-                elif has_min:
-                    _q4_1_tb(*args)
-                else:
-                    _q4_0_tb(*args)
+            args = (ya + t * ys + 4 * r, ys, pa + 4 * r, 4 * R, da + 2 * r, ma + 2 * r, 2 * R, xa1 + t * k,
+                    xa2 + t * k, k, dxa + t * ss, sqa + t * ss, sxa + t * ss, ss, ns, PREFETCH)
+            if has_min:
+                _q4_1_rows(min(TB, n - t), args)
+            else:
+                _q4_0_rows(min(TB, n - t), args)
     for t in range(n):
         for i in range(r16, r1):
             total = _F32(0)
@@ -299,17 +347,12 @@ def gemm_q8_0(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, r0:
     ys, ss = y.strides[0], 4 * ns
     pa, da, ya = q.ctypes.data, d.ctypes.data, y.ctypes.data
     xa1, xa2, dxa, sqa, sxa = xq1.ctypes.data, xq2.ctypes.data, dx.ctypes.data, sq.ctypes.data, sx.ctypes.data
-    r16, ntb = r0 + (r1 - r0) // 16 * 16, n // TB * TB
+    r16 = r0 + (r1 - r0) // 16 * 16
     for r in range(r0, r16, 16):
         for t in range(0, n, TB):
-            one = t >= ntb
-            for u in range(t, n if one else t + 1):
-                args = (ya + u * ys + 4 * r, ys, pa + 4 * r, 4 * R, da + 2 * r, da + 2 * r, 2 * R, xa1 + u * k,
-                        xa2 + u * k, k, dxa + u * ss, sqa + u * ss, sxa + u * ss, ss, ns, PREFETCH)
-                if one:
-                    _q8_0_one(*args)
-                else:
-                    _q8_0_tb(*args)
+            args = (ya + t * ys + 4 * r, ys, pa + 4 * r, 4 * R, da + 2 * r, da + 2 * r, 2 * R, xa1 + t * k,
+                    xa2 + t * k, k, dxa + t * ss, sqa + t * ss, sxa + t * ss, ss, ns, PREFETCH)
+            _q8_0_rows(min(TB, n - t), args)
     for t in range(n):
         for i in range(r16, r1):
             total = _F32(0)
