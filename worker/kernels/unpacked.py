@@ -228,12 +228,64 @@ def _pass_typing(groups: int, offset: int, tb: int) -> Any:
     return typing
 
 
-_pass_off16_tb: Any = intrinsic(_pass_typing(8, -16, TB))
-_pass_off16_one: Any = intrinsic(_pass_typing(8, -16, 1))
-_pass_min_tb: Any = intrinsic(_pass_typing(8, 0, TB))
-_pass_min_one: Any = intrinsic(_pass_typing(8, 0, 1))
-_pass_q6_tb: Any = intrinsic(_pass_typing(4, -32, TB))
-_pass_q6_one: Any = intrinsic(_pass_typing(4, -32, 1))
+def _passes(groups: int, offset: int) -> tuple[Any, ...]:
+    """The passes of 1, 2, ..., TB activation rows of one kind of block."""
+    return tuple(intrinsic(_pass_typing(groups, offset, tb)) for tb in range(1, TB + 1))
+
+
+_off16_1, _off16_2, _off16_3, _off16_4, _off16_5, _off16_6 = _passes(8, -16)
+_min_1, _min_2, _min_3, _min_4, _min_5, _min_6 = _passes(8, 0)
+_q6_1, _q6_2, _q6_3, _q6_4, _q6_5, _q6_6 = _passes(4, -32)
+
+
+# One pass over the rows (1..TB) left past the last TB-row pass (as in .intgemm).
+
+@njit(cache=True, nogil=True)
+def _off16_rows(rows: int, args: Any) -> None:
+    if rows == 6:
+        _off16_6(*args)
+    elif rows == 5:
+        _off16_5(*args)
+    elif rows == 4:
+        _off16_4(*args)
+    elif rows == 3:
+        _off16_3(*args)
+    elif rows == 2:
+        _off16_2(*args)
+    else:
+        _off16_1(*args)
+
+
+@njit(cache=True, nogil=True)
+def _min_rows(rows: int, args: Any) -> None:
+    if rows == 6:
+        _min_6(*args)
+    elif rows == 5:
+        _min_5(*args)
+    elif rows == 4:
+        _min_4(*args)
+    elif rows == 3:
+        _min_3(*args)
+    elif rows == 2:
+        _min_2(*args)
+    else:
+        _min_1(*args)
+
+
+@njit(cache=True, nogil=True)
+def _q6_rows(rows: int, args: Any) -> None:
+    if rows == 6:
+        _q6_6(*args)
+    elif rows == 5:
+        _q6_5(*args)
+    elif rows == 4:
+        _q6_4(*args)
+    elif rows == 3:
+        _q6_3(*args)
+    elif rows == 2:
+        _q6_2(*args)
+    else:
+        _q6_1(*args)
 
 
 # ------------------------------------------------------------------------------- the kernel
@@ -393,7 +445,6 @@ def _blocks(w: Any, xq1: Any, xq2: Any, dx: Any, offs: Any, sx: Any, y: Any, r0:
     s, m = np.zeros((nsub, 16), np.float32), np.zeros((nsub, 16), np.float32)
     spare = np.empty((n, 16), np.float32)
     ys, ss = y.strides[0], dx.strides[0]
-    ntb = n // TB * TB
     for r in range(r0, r1, 16):
         cnt = min(16, r1 - r)
         ca = codes.ctypes.data
@@ -406,23 +457,14 @@ def _blocks(w: Any, xq1: Any, xq2: Any, dx: Any, offs: Any, sx: Any, y: Any, r0:
         sa, ma = s.ctypes.data, m.ctypes.data
         xa1, xa2, dxa, sqa, sxa = xq1.ctypes.data, xq2.ctypes.data, dx.ctypes.data, offs.ctypes.data, sx.ctypes.data
         for t in range(0, n, TB):
-            one = t >= ntb
-            for u in range(t, n if one else t + 1):
-                args = (out + u * os_, os_, ca, sa, ma, xa1 + u * k, xa2 + u * k, k, dxa + u * ss, sqa + u * ss,
-                        sxa + u * ss, ss, nsub)
-                if kind == 4:
-                    if one:
-                        _pass_q6_one(*args)
-                    else:
-                        _pass_q6_tb(*args)
-                elif kind == 0:
-                    if one:
-                        _pass_off16_one(*args)
-                    else:
-                        _pass_off16_tb(*args)
-                elif one:
-                    _pass_min_one(*args)
-                else:
-                    _pass_min_tb(*args)
+            args = (out + t * os_, os_, ca, sa, ma, xa1 + t * k, xa2 + t * k, k, dxa + t * ss, sqa + t * ss,
+                    sxa + t * ss, ss, nsub)
+            rows = min(TB, n - t)
+            if kind == 4:
+                _q6_rows(rows, args)
+            elif kind == 0:
+                _off16_rows(rows, args)
+            else:
+                _min_rows(rows, args)
         if cnt < 16:
             y[:, r:r + cnt] = spare[:, :cnt]
