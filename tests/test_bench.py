@@ -451,8 +451,9 @@ def test_serve_case_rows_on_a_toy_model_without_llama_server(
 def test_startup_case_times_real_worker_processes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The startup case end to end (--quick): fresh ``zmq-rpc-worker`` processes timed to a TCP
-    connect and to a client's first ping; a bare listening interpreter as the floor; a
-    --llama-bin without llama.cpp's binaries is said so (no rpc-server baseline)."""
+    connect and to a client's first ping; a bare listening interpreter as the floor; generate's
+    first token on fresh workers; a --llama-bin without llama.cpp's binaries is said so (no
+    rpc-server or llama-completion baseline)."""
     out = tmp_path / "bench.json"
     code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "startup",
                        "--llama-bin", str(tmp_path)])
@@ -461,8 +462,14 @@ def test_startup_case_times_real_worker_processes(
     doc = json.loads(out.read_text())
     assert doc["meta"]["errors"] == []
     rows = {r["label"]: r for r in doc["results"]}
-    assert list(rows) == ["worker listens", "worker listens vs budget", "worker answers a client"]
+    assert list(rows) == ["worker listens", "worker listens vs budget", "worker answers a client",
+                          "main job ready 1 worker", "main job ready 2 workers"]
     listens, answers = rows["worker listens"], rows["worker answers a client"]
+    for n in ("1 worker", "2 workers"):        # generate's first token from fresh workers
+        ready = rows[f"main job ready {n}"]
+        assert set(ready["baselines"]) == {"a worker answers"}
+        assert "no llama-completion" in ready["note"]
+        assert min(ready["ours"]) > min(answers["ours"])
     assert set(listens["baselines"]) == {"python -c"}
     assert all(v > 0 for v in listens["ours"] + listens["baselines"]["python -c"])
     assert min(answers["ours"]) > 0
