@@ -61,6 +61,7 @@ portable IR, prefill 12-17x (docs/DESIGN.md).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,7 @@ from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-__all__ = ["AVX2", "HI", "PATH", "PATH_QTYPES", "PATH_TARGETS", "Q8_OFFSET", "TILE", "VNNI", "XMAX", "mv_q4", "mv_q8_0",
+__all__ = ["AVX2", "HI", "PATH", "PATH_QTYPES", "PATH_TARGETS", "Q8_OFFSET", "TILE", "TWO_ROW_PASSES", "VNNI", "XMAX", "mv_q4", "mv_q8_0",
            "path_cache", "path_env", "path_problem", "quantize_x"]
 
 TILE = 4096
@@ -96,6 +97,10 @@ AVX2 = not VNNI and "+avx2" in _numba_cpu_features()
 vector IR: same sums, slower)."""
 PATH = "vnni" if VNNI else "avx2" if AVX2 else "portable"
 """The integer path this process's kernels take."""
+TWO_ROW_PASSES = PATH != "portable"
+"""Whether the GEMMs have 2-row passes for the rows past their last full pass (:func:`_pass_rows`).
+Not on the portable path: its wide vectors split into many narrow ones, and one more pass body per
+kernel made its first compile 1.5x longer, for CPUs without AVX2."""
 PATH_TARGETS = {     # numba told to compile for a CPU: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
     "avx2": ("haswell", "+avx,+avx2,+bmi,+bmi2,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,"
                         "+sse4.2,+ssse3"),
@@ -267,6 +272,31 @@ def _dots(builder: ir.IRBuilder, codes: list[ir.Value], inputs: list[list[ir.Val
 
 def _at(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, vtype: ir.Type) -> ir.Value:
     return builder.inttoptr(builder.add(base, offset), ir.PointerType(vtype))
+
+
+def _by_rows(bodies: Mapping[int, Any]) -> Any:
+    """One intrinsic's codegen whose first argument, ``rows``, picks the codegen ``bodies[rows]``
+    to run on the other arguments: a switch in the IR (a GEMM's passes over a block's activation
+    rows, one intrinsic for every count it has a pass of). A count without one does nothing."""
+    def codegen(context: Any, builder: ir.IRBuilder, sig: Any, args: Any) -> Any:
+        done = builder.append_basic_block("rows.done")
+        switch = builder.switch(args[0], done)
+        for rows, body in bodies.items():
+            block = builder.append_basic_block(f"rows.{rows}")
+            switch.add_case(ir.Constant(args[0].type, rows), block)
+            builder.position_at_end(block)
+            body(context, builder, sig, args[1:])
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+    return codegen
+
+
+@njit(cache=True, nogil=True)
+def _pass_rows(left: int, tb: int) -> int:
+    """How many of the ``left`` activation rows a GEMM's next pass takes: ``tb``, then 2-row passes
+    (:data:`TWO_ROW_PASSES`) and a one-row one (:data:`.intgemm.PASSES`)."""
+    return tb if left >= tb else 2 if left >= 2 and TWO_ROW_PASSES else 1
 
 
 _SWEEP_SIG = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.intp, types.intp,

@@ -20,8 +20,8 @@ in registers until the whole row length is summed (:func:`_gemm_codegen`)::
 
 The loops: row blocks of 16 outside (their codes, 0.3-0.6 KiB per sub-block, stay in L1 while every
 activation row passes over them), blocks of :data:`TB` activation rows inside, the sub-blocks
-innermost. Activation rows past the last multiple of ``TB`` take one pass of as many rows; weight
-rows past the last multiple of 16 a scalar loop.
+innermost. Activation rows past the last multiple of ``TB`` take 2-row passes and a one-row pass
+(:data:`PASSES`); weight rows past the last multiple of 16 a scalar loop.
 
 Why not BLAS: f32 BLAS does 16 multiply-adds per instruction, after a dequantization pass, on weights
 read at 32 bits; ``vpdpbusd`` does 64 (32 with the two levels) on weights read at 4.5-8.5 bits; 96
@@ -33,7 +33,7 @@ Without VNNI the sums are AVX2's ``vpmaddubsw`` + ``vpmaddwd`` (:func:`.intdot._
 products; q8_0's codes multiplied signed, so its ``-128 sum xq`` term is gone there).
 
 Batch invariance: an output depends on its activation row alone (rows are rounded one by one, and
-the ``TB``-row and one-row passes apply the scales with the same FMAs in the same sub-block order),
+every pass, whatever its row count, applies the scales with the same FMAs in the same sub-block order),
 and the decode kernels of q4_0/q4_1/q8_0 round as these do (:mod:`.intdot`), so a row's result is
 the same bits at any batch size.
 
@@ -54,23 +54,32 @@ from numba.extending import intrinsic
 from .intdot import (
     HI,
     Q8_OFFSET,
+    TWO_ROW_PASSES,
     _at,
+    _by_rows,
     _code,
     _declare,
     _dots,
     _half,
     _load_halves,
+    _pass_rows,
     _prefetch,
     _splat,
 )
 from .unpacked import KINDS, gemm_unpacked
 
-__all__ = ["GEMM", "TB", "empty_rows", "gemm_q4", "gemm_q8_0", "quantize_rows", "quantize_rows_into"]
+__all__ = ["GEMM", "PASSES", "TB", "empty_rows", "gemm_q4", "gemm_q8_0", "quantize_rows", "quantize_rows_into"]
 
 TB = 6
 """Activation rows per pass over a block of 16 weight rows: 6 float32 accumulators, 8 unpacked code
 vectors and 12 int32 sums in the 32 vector registers, the 12 chains of ``vpdpbusd`` interleaved
 (faster than 4 or 8 on SmolLM2's shapes: docs/DESIGN.md)."""
+PASSES = (TB, 2, 1) if TWO_ROW_PASSES else (TB, 1)
+"""The activation row counts a pass is compiled for: TB, then 2-row passes and a last one-row pass
+for the rows left. A one-row pass costs ~2.5x a row of a TB-row one, a 2-row pass little more than
+two rows of it (SmolLM2's 1536x576 Q4_1, 4 rows: 56 us in a 4-row pass, 65 in two 2-row passes,
+134 in four one-row passes); each further count adds its unrolled body to every kernel's compile
+(all six counts tripled the portable path's, 150 -> 500 s in CI)."""
 PREFETCH = 128
 """Bytes ahead in each stream of codes asked for (the next two row blocks: a row block's codes lie in
 4-8 streams per sub-block, too many for the hardware's prefetchers; on the passes after the first
@@ -80,7 +89,7 @@ _F32 = np.float32
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _V16I, _V16F = ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16)
 
-_GEMM_SIG = types.void(*([types.intp] * 16))
+_ROWS_SIG = types.void(*([types.intp] * 17))
 
 
 _alloca: Any = cgutils.alloca_once_value
@@ -155,73 +164,20 @@ def _gemm_codegen(kind: int, tb: int) -> Any:
     return codegen
 
 
-def _typing_for(kind: int, tb: int) -> Any:
-    def typing(typingctx: Any, y: Any, ystride: Any, p: Any, gstride: Any, d: Any, m: Any, dstride: Any, xw1: Any,
-               xw2: Any, xstride: Any, dx: Any, sq: Any, sx: Any, sstride: Any, ns: Any, pf: Any) -> Any:
-        return _GEMM_SIG, _gemm_codegen(kind, tb)
+def _rows_typing(kind: int) -> Any:
+    def typing(typingctx: Any, rows: Any, y: Any, ystride: Any, p: Any, gstride: Any, d: Any, m: Any,
+               dstride: Any, xw1: Any, xw2: Any, xstride: Any, dx: Any, sq: Any, sx: Any, sstride: Any,
+               ns: Any, pf: Any) -> Any:
+        return _ROWS_SIG, _by_rows({rows: _gemm_codegen(kind, rows) for rows in PASSES})
     return typing
 
 
-def _passes(kind: int) -> tuple[Any, ...]:
-    """The passes of 1, 2, ..., TB activation rows of one kind (0 q4_0, 1 q4_1, 2 q8_0)."""
-    return tuple(intrinsic(_typing_for(kind, tb)) for tb in range(1, TB + 1))
-
-
-_q4_0_1, _q4_0_2, _q4_0_3, _q4_0_4, _q4_0_5, _q4_0_6 = _passes(0)
-_q4_1_1, _q4_1_2, _q4_1_3, _q4_1_4, _q4_1_5, _q4_1_6 = _passes(1)
-_q8_0_1, _q8_0_2, _q8_0_3, _q8_0_4, _q8_0_5, _q8_0_6 = _passes(2)
-
-
-# One pass over the ``rows`` (1..TB) activation rows left: a batch of 8 is a 6-row and a 2-row pass,
-# not a 6-row pass and two one-row ones (a one-row pass costs ~2.5x a row of the 6-row pass; the
-# per-row work is the same in every pass, so the rows' bits do not depend on the split).
-
-@njit(cache=True, nogil=True)
-def _q4_0_rows(rows: int, args: Any) -> None:
-    if rows == 6:
-        _q4_0_6(*args)
-    elif rows == 5:
-        _q4_0_5(*args)
-    elif rows == 4:
-        _q4_0_4(*args)
-    elif rows == 3:
-        _q4_0_3(*args)
-    elif rows == 2:
-        _q4_0_2(*args)
-    else:
-        _q4_0_1(*args)
-
-
-@njit(cache=True, nogil=True)
-def _q4_1_rows(rows: int, args: Any) -> None:
-    if rows == 6:
-        _q4_1_6(*args)
-    elif rows == 5:
-        _q4_1_5(*args)
-    elif rows == 4:
-        _q4_1_4(*args)
-    elif rows == 3:
-        _q4_1_3(*args)
-    elif rows == 2:
-        _q4_1_2(*args)
-    else:
-        _q4_1_1(*args)
-
-
-@njit(cache=True, nogil=True)
-def _q8_0_rows(rows: int, args: Any) -> None:
-    if rows == 6:
-        _q8_0_6(*args)
-    elif rows == 5:
-        _q8_0_5(*args)
-    elif rows == 4:
-        _q8_0_4(*args)
-    elif rows == 3:
-        _q8_0_3(*args)
-    elif rows == 2:
-        _q8_0_2(*args)
-    else:
-        _q8_0_1(*args)
+# ``_q4_1_pass(rows, *args)``: one pass of ``rows`` (one of PASSES) activation rows. A batch of 8 is a
+# 6-row and a 2-row pass, not a 6-row pass and two one-row ones; the per-row work is the same in
+# every pass, so the rows' bits do not depend on the split.
+_q4_0_pass: Any = intrinsic(_rows_typing(0))
+_q4_1_pass: Any = intrinsic(_rows_typing(1))
+_q8_0_pass: Any = intrinsic(_rows_typing(2))
 
 
 # ------------------------------------------------------------------------------------ the kernels
@@ -309,13 +265,16 @@ def gemm_q4(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, r0: i
     xa1, xa2, dxa, sqa, sxa = xq1.ctypes.data, xq2.ctypes.data, dx.ctypes.data, sq.ctypes.data, sx.ctypes.data
     r16 = r0 + (r1 - r0) // 16 * 16
     for r in range(r0, r16, 16):
-        for t in range(0, n, TB):
+        t = 0
+        while t < n:
+            rows = _pass_rows(n - t, TB)
             args = (ya + t * ys + 4 * r, ys, pa + 4 * r, 4 * R, da + 2 * r, ma + 2 * r, 2 * R, xa1 + t * k,
                     xa2 + t * k, k, dxa + t * ss, sqa + t * ss, sxa + t * ss, ss, ns, PREFETCH)
             if has_min:
-                _q4_1_rows(min(TB, n - t), args)
+                _q4_1_pass(rows, *args)
             else:
-                _q4_0_rows(min(TB, n - t), args)
+                _q4_0_pass(rows, *args)
+            t += rows
     for t in range(n):
         for i in range(r16, r1):
             total = _F32(0)
@@ -349,10 +308,13 @@ def gemm_q8_0(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, r0:
     xa1, xa2, dxa, sqa, sxa = xq1.ctypes.data, xq2.ctypes.data, dx.ctypes.data, sq.ctypes.data, sx.ctypes.data
     r16 = r0 + (r1 - r0) // 16 * 16
     for r in range(r0, r16, 16):
-        for t in range(0, n, TB):
+        t = 0
+        while t < n:
+            rows = _pass_rows(n - t, TB)
             args = (ya + t * ys + 4 * r, ys, pa + 4 * r, 4 * R, da + 2 * r, da + 2 * r, 2 * R, xa1 + t * k,
                     xa2 + t * k, k, dxa + t * ss, sqa + t * ss, sxa + t * ss, ss, ns, PREFETCH)
-            _q8_0_rows(min(TB, n - t), args)
+            _q8_0_pass(rows, *args)
+            t += rows
     for t in range(n):
         for i in range(r16, r1):
             total = _F32(0)

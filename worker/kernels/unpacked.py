@@ -50,12 +50,14 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .intdot import HI, _at, _declare, _dots, _splat
+from .intdot import HI, TWO_ROW_PASSES, _at, _by_rows, _declare, _dots, _pass_rows, _splat
 
-__all__ = ["KINDS", "TB", "gemm_unpacked", "unpack_rows"]
+__all__ = ["KINDS", "PASSES", "TB", "gemm_unpacked", "unpack_rows"]
 
 TB = 6
 """Activation rows per pass (as :data:`.intgemm.TB`)."""
+PASSES = (TB, 2, 1) if TWO_ROW_PASSES else (TB, 1)
+"""The row counts a pass is compiled for (as :data:`.intgemm.PASSES`)."""
 KINDS: Final = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 """qtype -> the kernel's ``kind`` flag."""
 
@@ -162,7 +164,7 @@ _unpack_q6: Any = intrinsic(_unpack_typing("q6"))
 
 # ------------------------------------------------------------------------------- the passes
 
-_PASS_SIG = types.void(*([types.intp] * 13))
+_ROWS_SIG = types.void(*([types.intp] * 14))
 
 
 def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
@@ -221,71 +223,17 @@ def _pass_codegen(groups: int, offset: int, tb: int) -> Any:
     return codegen
 
 
-def _pass_typing(groups: int, offset: int, tb: int) -> Any:
-    def typing(typingctx: Any, y: Any, ystride: Any, codes: Any, s: Any, m: Any, xw1: Any, xw2: Any,
-               xstride: Any, dx: Any, sq: Any, sx: Any, sstride: Any, n: Any) -> Any:
-        return _PASS_SIG, _pass_codegen(groups, offset, tb)
+def _rows_typing(groups: int, offset: int) -> Any:
+    def typing(typingctx: Any, rows: Any, y: Any, ystride: Any, codes: Any, s: Any, m: Any, xw1: Any,
+               xw2: Any, xstride: Any, dx: Any, sq: Any, sx: Any, sstride: Any, n: Any) -> Any:
+        return _ROWS_SIG, _by_rows({rows: _pass_codegen(groups, offset, rows) for rows in PASSES})
     return typing
 
 
-def _passes(groups: int, offset: int) -> tuple[Any, ...]:
-    """The passes of 1, 2, ..., TB activation rows of one kind of block."""
-    return tuple(intrinsic(_pass_typing(groups, offset, tb)) for tb in range(1, TB + 1))
-
-
-_off16_1, _off16_2, _off16_3, _off16_4, _off16_5, _off16_6 = _passes(8, -16)
-_min_1, _min_2, _min_3, _min_4, _min_5, _min_6 = _passes(8, 0)
-_q6_1, _q6_2, _q6_3, _q6_4, _q6_5, _q6_6 = _passes(4, -32)
-
-
-# One pass over the rows (1..TB) left past the last TB-row pass (as in .intgemm).
-
-@njit(cache=True, nogil=True)
-def _off16_rows(rows: int, args: Any) -> None:
-    if rows == 6:
-        _off16_6(*args)
-    elif rows == 5:
-        _off16_5(*args)
-    elif rows == 4:
-        _off16_4(*args)
-    elif rows == 3:
-        _off16_3(*args)
-    elif rows == 2:
-        _off16_2(*args)
-    else:
-        _off16_1(*args)
-
-
-@njit(cache=True, nogil=True)
-def _min_rows(rows: int, args: Any) -> None:
-    if rows == 6:
-        _min_6(*args)
-    elif rows == 5:
-        _min_5(*args)
-    elif rows == 4:
-        _min_4(*args)
-    elif rows == 3:
-        _min_3(*args)
-    elif rows == 2:
-        _min_2(*args)
-    else:
-        _min_1(*args)
-
-
-@njit(cache=True, nogil=True)
-def _q6_rows(rows: int, args: Any) -> None:
-    if rows == 6:
-        _q6_6(*args)
-    elif rows == 5:
-        _q6_5(*args)
-    elif rows == 4:
-        _q6_4(*args)
-    elif rows == 3:
-        _q6_3(*args)
-    elif rows == 2:
-        _q6_2(*args)
-    else:
-        _q6_1(*args)
+# ``_pass_min(rows, *args)``: one pass of ``rows`` (one of PASSES) activation rows (as in .intgemm).
+_pass_off16: Any = intrinsic(_rows_typing(8, -16))
+_pass_min: Any = intrinsic(_rows_typing(8, 0))
+_pass_q6: Any = intrinsic(_rows_typing(4, -32))
 
 
 # ------------------------------------------------------------------------------- the kernel
@@ -456,15 +404,17 @@ def _blocks(w: Any, xq1: Any, xq2: Any, dx: Any, offs: Any, sx: Any, y: Any, r0:
             out, os_ = spare.ctypes.data, spare.strides[0]
         sa, ma = s.ctypes.data, m.ctypes.data
         xa1, xa2, dxa, sqa, sxa = xq1.ctypes.data, xq2.ctypes.data, dx.ctypes.data, offs.ctypes.data, sx.ctypes.data
-        for t in range(0, n, TB):
+        t = 0
+        while t < n:
+            rows = _pass_rows(n - t, TB)
             args = (out + t * os_, os_, ca, sa, ma, xa1 + t * k, xa2 + t * k, k, dxa + t * ss, sqa + t * ss,
                     sxa + t * ss, ss, nsub)
-            rows = min(TB, n - t)
             if kind == 4:
-                _q6_rows(rows, args)
+                _pass_q6(rows, *args)
             elif kind == 0:
-                _off16_rows(rows, args)
+                _pass_off16(rows, *args)
             else:
-                _min_rows(rows, args)
+                _pass_min(rows, *args)
+            t += rows
         if cnt < 16:
             y[:, r:r + cnt] = spare[:, :cnt]
