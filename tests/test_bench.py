@@ -248,10 +248,14 @@ def test_first_byte_times_a_program_and_stops_it_with_sigint(tmp_path: Path) -> 
               "try:\n    sys.stderr.write('x'); sys.stderr.flush()\n"
               f"    time.sleep(60)\nexcept KeyboardInterrupt:\n    open({str(marker)!r}, 'w')")
     # (the sleeps in these scripts are programs that run on until stopped: the subject)
-    seconds = bench_llm._first_byte([sys.executable, "-c", script])
+    seconds = bench_llm.first_byte([sys.executable, "-c", script])
     assert 0 < seconds < 60 and marker.exists()
     with pytest.raises(RuntimeError, match="wrote nothing"):
-        bench_llm._first_byte([sys.executable, "-c", "pass"])
+        bench_llm.first_byte([sys.executable, "-c", "pass"])
+    with pytest.raises(RuntimeError, match="wrote nothing"):      # its stderr is not counted
+        bench_llm.first_byte([sys.executable, "-c", "import sys; sys.stderr.write('x')"],
+                             stdout_only=True)
+    assert bench_llm.first_byte([sys.executable, "-c", "print('x')"], stdout_only=True) > 0
 
 
 @pytest.mark.timeout(30)
@@ -270,7 +274,7 @@ def test_first_byte_stops_a_program_that_ignores_sigint(monkeypatch: pytest.Monk
               f"for s in (signal.{ignored}, ):\n    signal.signal(s, signal.SIG_IGN)\n"
               "sys.stderr.write('x'); sys.stderr.flush(); time.sleep(60)")
     started = time.monotonic()
-    assert bench_llm._first_byte([sys.executable, "-c", script]) > 0
+    assert bench_llm.first_byte([sys.executable, "-c", script]) > 0
     assert time.monotonic() - started < 10          # SIGTERM/SIGKILL after the grace, not 60 s
 
 

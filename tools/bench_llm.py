@@ -384,9 +384,9 @@ def first_output_rows(ctx: BenchContext) -> list[CaseResult]:
     stopped with SIGINT right after (which it answers as a user's Ctrl-C)."""
     cli = str(Path(sys.executable).with_name("zmq-rpc-bench"))
     reps = ctx.reps(3, 1)
-    ours = [_first_byte([cli, "generate", "--prompt", "hi", "--max-new-tokens", "1"])
+    ours = [first_byte([cli, "generate", "--prompt", "hi", "--max-new-tokens", "1"])
             for _ in range(reps)]
-    bare = [_first_byte([sys.executable, "-c", "import sys; sys.stderr.write('x')"])
+    bare = [first_byte([sys.executable, "-c", "import sys; sys.stderr.write('x')"])
             for _ in range(reps)]
     return [
         CaseResult("llm", "generate first output", "s", ours, {"python -c": bare}, None, False,
@@ -404,14 +404,16 @@ def _seconds(fn: Any) -> float:
 
 
 STOP_GRACE_S = 30.0
-"""How long a program measured by :func:`_first_byte` may take to stop after SIGINT (then
+"""How long a program measured by :func:`first_byte` may take to stop after SIGINT (then
 SIGTERM, as long again, then SIGKILL)."""
 
 
-def _first_byte(argv: list[str]) -> float:
-    """Seconds until ``argv`` writes its first byte (stdout or stderr); then SIGINT, wait."""
+def first_byte(argv: list[str], stdout_only: bool = False) -> float:
+    """Seconds until ``argv`` writes its first byte (stdout or stderr; ``stdout_only``: stdout,
+    stderr discarded); then SIGINT, wait."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL if stdout_only else subprocess.STDOUT,
                             start_new_session=True)
     try:
         assert proc.stdout is not None

@@ -30,6 +30,7 @@ from typing import Any
 from ..client import Client
 from .bench import BenchContext, CaseResult, Target, register_case
 from .bench_families import _free_port, _stop, rpc_server, rpc_servers
+from .bench_llm import first_byte
 from .bench_serve import llama_folder
 
 LISTEN_BUDGET_S = 0.1
@@ -132,28 +133,11 @@ def case_startup(ctx: BenchContext) -> list[CaseResult]:
     ]
 
 
-def _first_stdout_byte(argv: list[str]) -> float:
-    """Seconds from now until ``argv`` writes its first byte on stdout (stderr discarded), then
-    the process is stopped; RuntimeError if it exits without one."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        assert proc.stdout is not None
-        if not proc.stdout.read(1):
-            raise RuntimeError(f"{argv[0]} wrote nothing on stdout (exit {proc.wait()})")
-        return time.perf_counter() - start
-    finally:
-        _stop(proc)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
 def _ours_ready(model: Path, workers: int) -> float:
     cli = str(Path(sys.executable).with_name("zmq-rpc-bench"))
-    return _first_stdout_byte([cli, "generate", "--model", str(model), "--no-chat", "--prompt",
-                               READY_PROMPT, "--max-new-tokens", "1", "--local-workers",
-                               str(workers)])
+    return first_byte([cli, "generate", "--model", str(model), "--no-chat", "--prompt",
+                       READY_PROMPT, "--max-new-tokens", "1", "--local-workers", str(workers)],
+                      stdout_only=True)
 
 
 def _llama_ready(folder: Path, model: Path, workers: int) -> float:
@@ -164,7 +148,7 @@ def _llama_ready(folder: Path, model: Path, workers: int) -> float:
         argv = [str(folder / "llama-completion"), "-m", str(model), "--rpc", ",".join(addresses),
                 "-ngl", "99", "-t", "1", "-tb", "1", "-c", "512", "-no-cnv", "--no-display-prompt",
                 "--no-warmup", "-p", READY_PROMPT, "-n", "1", "--temp", "0"]
-        return time.perf_counter() - start + _first_stdout_byte(argv)
+        return time.perf_counter() - start + first_byte(argv, stdout_only=True)
 
 
 def ready_rows(ctx: BenchContext, llama: Path | None, answers: list[float]) -> list[CaseResult]:
