@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import zmq
@@ -26,15 +25,6 @@ MiB = 1 << 20
 FIXED_OVERHEAD = 64 * MiB
 """What a worker process holds beside --mem: the interpreter, numpy and libzmq (an idle
 worker: 38-40 MiB resident) and libzmq's buffers for its client connection."""
-
-
-def status_bytes(pid: int, field: str) -> int:
-    """One ``kB`` field of /proc/PID/status (``VmRSS``, ``RssFile``, ...), in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field}")
 
 
 def peak_rss(pid: int) -> int:
@@ -92,45 +82,3 @@ def test_each_peer_connection_counts_its_receive_queue(
         push.close(linger=0)
     wait_until(lambda: c.device_memory().free == before, 10,
                "the closed connections' queues were given back")
-
-
-NUMBA_RUNTIME = 64 * MiB
-"""What numba keeps resident once it has linked the kernels (measured: 47 MiB of anonymous
-memory, its modules and the JIT's state; docs/DESIGN.md "Memory: pages and the heap")."""
-WORKING_SET = 32 * MiB
-"""Graph arenas, step buffers, message buffers of a serving worker beside its tensors."""
-
-
-def _pageout_supported() -> bool:
-    release = os.uname().release.split("-")[0].split(".")
-    return os.uname().sysname == "Linux" and tuple(map(int, release[:2])) >= (5, 4)
-
-
-@pytest.mark.skipif(not _pageout_supported(), reason="MADV_PAGEOUT needs Linux 5.4+")
-def test_a_serving_worker_holds_its_tensors_and_a_bounded_rest(
-        spawn_worker: Callable[..., WorkerProcess], llama_gguf: Any) -> None:
-    """Issue 29 point 3: numba links even a cached kernel through LLVM, whose code and data
-    came in resident (66 MiB) and stayed there: a worker serving SmolLM2 held 297 MiB, 170 MiB
-    after its client left. Once the worker is idle it pages them out (the linked kernels never
-    touch them); what stays is its tensors, the idle worker, numba's runtime and a working set."""
-    from zmq_rpc.client.llama import LlamaModel
-    proc = spawn_worker()                                  # default settings
-    pid = proc.proc.pid
-    with Client(proc.endpoint) as c:
-        c.ping()                                           # its backend loaded: idle
-    idle_rss, idle_file = status_bytes(pid, "VmRSS"), status_bytes(pid, "RssFile")
-    with Client(proc.endpoint) as c, LlamaModel.load(llama_gguf, [c]) as model:
-        model.generate(tuple(range(300, 316)), 4, stop_ids=())
-        wait_until(lambda: status_bytes(pid, "RssFile") <= idle_file + 16 * MiB, 10,
-                   lambda: f"the compiler's pages out: {status_bytes(pid, 'RssFile') / MiB:.0f} "
-                           f"MiB file-backed, idle {idle_file / MiB:.0f}")
-        model.generate(tuple(range(300, 316)), 4, stop_ids=())     # without them
-        assert model.load_stats is not None
-        tensors = model.load_stats.resident_bytes
-        wait_until(lambda: status_bytes(pid, "VmRSS")
-                   <= tensors + idle_rss + NUMBA_RUNTIME + WORKING_SET, 10,
-                   lambda: f"{status_bytes(pid, 'VmRSS') / MiB:.0f} MiB serving "
-                           f"{tensors / MiB:.0f} MiB of tensors, idle {idle_rss / MiB:.0f}")
-    wait_until(lambda: status_bytes(pid, "VmRSS") <= idle_rss + NUMBA_RUNTIME + 16 * MiB, 10,
-               lambda: f"back near idle after the client left: "
-                       f"{status_bytes(pid, 'VmRSS') / MiB:.0f} MiB, idle {idle_rss / MiB:.0f}")
