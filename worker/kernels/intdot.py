@@ -292,6 +292,12 @@ def _by_rows(bodies: Mapping[int, Any]) -> Any:
     return codegen
 
 
+def _gemm_passes(tb: int) -> tuple[int, ...]:
+    """The activation row counts a GEMM's passes are compiled for, the ones :func:`_pass_rows`
+    picks from: ``tb``, then 2 (:data:`TWO_ROW_PASSES`) and 1."""
+    return (tb, 2, 1) if TWO_ROW_PASSES else (tb, 1)
+
+
 @njit(cache=True, nogil=True)
 def _pass_rows(left: int, tb: int) -> int:
     """How many of the ``left`` activation rows a GEMM's next pass takes: ``tb``, then 2-row passes

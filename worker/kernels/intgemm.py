@@ -54,12 +54,12 @@ from numba.extending import intrinsic
 from .intdot import (
     HI,
     Q8_OFFSET,
-    TWO_ROW_PASSES,
     _at,
     _by_rows,
     _code,
     _declare,
     _dots,
+    _gemm_passes,
     _half,
     _load_halves,
     _pass_rows,
@@ -74,7 +74,7 @@ TB = 6
 """Activation rows per pass over a block of 16 weight rows: 6 float32 accumulators, 8 unpacked code
 vectors and 12 int32 sums in the 32 vector registers, the 12 chains of ``vpdpbusd`` interleaved
 (faster than 4 or 8 on SmolLM2's shapes: docs/DESIGN.md)."""
-PASSES = (TB, 2, 1) if TWO_ROW_PASSES else (TB, 1)
+PASSES = _gemm_passes(TB)
 """The activation row counts a pass is compiled for: TB, then 2-row passes and a last one-row pass
 for the rows left. A one-row pass costs ~2.5x a row of a TB-row one, a 2-row pass little more than
 two rows of it (SmolLM2's 1536x576 Q4_1, 4 rows: 56 us in a 4-row pass, 65 in two 2-row passes,

@@ -50,13 +50,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .intdot import HI, TWO_ROW_PASSES, _at, _by_rows, _declare, _dots, _pass_rows, _splat
+from .intdot import HI, _at, _by_rows, _declare, _dots, _gemm_passes, _pass_rows, _splat
 
 __all__ = ["KINDS", "PASSES", "TB", "gemm_unpacked", "unpack_rows"]
 
 TB = 6
 """Activation rows per pass (as :data:`.intgemm.TB`)."""
-PASSES = (TB, 2, 1) if TWO_ROW_PASSES else (TB, 1)
+PASSES = _gemm_passes(TB)
 """The row counts a pass is compiled for (as :data:`.intgemm.PASSES`)."""
 KINDS: Final = {"q5_0": 0, "q5_1": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 """qtype -> the kernel's ``kind`` flag."""
