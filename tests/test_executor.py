@@ -279,6 +279,19 @@ def test_no_session_and_version_mismatch(ctx: zmq.Context[zmq.Socket[bytes]]) ->
     assert h.executor.sessions[A].name == A.decode()
 
 
+def test_a_kept_run_without_a_session_is_answered_no_session(
+        ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A GRAPH_RUN_KEPT from a client without a session (the live fuzz sent such): NO_SESSION,
+    answered; it raised building its request and was never answered (the client's future
+    hung) and the worker logged a traceback for each."""
+    h = Harness(ctx)
+    h.call(A, Cmd.GRAPH_RUN_KEPT, wire_graph.GraphRunKept(kept=0, tokens=(token(1),), sizes=[]))
+    (answer,) = h.answers()
+    assert answer.status == ErrorCode.NO_SESSION
+    h.hello(A)
+    assert h.executor.sessions[A].name == A.decode()
+
+
 # ------------------------------------------------------------------- per-session order
 
 

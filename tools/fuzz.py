@@ -30,13 +30,15 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import IO, Any
 
 import msgpack
 import numpy as np
@@ -351,11 +353,15 @@ class Report:
     rss_after: int = 0
     worker_exit: int | None = None
     seeds: int = 0
+    worker_errors: list[str] = field(default_factory=list)
+    """What the worker logged at ERROR or above (each record's first line and, for a
+    traceback, its last): a bug of ours, as an INTERNAL reply is; empty for ``--worker``."""
 
     @property
     def ok(self) -> bool:
         return (self.worker_exit is None and not self.malformed_replies
-                and not self.internal_errors and not self.probe_failures)
+                and not self.internal_errors and not self.probe_failures
+                and not self.worker_errors)
 
 
 class Session:
@@ -585,15 +591,17 @@ corpus's one-node graph on a zero-stride (2^20, 7) view, its node list repeated 
 ``hostile_graph`` mutations), ran 48 s on a loaded 2-vCPU VM."""
 
 
-def start_worker(mem: str = "256MiB", extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str],
-                                                                             str]:
+def start_worker(mem: str = "256MiB", extra: tuple[str, ...] = (),
+                 log: IO[bytes] | None = None) -> tuple[subprocess.Popen[str], str]:
     """A worker subprocess on a free loopback port, configured for untrusted clients
-    (:data:`UNTRUSTED_MAX_WORK`; ``extra`` flags come after, so they may override it)."""
+    (:data:`UNTRUSTED_MAX_WORK`; ``extra`` flags come after, so they may override it). Its log
+    goes to ``log`` (a file: a pipe nobody reads while the fuzz runs would stop the worker at
+    its first write past the pipe's 64 KiB), or nowhere."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", "tcp://127.0.0.1:*", "--mem", mem,
          "--session-timeout", "10", "--log-level", "ERROR", "--max-graph-work", str(UNTRUSTED_MAX_WORK),
          *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=log if log is not None else subprocess.DEVNULL, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -603,27 +611,51 @@ def start_worker(mem: str = "256MiB", extra: tuple[str, ...] = ()) -> tuple[subp
     return proc, line.rsplit(" ", 1)[1].strip()
 
 
+_LOG_RECORD = re.compile(r"^\S+ \S+,\d+ ([A-Z]+) (.*)$")
+"""A record's first line in the worker's log format (``%(asctime)s %(levelname)s ...``)."""
+
+
+def logged_errors(text: str, most: int = 20) -> list[str]:
+    """The ERROR and CRITICAL records of a worker's log, each as its first line and, after a
+    traceback, the exception it ended with; at most ``most``, then how many more."""
+    found: list[str] = []
+    record: list[str] = []
+    for line in [*text.splitlines(), "0000-00-00 00:00:00,000 END of log"]:
+        start = _LOG_RECORD.match(line)
+        if start is None:
+            if record and line and not line[0].isspace() and not line.startswith("Traceback"):
+                record[1:] = [line]                 # a traceback's last line: the exception
+            continue
+        if record:
+            found.append(" <- ".join(reversed(record)))
+        record = [start.group(2)] if start.group(1) in ("ERROR", "CRITICAL") else []
+    return found[:most] + ([f"... and {len(found) - most} more"] if len(found) > most else [])
+
+
 def fuzz(seconds: float, max_messages: int = 0, seed: int = 0, mem: str = "256MiB",
          settle: float = 12.0) -> Report:
     """Start a worker, record the corpus, fuzz it, check it afterwards, stop it."""
-    proc, endpoint = start_worker(mem)
-    try:
-        seeds = record_corpus(endpoint)
-        fuzzer = Fuzzer(endpoint, proc.pid, seeds, random.Random(seed))
-        report = fuzzer.run(seconds, max_messages)
-        time.sleep(settle)              # sessions expire (10 s); what they held is freed
-        report.rss_after = rss_of(proc.pid)
-        if proc.poll() is None:
-            _final_probe(endpoint, report)
-        report.worker_exit = proc.poll()
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
+    with tempfile.TemporaryFile() as log:
+        proc, endpoint = start_worker(mem, log=log)
         try:
-            proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+            seeds = record_corpus(endpoint)
+            fuzzer = Fuzzer(endpoint, proc.pid, seeds, random.Random(seed))
+            report = fuzzer.run(seconds, max_messages)
+            time.sleep(settle)              # sessions expire (10 s); what they held is freed
+            report.rss_after = rss_of(proc.pid)
+            if proc.poll() is None:
+                _final_probe(endpoint, report)
+            report.worker_exit = proc.poll()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+        log.seek(0)
+        report.worker_errors = logged_errors(log.read().decode(errors="replace"))
     return report
 
 
@@ -676,7 +708,7 @@ def add_segment(totals: dict[str, Any], segment: dict[str, Any]) -> dict[str, An
     statuses = Counter(totals.get("statuses", {}))
     statuses.update(segment.get("statuses", {}))
     out["statuses"] = dict(statuses)
-    for name in ("internal_errors", "probe_failures", "probe_ms"):
+    for name in ("internal_errors", "probe_failures", "probe_ms", "worker_errors"):
         out[name] = list(totals.get(name, [])) + list(segment.get(name, []))
     for name in ("probe_ms_max", "request_ms_max"):
         out[name] = max(totals.get(name, 0.0), segment.get(name, 0.0))

@@ -180,13 +180,22 @@ class Executor:
             self._refuse(client_id, 0, ErrorCode.BAD_REQUEST,
                          f"malformed request ({type(exc).__name__})")
             return
-        if session is not None and cmd in _KEEPING:
+        if cmd in _KEEPING:
+            if session is None:     # nothing is kept outside a session: a kept run has no run
+                self._refuse(client_id, req_id, ErrorCode.NO_SESSION, NO_SESSION, cmd)
+                return
             try:
                 msg = unfold(session, cast(GraphRunLinked | GraphRunKept, msg))
             except BadRequest as exc:
                 self._refuse(client_id, req_id, ErrorCode(exc.code or 1), exc.message, cmd)
                 return
-        req = self.routes[cmd].request(cmd, req_id, msg, frames[2:])
+        try:
+            req = self.routes[cmd].request(cmd, req_id, msg, frames[2:])
+        except Exception as exc:    # a bug of ours: this request still gets an answer
+            log.exception("building the request of %s failed", cmd.name)
+            self._refuse(client_id, req_id, ErrorCode.INTERNAL,
+                         f"internal error ({type(exc).__name__}); the worker goes on", cmd)
+            return
         req.arrived = arrived
         self._accept(client_id, session, req)
 
