@@ -82,8 +82,9 @@ two rows of it (SmolLM2's 1536x576 Q4_1, 4 rows: 56 us in a 4-row pass, 65 in tw
 (all six counts tripled the portable path's, 150 -> 500 s in CI)."""
 PREFETCH = 128
 """Bytes ahead in each stream of codes asked for (the next two row blocks: a row block's codes lie in
-4-8 streams per sub-block, too many for the hardware's prefetchers; on the passes after the first
-the lines are in L1 and the hint costs one load slot)."""
+4-8 streams per sub-block, and its float16 scales and mins in 1-2 more, too many for the hardware's
+prefetchers), half as far in the scales'. Only a row block's first pass asks: on the passes after it
+the lines are in L1 and each hint would cost a load slot."""
 
 _F32 = np.float32
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
@@ -122,14 +123,20 @@ def _gemm_codegen(kind: int, tb: int) -> Any:
         with cgutils.for_range(builder, ns, intp=_I64) as loop:
             s = loop.index
             base = builder.mul(s, sub)
+            soff = builder.mul(s, dstride)
+            with builder.if_then(builder.icmp_signed("!=", pf, ir.Constant(_I64, 0)), likely=True):
+                for g in range(groups):
+                    at = builder.add(base, builder.mul(gstride, ir.Constant(_I64, g)))
+                    _prefetch(builder, p, builder.add(at, pf))
+                half_pf = builder.lshr(pf, ir.Constant(_I64, 1))     # scales: 32 bytes a row block
+                for scales in (d, m) if kind == 1 else (d,):
+                    _prefetch(builder, scales, builder.add(soff, half_pf))
             words = []
             for g in range(groups):
                 at = builder.add(base, builder.mul(gstride, ir.Constant(_I64, g)))
-                _prefetch(builder, p, builder.add(at, pf))
                 words.append(builder.load(_at(builder, p, at, _V16I), align=1))
             codes = (words if kind == 2 else
                      [builder.and_(v, low) for v in words] + [builder.and_(builder.lshr(v, four), low) for v in words])
-            soff = builder.mul(s, dstride)
             dv = _load_halves(builder, d, soff)
             mv = _load_halves(builder, m, soff) if kind == 1 else None
             s4 = builder.mul(s, ir.Constant(_I64, 4))
@@ -269,7 +276,8 @@ def gemm_q4(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, r0: i
         while t < n:
             rows = _pass_rows(n - t, TB)
             args = (ya + t * ys + 4 * r, ys, pa + 4 * r, 4 * R, da + 2 * r, ma + 2 * r, 2 * R, xa1 + t * k,
-                    xa2 + t * k, k, dxa + t * ss, sqa + t * ss, sxa + t * ss, ss, ns, PREFETCH)
+                    xa2 + t * k, k, dxa + t * ss, sqa + t * ss, sxa + t * ss, ss, ns,
+                    PREFETCH if t == 0 else 0)
             if has_min:
                 _q4_1_pass(rows, *args)
             else:
@@ -312,7 +320,8 @@ def gemm_q8_0(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, r0:
         while t < n:
             rows = _pass_rows(n - t, TB)
             args = (ya + t * ys + 4 * r, ys, pa + 4 * r, 4 * R, da + 2 * r, da + 2 * r, 2 * R, xa1 + t * k,
-                    xa2 + t * k, k, dxa + t * ss, sqa + t * ss, sxa + t * ss, ss, ns, PREFETCH)
+                    xa2 + t * k, k, dxa + t * ss, sqa + t * ss, sxa + t * ss, ss, ns,
+                    PREFETCH if t == 0 else 0)
             _q8_0_pass(rows, *args)
             t += rows
     for t in range(n):
