@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 from conftest import WorkerProcess
+from waiting import wait_until
 from zmq_rpc.broker import protocol as p
 from zmq_rpc.broker.protocol import Cmd
 from zmq_rpc.client import Client
@@ -208,7 +209,7 @@ def test_parsing_every_flag_leaves_numpy_unloaded_so_threads_pins_blas(tmp_path:
              "--cache-dir", str(tmp_path), "--cache-size", "1MiB", "--session-timeout", "5",
              "--max-graph-work", "1000000", "--threads", "2", "--log-level", "DEBUG",
              "--log-format", "json", "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-             "--insecure"]
+             "--insecure", "--preload-kernels"]
     env = {k: v for k, v in os.environ.items() if k not in BLAS_THREAD_VARS}
     out = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True, text=True,
                          timeout=30, env=env)
@@ -268,3 +269,24 @@ def test_a_worker_listens_before_it_loads_numpy_and_answers_who_came_early() -> 
                        for name in ("numpy", "zmq_rpc.worker.dispatch.executor"))
     assert listening < numpy < executor, "\n".join(lines[listening - 3:listening + 3])
     assert proc.returncode == 0
+
+
+def _maps_llvm(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libllvmlite" in f.read()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/maps")
+def test_preload_kernels_loads_numba_beside_the_backend_and_a_plain_worker_waits_for_a_model(
+        spawn_worker: Callable[..., WorkerProcess]) -> None:
+    """``--preload-kernels`` (what generate and zmq-rpc-serve give their local workers): numba
+    (its LLVM library mapped) loads with no client asking, while the worker answers; a worker
+    without it loads none for a client that runs no model (numba's runtime is ~110 MiB)."""
+    pytest.importorskip("numba")
+    preloading, plain = spawn_worker("--preload-kernels"), spawn_worker()
+    for worker in (preloading, plain):
+        with Client(worker.endpoint) as client:
+            client.ping()
+    wait_until(lambda: _maps_llvm(preloading.proc.pid), 60.0, "numba loaded by --preload-kernels")
+    assert not _maps_llvm(plain.proc.pid)
+    assert preloading.terminate() == 0 and plain.terminate() == 0

@@ -173,7 +173,7 @@ def _workers(args: argparse.Namespace) -> Iterator[list[str]]:
         yield args.workers
         return
     _status(f"starting {args.local_workers} local worker(s)")
-    with local_workers(args.local_workers, own_session=True) as endpoints:
+    with local_workers(args.local_workers, "--preload-kernels", own_session=True) as endpoints:
         yield endpoints
 
 

@@ -1,6 +1,8 @@
 """Quantized matmul kernels for the CPU worker: packed weights (:mod:`.layout`) times float32 activations.
 
-Owned by the worker's backend thread (module state: the thread count, the set of warmed qtypes).
+Owned by the worker's backend thread (module state: the thread count, the set of warmed qtypes);
+:func:`preload` may run on a thread of its own beside it (``--preload-kernels``), and touches only
+what :func:`fused_kernels` warms under its lock.
 :func:`matmul` picks the path by the number of activation rows:
 
 - up to :data:`MATVEC_ROWS` rows (decode): one numba matrix-vector pass per row over the packed bytes
@@ -96,6 +98,7 @@ __all__ = [
     "matmul",
     "pack",
     "packed_row_bytes",
+    "preload",
     "set_threads",
     "take_rows",
     "threads",
@@ -215,6 +218,19 @@ def fused_kernels() -> ModuleType | None:
                 _warm["fused"] = time.perf_counter() - start
                 _fused.append(module)
     return _fused[0]
+
+
+def preload() -> float:
+    """Load numba and the fused kernels now, from the on-disk cache (compiled there once per
+    machine): what a model's first lay-out would otherwise wait for on the backend thread
+    (``zmq-rpc-worker --preload-kernels`` runs this on a thread of its own as the worker
+    starts). Safe beside the backend thread: :func:`fused_kernels` holds its lock while it
+    warms, and nothing else here is touched (each type's products still load at its first
+    lay-out, on the backend thread). Seconds it took; 0 without numba."""
+    start = time.perf_counter()
+    if fused_kernels() is None:
+        return 0.0
+    return time.perf_counter() - start
 
 
 def set_threads(n: int) -> None:
