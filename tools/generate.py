@@ -25,6 +25,7 @@ What runs where:
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import statistics
 import sys
@@ -35,12 +36,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..client import Client, RpcError
+from ..broker.errors import RpcError
 from ..worker.launch import add_worker_options, local_workers
 
-if TYPE_CHECKING:   # imported when used: the first status line does not wait for them
+if TYPE_CHECKING:   # imported when used: the workers start before the client side loads
     from concurrent.futures import Future
 
+    from ..client import Client
     from ..client.gguf_model import LlamaGGUF
     from ..client.llama import LlamaModel, StepStat
     from ..client.tokenizer import Tokenizer
@@ -203,6 +205,7 @@ def _run(args: argparse.Namespace, answer: _Answer) -> None:
     clock = _Clock()
     with ExitStack() as stack:
         endpoints = stack.enter_context(_endpoints(args, clock))
+        from ..client import Client  # loaded while the workers started (_endpoints)
         gguf = _open_model(args, clock)       # while the workers' backends load
         tokenizer = _tokenizer_loading(gguf, stack)    # while the weights load
         _status(f"connecting to {len(endpoints)} worker(s)")
@@ -238,9 +241,16 @@ def _endpoints(args: argparse.Namespace, clock: _Clock) -> Iterator[list[str]]:
         yield args.workers
         return
     _status(f"starting {args.local_workers} local worker(s)")
-    with local_workers(args.local_workers, own_session=True) as endpoints:
+    with local_workers(args.local_workers, "--preload-kernels", own_session=True,
+                       meanwhile=_load_client_side) as endpoints:
         clock.lap("workers")
         yield endpoints
+
+
+def _load_client_side() -> None:
+    """The client's modules (numpy, asyncio, the protocol: ~0.25 s), imported while the local
+    workers start rather than before they do."""
+    importlib.import_module("..client", __package__)
 
 
 def _open_model(args: argparse.Namespace, clock: _Clock) -> LlamaGGUF:

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -99,16 +99,20 @@ def worker_argv(*extra: str, bind: str = LOOPBACK, threads: int | None = 1,
 
 
 @contextmanager
-def local_workers(count: int, *extra: str, own_session: bool = False) -> Iterator[list[str]]:
+def local_workers(count: int, *extra: str, own_session: bool = False,
+                  meanwhile: Callable[[], object] | None = None) -> Iterator[list[str]]:
     """Start ``count`` workers (in parallel) and yield their endpoints; SIGTERM and wait for them
     on exit, saying on stderr if any exited with an error.
 
     ``own_session``: each in its own session, out of reach of a terminal's Ctrl-C (see
-    :class:`ServerProcess`)."""
+    :class:`ServerProcess`). ``meanwhile``: called once they are started, before waiting for
+    them to listen (the caller's own start-up, overlapped with theirs)."""
     procs: list[ServerProcess] = []
     failed = False
     try:
         procs.extend(ServerProcess(worker_argv(*extra), own_session) for _ in range(count))
+        if meanwhile is not None:
+            meanwhile()
         yield [proc.wait_ready() for proc in procs]
     except Exception:               # not Ctrl-C or SIGTERM: the user stopped those
         failed = True
