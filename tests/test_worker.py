@@ -118,6 +118,8 @@ def test_cli_version_and_sizes() -> None:
     out = subprocess.run([sys.executable, "-m", "zmq_rpc.worker.cli", "--version"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and out.stdout.startswith("zmq-rpc ")
+    from importlib.metadata import version  # the installed metadata: setup.cfg reads VERSION
+    assert out.stdout.split()[1] == version("zmq-rpc")
     assert parse_size("512MiB") == 512 << 20
     assert parse_size("4GiB") == 4 << 30
     assert parse_size("1.5GB") == 1_500_000_000
