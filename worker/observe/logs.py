@@ -11,8 +11,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 
-__all__ = ["JsonFormatter", "configure_logging"]
+__all__ = ["JsonFormatter", "Throttled", "configure_logging"]
 
 _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message",
                                                                                   "asctime"}
@@ -39,3 +40,38 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+THROTTLE_S = 10.0
+"""Least seconds between two lines of one :class:`Throttled` warning."""
+
+
+class Throttled:
+    """A warning that input from outside can cause once per message (a bad peer message, an
+    acknowledgement that cannot go out): logged the first time, then at most once per
+    ``interval`` seconds, saying how many were left out since, so that a flood of bad messages
+    cannot flood the log (or fill a disk). Used by one thread."""
+
+    def __init__(self, logger: logging.Logger, interval: float = THROTTLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._interval = interval
+        self._clock = clock
+        self._last: float | None = None
+        self._quiet = 0
+        self.count = 0
+        """Times :meth:`warning` was called, logged or not."""
+
+    def warning(self, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless the last line was under ``interval`` seconds ago; whether it
+        did."""
+        self.count += 1
+        now = self._clock()
+        if self._last is not None and now - self._last < self._interval:
+            self._quiet += 1
+            return False
+        if self._quiet:
+            msg, args = f"{msg} (and %d more since the last such line)", (*args, self._quiet)
+        self._log.warning(msg, *args)
+        self._last, self._quiet = now, 0
+        return True

@@ -45,6 +45,7 @@ from ...broker.protocol import ErrorCode, TensorRef, WireError
 from ...broker.wire import printable
 from ...broker.zap import PEER_DOMAIN
 from ..backends.base import Backend, View
+from ..observe.logs import Throttled
 from ..observe.metrics import NullRecorder, Recorder
 from ..sessions.memory import MemoryBudget
 from .acks import WATCH_INTERVAL_S, AwaitedAcks, Done, LinkHooks, Outgoing, link_lost
@@ -99,6 +100,9 @@ class PeerLinks:
         self._next_link_read = 0.0
         self.pusher = Pusher(backend, self.links)
         self._metrics: Recorder = NullRecorder()
+        self.bad_messages = Throttled(log)
+        """Bad peer messages dropped (``count``), logged at most every few seconds."""
+        self._unacknowledged = Throttled(log)
 
     def _bind(self, ctx: zmq.Context[zmq.Socket[bytes]], bind: str) -> zmq.Socket[bytes]:
         """The peer PULL socket, bound; a bind that fails closes it and raises OSError saying
@@ -284,9 +288,9 @@ class PeerLinks:
             try:
                 message = wire.decode_peer([f.buffer for f in frames[:1]] + frames[1:])
             except BadRequest as exc:
-                log.warning("dropping a bad peer message from %s: %s",
-                            _sender(frames[0], self.security.keys is not None),
-                            printable(str(exc)))
+                self.bad_messages.warning("dropping a bad peer message from %s: %s",
+                                          _sender(frames[0], self.security.keys is not None),
+                                          printable(str(exc)))
                 continue
             self._dispatch(message, frames)
 
@@ -305,8 +309,8 @@ class PeerLinks:
             self.links.send_to(endpoint, [frame])
             self.metrics.peer_out((frame,))
         except (WireError, zmq.ZMQError) as exc:
-            log.warning("cannot acknowledge to %s: %s", printable(endpoint, 100),
-                        printable(str(exc)))
+            self._unacknowledged.warning("cannot acknowledge to %s: %s",
+                                         printable(endpoint, 100), printable(str(exc)))
 
     # ----------------------------------------------------------------------- deadlines
 
