@@ -478,3 +478,22 @@ def test_startup_case_times_real_worker_processes(
     assert all(v > 0 for v in listens["ours"] + listens["baselines"]["python -c"])
     assert min(answers["ours"]) > 0
     assert "no rpc-server baseline" in printed
+    assert re.search(r"bytecode cached: (yes|no)$", listens["note"]), listens["note"]
+
+
+def test_bytecode_cached_means_caches_newer_than_their_sources(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import py_compile
+
+    from zmq_rpc.tools.bench_startup import bytecode_cached
+    source = tmp_path / "startup_probe_module.py"
+    source.write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not bytecode_cached(("startup_probe_module",))          # never compiled
+    py_compile.compile(str(source))
+    assert bytecode_cached(("startup_probe_module",))
+    later = os.path.getmtime(source) + 10
+    os.utime(source, (later, later))                                  # edited since
+    assert not bytecode_cached(("startup_probe_module",))
+    assert not bytecode_cached(("no_such_module_anywhere",))

@@ -18,6 +18,8 @@ Runs on the bench's main thread; every process it starts is stopped before the t
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -100,6 +102,24 @@ def _alternate(trials: int, runs: dict[str, Callable[[], float]]) -> dict[str, l
     return samples
 
 
+def bytecode_cached(modules: tuple[str, ...] = ("zmq_rpc.worker.cli", "zmq_rpc.worker.server",
+                                                 "zmq_rpc.broker.protocol",
+                                                 "zmq_rpc.worker.dispatch.executor")) -> bool:
+    """Whether those modules have bytecode caches newer than their source. A pip install writes
+    them; without (``PYTHONDONTWRITEBYTECODE=1``, or sources edited since) every process compiles
+    them as it starts, which on a 2-core VM added ~20 ms to a worker's listening and ~0.1 s to its
+    first answer: the start-up rows say which they measured."""
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        source = spec.origin if spec is not None else None
+        if source is None:
+            return False
+        cached = importlib.util.cache_from_source(source)
+        if not os.path.exists(cached) or os.path.getmtime(cached) < os.path.getmtime(source):
+            return False
+    return True
+
+
 @register_case("startup", "a fresh worker process: exec to listening (vs llama.cpp's rpc-server, "
                "--llama-bin) and to its first ping answered", default=False)
 def case_startup(ctx: BenchContext) -> list[CaseResult]:
@@ -119,7 +139,8 @@ def case_startup(ctx: BenchContext) -> list[CaseResult]:
     s = _alternate(ctx.reps(9, 2), runs)
     listen_baselines: dict[str, list[float]] = {k: s[k] for k in ("rpc-server", "python -c")
                                                 if k in s}
-    note = "exec to a TCP connect accepted (polled every ms from the bench)"
+    note = ("exec to a TCP connect accepted (polled every ms from the bench); our modules' "
+            f"bytecode cached: {'yes' if bytecode_cached() else 'no'}")
     return [
         CaseResult("startup", "worker listens", "s", s["ours"], listen_baselines, None, False,
                    note=note, compared_with=("rpc-server",) if rpc is not None else ()),
