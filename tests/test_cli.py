@@ -290,3 +290,43 @@ def test_preload_kernels_loads_numba_beside_the_backend_and_a_plain_worker_waits
     wait_until(lambda: _maps_llvm(preloading.proc.pid), 60.0, "numba loaded by --preload-kernels")
     assert not _maps_llvm(plain.proc.pid)
     assert preloading.terminate() == 0 and plain.terminate() == 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"     # exited, not reaped yet
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/stat")
+def test_a_tools_worker_stops_once_the_tool_is_killed_with_sigkill() -> None:
+    """worker_argv's workers (generate's, zmq-rpc-serve's, the bench's) run in sessions of their
+    own, out of reach of the tool's process group: a tool killed with SIGKILL could not stop
+    them, and one a bench stopped that way was left running after a CI run.
+    ``--exit-with-parent`` stops them within a second of their parent's end."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys, time\n"
+         "from zmq_rpc.worker.launch import worker_argv\n"
+         "p = subprocess.Popen(worker_argv(), stdout=subprocess.PIPE, text=True,"
+         " start_new_session=True)\n"
+         "print(p.pid, p.stdout.readline().split()[-1], flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    pid_text, endpoint = launcher.stdout.readline().split()
+    worker = int(pid_text)
+    try:
+        with Client(endpoint) as client:
+            client.ping()
+        launcher.kill()
+        launcher.wait(10)
+        wait_until(lambda: _gone(worker), 5.0, "the worker stopped after its parent's SIGKILL")
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+        launcher.stdout.close()
+        if not _gone(worker):
+            os.kill(worker, signal.SIGKILL)

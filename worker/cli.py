@@ -270,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--insecure", action="store_true",
                      help="allow listening beyond loopback without CURVE (anyone who reaches the "
                           "port can use the worker; logged loudly)")
+    ap.add_argument("--exit-with-parent", action="store_true",
+                    help="stop, as on SIGINT, once the process that started this worker has "
+                         "exited (checked every 0.1 s): for the workers a tool starts for itself "
+                         "(generate, zmq-rpc-serve, the bench), so that a tool killed with "
+                         "SIGKILL leaves none behind (default: off)")
     ap.add_argument("--preload-kernels", action="store_true",
                     help="load numba and the fused kernels (from the on-disk cache) on a thread "
                          "of their own as the worker starts, not when a model's first lay-out "
@@ -340,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                           insecure=args.insecure, model_dirs=tuple(args.model_dir),
                           cache_dir=args.cache_dir, cache_size=args.cache_size,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+    parent = os.getppid() if args.exit_with_parent else None
     signals = Signals(drain=args.drain_timeout > 0)
     for sig in STOP_SIGNALS:
         signal.signal(sig, signals.handle)
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         freeze_start_up()   # full collections walk only what clients make (worker/process/gc_pacing.py)
         if server.metrics_address:
             announce([f"zmq-rpc-worker metrics on {server.metrics_address}/metrics"])
-        code = serve_until(signals, server, args.drain_timeout)
+        code = serve_until(signals, server, args.drain_timeout, parent)
     except Exception as exc:
         print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
     finally:     # whatever went wrong, the server's threads must not outlive main()
@@ -408,13 +414,19 @@ class Signals:
         return self.stop.wait(seconds) or self.drain.is_set()
 
 
-def serve_until(signals: Signals, server: WorkerServer, drain_timeout: float = 0.0) -> int:
-    """Wait for a stop signal (exit code 0), a drain (:func:`drain_until`) or for a worker
-    thread to end on its own (1)."""
+def serve_until(signals: Signals, server: WorkerServer, drain_timeout: float = 0.0,
+                parent: int | None = None) -> int:
+    """Wait for a stop signal (exit code 0), a drain (:func:`drain_until`), the end of the
+    process ``parent`` (``--exit-with-parent``: 0) or for a worker thread to end on its own
+    (1)."""
     while not signals.wait(0.1):
         if not server.running():
             log.error("a worker thread ended on its own; stopping")
             return 1
+        if parent is not None and os.getppid() != parent:
+            log.warning("the process that started this worker (pid %d) has exited; stopping",
+                        parent)
+            return 0
     if signals.drain.is_set() and not signals.stop.is_set():
         return drain_until(signals, server, drain_timeout)
     return 0

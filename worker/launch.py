@@ -89,8 +89,10 @@ def worker_argv(*extra: str, bind: str = LOOPBACK, threads: int | None = 1,
                 log_level: str = "WARNING", drain_timeout: str | None = "0") -> list[str]:
     """The command line of one local worker (``threads``, ``drain_timeout`` None: the worker's
     default). A tool's workers are its own, stopped with it: nobody else's model is there to
-    move off, so SIGTERM stops them at once (``--drain-timeout 0``) unless asked."""
-    argv = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", bind]
+    move off, so SIGTERM stops them at once (``--drain-timeout 0``) unless asked, and they stop
+    on their own once the tool has exited however it ended (``--exit-with-parent``: a tool
+    killed with SIGKILL cannot stop them)."""
+    argv = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", bind, "--exit-with-parent"]
     if threads is not None:
         argv += ["--threads", str(threads)]
     if drain_timeout is not None:
