@@ -93,15 +93,19 @@ def compile_kernels() -> None:
     inside a user's first model load (where the worker would compile the model's types), with
     their row-splitting versions (``--threads 2``): a worker run with ``--threads N`` and the
     tests' two-thread cases find them cached (compiled on first use, q6_k's took 85 s on an
-    AVX2 CPU, over the tests' timeout with the CPUs loaded)."""
+    AVX2 CPU, over the tests' timeout with the CPUs loaded); then into one extension module
+    (``--aot``) that workers load in milliseconds without numba (``worker/kernels/aot.py``)."""
     step("compiling the quantized matmul kernels (numba, once: a few minutes of CPU)")
-    done = subprocess.run([str(bin_path("python")), "-m", "zmq_rpc.worker.kernels", "--threads", "2"],
+    done = subprocess.run([str(bin_path("python")), "-m", "zmq_rpc.worker.kernels", "--threads", "2", "--aot"],
                           cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode:
         step("could not compile the kernels ahead; the first model load will: "
              + (done.stderr.strip().splitlines() or ["?"])[-1])
     else:
         step("kernels compiled in " + done.stdout.strip().splitlines()[-1].split(": ", 1)[-1])
+        for line in done.stdout.splitlines():
+            if line.startswith("aot: "):        # built ahead of time, or why not
+                step(line.removeprefix("aot: "))
     for path in ("avx2", "portable"):
         compile_path(path)
 

@@ -271,24 +271,29 @@ def test_a_worker_listens_before_it_loads_numpy_and_answers_who_came_early() -> 
     assert proc.returncode == 0
 
 
-def _maps_llvm(pid: int) -> bool:
+def _maps(pid: int, library: str) -> bool:
     with open(f"/proc/{pid}/maps") as f:
-        return "libllvmlite" in f.read()
+        return library in f.read()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/maps")
-def test_preload_kernels_loads_numba_beside_the_backend_and_a_plain_worker_waits_for_a_model(
+def test_preload_kernels_loads_them_beside_the_backend_and_a_plain_worker_waits_for_a_model(
         spawn_worker: Callable[..., WorkerProcess]) -> None:
-    """``--preload-kernels`` (what generate and zmq-rpc-serve give their local workers): numba
-    (its LLVM library mapped) loads with no client asking, while the worker answers; a worker
-    without it loads none for a client that runs no model (numba's runtime is ~110 MiB)."""
+    """``--preload-kernels`` (what generate and zmq-rpc-serve give their local workers): the
+    kernels built ahead of time (their module mapped, and numba's LLVM not), or where none are
+    built numba (its LLVM library mapped), load with no client asking, while the worker answers;
+    a worker without it loads neither for a client that runs no model (numba's runtime is ~110 MiB)."""
     pytest.importorskip("numba")
+    from zmq_rpc.worker.kernels import aot
+    library = aot.MODULE if aot.load() is not None else "libllvmlite"
     preloading, plain = spawn_worker("--preload-kernels"), spawn_worker()
     for worker in (preloading, plain):
         with Client(worker.endpoint) as client:
             client.ping()
-    wait_until(lambda: _maps_llvm(preloading.proc.pid), 60.0, "numba loaded by --preload-kernels")
-    assert not _maps_llvm(plain.proc.pid)
+    wait_until(lambda: _maps(preloading.proc.pid, library), 60.0, f"{library} loaded by --preload-kernels")
+    assert not _maps(plain.proc.pid, library)
+    if library == aot.MODULE:
+        assert not _maps(preloading.proc.pid, "libllvmlite")
     assert preloading.terminate() == 0 and plain.terminate() == 0
 
 

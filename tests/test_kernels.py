@@ -15,6 +15,7 @@ values (every row length class: one block, several, an odd count, SmolLM2's widt
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -344,7 +345,9 @@ def half_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     if request.param == "amx" and not amxgemm.available():
         pytest.skip("no AMX-BF16 here (CPU or kernel)")
     if request.param == "fma":
-        monkeypatch.setattr(kernels, "_amx", [None])
+        compiled = kernels._kernels
+        monkeypatch.setattr(kernels, "_kernels",
+                            lambda: dataclasses.replace(compiled(), gemm_amx=None, split_rows=None))
     return str(request.param)
 
 

@@ -25,6 +25,7 @@ from zmq_rpc.client.gguf_model import LlamaGGUF
 from zmq_rpc.client.llama import LlamaModel, file_runs, plan_stages, sample_token
 from zmq_rpc.client.tokenizer import load_tokenizer
 from zmq_rpc.tools.linkmeter import LinkMeter, metered
+from zmq_rpc.worker.kernels import aot
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -449,13 +450,15 @@ def test_progress_reports_bytes_and_close_frees_memory(gguf: LlamaGGUF,
 
 FIRST_STEPS = """
 import json, sys
-from numba.core.registry import CPUDispatcher
 from zmq_rpc.client import Client
 from zmq_rpc.client.gguf_model import load_gguf
 from zmq_rpc.client.llama import LlamaModel
 from zmq_rpc.worker.server import WorkerConfig, WorkerServer
 
 def signatures():
+    if "numba" not in sys.modules:
+        return {}
+    from numba.core.registry import CPUDispatcher
     out = {}
     for name in ("jit", "intdot", "intgemm", "unpacked", "fused"):
         module = sys.modules.get("zmq_rpc.worker.kernels." + name)
@@ -471,7 +474,7 @@ try:
         loaded = signatures()
         model.prefill(list(range(300, 340)))     # a whole chunk and a partial one
         model.decode(7)
-        print(json.dumps([loaded, signatures()]))
+        print(json.dumps([loaded, signatures(), "numba" in sys.modules]))
 finally:
     client.close()
     server.stop()
@@ -484,12 +487,16 @@ def test_the_first_steps_after_a_load_compile_and_load_no_kernel(gguf: LlamaGGUF
                                                                  weights: str) -> None:
     """The load prepares every numba kernel the stage graphs run (there is no warm-up run): in a
     fresh process, the first prefill and decode after it add no compiled signature (each one is
-    a compile, or a load from numba's disk cache: tens of milliseconds on a first token)."""
+    a compile, or a load from numba's disk cache: tens of milliseconds on a first token). Where
+    the kernels built ahead of time load, numba is not imported at all."""
     pytest.importorskip("numba")
     out = subprocess.run([sys.executable, "-P", "-c", FIRST_STEPS, str(gguf.path), weights],
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr
-    loaded, ran = json.loads(out.stdout.strip().splitlines()[-1])
+    loaded, ran, numba = json.loads(out.stdout.strip().splitlines()[-1])
+    if aot.load() is not None:
+        assert not numba and not loaded and not ran
+        return
     assert any(name.startswith("fused.") for name in loaded)
     assert ran == loaded
 
@@ -634,6 +641,10 @@ def test_kquant_model_greedy_tokens_match_reference_on_1_and_2_worker_processes(
                 assert m.load_stats.resident_bytes <= 1.3 * m.load_stats.weight_bytes
         with LlamaModel.load(kquant_gguf, clients, weights="f32") as m:
             assert m.generate(prompt_ids, N_NEW, stop_ids=()) == expected, "f32 weights"
+        if sys.platform.startswith("linux") and aot.load() is not None:   # every call took an export
+            for worker in workers:
+                with open(f"/proc/{worker.proc.pid}/maps") as f:
+                    assert "libllvmlite" not in f.read(), "a worker loaded numba"
     finally:
         for c in clients:
             c.close()

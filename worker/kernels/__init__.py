@@ -59,10 +59,17 @@ sequence as one row, any other never runs fewer than 3.
 
 numba is an optional dependency (the ``llm`` extra): :func:`available` says whether it imports;
 packing is plain numpy and works without it, the products raise :class:`KernelUnavailable`.
+
+Where ``python -m zmq_rpc.worker.kernels --aot`` (``run.py``'s setup) built them, the same
+kernels, machine code and bits, run from one extension module loaded without numba
+(:mod:`.aot`, :func:`ahead`): about 15 ms and a few MiB, where numba's import and cached load
+take 0.7-0.8 s and ~110 MiB stay resident. Only the row splits of ``set_threads(n > 1)`` are
+numba's own (numba code calling numba's kernels), so with ``n > 1`` products run numba's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import threading
@@ -73,9 +80,12 @@ from typing import Any, Final
 
 import numpy as np
 
+from . import aot
+from .aot import Compiled
 from .layout import (
     PACKED,
     QTYPES,
+    empty_rows,
     gguf_row_bytes,
     pack_numpy,
     packed_output,
@@ -90,6 +100,7 @@ __all__ = [
     "QTYPES",
     "TILE_BYTES",
     "KernelUnavailable",
+    "ahead",
     "available",
     "batch_invariant",
     "dequantize",
@@ -128,9 +139,9 @@ _fused_lock = threading.Lock()
 """Held while the fused kernels warm: a second backend thread in the process (tests, benches)
 that warmed them at the same time would meet compiling disabled by the first, mid-compile
 (``RuntimeError: compilation disabled``, its graph failing)."""
-_fused: list[ModuleType] = []
+_fused: list[Any] = []
 _split: list[ModuleType | None] = []
-_amx: list[ModuleType | None] = []
+_compiled: dict[str, Compiled | None] = {}
 MIN_SPLIT_ROWS: Final = 64
 """A product is split over ``n`` threads only from ``n * MIN_SPLIT_ROWS`` rows on (below, a split
 costs more than it saves)."""
@@ -148,11 +159,48 @@ def available() -> bool:
     return bool(_state["numba"])
 
 
-def _jit() -> ModuleType:
+def _require() -> None:
     if not available():
         raise KernelUnavailable("quantized matmul kernels need numba: pip install 'zmq-rpc[llm]'")
-    from . import jit
-    return jit
+
+
+def _ahead() -> Compiled | None:
+    """The kernels built ahead of time (:mod:`.aot`), loaded once: None where there are none
+    (``python -m zmq_rpc.worker.kernels --aot`` builds them)."""
+    if "ahead" not in _compiled:
+        _require()
+        built = aot.load()
+        if built is not None and built.gemm_amx is not None and not aot.request_amx():
+            built = dataclasses.replace(built, gemm_amx=None, split_rows=None)
+        _compiled["ahead"] = built
+    return _compiled["ahead"]
+
+
+def _numba() -> Compiled:
+    """numba's kernels (imports numba: compiles, or loads them from its cache, at first use)."""
+    if (found := _compiled.get("numba")) is None:
+        _require()
+        from . import amxgemm, halfgemm, intgemm, jit
+        amx = amxgemm.available()
+        found = _compiled["numba"] = Compiled(
+            kernels=jit.KERNELS, gemm=intgemm.GEMM, pack=jit.PACK, quantize_rows_into=intgemm.quantize_rows_into,
+            gemm_u16=halfgemm.gemm_u16, gemm_amx=amxgemm.gemm_amx if amx else None,
+            split_rows=amxgemm.split_rows if amx else None, amx_config=amxgemm.CONFIG, fused=None, ahead=False)
+    return found
+
+
+def _kernels() -> Compiled:
+    """The entry points products run: the built ones where they load and products run on one
+    thread (the row splits, :mod:`.split`, are numba code that calls numba's kernels), else
+    numba's. Raises KernelUnavailable without numba."""
+    if _state["threads"] == 1 and (built := _ahead()) is not None:
+        return built
+    return _numba()
+
+
+def ahead() -> bool:
+    """Whether this process runs the kernels built ahead of time (:mod:`.aot`)."""
+    return available() and _ahead() is not None
 
 
 def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None, *, jit: bool = True) -> np.ndarray:
@@ -164,25 +212,11 @@ def pack(data: np.ndarray, qtype: str, out: np.ndarray | None = None, *, jit: bo
     tables, so the layout must not import it back."""
     result = packed_output(data, qtype, out)
     if jit and available():
-        from . import jit as compiled
-        compiled.pack(np.ascontiguousarray(data), qtype, result)
+        kernel, flags, u16 = _kernels().pack[qtype]
+        src = np.ascontiguousarray(data)
+        kernel(src.view(np.uint16) if u16 else src, result, *flags)
         return result
     return pack_numpy(data, qtype, result)
-
-
-def _intgemm() -> ModuleType:
-    _jit()
-    from . import intgemm
-    return intgemm
-
-
-def _amx_module() -> ModuleType | None:
-    """:mod:`.amxgemm` where this process may use AMX (asked once), else None."""
-    _jit()
-    if not _amx:
-        from . import amxgemm
-        _amx.append(amxgemm if amxgemm.available() else None)
-    return _amx[0]
 
 
 def batch_invariant(qtype: str) -> bool:
@@ -190,27 +224,30 @@ def batch_invariant(qtype: str) -> bool:
     other rows of ``X`` and however many (module docstring, "Batch invariance")."""
     if qtype in INVARIANT_INTEGER:
         return True
-    return qtype in HALF_GEMM and _amx_module() is None
+    return qtype in HALF_GEMM and _kernels().gemm_amx is None
 
 
 def _half_gemm(x: np.ndarray, w: np.ndarray, qtype: str,
                out: np.ndarray) -> tuple[Callable[..., None], tuple[Any, ...], tuple[Any, ...]]:
     """(kernel, head, tail) of an f16/bf16 prefill product: AMX where this process may use it (asked
     once), else the FMA kernel."""
-    bf16 = qtype == "bf16"
-    if (amx := _amx_module()) is not None:
-        return amx.gemm_amx, (w, amx.split_rows(x), out), (bf16, amx.CONFIG)
-    from . import halfgemm
-    return halfgemm.gemm_u16, (w, x, out), (bf16,)
+    bf16, compiled = qtype == "bf16", _kernels()
+    if compiled.gemm_amx is not None and compiled.split_rows is not None:
+        return compiled.gemm_amx, (w, compiled.split_rows(x), out), (bf16, compiled.amx_config)
+    return compiled.gemm_u16, (w, x, out), (bf16,)
 
 
-def fused_kernels() -> ModuleType | None:
-    """The numba kernels of the small per-token ops (:mod:`.fused`), or None without numba (the
-    callers then run their numpy composition)."""
+def fused_kernels() -> Any:
+    """The kernels of the small per-token ops (:mod:`.fused`; those built ahead of time where
+    they load) as attributes, or None without numba (the callers then run their numpy
+    composition)."""
     if not _fused:
         if not available():
             return None
         with _fused_lock:       # workers in one process: one warms, the others wait for it
+            if not _fused and (built := _ahead()) is not None:
+                _warm["fused"] = 0.0
+                _fused.append(built.fused)
             if not _fused:
                 from . import fused as module
                 start = time.perf_counter()
@@ -221,8 +258,9 @@ def fused_kernels() -> ModuleType | None:
 
 
 def preload() -> float:
-    """Load numba and the fused kernels now, from the on-disk cache (compiled there once per
-    machine): what a model's first lay-out would otherwise wait for on the backend thread
+    """Load the kernels built ahead of time, or numba and the fused kernels from numba's on-disk
+    cache (compiled there once per machine): what a model's first lay-out would otherwise wait
+    for on the backend thread
     (``zmq-rpc-worker --preload-kernels`` runs this on a thread of its own as the worker
     starts). Safe beside the backend thread: :func:`fused_kernels` holds its lock while it
     warms, and nothing else here is touched (each type's products still load at its first
@@ -308,16 +346,16 @@ def _warm_products(qtype: str) -> tuple[np.ndarray, int]:
 
 def _warm_split(splitter: ModuleType, w: np.ndarray, qtype: str, k: int) -> None:
     """Compile (or load) the parallel wrappers of ``qtype``'s kernels (:mod:`.split`)."""
-    mv, dq, flags = _jit().KERNELS[qtype]
+    mv, dq, flags = _numba().kernels[qtype]
     rows = w.shape[0]
     splitter.run(mv, (w, np.zeros(k, np.float32), np.empty(rows, np.float32)), 0, rows, flags, 2)
     splitter.run(dq, (w, k), 0, rows, (np.empty((k, rows), np.float32), 0, *flags), 2)
     if qtype in INTEGER_GEMM:
-        integer = _intgemm()
-        gemm, gemm_flags = integer.GEMM[qtype]
+        compiled = _numba()
+        gemm, gemm_flags = compiled.gemm[qtype]
         x = np.zeros((MATVEC_ROWS + 1, k), np.float32)
-        xq = integer.empty_rows(*x.shape)
-        splitter.run(integer.quantize_rows_into, (x, *xq), 0, x.shape[0], (), 2)
+        xq = empty_rows(*x.shape)
+        splitter.run(compiled.quantize_rows_into, (x, *xq), 0, x.shape[0], (), 2)
         splitter.run(gemm, (w, *xq, np.empty((MATVEC_ROWS + 1, rows), np.float32)), 0, rows, gemm_flags, 2)
     if qtype in HALF_GEMM:
         x, y = np.zeros((MATVEC_ROWS + 1, k), np.float32), np.empty((MATVEC_ROWS + 1, rows), np.float32)
@@ -339,7 +377,8 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
 
     ``w`` and ``out`` must be C-contiguous; ``x`` is made so. Raises KernelUnavailable without numba.
     """
-    mv, dq, flags = _jit().KERNELS[qtype]
+    compiled = _kernels()
+    mv, dq, flags = compiled.kernels[qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, k = w.shape[0], x.shape[1]
     if x.shape[0] == 1:    # a decode step
@@ -353,10 +392,9 @@ def matmul(x: np.ndarray, w: np.ndarray, qtype: str, out: np.ndarray) -> None:
             _rows(mv, (w, x[t], out[t]), 0, rows, flags)
         return
     if qtype in INTEGER_GEMM:
-        integer = _intgemm()
-        gemm, gemm_flags = integer.GEMM[qtype]
-        xq = integer.empty_rows(*x.shape)      # x rounded once; a long prefill's rows split too
-        _rows(integer.quantize_rows_into, (x, *xq), 0, x.shape[0], ())
+        gemm, gemm_flags = compiled.gemm[qtype]
+        xq = empty_rows(*x.shape)      # x rounded once; a long prefill's rows split too
+        _rows(compiled.quantize_rows_into, (x, *xq), 0, x.shape[0], ())
         _rows(gemm, (w, *xq, out), 0, rows, gemm_flags)
         return
     if qtype in HALF_GEMM:
@@ -378,7 +416,7 @@ def _tile_rows(rows: int, k: int) -> int:
 
 def dequantize(w: np.ndarray, qtype: str, k: int, out: np.ndarray | None = None) -> np.ndarray:
     """Packed ``w`` as float32 rows (R, K), into ``out`` if given (tile by tile)."""
-    _, dq, flags = _jit().KERNELS[qtype]
+    _, dq, flags = _kernels().kernels[qtype]
     rows = w.shape[0]
     result = np.empty((rows, k), np.float32) if out is None else out
     step = _tile_rows(rows, k)
@@ -392,7 +430,7 @@ def dequantize(w: np.ndarray, qtype: str, k: int, out: np.ndarray | None = None)
 
 def take_rows(w: np.ndarray, qtype: str, idx: np.ndarray, out: np.ndarray) -> None:
     """``out[i] = W[idx[i]]`` for packed ``w`` (indices already checked), float32 (len(idx), K)."""
-    _, dq, flags = _jit().KERNELS[qtype]
+    _, dq, flags = _kernels().kernels[qtype]
     column = np.empty((out.shape[1], 1), np.float32)
     for i, r in enumerate(idx.tolist()):
         dq(w, out.shape[1], r, r + 1, column, r, *flags)

@@ -1,4 +1,4 @@
-"""``python -m zmq_rpc.worker.kernels [--threads N] [QTYPE ...]``: compile the quantized kernels ahead.
+"""``python -m zmq_rpc.worker.kernels [--threads N] [--aot] [QTYPE ...]``: compile the quantized kernels ahead.
 
 Compiles (or loads from numba's on-disk cache) the kernels of the given packed types (default: all
 ten) for ``--threads`` (1: the single-thread bodies; more: the row-splitting versions too), and
@@ -6,6 +6,9 @@ prints the seconds each took. ``run.py`` runs it once after installing, so that 
 this machine pays the first compile (tens of seconds of CPU for all types: docs/MODELS.md); a worker that finds the cache
 cold still compiles a model's types at its load (:data:`~zmq_rpc.client.llama.load.KERNEL_TIMEOUT`).
 Runs in its own process, main thread.
+
+``--aot`` then builds them, and the fused ops, into one extension module for this machine
+(:mod:`.aotbuild`; about two minutes of CPU once), which workers load without numba (:mod:`.aot`).
 
 ``--path avx2|portable`` compiles instead the products (decode and prefill) of another CPU's integer
 path (:data:`.intdot.PATH_TARGETS`; default types :data:`.intdot.PATH_QTYPES`) into that path's own
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--path", choices=PATHS, default="",
                     help="compile another CPU's integer path instead, into its own cache (default types: "
                          "one per bound of its sums, as tests/test_kernels.py compares them)")
+    ap.add_argument("--aot", action="store_true",
+                    help="then build them ahead of time, into a module workers load without numba")
     ap.add_argument("--in-path", action="store_true", help=argparse.SUPPRESS)   # the child of --path
     args = ap.parse_args(argv)
     unknown = sorted(set(args.qtypes) - set(QTYPES))
@@ -52,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for qtype in args.qtypes or QTYPES:
         print(f"{qtype}: {warm(qtype):.2f} s", flush=True)
+    if args.aot:
+        from .aotbuild import build
+        try:
+            build()
+        except RuntimeError as exc:      # numba's cache is compiled: workers load from it instead
+            print(f"aot: not built ({exc}); workers will load numba's kernels", flush=True)
     print(f"all: {time.perf_counter() - start:.2f} s", flush=True)
     return 0
 

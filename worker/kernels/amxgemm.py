@@ -39,8 +39,6 @@ the figures that chose this design: docs/DESIGN.md, "AMX tiles".
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from typing import Any, Final
 
 import llvmlite.binding as llvm_binding
@@ -50,6 +48,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .aot import request_amx
 from .intdot import _at, _declare, _numba_cpu_features
 
 __all__ = ["CONFIG", "TM", "available", "gemm_amx", "split_rows"]
@@ -84,26 +83,15 @@ def _asm(builder: ir.IRBuilder, text: str, constraint: str, args: list[ir.Value]
     builder.asm(fty, text, constraint, args, side_effect=True)
 
 
-_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 _state: dict[str, bool] = {}
 
 
 def available() -> bool:
     """Whether this process may run AMX tiles (asked once: the CPU numba compiles for has AMX-BF16 and
-    Linux grants the tile state, ``arch_prctl(ARCH_REQ_XCOMP_PERM)``)."""
+    Linux grants the tile state, :func:`.aot.request_amx`)."""
     if "ok" not in _state:
-        _state["ok"] = _request()
+        _state["ok"] = {"+amx-tile", "+amx-bf16"} <= _numba_cpu_features() and request_amx()
     return _state["ok"]
-
-
-def _request() -> bool:
-    if not sys.platform.startswith("linux") or not {"+amx-tile", "+amx-bf16"} <= _numba_cpu_features():
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0)
-    except (OSError, AttributeError):
-        return False
 
 
 # ------------------------------------------------------------------------------------ intrinsics

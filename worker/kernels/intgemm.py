@@ -66,6 +66,7 @@ from .intdot import (
     _prefetch,
     _splat,
 )
+from .layout import empty_rows
 from .unpacked import KINDS, gemm_unpacked
 
 __all__ = ["GEMM", "PASSES", "TB", "empty_rows", "gemm_q4", "gemm_q8_0", "quantize_rows", "quantize_rows_into"]
@@ -188,13 +189,6 @@ _q8_0_pass: Any = intrinsic(_rows_typing(2))
 
 
 # ------------------------------------------------------------------------------------ the kernels
-
-
-def empty_rows(n: int, k: int) -> tuple[Any, Any, Any, Any, Any]:
-    """Room for ``n`` rows of ``k`` inputs rounded by :func:`quantize_rows_into`."""
-    ns = k // 32
-    return (np.empty((n, k), np.int8), np.empty((n, k), np.int8), np.empty((n, ns), np.float32),
-            np.empty((n, ns), np.int32), np.empty((n, ns), np.float32))
 
 
 @njit(cache=True, nogil=True)
@@ -336,6 +330,6 @@ def gemm_q8_0(w: Any, xq1: Any, xq2: Any, dx: Any, sq: Any, sx: Any, y: Any, r0:
             y[t, i] = total
 
 
-GEMM: Final = {"q4_0": (gemm_q4, (False,)), "q4_1": (gemm_q4, (True,)), "q8_0": (gemm_q8_0, ()),
+GEMM: Final[dict[str, tuple[Any, tuple[Any, ...]]]] = {"q4_0": (gemm_q4, (False,)), "q4_1": (gemm_q4, (True,)), "q8_0": (gemm_q8_0, ()),
                **{qtype: (gemm_unpacked, (kind,)) for qtype, kind in KINDS.items()}}
 """qtype -> (kernel, flags): ``kernel(w, xq1, xq2, dx, sq, sx, y, r0, r1, *flags)``."""

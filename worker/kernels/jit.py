@@ -45,7 +45,7 @@ from .intdot import _half, mv_q4, mv_q8_0
 from .layout import INTERLEAVED
 from .unpackdot import mv_kquant, mv_q5, mv_q6_k
 
-__all__ = ["KERNELS", "TILE", "pack"]
+__all__ = ["KERNELS", "PACK", "TILE", "pack"]
 
 FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 TILE = 4096
@@ -534,18 +534,20 @@ def _pack_u16(src: Any, out: Any) -> None:
                 t[k * R + r] = src[r, k]
 
 
-def pack(src: Any, qtype: str, out: Any) -> None:
-    """Repack GGUF ``src`` into ``out`` (the layout of :mod:`.layout`); ``src`` C-contiguous."""
-    if qtype in ("f16", "bf16"):
-        _pack_u16(src.view(np.uint16), out)
-    elif qtype == "q6_k":
-        _pack_q6_k(src, out)
-    elif qtype in ("q4_k", "q5_k"):
-        _pack_k45(src, out, qtype == "q5_k")
-    else:
-        nf, hbytes, qbytes = _SIMPLE[qtype]
-        _pack_simple(src, out, 2 * nf + hbytes + qbytes, nf, hbytes, qbytes, qtype in INTERLEAVED)
-
-
 _SIMPLE = {"q8_0": (1, 0, 32), "q4_0": (1, 0, 16), "q4_1": (2, 0, 16), "q5_0": (1, 4, 16), "q5_1": (2, 4, 16)}
 """qtype -> (float16 factors, bytes of 5th bits, bytes of quants) per 32-weight block."""
+
+PACK: dict[str, tuple[Any, tuple[Any, ...], bool]] = {
+    "f16": (_pack_u16, (), True), "bf16": (_pack_u16, (), True),
+    "q6_k": (_pack_q6_k, (), False), "q4_k": (_pack_k45, (False,), False), "q5_k": (_pack_k45, (True,), False),
+    **{qtype: (_pack_simple, (2 * nf + hbytes + qbytes, nf, hbytes, qbytes, qtype in INTERLEAVED), False)
+       for qtype, (nf, hbytes, qbytes) in _SIMPLE.items()},
+}
+"""qtype -> (kernel, flags, as uint16): ``kernel(src, out, *flags)`` repacks GGUF rows ``src`` (viewed
+as uint16 where the third item says so) into ``out``."""
+
+
+def pack(src: Any, qtype: str, out: Any) -> None:
+    """Repack GGUF ``src`` into ``out`` (the layout of :mod:`.layout`); ``src`` C-contiguous."""
+    kernel, flags, u16 = PACK[qtype]
+    kernel(src.view(np.uint16) if u16 else src, out, *flags)

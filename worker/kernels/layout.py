@@ -303,3 +303,10 @@ def pack_numpy(data: np.ndarray, qtype: str, out: np.ndarray | None = None) -> U
     if offset != flat.size:
         raise AssertionError(f"{qtype}: packed {offset} bytes into {flat.size}")  # a layout bug, not input
     return result
+
+
+def empty_rows(n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Room for ``n`` rows of ``k`` inputs rounded by :func:`.intgemm.quantize_rows_into`."""
+    ns = k // 32
+    return (np.empty((n, k), np.int8), np.empty((n, k), np.int8), np.empty((n, ns), np.float32),
+            np.empty((n, ns), np.int32), np.empty((n, ns), np.float32))
