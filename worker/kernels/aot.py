@@ -195,17 +195,25 @@ def _compiled(module: ModuleType, manifest: dict[str, Any]) -> Compiled:
 
 
 def _entry(name: str, module: ModuleType, exports: list[dict[str, Any]]) -> Callable[..., Any]:
-    """One entry point: its exports behind a guard each, then the fallback (module docstring)."""
+    """One entry point: its exports behind a guard each, then the fallback (module docstring).
+
+    The guard reads attributes only (``ndim``, ``dtype``, ``flags``): an argument without them
+    is no array, and goes to the fallback; pycc's own unboxing refuses what is not an ndarray.
+    The exports are called outside the ``try``, so an error of theirs is never taken for that."""
     arity = len(exports[0]["args"])
     params = ", ".join(f"a{i}" for i in range(arity))
-    scope: dict[str, Any] = {"isinstance": isinstance, "ndarray": np.ndarray,
-                             "fallback": _fallback(name)}
-    lines = [f"def {name.replace('.', '__')}({params}):"]
+    scope: dict[str, Any] = {"fallback": _fallback(name)}
+    tests = []
     for n, export in enumerate(exports):
         scope[f"e{n}"] = getattr(module, export["symbol"])
-        checks = [_check(i, arg, n, scope) for i, arg in enumerate(export["args"])]
-        lines.append(f"    if {' and '.join(checks)}:")
-        lines.append(f"        return e{n}({params})")
+        tests.append(" and ".join(_check(i, arg, n, scope) for i, arg in enumerate(export["args"])))
+    choose = " else ".join(f"{n} if {test}" for n, test in enumerate(tests)) + " else -1"
+    lines = [f"def {name.replace('.', '__')}({params}):",
+             "    try:",
+             f"        n = {choose}",
+             "    except AttributeError:",
+             "        n = -1"]
+    lines += [f"    if n == {n}:\n        return e{n}({params})" for n in range(len(exports))]
     lines.append(f"    return fallback({params})")
     exec("\n".join(lines), scope)       # noqa: S102 (source built here from the manifest's types)
     return scope[name.replace(".", "__")]  # type: ignore[no-any-return]
@@ -219,10 +227,12 @@ def _check(i: int, arg: list[Any], n: int, scope: dict[str, Any]) -> str:
         return f"{a}.__class__ in s{n}_{i}"
     _, dtype, ndim, layout, writes = arg
     scope[f"d{n}_{i}"] = np.dtype(dtype)
-    test = (f"isinstance({a}, ndarray) and {a}.ndim == {ndim} and "
-            f"({a}.dtype is d{n}_{i} or {a}.dtype == d{n}_{i})")
-    flags = (["c_contiguous"] if layout == "C" else []) + (["writeable"] if writes else [])
-    return test + "".join(f" and {a}.flags.{flag}" for flag in flags)
+    test = f"{a}.ndim == {ndim} and ({a}.dtype is d{n}_{i} or {a}.dtype == d{n}_{i})"
+    if layout == "C" and writes:
+        return test + f" and (f{i} := {a}.flags).c_contiguous and f{i}.writeable"
+    if layout == "C":
+        return test + f" and {a}.flags.c_contiguous"
+    return test + (f" and {a}.flags.writeable" if writes else "")
 
 
 def _fallback(name: str) -> Callable[..., Any]:
