@@ -21,6 +21,7 @@ import pytest
 import zmq
 from zmq_rpc.tools import baselines as bl
 from zmq_rpc.tools import bench, units
+from zmq_rpc.worker.kernels import aot
 from zmq_rpc.worker.launch import ServerProcess, local_workers
 
 BENCH = str(Path(sys.executable).with_name("zmq-rpc-bench"))
@@ -467,8 +468,15 @@ def test_startup_case_times_real_worker_processes(
     assert doc["meta"]["errors"] == []
     rows = {r["label"]: r for r in doc["results"]}
     assert list(rows) == ["worker listens", "worker listens vs budget", "worker answers a client",
-                          "main job ready 1 worker", "main job ready 2 workers"]
+                          "kernels loaded, fresh process", "main job ready 1 worker", "main job ready 2 workers"]
     listens, answers = rows["worker listens"], rows["worker answers a client"]
+    loaded = rows["kernels loaded, fresh process"]
+    if aot.load() is not None:          # against numba's own cached load, in the same rounds
+        assert set(loaded["baselines"]) == {"100 ms budget", "numba's cache"}
+        assert "built ahead of time" in loaded["note"]
+    else:
+        assert set(loaded["baselines"]) == {"100 ms budget"}
+    assert min(loaded["ours"]) > 0
     for n in ("1 worker", "2 workers"):        # generate's first token from fresh workers
         ready = rows[f"main job ready {n}"]
         assert set(ready["baselines"]) == {"a worker answers"}
@@ -479,6 +487,30 @@ def test_startup_case_times_real_worker_processes(
     assert min(answers["ours"]) > 0
     assert "no rpc-server baseline" in printed
     assert re.search(r"bytecode cached: (yes|no)$", listens["note"]), listens["note"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+@pytest.mark.timeout(300)
+def test_memory_case_reads_a_real_workers_resident_set(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The memory case end to end (--quick): a fresh worker idle, serving SmolLM2 (its peak above
+    the model's tensors) and after its client left (below the peak), against tensors + 80 MiB
+    and the idle size; numba's kernels beside where the kernels built ahead of time load."""
+    pytest.importorskip("numba")
+    out = tmp_path / "bench.json"
+    code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "memory",
+                       "--llama-bin", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["errors"] == []
+    rows = {r["label"]: r for r in doc["results"]}
+    serving, after = rows["worker resident serving"], rows["worker resident after the client leaves"]
+    bound = serving["baselines"]["tensors + 80 MiB"][0]
+    assert bound - 80 < serving["ours"][0] and after["ours"][0] < serving["ours"][0]
+    assert 0 < after["baselines"]["idle"][0] < serving["ours"][0]
+    assert ("numba's kernels" in serving["baselines"]) == (aot.load() is not None)
+    assert "no llama.cpp baseline" in printed
 
 
 def test_bytecode_cached_means_caches_newer_than_their_sources(

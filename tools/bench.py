@@ -129,7 +129,7 @@ CASE_MODULES: tuple[str, ...] = ("zmq_rpc.tools.bench_graph", "zmq_rpc.tools.ben
                                  "zmq_rpc.tools.bench_faults", "zmq_rpc.tools.bench_weights",
                                  "zmq_rpc.tools.bench_observe", "zmq_rpc.tools.bench_gpu",
                                  "zmq_rpc.tools.bench_families", "zmq_rpc.tools.bench_serve",
-                                 "zmq_rpc.tools.bench_startup")
+                                 "zmq_rpc.tools.bench_startup", "zmq_rpc.tools.bench_memory")
 """Modules imported before the command line is read, so that their ``@register_case``\\s run."""
 
 F = TypeVar("F", bound=CaseFn)

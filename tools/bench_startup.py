@@ -7,6 +7,9 @@ Each trial starts a process and polls its port from this one (a TCP connect ever
   trial; against the 100 ms budget too;
 - **answers**: from exec to a :class:`~zmq_rpc.client.Client` connected (its HELLO answered) and
   its first ping back: the worker's backend loaded (numpy, the executor), what a client waits for;
+- **kernels loaded**: in a fresh process with numpy imported, ``kernels.preload()`` (what
+  ``--preload-kernels`` runs): the kernels built ahead of time where they are, against numba's
+  cached load (``ZMQ_RPC_AOT_KERNELS=0``) in the same rounds, and the 100 ms budget (issue 29);
 - **main job ready**: from exec to the first generated token on stdout, on 1 and 2 fresh workers
   (warm page cache): ``zmq-rpc-bench generate --no-chat --max-new-tokens 1`` with its local workers
   against, with ``--llama-bin``, llama.cpp's ``llama-completion --rpc`` through as many fresh
@@ -86,6 +89,34 @@ def _answers(port: int) -> float:
         _stop(proc)
 
 
+_KERNEL_LOAD = ("import time, numpy; start = time.perf_counter(); from zmq_rpc.worker import kernels; "
+                "kernels.preload(); print(time.perf_counter() - start, kernels.ahead())")
+
+
+def _kernels_load(env: dict[str, str]) -> tuple[float, bool]:
+    """Seconds a fresh process takes to import the kernels and load them (numpy already in), and
+    whether they were the ones built ahead of time."""
+    out = subprocess.run([sys.executable, "-c", _KERNEL_LOAD], env=env, capture_output=True, text=True,
+                         check=True, timeout=START_LIMIT_S)
+    seconds, ahead = out.stdout.split()
+    return float(seconds), ahead == "True"
+
+
+def kernel_rows(ctx: BenchContext) -> list[CaseResult]:
+    """Kernels loaded in a fresh process: built ahead of time vs numba's cache, and the budget."""
+    from ..worker.kernels import aot
+    ahead = _kernels_load(dict(os.environ))[1]
+    runs: dict[str, Callable[[], float]] = {"ours": lambda: _kernels_load(dict(os.environ))[0]}
+    if ahead:
+        runs["numba's cache"] = lambda: _kernels_load({**os.environ, aot.DISABLE_ENV: "0"})[0]
+    s = _alternate(ctx.reps(7, 2), runs)
+    which = "the kernels built ahead of time" if ahead else "numba's cache (no kernels built ahead of time)"
+    return [CaseResult("startup", "kernels loaded, fresh process", "s", s["ours"],
+                       {"100 ms budget": [LISTEN_BUDGET_S], **{k: v for k, v in s.items() if k != "ours"}},
+                       Target(1.0, False), False, compared_with=("100 ms budget",),
+                       note=f"import + kernels.preload() after numpy: {which}; issue 29: <= 0.1 s")]
+
+
 def _check_alive(proc: subprocess.Popen[Any], start: float, argv: list[str]) -> None:
     if proc.poll() is not None:
         raise RuntimeError(f"{argv[0]} exited with {proc.returncode} before it listened")
@@ -150,6 +181,7 @@ def case_startup(ctx: BenchContext) -> list[CaseResult]:
         CaseResult("startup", "worker answers a client", "s", s["answers"], listen_baselines, None,
                    False, note="exec to a Client's HELLO and first ping answered (backend loaded)",
                    compared_with=("rpc-server",) if rpc is not None else ()),
+        *kernel_rows(ctx),
         *ready_rows(ctx, llama, s["answers"]),
     ]
 
