@@ -190,6 +190,10 @@ def test_a_module_built_for_other_sources_or_switched_off_is_not_loaded(
     manifest = json.loads((copy / aot.MANIFEST).read_text())
     (copy / aot.MANIFEST).write_text(json.dumps({**manifest, "key": "0" * 20}))
     assert aot.load(copy) is None
+    entries = dict(manifest["entries"])
+    entries["fused.attention(): pass\n#"] = entries.pop("fused.attention")   # never into generated code
+    (copy / aot.MANIFEST).write_text(json.dumps({**manifest, "entries": entries}))
+    assert aot.load(copy) is None
     monkeypatch.setenv(aot.DISABLE_ENV, "0")
     assert aot.load() is None and aot.disabled() == f"{aot.DISABLE_ENV}=0"
     monkeypatch.delenv(aot.DISABLE_ENV)

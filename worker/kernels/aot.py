@@ -39,7 +39,7 @@ from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["FUSED", "Compiled", "disabled", "folder", "key", "load", "request_amx"]
+__all__ = ["FUSED", "SCALARS", "Compiled", "disabled", "folder", "key", "load", "request_amx"]
 
 FUSED: Final = ("attention", "attend_rows", "rope", "rms_norm", "sample_rows", "swiglu")
 """The fused ops' entry points (:mod:`.fused`): new argument types raise TypeError."""
@@ -54,7 +54,7 @@ NUMBA_TARGET_ENV: Final = ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_CACHE_
 with any of them set, only numba's kernels run."""
 _log = logging.getLogger(__name__)
 
-_SCALARS: Final[dict[str, tuple[type, ...]]] = {
+SCALARS: Final[dict[str, tuple[type, ...]]] = {
     "int64": (int, np.int64), "float64": (float, np.float64), "float32": (np.float32,),
     "bool": (bool, np.bool_), "int32": (np.int32,), "uint32": (np.uint32,), "uint64": (np.uint64,),
 }
@@ -174,7 +174,12 @@ def load(where: Path | None = None) -> Compiled | None:
     except ImportError as exc:
         _log.warning("kernels: the built kernels in %s do not load (%s): numba's run", path, exc)
         return None
-    return _compiled(module, manifest)
+    try:
+        return _compiled(module, manifest)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        _log.warning("kernels: the built kernels' manifest in %s is not one this code reads (%r): "
+                     "numba's run", path, exc)
+        return None
 
 
 def _compiled(module: ModuleType, manifest: dict[str, Any]) -> Compiled:
@@ -200,6 +205,8 @@ def _entry(name: str, module: ModuleType, exports: list[dict[str, Any]]) -> Call
     The guard reads attributes only (``ndim``, ``dtype``, ``flags``): an argument without them
     is no array, and goes to the fallback; pycc's own unboxing refuses what is not an ndarray.
     The exports are called outside the ``try``, so an error of theirs is never taken for that."""
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"entry point name {name!r}")
     arity = len(exports[0]["args"])
     params = ", ".join(f"a{i}" for i in range(arity))
     scope: dict[str, Any] = {"fallback": _fallback(name)}
@@ -223,10 +230,11 @@ def _check(i: int, arg: list[Any], n: int, scope: dict[str, Any]) -> str:
     """The guard's test of argument ``i`` (``arg``: the manifest's type), its names put in ``scope``."""
     a = f"a{i}"
     if arg[0] == "scalar":
-        scope[f"s{n}_{i}"] = _SCALARS[arg[1]]
+        scope[f"s{n}_{i}"] = SCALARS[arg[1]]
         return f"{a}.__class__ in s{n}_{i}"
     _, dtype, ndim, layout, writes = arg
     scope[f"d{n}_{i}"] = np.dtype(dtype)
+    ndim = int(ndim)
     test = f"{a}.ndim == {ndim} and ({a}.dtype is d{n}_{i} or {a}.dtype == d{n}_{i})"
     if layout == "C" and writes:
         return test + f" and (f{i} := {a}.flags).c_contiguous and f{i}.writeable"

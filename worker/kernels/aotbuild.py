@@ -91,7 +91,7 @@ def _describe(t: Any, writes: bool) -> list[Any] | None:
             return None
         return ["array", str(np.dtype(str(t.dtype))), t.ndim, t.layout, writes]
     label = "bool" if t == types.boolean else str(t)
-    return ["scalar", label] if label in aot._SCALARS else None
+    return ["scalar", label] if label in aot.SCALARS else None
 
 
 def _exports(label: str, kernel: Any) -> list[tuple[types.Type, list[Any], Any]]:
