@@ -494,7 +494,7 @@ def test_startup_case_times_real_worker_processes(
 def test_memory_case_reads_a_real_workers_resident_set(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """The memory case end to end (--quick): a fresh worker idle, serving SmolLM2 (its peak above
-    the model's tensors) and after its client left (below the peak), against tensors + 80 MiB
+    the model's weights and KV cache) and after its client left (below the peak), against those + 80 MiB
     and the idle size; numba's kernels beside where the kernels built ahead of time load."""
     pytest.importorskip("numba")
     out = tmp_path / "bench.json"
@@ -506,7 +506,7 @@ def test_memory_case_reads_a_real_workers_resident_set(tmp_path: Path,
     assert doc["meta"]["errors"] == []
     rows = {r["label"]: r for r in doc["results"]}
     serving, after = rows["worker resident serving"], rows["worker resident after the client leaves"]
-    bound = serving["baselines"]["tensors + 80 MiB"][0]
+    bound = serving["baselines"]["weights + KV + 80 MiB"][0]
     assert bound - 80 < serving["ours"][0] and after["ours"][0] < serving["ours"][0]
     assert 0 < after["baselines"]["idle"][0] < serving["ours"][0]
     assert ("numba's kernels" in serving["baselines"]) == (aot.load() is not None)

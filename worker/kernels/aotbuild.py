@@ -100,6 +100,8 @@ def _exports(label: str, kernel: Any) -> list[tuple[types.Type, list[Any], Any]]
     relax = not label.startswith("fused.")
     found: dict[tuple[Any, ...], tuple[Any, list[Any], Any]] = {}
     for args in kernel.signatures:
+        if any(isinstance(t, types.Literal) for t in args):
+            continue        # a call from numba code (the row splits): Python never passes literals
         ret = kernel.overloads[args].signature.return_type
         out, described = [], []
         for param, t in zip(params, args):
