@@ -200,3 +200,19 @@ def test_a_module_built_for_other_sources_or_switched_off_is_not_loaded(
     monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
     assert aot.load() is None
     assert os.environ.get(aot.DISABLE_ENV) is None
+
+
+def test_a_failed_build_leaves_numbas_kernels_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--aot`` where pycc cannot build (no C compiler, say): numba's cache is compiled, the
+    command succeeds and says why there is no module (run.py's setup shows that line)."""
+    from zmq_rpc.worker.kernels import __main__ as command
+    from zmq_rpc.worker.kernels import aotbuild
+
+    def fail(base: Path | None = None) -> Path:
+        raise RuntimeError("pycc could not build the kernels: no compiler")
+    monkeypatch.setattr(aotbuild, "build", fail)
+    assert command.main(["q8_0", "--aot"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "aot: not built (pycc could not build the kernels: no compiler); workers will load numba's kernels" in lines
+    assert lines[-1].startswith("all: ")

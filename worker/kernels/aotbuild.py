@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,8 +38,10 @@ from . import QTYPES, aot, fused_kernels, set_threads, warm
 
 __all__ = ["INPUTS", "build"]
 
-_pycc: Any = importlib.import_module("numba.pycc")
-_pycc_compiler: Any = importlib.import_module("numba.pycc.compiler")
+with warnings.catch_warnings():     # pycc is pending deprecation since numba 0.57 (docs/DESIGN.md)
+    warnings.simplefilter("ignore", PendingDeprecationWarning)
+    _pycc: Any = importlib.import_module("numba.pycc")
+    _pycc_compiler: Any = importlib.import_module("numba.pycc.compiler")
 
 INPUTS: Final = frozenset({"w", "x", "src", "xq1", "xq2", "dx", "sq", "sx", "xl", "cfg"})
 """Parameters that products and repacks only read (their arrays are exported read-only)..."""
