@@ -216,3 +216,18 @@ def test_a_failed_build_leaves_numbas_kernels_and_says_why(monkeypatch: pytest.M
     lines = capsys.readouterr().out.splitlines()
     assert "aot: not built (pycc could not build the kernels: no compiler); workers will load numba's kernels" in lines
     assert lines[-1].startswith("all: ")
+
+
+def test_the_worker_log_says_which_kernels_run_and_how_to_build_them(
+        built: aot.Compiled, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(kernels, "_compiled", {})
+    with caplog.at_level("INFO", logger="zmq_rpc.worker.kernels"):
+        assert kernels.ahead()
+    assert f"kernels: built ahead of time ({aot.folder().name})" in caplog.messages
+    caplog.clear()
+    monkeypatch.setattr(kernels, "_compiled", {})
+    monkeypatch.setenv(aot.DISABLE_ENV, "0")
+    with caplog.at_level("INFO", logger="zmq_rpc.worker.kernels"):
+        assert not kernels.ahead()
+    assert any(m.startswith(f"kernels: numba's ({aot.DISABLE_ENV}=0; python -m zmq_rpc.worker.kernels --aot")
+               for m in caplog.messages), caplog.messages

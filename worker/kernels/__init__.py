@@ -173,6 +173,11 @@ def _ahead() -> Compiled | None:
         if built is not None and built.gemm_amx is not None and not aot.request_amx():
             built = dataclasses.replace(built, gemm_amx=None, split_rows=None)
         _compiled["ahead"] = built
+        if built is not None:
+            _log.info("kernels: built ahead of time (%s)", aot.folder().name)
+        else:       # the worker still runs: numba loads (or compiles) them, slower and larger
+            _log.info("kernels: numba's (%s; python -m zmq_rpc.worker.kernels --aot builds them "
+                      "ahead of time, once per machine)", aot.disabled() or "none built for these sources")
     return _compiled["ahead"]
 
 
