@@ -95,7 +95,7 @@ def compile_kernels() -> None:
     tests' two-thread cases find them cached (compiled on first use, q6_k's took 85 s on an
     AVX2 CPU, over the tests' timeout with the CPUs loaded); then into one extension module
     (``--aot``) that workers load in milliseconds without numba (``worker/kernels/aot.py``)."""
-    step("compiling the quantized matmul kernels (numba, once: a few minutes of CPU)")
+    step("compiling the quantized matmul kernels (numba, then into one module; once: a few minutes of CPU)")
     done = subprocess.run([str(bin_path("python")), "-m", "zmq_rpc.worker.kernels", "--threads", "2", "--aot"],
                           cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode:

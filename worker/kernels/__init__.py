@@ -177,7 +177,7 @@ def _ahead() -> Compiled | None:
             _log.info("kernels: built ahead of time (%s)", aot.folder().name)
         else:       # the worker still runs: numba loads (or compiles) them, slower and larger
             _log.info("kernels: numba's (%s; python -m zmq_rpc.worker.kernels --aot builds them "
-                      "ahead of time, once per machine)", aot.disabled() or "none built for these sources")
+                      "ahead of time, once per install)", aot.disabled() or "none built for these sources")
     return _compiled["ahead"]
 
 
