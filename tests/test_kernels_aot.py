@@ -231,3 +231,12 @@ def test_the_worker_log_says_which_kernels_run_and_how_to_build_them(
         assert not kernels.ahead()
     assert any(m.startswith(f"kernels: numba's ({aot.DISABLE_ENV}=0; python -m zmq_rpc.worker.kernels --aot")
                for m in caplog.messages), caplog.messages
+
+
+def test_a_build_that_cannot_write_its_folder_says_so_before_warming(tmp_path: Path) -> None:
+    from zmq_rpc.worker.kernels import aotbuild
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with pytest.raises(RuntimeError, match="cannot write"):
+        aotbuild.build(blocked / "cache")
+    assert blocked.read_text() == "not a folder"

@@ -138,16 +138,31 @@ def _releasing(flags_type: Any) -> Any:
 
 def build(base: Path | None = None) -> Path:
     """Build the module for this process's :func:`.aot.key` (warming numba's kernels first: from its
-    cache when there); its folder. Raises RuntimeError where it cannot (no C compiler, ...)."""
+    cache when there); its folder. Raises RuntimeError where it cannot (no C compiler, a folder
+    it cannot write, ...), before the warm-up where it can tell."""
     dest = aot.folder(base)
     if aot.load(dest) is not None:
         print(f"aot: kernels built ahead of time already: {dest}", flush=True)
         return dest
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix="aot-", dir=dest.parent))
+    except OSError as exc:
+        raise RuntimeError(f"cannot write {dest.parent}: {exc}") from exc
+    try:
+        _compile_into(work, dest)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return dest
+
+
+def _compile_into(work: Path, dest: Path) -> None:
+    """Warm, export, compile into ``work``, then publish it as ``dest``."""
     start = time.perf_counter()
     _warm_all()
     entries, tables, amx = _entry_points()
     warmed = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="aot-", dir=dest.parent if dest.parent.exists() else None))
     cc = _pycc.CC(aot.MODULE)
     cc.output_dir = str(work)
     cc.target_cpu = "host"
@@ -167,16 +182,17 @@ def build(base: Path | None = None) -> Path:
     try:
         cc.compile()
     except Exception as exc:
-        shutil.rmtree(work, ignore_errors=True)
         raise RuntimeError(f"pycc could not build the kernels: {exc}") from exc
     finally:
         _pycc_compiler.Flags = original
-    (work / aot.MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _publish(work, dest)
+    try:
+        (work / aot.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _publish(work, dest)
+    except OSError as exc:
+        raise RuntimeError(f"cannot write {dest}: {exc}") from exc
     print(f"aot: kernels built ahead of time in {time.perf_counter() - warmed:.0f} s "
           f"({sum(len(e) for e in manifest['entries'].values())} exports of {len(entries)} entry points, "
           f"after {warmed - start:.1f} s of warming numba's): {dest}", flush=True)
-    return dest
 
 
 def _amx_config() -> list[int]:
@@ -187,7 +203,6 @@ def _amx_config() -> list[int]:
 def _publish(work: Path, dest: Path) -> None:
     """Move the built folder into place in one rename (a folder another build put there first
     stays), and remove those built for earlier sources: no process loads them again."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.rename(work, dest)
     except OSError:
