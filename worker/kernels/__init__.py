@@ -142,6 +142,7 @@ that warmed them at the same time would meet compiling disabled by the first, mi
 _fused: list[Any] = []
 _split: list[ModuleType | None] = []
 _compiled: dict[str, Compiled | None] = {}
+_ahead_lock = threading.Lock()
 MIN_SPLIT_ROWS: Final = 64
 """A product is split over ``n`` threads only from ``n * MIN_SPLIT_ROWS`` rows on (below, a split
 costs more than it saves)."""
@@ -167,18 +168,25 @@ def _require() -> None:
 def _ahead() -> Compiled | None:
     """The kernels built ahead of time (:mod:`.aot`), loaded once: None where there are none
     (``python -m zmq_rpc.worker.kernels --aot`` builds them)."""
-    if "ahead" not in _compiled:
-        _require()
-        built = aot.load()
-        if built is not None and built.gemm_amx is not None and not aot.request_amx():
-            built = dataclasses.replace(built, gemm_amx=None, split_rows=None)
-        _compiled["ahead"] = built
-        if built is not None:
-            _log.info("kernels: built ahead of time (%s)", aot.folder().name)
-        else:       # the worker still runs: numba loads (or compiles) them, slower and larger
-            _log.info("kernels: numba's (%s; python -m zmq_rpc.worker.kernels --aot builds them "
-                      "ahead of time, once per install)", aot.disabled() or "none built for these sources")
-    return _compiled["ahead"]
+    if "ahead" in _compiled:
+        return _compiled["ahead"]
+    with _ahead_lock:       # the preload thread and the backend thread: one loads, once
+        return _load_ahead() if "ahead" not in _compiled else _compiled["ahead"]
+
+
+def _load_ahead() -> Compiled | None:
+    """:func:`_ahead`'s load, under its lock; says in the log which kernels run."""
+    _require()
+    built = aot.load()
+    if built is not None and built.gemm_amx is not None and not aot.request_amx():
+        built = dataclasses.replace(built, gemm_amx=None, split_rows=None)
+    _compiled["ahead"] = built
+    if built is not None:
+        _log.info("kernels: built ahead of time (%s)", aot.folder().name)
+    else:       # the worker still runs: numba loads (or compiles) them, slower and larger
+        _log.info("kernels: numba's (%s; python -m zmq_rpc.worker.kernels --aot builds them "
+                  "ahead of time, once per install)", aot.disabled() or "none built for these sources")
+    return built
 
 
 def _numba() -> Compiled:

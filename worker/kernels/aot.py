@@ -1,8 +1,8 @@
 """The kernels compiled ahead of time: numba's kernels as one extension module, loaded without numba.
 
 Owns the built module's folder (:func:`folder`: beside numba's cache, one per kernel sources,
-numba, numpy, Python and CPU) and the guarded entry points made from its manifest. Read by the
-backend thread (and ``--preload-kernels``' thread, under :mod:`.`'s lock); built by
+numba, numpy, Python and CPU) and the guarded entry points made from its manifest. Loaded once
+by :mod:`.` (under its lock: the backend thread, or ``--preload-kernels``' thread); built by
 :mod:`.aotbuild` in a process of its own (``python -m zmq_rpc.worker.kernels --aot``).
 
 Why: loading numba's cached kernels imports numba and LLVM (0.7-0.8 s of a fresh worker's start,
