@@ -318,6 +318,19 @@ def test_format_size() -> None:
         ["4KiB", "1MiB", "256MiB", "1000B"]
 
 
+def run_cases(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+              *args: str) -> tuple[dict[str, Any], str]:
+    """``zmq-rpc-bench --quick ... ARGS --llama-bin TMP`` (a folder without llama.cpp) end to end:
+    its rows by label, and what it printed; it must exit 0 with no case error."""
+    out = tmp_path / "bench.json"
+    code = bench.main(["--quick", "--no-progress", "--json", str(out), *args, "--llama-bin", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["errors"] == []
+    return {r["label"]: r for r in doc["results"]}, printed
+
+
 def _help(*args: str) -> str:
     out = subprocess.run([BENCH, *args, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -402,13 +415,7 @@ def test_llm_families_case_rows_without_llama_cpp(
     for var in ("ZMQ_RPC_LLAMA_BIN", "ZMQ_RPC_LLAMA_PYTHON"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(sg, "REALISTIC", {"qwen3": sg.FAMILIES["qwen3"]})
-    out = tmp_path / "bench.json"
-    code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "llm-families",
-                       "--families", "qwen3", "--llama-bin", str(tmp_path)])
-    assert code == 0
-    doc = json.loads(out.read_text())
-    assert doc["meta"]["errors"] == []
-    rows = {r["label"]: r for r in doc["results"]}
+    rows, printed = run_cases(tmp_path, capsys, "--cases", "llm-families", "--families", "qwen3")
     assert list(rows) == [f"families {what} qwen3 {n}" for n in ("1 worker", "2 workers")
                           for what in ("decode", "prefill", "resident bytes")][:3] + [
         "families head qwen3"] + [f"families {what} qwen3 2 workers"
@@ -418,7 +425,7 @@ def test_llm_families_case_rows_without_llama_cpp(
     assert set(rows["families decode qwen3 1 worker"]["baselines"]) == {"no llama.cpp"}
     file_mb = (tmp_path / "bench-qwen3-v1.gguf").stat().st_size / 1e6
     assert rows["families resident bytes qwen3 2 workers"]["baselines"]["file"] == [file_mb]
-    assert "lacks ['llama-bench', 'rpc-server']" in capsys.readouterr().out
+    assert "lacks ['llama-bench', 'rpc-server']" in printed
 
 
 @pytest.mark.timeout(300)
@@ -430,15 +437,8 @@ def test_serve_case_rows_on_a_toy_model_without_llama_server(
     from synthetic_models import synthetic_path
     pytest.importorskip("httpx")
     pytest.importorskip("starlette")
-    out = tmp_path / "bench.json"
-    code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "serve",
-                       "--model", str(synthetic_path("qwen3")), "--streams", "1",
-                       "--serve-workers", "1", "--max-tokens", "4", "--llama-bin", str(tmp_path)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
-    doc = json.loads(out.read_text())
-    assert doc["meta"]["errors"] == []
-    rows = {r["label"]: r for r in doc["results"]}
+    rows, printed = run_cases(tmp_path, capsys, "--cases", "serve", "--model", str(synthetic_path("qwen3")),
+                              "--streams", "1", "--serve-workers", "1", "--max-tokens", "4")
     where = "1 worker 1 stream"
     assert list(rows) == [f"serve tok/s {where}", f"serve tok/s {where} vs serial",
                           *(f"serve {what} p{q} {where}" for what in ("TTFT", "ITL")
@@ -459,14 +459,7 @@ def test_startup_case_times_real_worker_processes(
     connect and to a client's first ping; a bare listening interpreter as the floor; generate's
     first token on fresh workers; a --llama-bin without llama.cpp's binaries is said so (no
     rpc-server or llama-completion baseline)."""
-    out = tmp_path / "bench.json"
-    code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "startup",
-                       "--llama-bin", str(tmp_path)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
-    doc = json.loads(out.read_text())
-    assert doc["meta"]["errors"] == []
-    rows = {r["label"]: r for r in doc["results"]}
+    rows, printed = run_cases(tmp_path, capsys, "--cases", "startup")
     assert list(rows) == ["worker listens", "worker listens vs budget", "worker answers a client",
                           "kernels loaded, fresh process", "main job ready 1 worker", "main job ready 2 workers"]
     listens, answers = rows["worker listens"], rows["worker answers a client"]
@@ -497,14 +490,7 @@ def test_memory_case_reads_a_real_workers_resident_set(tmp_path: Path,
     the model's weights and KV cache) and after its client left (below the peak), against those + 80 MiB
     and the idle size; numba's kernels beside where the kernels built ahead of time load."""
     pytest.importorskip("numba")
-    out = tmp_path / "bench.json"
-    code = bench.main(["--quick", "--no-progress", "--json", str(out), "--cases", "memory",
-                       "--llama-bin", str(tmp_path)])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
-    doc = json.loads(out.read_text())
-    assert doc["meta"]["errors"] == []
-    rows = {r["label"]: r for r in doc["results"]}
+    rows, printed = run_cases(tmp_path, capsys, "--cases", "memory")
     serving, after = rows["worker resident serving"], rows["worker resident after the client leaves"]
     bound = serving["baselines"]["weights + KV + 80 MiB"][0]
     assert bound - 80 < serving["ours"][0] and after["ours"][0] < serving["ours"][0]

@@ -259,6 +259,25 @@ def interleave(runners: dict[str, Runner], reps: int, bar: tqdm[Any],
     return samples
 
 
+@contextmanager
+def every(interval: float, tick: Callable[[], bool], name: str, join_s: float = 15.0) -> Iterator[None]:
+    """Call ``tick()`` every ``interval`` seconds on a daemon thread while the block runs (until
+    it returns False); the thread is joined (up to ``join_s``) when the block ends."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(interval) and tick():
+            pass
+
+    thread = threading.Thread(target=loop, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(join_s)
+
+
 def elapsed(fn: Callable[[], Any]) -> float:
     """Seconds ``fn()`` took."""
     start = time.perf_counter()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..client import Client
-from .bench import BenchContext, CaseResult, Target, register_case
+from .bench import BenchContext, CaseResult, Target, every, register_case
 from .bench_families import _free_port, _stop, _wait_port, rpc_server
 from .bench_serve import llama_folder
 
@@ -55,23 +54,18 @@ def resident(pid: int) -> int:
 def peak_of(pid: int) -> Iterator[list[int]]:
     """Samples ``pid``'s resident set every SAMPLE_S while the block runs; the list's one item,
     once it ends, is the peak."""
-    found, done = [resident(pid)], threading.Event()
+    found = [resident(pid)]
 
-    def sample() -> None:
-        while not done.wait(SAMPLE_S):
-            try:
-                found[0] = max(found[0], resident(pid))
-            except (OSError, RuntimeError):
-                return
+    def sample() -> bool:
+        try:
+            found[0] = max(found[0], resident(pid))
+        except (OSError, RuntimeError):     # the process is gone
+            return False
+        return True
 
-    sampler = threading.Thread(target=sample, name="rss-sampler", daemon=True)
-    sampler.start()
-    try:
+    with every(SAMPLE_S, sample, "rss-sampler"):
         yield found
-    finally:
-        done.set()
-        sampler.join()
-        found[0] = max(found[0], resident(pid))
+    found[0] = max(found[0], resident(pid))
 
 
 def _ours(model: Path, env: dict[str, str]) -> dict[str, float]:

@@ -9,7 +9,6 @@ the pipelined rate are measured against both, rounds alternating (A B A B ...). 
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -22,6 +21,7 @@ from .bench import (
     Target,
     _ours_pipelined,
     elapsed,
+    every,
     interleave,
     register_case,
 )
@@ -50,22 +50,16 @@ def _worker(ctx: BenchContext, metrics: bool) -> Iterator[tuple[Client, str]]:
 @contextmanager
 def _scraping(address: str) -> Iterator[list[int]]:
     """Scrape ``address`` every second on a thread until the block ends; yields [scrapes]."""
-    done = threading.Event()
     count = [0]
 
-    def loop() -> None:
-        while not done.wait(SCRAPE_INTERVAL):
-            with urllib.request.urlopen(address, timeout=10) as response:
-                response.read()
-            count[0] += 1
+    def scrape() -> bool:
+        with urllib.request.urlopen(address, timeout=10) as response:
+            response.read()
+        count[0] += 1
+        return True
 
-    thread = threading.Thread(target=loop, name="bench-scraper", daemon=True)
-    thread.start()
-    try:
+    with every(SCRAPE_INTERVAL, scrape, "bench-scraper"):
         yield count
-    finally:
-        done.set()
-        thread.join(15)
 
 
 def backend_cpu(rounds: int, count: int) -> dict[str, list[float]]:
