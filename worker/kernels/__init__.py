@@ -198,7 +198,7 @@ def _numba() -> Compiled:
         found = _compiled["numba"] = Compiled(
             kernels=jit.KERNELS, gemm=intgemm.GEMM, pack=jit.PACK, quantize_rows_into=intgemm.quantize_rows_into,
             gemm_u16=halfgemm.gemm_u16, gemm_amx=amxgemm.gemm_amx if amx else None,
-            split_rows=amxgemm.split_rows if amx else None, amx_config=amxgemm.CONFIG, fused=None, ahead=False)
+            split_rows=amxgemm.split_rows if amx else None, amx_config=amxgemm.CONFIG, fused=None)
     return found
 
 

@@ -147,9 +147,7 @@ class Compiled:
     split_rows: Callable[..., Any] | None
     amx_config: np.ndarray
     fused: Any
-    """The fused ops (:data:`FUSED`) as attributes."""
-    ahead: bool
-    """Whether these are the built module's (else numba's)."""
+    """The fused ops (:data:`FUSED`) as attributes (numba's: None, :func:`.fused_kernels` has them)."""
 
 
 def load(where: Path | None = None) -> Compiled | None:
@@ -195,8 +193,7 @@ def _compiled(module: ModuleType, manifest: dict[str, Any]) -> Compiled:
         gemm_amx=entries.get("amxgemm.gemm_amx") if amx else None,
         split_rows=entries.get("amxgemm.split_rows") if amx else None,
         amx_config=np.array(manifest["amx_config"], np.uint8),
-        fused=SimpleNamespace(**{name: entries[f"fused.{name}"] for name in FUSED}),
-        ahead=True)
+        fused=SimpleNamespace(**{name: entries[f"fused.{name}"] for name in FUSED}))
 
 
 def _entry(name: str, module: ModuleType, exports: list[dict[str, Any]]) -> Callable[..., Any]:
