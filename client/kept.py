@@ -12,7 +12,12 @@ order requests are issued (a reserved place filled later included: what fills it
 when it was filled). A shape becomes usable only once the request that keeps it has been
 issued, and an id is never given to another shape in a session: a GRAPH_RUN_KEPT can never
 reach the worker before its run is kept, nor find another one under its id. When the ids run
-out, new shapes simply go in full.
+out, new shapes simply go in full. A run filled into a place reserved earlier (its route was
+being probed: ``peer._later``) goes in full and keeps nothing: places are filled when their
+probe answers, on the thread that answers it, while a run issued at that moment on another
+thread may fill its own place first, so the order in which shapes are looked up there is not
+the send order (a GRAPH_RUN_KEPT then reached a worker ahead of the run that kept it, once, in
+a fresh-clone run under load).
 
 Threads: any; the table is under a lock, never held while a request is issued.
 """

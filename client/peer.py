@@ -363,10 +363,11 @@ def receive(client: Owner, h: HandOff) -> Future[None]:
 def run_linked(client: Owner, graph: RegisteredGraph, refs: list[TensorRef],
                frames: list[np.ndarray], fetch: Sequence[RemoteTensor],
                receive: Sequence[HandOff], send: Sequence[HandOff],
-               hold_reply: float = 0.0) -> Future[RunResult]:
+               hold_reply: float = 0.0, *, keepable: bool = True) -> Future[RunResult]:
     """One GRAPH_RUN_LINKED (or a GRAPH_RUN when every hand-off is local), then the copies or
     relays of the sends that do not go worker to worker; the future carries the run's result
-    or the first error of any part. ``hold_reply``: see :meth:`Client.run`."""
+    or the first error of any part. ``hold_reply``: see :meth:`Client.run`. ``keepable``
+    False: the run goes in full, never as or for a kept run (:func:`_run_kept`)."""
     if not 0 <= hold_reply <= wire_graph.MAX_HOLD_REPLY_US / 1e6:
         raise BadRequest(f"hold_reply must lie in [0, {wire_graph.MAX_HOLD_REPLY_US / 1e6}] "
                          f"seconds, not {hold_reply}")
@@ -385,7 +386,7 @@ def run_linked(client: Owner, graph: RegisteredGraph, refs: list[TensorRef],
     if probes:      # issued in its place in the send order once the routes are known
         return _later(client, all_of(probes, lambda: None), lambda: run_linked(
             client, graph, refs, frames, fetch, receive, [h.decided() for h in send],
-            hold_reply))
+            hold_reply, keepable=False))
     receives = tuple(wire.Receive(h.token, h.dst.ref) for h in receive if h.route != "local")
     sources = tuple(_source(h.src.client, client) if h.planned == "direct" else ""
                     for h in receive if h.route != "local")
@@ -404,7 +405,8 @@ def run_linked(client: Owner, graph: RegisteredGraph, refs: list[TensorRef],
         msg: Any = wire_graph.GraphRunLinked(handle=graph.handle, inputs=refs, fetch=fetch_refs,
                                              receive=receives, send=sends, timeout_ms=timeout_ms,
                                              hold_reply_us=hold_us, receive_from=sources)
-        run = _run_kept(client, msg, frames, fetched(fetch_refs))
+        run = (_run_kept(client, msg, frames, fetched(fetch_refs)) if keepable
+               else _call(client, Cmd.GRAPH_RUN_LINKED, msg, frames, on_reply=fetched(fetch_refs)))
         direct = [h for h in send if h.route == "direct"]
         if direct:
             run.add_done_callback(lambda f: _abort_receives_if_failed(f, direct))
