@@ -154,11 +154,26 @@ def _reply_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+def _wait_let_go(client: Client) -> None:
+    """Wait for the I/O thread to finish its round and let go of the socket lock: a blocking
+    caller waits for that only ``FINISHING_WAIT`` s, then hands its call to the I/O thread (on a
+    loaded CPU the holder can be off the CPU longer than that; the call is still answered)."""
+    lock = client.connection._socket_lock
+
+    def free() -> bool:
+        if not lock.acquire(False):
+            return False
+        lock.release()
+        return True
+    wait_until(free, 10.0, "the I/O thread let go of the connection", interval=0.001)
+
+
 def test_sync_call_on_an_idle_engine_runs_on_the_callers_thread(
         worker: WorkerServer, make_client: Callable[..., Client],
         monkeypatch: pytest.MonkeyPatch) -> None:
     client = make_client(worker.endpoint)
     seen = _reply_threads(monkeypatch)
+    _wait_let_go(client)
     client.ping()                                         # one request
     client.alloc_buffer(64)                               # result_of: issued on this thread
     assert seen == [threading.current_thread().name] * 2
@@ -168,6 +183,7 @@ def test_sync_call_on_an_idle_engine_runs_on_the_callers_thread(
         future.result(timeout=10)
     assert "zmq-rpc-client-io" in seen and len(seen) == 53
     assert not client.connection._loop.in_flight               # type: ignore[union-attr]
+    _wait_let_go(client)
     seen.clear()
     client.ping()                                         # idle again: back on this thread
     assert seen == [threading.current_thread().name]
