@@ -79,6 +79,8 @@ class BrokerConfig:
     backend_endpoint: str
     control_endpoint: str
     max_message_size: int
+    listening_fd: int | None = None
+    """A socket already listening on ``bind``: the ROUTER adopts it (``zmq.USE_FD``)."""
     curve: KeyPair | None = None
     """The worker's key pair: clients must speak CURVE and pass the ZAP handler."""
 
@@ -134,6 +136,8 @@ class BrokerThread(threading.Thread):
             from .zap import CLIENT_DOMAIN  # with CURVE only: a plain worker listens sooner
             make_curve_server(router, cfg.curve, CLIENT_DOMAIN)
         router.setsockopt(zmq.IPV6, needs_ipv6(cfg.bind))
+        if cfg.listening_fd is not None:
+            router.setsockopt(zmq.USE_FD, cfg.listening_fd)
         try:
             router.bind(cfg.bind)
         except zmq.ZMQError as exc:

@@ -19,8 +19,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["status"]:
         from .status import main as status_main
         return status_main(args[1:])
-    from ..worker.cli import main as worker_main
-    return worker_main(args)
+    from ..worker.process.early_listen import run_worker
+    return run_worker(args)
 
 
 if __name__ == "__main__":

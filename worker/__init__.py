@@ -3,7 +3,8 @@
 Module map, one subpackage per job (thread that runs it); each subpackage's docstring lists its
 modules, and none imports anything on import:
 
-- ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``).
+- ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``);
+  ``__main__``: ``python -m zmq_rpc.worker``, the launchers' way in.
 - ``server``: :class:`WorkerServer` (the creating thread: listen, start, stop, join).
 - ``backend_thread``: :class:`BackendThread` (the backend thread's poll loop: PAIR, peer PULL,
   control, timers), loaded once the worker listens.
@@ -29,7 +30,8 @@ modules, and none imports anything on import:
   (any thread).
 - ``observe``: ``metrics`` (the recorder the backend thread bumps), ``exporter`` (Prometheus, its
   HTTP thread), ``logs`` (log lines; configured by the main thread).
-- ``process``: ``devices`` (``--device`` names, parsed without importing numpy), ``version``,
+- ``process``: ``early_listen`` (the client port bound before anything is imported; the ROUTER
+  adopts it), ``devices`` (``--device`` names, parsed without importing numpy), ``version``,
   ``gc_pacing``, ``heap`` (the main thread sets them up; the backend thread paces and trims).
 - ``backends``: ``base`` the ``Backend`` protocol; ``numpy_backend``, ``cupy_backend`` implement it,
   ``numpy_ops`` holds the kernels (backend).

@@ -10,8 +10,10 @@ SIGTERM with ``--drain-timeout`` (default :data:`DRAIN_TIMEOUT_S`) drains first:
 answering, tells its clients it is leaving (protocol 1.14) so that their models move off it at
 their next step, refuses new sessions, and stops once its last session has closed or the timeout
 has passed; a second SIGTERM, or SIGINT, stops it at once.
-Until it listens it imports only what parsing and binding need (:mod:`zmq_rpc.broker.limits` for
-the defaults ``--help`` shows), so that it listens within tens of milliseconds of exec.
+The entry points (``zmq-rpc-worker``, ``python -m zmq_rpc.worker``) have the client port listening
+before this module is imported (:mod:`.process.early_listen`; the ROUTER adopts that socket);
+until the ROUTER exists it imports only what parsing and binding need
+(:mod:`zmq_rpc.broker.limits` for the defaults ``--help`` shows).
 A worker that cannot start (address in use, bad ``--mem``) says why and exits 1 at once.
 """
 
@@ -34,6 +36,7 @@ from ..broker.endpoints import EndpointError, bind_endpoint, parse_endpoint
 from ..broker.limits import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_WORK, MAX_NODES, NODE_WORK
 from .observe.logs import configure_logging
 from .process.devices import parse_device
+from .process.early_listen import DEFAULT_BIND
 from .process.gc_pacing import freeze_start_up
 
 if TYPE_CHECKING:
@@ -192,7 +195,7 @@ class VersionAction(argparse.Action):
 def build_parser() -> argparse.ArgumentParser:
     """The worker's command line."""
     ap = argparse.ArgumentParser(prog="zmq-rpc-worker", description=DESCRIPTION, epilog=EPILOG)
-    ap.add_argument("--bind", type=endpoint, default="tcp://127.0.0.1:50052",
+    ap.add_argument("--bind", type=endpoint, default=DEFAULT_BIND,
                     help="endpoint to listen on for clients: tcp://HOST:PORT (HOST a.b.c.d, "
                          "[IPv6], * or a name; port * picks a free one) or ipc://PATH "
                          "(default %(default)s)")
@@ -312,9 +315,11 @@ def tune_malloc(mmap_threshold: int = 64 << 20, trim_threshold: int = 64 << 20) 
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, listening_fd: int | None = None) -> int:
     """Run one worker; returns the exit code (see :data:`EPILOG`). ``zmq-rpc-worker status ...``
-    is :mod:`zmq_rpc.tools.worker_command`'s other branch (a client: the worker never imports one)."""
+    is :mod:`zmq_rpc.tools.worker_command`'s other branch (a client: the worker never imports one).
+    ``listening_fd``: a socket already listening on ``--bind``'s address
+    (:mod:`.process.early_listen`), for the ROUTER to adopt."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     os.environ.update(blas_env(args.threads))
@@ -331,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"zmq-rpc-worker: cannot start: {exc}", file=sys.stderr, flush=True)
             return 1
 
-    config = WorkerConfig(bind=args.bind, device=args.device, memory_limit=args.mem,
+    config = WorkerConfig(bind=args.bind, listening_fd=listening_fd, device=args.device,
+                          memory_limit=args.mem,
                           max_buffer_size=args.max_buffer, max_message_size=args.max_message,
                           session_timeout=args.session_timeout,
                           max_graph_work=args.max_graph_work,

@@ -2,7 +2,7 @@
 
 The public launcher of ``generate``, the bench and the tests (and of the bench's baseline servers,
 which announce themselves the same way). Runs on the caller's thread; it imports no worker code
-(each worker is its own ``python -m zmq_rpc.worker.cli`` process), so a client program pays only
+(each worker is its own ``python -m zmq_rpc.worker`` process), so a client program pays only
 for :mod:`subprocess`.
 
 A server announces itself with one stdout line ending ``listening on ENDPOINT``
@@ -92,7 +92,7 @@ def worker_argv(*extra: str, bind: str = LOOPBACK, threads: int | None = 1,
     move off, so SIGTERM stops them at once (``--drain-timeout 0``) unless asked, and they stop
     on their own once the tool has exited however it ended (``--exit-with-parent``: a tool
     killed with SIGKILL cannot stop them)."""
-    argv = [sys.executable, "-m", "zmq_rpc.worker.cli", "--bind", bind, "--exit-with-parent"]
+    argv = [sys.executable, "-m", "zmq_rpc.worker", "--bind", bind, "--exit-with-parent"]
     if threads is not None:
         argv += ["--threads", str(threads)]
     if drain_timeout is not None:

@@ -33,6 +33,7 @@ from ..broker.broker import BrokerConfig, BrokerThread
 from ..broker.endpoints import EndpointError, bind_endpoint, is_loopback_endpoint
 from ..broker.limits import DEFAULT_MAX_SESSIONS, DEFAULT_MAX_WORK
 from .process.devices import parse_device, physical_memory
+from .process.early_listen import DEFAULT_BIND
 
 if TYPE_CHECKING:       # the rest loads after the worker listens (see WorkerServer.listen)
     from ..broker.keys import KeyPair
@@ -49,14 +50,14 @@ log = logging.getLogger("zmq_rpc.worker")
 
 _ids = itertools.count()
 
-DEFAULT_BIND = "tcp://127.0.0.1:50052"
-
-
 @dataclass
 class WorkerConfig:
     """Everything a worker is started with (the CLI's flags)."""
 
     bind: str = DEFAULT_BIND
+    listening_fd: int | None = None
+    """A socket already listening on ``bind`` (:mod:`.process.early_listen`), which the ROUTER
+    adopts instead of binding its own; it owns the descriptor from then on."""
     device: str = "cpu"
     memory_limit: int = 0
     """Bytes the worker may hand out; 0 means 80 % of the device's memory."""
@@ -243,7 +244,8 @@ class WorkerServer:
             self._broker_ctl = self.ctx.socket(zmq.PAIR)
             self._broker_ctl.bind(self._endpoints.broker_ctl)
             self._broker_thread = BrokerThread(self.ctx, BrokerConfig(
-                bind=cfg.bind, backend_endpoint=self._endpoints.pair,
+                bind=cfg.bind, listening_fd=cfg.listening_fd,
+                backend_endpoint=self._endpoints.pair,
                 control_endpoint=self._endpoints.broker_ctl,
                 max_message_size=cfg.max_message_size, curve=cfg.curve))
             self._broker_thread.start()
