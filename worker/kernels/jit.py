@@ -407,7 +407,9 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
         flat[2 * nf * nb * R:4 * nf * nb * R] = 0
     hoff = 4 * nf * nb * R
     h = flat[hoff:hoff + hbytes * nb * R]
-    q = flat[hoff + hbytes * nb * R:]
+    qoff = hoff + hbytes * nb * R
+    words = qbytes // 4
+    q32 = flat[qoff:qoff + qbytes * nb * R].view(np.uint32)    # by fours: one word per row
     for t0 in range(0, R, PACK_TILE):
         t1 = min(t0 + PACK_TILE, R)
         for b in range(nb):
@@ -428,12 +430,12 @@ def _pack_simple(src: Any, out: Any, block: int, nf: int, hbytes: int, qbytes: i
                     word = (np.uint32(src[r, o]) | (np.uint32(src[r, o + 1]) << _W8) | (np.uint32(src[r, o + 2]) << _W16)
                             | (np.uint32(src[r, o + 3]) << _W24))
                     h32[r] = _fifth_order(word)
-            for j in range(qbytes):
-                col = base + 2 * nf + hbytes + j
-                g, lane = j // 4, j % 4
-                dst4 = q[(b * qbytes + 4 * g) * R:(b * qbytes + 4 * g + 4) * R]
+            for g in range(words):
+                col = base + 2 * nf + hbytes + 4 * g
+                dst32 = q32[(b * words + g) * R:(b * words + g + 1) * R]
                 for r in range(t0, t1):
-                    dst4[4 * r + lane] = src[r, col]
+                    dst32[r] = (np.uint32(src[r, col]) | (np.uint32(src[r, col + 1]) << _W8)
+                                | (np.uint32(src[r, col + 2]) << _W16) | (np.uint32(src[r, col + 3]) << _W24))
 
 
 @njit(inline="always")
