@@ -155,7 +155,7 @@ def test_a_running_kernel_lets_other_threads_run(built: aot.Compiled) -> None:
     """The exports release the GIL (numba's kernels are ``nogil``): a Python thread keeps
     stamping the time while one long GEMM runs in this one."""
     rng = np.random.default_rng(4)
-    rows, k, t = 2048, 2048, 96
+    rows, k, t = 4096, 2048, 192     # ~0.1 s here: long enough on a faster CPU too
     w = kernels.pack(random_weight(rng, "q8_0", rows, k), "q8_0")
     x = rng.standard_normal((t, k)).astype(np.float32)
     xq, y = layout.empty_rows(t, k), np.empty((t, rows), np.float32)
