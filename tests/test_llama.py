@@ -189,6 +189,28 @@ def test_prefill_logits_match_reference(model: Callable[..., LlamaModel], stages
     assert m.n_past == len(prompt_ids)
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_short_last_chunk_runs_as_decode_steps(
+        model: Callable[..., LlamaModel], stages: int, prompt_ids: list[int]) -> None:
+    """A prefill's last chunk of at most T // DECODE_TAIL_SHARE tokens (4 of 32) runs as decode
+    steps (client/llama/runtime.py), recorded so; against the prefill graph padded to its rows
+    (chunk 16: a 3-token tail is over its 2) the logits agree within the decode tolerance
+    (a step attends in the fused kernel, a chunk in the matmul / soft_max composition: not
+    the same bits) and pick the same token."""
+    by_decode = model(stages, kv_dtype="float32")
+    by_prefill = model(stages, kv_dtype="float32", prefill_chunk=16)
+    assert len(prompt_ids) >= 35
+    for ids in (prompt_ids[:1], prompt_ids[:3], prompt_ids[:35]):
+        by_decode.reset()
+        by_prefill.reset()
+        ours, padded = by_decode.prefill(ids), by_prefill.prefill(ids)
+        assert np.abs(ours - padded).max() <= DECODE_TOLERANCE
+        assert ours.argmax() == padded.argmax()
+        assert by_decode.n_past == by_prefill.n_past == len(ids)
+    assert by_decode.cache.fed == [("prefill", prompt_ids[:32]), ("decode", prompt_ids[32:35])]
+    assert by_prefill.cache.fed == [("prefill", prompt_ids[:35])]
+
+
 F16_KV_TOLERANCE = 3e-2
 """The default float16 KV cache (llama.cpp's too) rounds every cached key and value to 11
 bits: SmolLM2's last-row logits move by 0.0176 at most from the float32 reference on an

@@ -24,13 +24,15 @@ When a step fails as a lost worker fails it (:data:`.runtime.LOSSES`: the worker
    and graphs are made as at load. What it needs is the lost stage's own buffers (weights, KV,
    step tensors) plus the staging buffer its file ranges pass through; when no worker has that
    free, :class:`~zmq_rpc.client.RecoveryFailed` says what each would hold.
-3. **re-prefill**: the sequences the model kept are replayed into the caches so that they
-   hold the bits the fault-free run's held, and greedy decoding goes on with the token the
-   fault-free run would have picked: as prefill chunks when every product of the model is
-   batch-invariant (a row's bits the same in a chunk as in a decode step: the integer kernels
-   of every quantized block type; every model in :class:`~.batch.BatchedModel`, whose step
-   sizes are chosen so), else exactly as it was fed (the prompt's prefill chunks, then one
-   decode step per decoded token, all issued at once: several times slower).
+3. **re-prefill**: the sequences the model kept are replayed into the caches, and greedy
+   decoding goes on with the token the fault-free run would have picked: as prefill chunks when
+   every product of the model is batch-invariant (a row's products the same bits in a chunk as
+   in a decode step: the integer kernels of every quantized block type; every model in
+   :class:`~.batch.BatchedModel`, whose step sizes are chosen so), else exactly as it was fed
+   (the prompt's prefill chunks, then one decode step per decoded token, all issued at once:
+   several times slower), which gives back the fault-free run's bits. As chunks, a decoded
+   token's attention is the chunk's matmul / soft_max composition, not a step's fused kernel:
+   its cache rows come back within rounding of the fault-free run's, not bit for bit.
 
 What is mended is a :class:`Recoverable`: :class:`~.runtime.StepRunner` (one sequence, its
 tokens in :attr:`.runtime.KVCache.fed`; the failed step is then issued again by

@@ -56,6 +56,16 @@ LOSSES = (TransportError, TransferError)
 survivor's ``TransferError`` (its hand-off from the lost worker never came, or was called off):
 whichever reaches the step first."""
 
+DECODE_TAIL_SHARE = 8
+"""A prefill's last chunk of at most ``T // DECODE_TAIL_SHARE`` tokens (4 of the default 32) runs
+as that many decode steps, not as one run of the prefill graph padded to ``T`` rows: a decode
+step reads each weight once for one row, a padded chunk computes ``T`` rows for the few real
+ones (SmolLM2 on one worker here: a 1-token prompt's first token 0.12 s by prefill, 0.02 s by
+decode). The decode steps pipeline over the stages like chunks. Not the padded chunk's bits: a
+step attends in the fused kernel, a chunk in the matmul / soft_max composition (logits within
+the decode kernels' rounding of each other, tests/test_llama.py); the cache records them as
+decoded, so a replay as fed repeats them so."""
+
 
 def guarded(call: Callable[[], T], recover: Recover | None) -> T:
     """``call()``; when it fails on a lost connection, :func:`recover_from` it and call again
@@ -200,34 +210,48 @@ class StepRunner:
 
     def run_chunks(self, mode: Mode, token_ids: Sequence[int], *, fetch_each: bool,
                    fetch: str = "logits") -> list[RunResult]:
-        """Launch every chunk at once (they pipeline over the stages); wait for all."""
+        """Launch every chunk at once (they pipeline over the stages); wait for all. A prefill's
+        short last chunk runs as decode steps (:data:`DECODE_TAIL_SHARE`)."""
         ids = [int(t) for t in token_ids]
         self.cache.check(ids)
         start, first = time.perf_counter(), self.cache.n_past
-        T = self.graphs.chunk(mode)
-        chunks = [ids[i:i + T] for i in range(0, len(ids), T)]
-        steps = []
+        parts = self._parts(mode, ids)
+        last = sum(len(chunks) for _, chunks in parts) - 1
+        steps: list[Step] = []
         try:
-            for k, chunk in enumerate(chunks):
-                wants = fetch if fetch_each or k == len(chunks) - 1 else "none"
-                steps.append(self.launch(mode, chunk, self.cache.n_past, wants))
-                self.cache.n_past += len(chunk)
+            for part_mode, chunks in parts:
+                for chunk in chunks:
+                    wants = fetch if fetch_each or len(steps) == last else "none"
+                    steps.append(self.launch(part_mode, chunk, self.cache.n_past, wants))
+                    self.cache.n_past += len(chunk)
             results = self.wait(steps)
         except BaseException:
             self.cache.n_past = first   # rows written past it are rewritten before they are read
             raise
-        self.cache.record(mode, ids)
+        for part_mode, chunks in parts:
+            if chunks:
+                self.cache.record(part_mode, [t for chunk in chunks for t in chunk])
         self.stats.append(StepStat(mode, len(ids), time.perf_counter() - start,
                                    sum(s.messages for s in steps),
                                    sum(s.compute() for s in steps)))
         return results
 
+    def _parts(self, mode: Mode, ids: list[int]) -> list[tuple[Mode, list[list[int]]]]:
+        """``ids`` cut into the chunks of ``mode``'s graph, by mode: a prefill's last chunk of
+        at most ``T // DECODE_TAIL_SHARE`` tokens as decode steps."""
+        T = self.graphs.chunk(mode)
+        chunks = [ids[i:i + T] for i in range(0, len(ids), T)]
+        if mode == "prefill" and chunks and len(chunks[-1]) <= T // DECODE_TAIL_SHARE:
+            return [("prefill", chunks[:-1]), ("decode", [[t] for t in chunks[-1]])]
+        return [(mode, chunks)]
+
     def replay(self, *, as_fed: bool) -> int:
         """Clear the caches and feed the sequence again, its chunks issued at once: ``as_fed``,
         in the modes and chunks it was fed (:attr:`KVCache.fed`: the same bits whatever the
         kernels); else all of it as prefill chunks (a fraction of the time of one decode step
-        per token; the same bits where every product is batch-invariant). Tokens replayed; no
-        :class:`StepStat` is kept for it."""
+        per token; the products' bits where every product is batch-invariant, but a chunk's
+        attention is not a step's: the caches within rounding of the fed ones). Tokens
+        replayed; no :class:`StepStat` is kept for it."""
         fed, kept = self.cache.fed, len(self.stats)
         self.reset()
         merged: list[tuple[Mode, list[int]]] = [("prefill", [t for _, ids in fed for t in ids])]
