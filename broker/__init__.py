@@ -7,7 +7,7 @@
   ``limits`` (what a graph may hold and cost, sessions: the numbers ``--help`` shows);
 - how a session proves who it is: ``identity`` (the CURVE key proof in HELLO), ``request_mac``
   (per-request signatures), ``keys`` (CurveZMQ key files and keyed endpoints), ``endpoints``
-  (endpoints read the way libzmq reads them);
+  (endpoints read the way libzmq reads them), ``monitor`` (socket monitor events);
 - the threads in front of a worker's backend: ``broker`` (the ROUTER front-end, ``zmq.proxy_steerable``)
   and ``zap`` (which CURVE keys may connect).
 

@@ -52,8 +52,9 @@ from ..broker.errors import (
     TransportError,
     VersionMismatch,
 )
+from typing import TYPE_CHECKING
+
 from ..broker.ops import OpError
-from .aio import AsyncClient
 from .calls import RequestTiming
 from .client import (
     Client,
@@ -67,6 +68,18 @@ from .client import (
 )
 from .graph import Graph, GraphTensor
 from .peer import HandOff, hand_off
+
+if TYPE_CHECKING:
+    from .aio import AsyncClient
+
+
+def __getattr__(name: str) -> object:
+    """:class:`AsyncClient` is imported on first use: asyncio's ~45 ms of imports are paid by
+    the programs that use it, not by every blocking client (``generate``'s start-up)."""
+    if name == "AsyncClient":
+        from .aio import AsyncClient
+        return AsyncClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "AsyncClient", "Client", "Graph", "GraphTensor", "HandOff", "MemoryInfo", "OpError",

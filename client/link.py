@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..broker import protocol as p
 from ..broker.endpoints import needs_ipv6
 from ..broker.errors import AuthenticationFailed, ConnectionLost, RpcError, SessionLost
+from ..broker.monitor import recv_event
 from ..broker.protocol import Cmd, ErrorCode
 from ..broker.request_mac import Signer
 from .options import ConnectionOptions
@@ -111,10 +111,10 @@ class Link:
         """Take in what the monitor reports (handshakes, disconnects)."""
         assert self.monitor is not None
         while self.monitor.poll(0):
-            message = recv_monitor_message(self.monitor)
-            event = message["event"]
+            message = recv_event(self.monitor)
+            event = message.event
             if event & HANDSHAKE_FAILED:
-                self._handshake_failed(event, message["value"])
+                self._handshake_failed(event, message.value)
             elif event == zmq.EVENT_CLOSED and self.ever_up and not self.up:
                 # a reconnection's socket closed unconnected (refused); a frozen worker's host
                 # accepts it (EVENT_CONNECTED) and then stays silent

@@ -36,7 +36,7 @@ import codecs
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast, overload
 
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -161,6 +161,34 @@ def _piece_bytes(token: str, token_type: int, spm: bool) -> bytes:
     return b"" if value is None else bytes([value])     # unused and undefined: nothing
 
 
+class _PieceBytes(Sequence[bytes]):
+    """Each token's :func:`_piece_bytes`, worked out the first time it is asked for: a stream
+    decodes hundreds of a vocabulary's tens of thousands (all of them up front took ~40 ms of
+    a model's start-up). Any thread (a lost race computes the same bytes twice)."""
+
+    def __init__(self, tokens: Sequence[str], types: Sequence[int], spm: bool) -> None:
+        self._tokens, self._types, self._spm = tokens, types, spm
+        self._done: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        piece = self._done.get(index)
+        if piece is None:
+            piece = _piece_bytes(self._tokens[index], self._types[index], self._spm)
+            self._done[index] = piece
+        return piece
+
+
 @dataclass(frozen=True, slots=True)
 class _Special:
     """A token cut out of the text before tokenization, with llama.cpp's strip attributes."""
@@ -254,7 +282,7 @@ class Tokenizer:
         """Wrap built parts (:func:`load_tokenizer` makes them from a GGUF)."""
         self._encode_fragment = encode_fragment
         self._specials = tuple(specials)
-        self._token_bytes = tuple(token_bytes)
+        self._token_bytes = token_bytes
         self._special_ids = special_ids
         self._bos_id, self._eos_id, self._add_bos = bos_id, eos_id, add_bos
         self._eog_ids = eog_ids
@@ -391,7 +419,7 @@ def load_tokenizer(model: LlamaGGUF | GGUFMetadata) -> Tokenizer:
     return Tokenizer(
         encode_fragment=encode_fragment,
         specials=_specials(meta, vocab),
-        token_bytes=[_piece_bytes(t, k, spm) for t, k in zip(vocab.tokens, vocab.types)],
+        token_bytes=_PieceBytes(vocab.tokens, vocab.types, spm),
         special_ids=frozenset(
             i for i, k in enumerate(vocab.types) if k in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
         ),
@@ -459,11 +487,11 @@ def _bpe_encoder(meta: GGUFMetadata, vocab: _Vocab) -> tuple[FragmentEncoder, st
 
 
 def _merges(meta: GGUFMetadata) -> list[tuple[str, str]]:
-    pairs = [str(m).split(" ") for m in meta.get_list("tokenizer.ggml.merges")]
+    pairs = [tuple(str(m).split(" ")) for m in meta.get_list("tokenizer.ggml.merges")]
     bad = next((p for p in pairs if len(p) != 2), None)
     if bad is not None:
         raise GGUFModelError(f"malformed BPE merge {' '.join(bad)!r}")
-    return [(a, b) for a, b in pairs]
+    return cast("list[tuple[str, str]]", pairs)
 
 
 def _spm_encoder(meta: GGUFMetadata, vocab: _Vocab) -> tuple[FragmentEncoder, str]:
@@ -499,16 +527,19 @@ def _specials(meta: GGUFMetadata, vocab: _Vocab) -> list[_Special]:
 
 
 def _eog_ids(meta: GGUFMetadata, vocab: _Vocab, eos_id: int) -> frozenset[int]:
-    eog = {i for i, t in enumerate(vocab.tokens) if t in _EOG_NAMES} | {eos_id}
+    fim = [names for kind, names in _FIM_NAMES.items()
+           if f"tokenizer.ggml.fim_{kind}_token_id" not in meta]
+    wanted = _EOG_NAMES.union(*fim)
+    named = [(i, t) for i, t in enumerate(vocab.tokens) if t in wanted]    # one pass
+    eog = {i for i, t in named if t in _EOG_NAMES} | {eos_id}
     for key in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep"):
         token_id = meta.get_int(f"tokenizer.ggml.{key}_token_id", -1)
         if 0 <= token_id < len(vocab.tokens):
             eog.add(token_id)
-    for kind, names in _FIM_NAMES.items():
-        if f"tokenizer.ggml.fim_{kind}_token_id" not in meta:
-            # llama.cpp takes the first it meets in a hash map: a vocabulary with two of these
-            # names (none we know) could differ
-            eog |= {i for i, t in enumerate(vocab.tokens) if t in names}
+    for names in fim:
+        # llama.cpp takes the first it meets in a hash map: a vocabulary with two of these
+        # names (none we know) could differ
+        eog |= {i for i, t in named if t in names}
     return frozenset(eog)
 
 

@@ -287,3 +287,22 @@ def test_every_truncation_and_corrupt_count_is_a_clear_error(tmp_path: Path) -> 
     cut.write_bytes(whole[:8] + (2**64 - 1).to_bytes(8, "little") + whole[16:])  # n_tensors
     with pytest.raises(GGUFModelError, match="cannot fit"):
         load_gguf(cut)
+
+
+def test_the_ggml_type_numbers_and_block_sizes_are_the_gguf_packages() -> None:
+    """gguf_model keeps its own table (importing the gguf package costs ~55 ms of a client's
+    start-up): each number names the type the gguf package gives it, with its block geometry."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from zmq_rpc.client import gguf_model
+    for number, qtype in gguf_model._QTYPES.items():
+        assert GGMLQuantizationType(number).name.lower() == qtype
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(number)] == gguf_model._block_geometry(qtype)
+
+
+def test_opening_a_model_does_not_import_the_gguf_package() -> None:
+    import subprocess
+    import sys
+    code = ("import sys; from zmq_rpc.client.gguf_model import load_gguf, default_model_path; "
+            "load_gguf(default_model_path()); print('gguf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from ...broker.endpoints import needs_ipv6
+from ...broker.monitor import parse_event
 from ...broker.protocol import ErrorCode, WireError
 from ...broker.wire import printable
 from .endpoints import PeerSecurity
@@ -205,7 +205,7 @@ class PushLinks:
         """The link's state, after the monitor's news (never blocks)."""
         monitor, state = self.monitors.get(endpoint), self.states.get(endpoint)
         while monitor is not None and state is not None and monitor.poll(0):
-            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            event = parse_event(monitor.recv_multipart()).event
             if event == zmq.EVENT_CONNECTED:
                 state.up = state.was_up = True
             elif event == zmq.EVENT_DISCONNECTED:

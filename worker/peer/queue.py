@@ -20,8 +20,8 @@ closes): the worker can then hold at most that connection's bound beyond ``--mem
 from __future__ import annotations
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
+from ...broker.monitor import recv_event
 from ..sessions.memory import MemoryBudget
 from .send import CHUNK_BYTES
 
@@ -61,7 +61,7 @@ class PeerQueue:
     def update(self) -> None:
         """Count the connections opened and closed since the last look."""
         while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
+            event = recv_event(self.monitor).event
             if event == zmq.EVENT_ACCEPTED:
                 self.connections += 1
                 if self.budget is not None:
