@@ -29,6 +29,8 @@ Module map, in layers (each imports only from the layers below it; thread that r
   ``gguf_file``, ``gguf_model``, ``tokenizer`` (pure helpers and model files).
 """
 
+from typing import TYPE_CHECKING
+
 from ..broker.errors import (
     AuthenticationFailed,
     BadEndpoint,
@@ -52,8 +54,6 @@ from ..broker.errors import (
     TransportError,
     VersionMismatch,
 )
-from typing import TYPE_CHECKING
-
 from ..broker.ops import OpError
 from .calls import RequestTiming
 from .client import (
