@@ -44,7 +44,7 @@ from ..client import Client
 from ..worker.cli import parse_size
 from ..worker.launch import ServerProcess, endpoint_list, local_workers, worker_argv
 from . import baselines as bl
-from .bench_command import BUILTIN_COMMANDS
+from .builtin_commands import BUILTIN_COMMANDS
 from .units import fmt, format_size
 
 # ------------------------------------------------------------------------------- records

@@ -1,28 +1,17 @@
-"""``zmq-rpc-bench``'s entry point: the package's own commands (``generate``, ``load``, ``report``,
-``status``) import only their module; anything else is the benchmark (:mod:`.bench`, which
-loads numpy, the client and every case module first: ~0.3 s that ``generate`` would spend
-before it even started its workers).
+"""``zmq-rpc-bench``'s entry point: the package's own commands (:mod:`.builtin_commands`:
+``generate``, ``load``, ``report``, ``status``) import only their module; anything else is the
+benchmark (:mod:`.bench`, which loads numpy, the client and every case module first: ~0.3 s that
+``generate`` would spend before it even started its workers).
 
 Runs on the main thread of its own process.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-BUILTIN_COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "load": lambda argv: importlib.import_module("zmq_rpc.tools.loadtest").main(list(argv)),
-    # imported on use: it needs the model extras (gguf, tokenizers)
-    "generate": lambda argv: importlib.import_module("zmq_rpc.tools.generate").main(list(argv)),
-    "report": lambda argv: importlib.import_module("zmq_rpc.tools.report").report_command(
-        list(argv)),
-    "status": lambda argv: importlib.import_module("zmq_rpc.tools.status").main(
-        list(argv), prog="zmq-rpc-bench status"),
-}
-"""The package's own commands: each imports its module when run, and runs without the
-benchmark's modules."""
+from .builtin_commands import BUILTIN_COMMANDS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["status"]:
         from .status import main as status_main
         return status_main(args[1:])
-    from ..worker.process.early_listen import run_worker
+    from ..worker.entry import run_worker
     return run_worker(args)
 
 

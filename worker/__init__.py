@@ -4,7 +4,8 @@ Module map, one subpackage per job (thread that runs it); each subpackage's docs
 modules, and none imports anything on import:
 
 - ``cli``: ``zmq-rpc-worker`` (the main thread: flags, signals, then ``WorkerServer``);
-  ``__main__``: ``python -m zmq_rpc.worker``, the launchers' way in.
+  ``entry``: the way in of ``zmq-rpc-worker`` and ``python -m zmq_rpc.worker`` (``__main__``,
+  the launchers'): the client port listening first, then ``cli``.
 - ``server``: :class:`WorkerServer` (the creating thread: listen, start, stop, join).
 - ``backend_thread``: :class:`BackendThread` (the backend thread's poll loop: PAIR, peer PULL,
   control, timers), loaded once the worker listens.

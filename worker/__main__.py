@@ -1,8 +1,9 @@
 """``python -m zmq_rpc.worker``: run one worker, its client port listening first
-(:mod:`.process.early_listen`); the launchers' way to start one (:mod:`.launch`)."""
+(:mod:`.entry`); the launchers' way to start one (:mod:`.launch`)."""
 
 import sys
 
-from .process.early_listen import run_worker
+from .entry import run_worker
 
-sys.exit(run_worker(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(run_worker(sys.argv[1:]))

@@ -10,8 +10,8 @@ SIGTERM with ``--drain-timeout`` (default :data:`DRAIN_TIMEOUT_S`) drains first:
 answering, tells its clients it is leaving (protocol 1.14) so that their models move off it at
 their next step, refuses new sessions, and stops once its last session has closed or the timeout
 has passed; a second SIGTERM, or SIGINT, stops it at once.
-The entry points (``zmq-rpc-worker``, ``python -m zmq_rpc.worker``) have the client port listening
-before this module is imported (:mod:`.process.early_listen`; the ROUTER adopts that socket);
+The entry points (:mod:`.entry`) have the client port listening before this module is imported
+(:mod:`.process.early_listen`; the ROUTER adopts that socket);
 until the ROUTER exists it imports only what parsing and binding need
 (:mod:`zmq_rpc.broker.limits` for the defaults ``--help`` shows).
 A worker that cannot start (address in use, bad ``--mem``) says why and exits 1 at once.

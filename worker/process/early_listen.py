@@ -2,8 +2,8 @@
 
 A worker's imports (argparse, logging, zmq, numpy) take tens to hundreds of milliseconds; a client
 or a supervisor that connects meanwhile would be refused and retry (libzmq's reconnect interval is
-100 ms). So the entry points (``zmq-rpc-worker``, ``python -m zmq_rpc.worker``) first bind and
-listen on the ``--bind`` address with a plain socket, importing nothing but :mod:`socket`; the
+100 ms). So the entry points (:mod:`zmq_rpc.worker.entry`) first bind and listen on the
+``--bind`` address with a plain socket, importing nothing but :mod:`socket`; the
 kernel completes clients' TCP handshakes and keeps their bytes in the socket's backlog. The
 ROUTER then adopts that socket (``zmq.USE_FD``, the way libzmq takes a socket from systemd)
 instead of binding its own, and serves what queued: nothing a client sent is lost, and
@@ -26,14 +26,6 @@ DEFAULT_BIND = "tcp://127.0.0.1:50052"
 
 BACKLOG = 100
 """Connections the kernel queues before the ROUTER accepts them: libzmq's own ``ZMQ_BACKLOG``."""
-
-
-def run_worker(argv: Sequence[str]) -> int:
-    """Run one worker with ``argv`` (``zmq-rpc-worker``'s flags), its client port listening
-    first; returns the exit code."""
-    listening = early_listen(argv)
-    from ..cli import main
-    return main(list(argv), listening_fd=None if listening is None else listening.detach())
 
 
 def early_listen(argv: Sequence[str]) -> socket.socket | None:
