@@ -245,7 +245,7 @@ class _TokenizerLoad:
         self._future: Future[Tokenizer] | None = None
 
     def start(self) -> None:
-        """Start building it (once; any thread)."""
+        """Start building it (once; the main thread calls it, from the upload's progress)."""
         if self._future is None:
             self._future = self._pool.submit(_build_tokenizer, self._gguf)
 
